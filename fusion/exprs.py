@@ -1,0 +1,225 @@
+"""Expressions: one class per op family.
+
+Every expr has ``operands`` (tensors and Python scalars, in call order),
+``inputs`` (the tensor operands), ``outputs`` and printable ``attrs``. The
+reference evaluator and, later, sharding rules and schedulers dispatch on the
+class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from fusion.dtypes import DataType
+from fusion.ir import Extent, Scalar, TensorView
+
+UNARY_OPS = (
+    "neg",
+    "abs",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "silu",
+)
+# Unary ops that only make sense on floats; integer and bool inputs are promoted to float32.
+FLOAT_UNARY_OPS = frozenset(
+    {"exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "gelu", "silu"}
+)
+BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
+REDUCTION_OPS = ("sum", "max", "min", "mean")
+
+
+def format_operand(operand: TensorView | Scalar) -> str:
+    if isinstance(operand, TensorView):
+        return operand.name
+    return repr(operand)
+
+
+def _format_attr(value: object) -> str:
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_format_attr(v) for v in value) + "]"
+    if isinstance(value, DataType):
+        return value.name
+    if isinstance(value, str):
+        return repr(value)
+    return str(value)
+
+
+class Expr:
+    """An operation consuming ``operands`` and producing ``outputs``."""
+
+    op_name: str
+
+    def __init__(
+        self,
+        op_name: str,
+        operands: Sequence[TensorView | Scalar],
+        outputs: Sequence[TensorView],
+        **attrs: object,
+    ) -> None:
+        self.op_name = op_name
+        self.operands = tuple(operands)
+        self.inputs = [o for o in self.operands if isinstance(o, TensorView)]
+        self.outputs = list(outputs)
+        self.attrs = attrs
+        for output in self.outputs:
+            output.definition = self
+        for tensor in dict.fromkeys(self.inputs):
+            tensor.uses.append(self)
+        self.outputs[0].fusion.exprs.append(self)
+
+    @property
+    def output(self) -> TensorView:
+        """The single output (every expr but var_mean has exactly one)."""
+        (only,) = self.outputs
+        return only
+
+    def __str__(self) -> str:
+        lhs = ", ".join(str(t) for t in self.outputs)
+        args = [format_operand(o) for o in self.operands]
+        args += [f"{key}={_format_attr(value)}" for key, value in self.attrs.items()]
+        return f"{lhs} = {self.op_name}({', '.join(args)})"
+
+    __repr__ = __str__
+
+
+class UnaryOp(Expr):
+    """``out = op(x)`` elementwise. ``gelu`` carries ``approximate`` ("none" or "tanh")."""
+
+    def __init__(self, op: str, x: TensorView, out: TensorView, **attrs: object) -> None:
+        super().__init__(op, [x], [out], **attrs)
+
+
+class BinaryOp(Expr):
+    """``out = op(lhs, rhs)`` elementwise with broadcasting; either side may be a scalar."""
+
+    def __init__(
+        self, op: str, lhs: TensorView | Scalar, rhs: TensorView | Scalar, out: TensorView
+    ) -> None:
+        super().__init__(op, [lhs, rhs], [out])
+
+
+class WhereOp(Expr):
+    """``out = cond ? x : y`` elementwise; ``x`` and ``y`` may be scalars."""
+
+    def __init__(
+        self, cond: TensorView, x: TensorView | Scalar, y: TensorView | Scalar, out: TensorView
+    ) -> None:
+        super().__init__("where", [cond, x, y], [out])
+
+
+class CastOp(Expr):
+    """``out = x`` converted to ``out.dtype`` (fp8 and fp4 included)."""
+
+    def __init__(self, x: TensorView, out: TensorView) -> None:
+        super().__init__("cast", [x], [out], dtype=out.dtype)
+
+
+class SetOp(Expr):
+    """``out = x``: a copy."""
+
+    def __init__(self, x: TensorView, out: TensorView) -> None:
+        super().__init__("set", [x], [out])
+
+
+class BroadcastOp(Expr):
+    """Insert broadcast axes (extent 1) where ``is_broadcast_dim`` is True."""
+
+    def __init__(self, x: TensorView, out: TensorView, is_broadcast_dim: Sequence[bool]) -> None:
+        self.is_broadcast_dim = tuple(is_broadcast_dim)
+        dims = [i for i, flag in enumerate(self.is_broadcast_dim) if flag]
+        super().__init__("broadcast", [x], [out], dims=dims)
+
+
+class ExpandOp(Expr):
+    """Expand extent-1 axes to ``shape`` without copying (stride 0)."""
+
+    def __init__(self, x: TensorView, out: TensorView, shape: Sequence[Extent]) -> None:
+        self.shape = tuple(shape)
+        super().__init__("expand", [x], [out], shape=list(self.shape))
+
+
+class ReshapeOp(Expr):
+    """View the data in a new shape with the same number of elements (row-major order)."""
+
+    def __init__(self, x: TensorView, out: TensorView, shape: Sequence[Extent]) -> None:
+        self.shape = tuple(shape)
+        super().__init__("reshape", [x], [out], shape=list(self.shape))
+
+
+class PermuteOp(Expr):
+    """Reorder axes: output axis ``i`` is input axis ``dims[i]``."""
+
+    def __init__(self, x: TensorView, out: TensorView, dims: Sequence[int]) -> None:
+        self.dims = tuple(dims)
+        super().__init__("permute", [x], [out], dims=list(self.dims))
+
+
+class SliceOp(Expr):
+    """Per axis ``[start:stop:step]``, all bounds normalized to non-negative ints."""
+
+    def __init__(
+        self,
+        x: TensorView,
+        out: TensorView,
+        starts: Sequence[int],
+        stops: Sequence[Extent],
+        steps: Sequence[int],
+    ) -> None:
+        self.starts, self.stops, self.steps = tuple(starts), tuple(stops), tuple(steps)
+        super().__init__(
+            "slice", [x], [out], starts=list(self.starts), stops=list(self.stops),
+            steps=list(self.steps),
+        )
+
+
+class SelectOp(Expr):
+    """Take index ``index`` of axis ``dim``, removing that axis."""
+
+    def __init__(self, x: TensorView, out: TensorView, dim: int, index: int) -> None:
+        self.dim, self.index = dim, index
+        super().__init__("select", [x], [out], dim=dim, index=index)
+
+
+class ReductionOp(Expr):
+    """``sum``, ``max``, ``min`` or ``mean`` over ``dims``; they stay in ``out`` as reduction axes."""
+
+    def __init__(self, op: str, x: TensorView, out: TensorView, dims: Sequence[int]) -> None:
+        self.dims = tuple(dims)
+        super().__init__(op, [x], [out], dims=list(self.dims))
+
+
+class VarMeanOp(Expr):
+    """Variance (with Bessel-style ``correction``) and mean over ``dims``: two outputs."""
+
+    def __init__(
+        self, x: TensorView, var: TensorView, mean: TensorView, dims: Sequence[int], correction: int
+    ) -> None:
+        self.dims, self.correction = tuple(dims), correction
+        super().__init__(
+            "var_mean", [x], [var, mean], dims=list(self.dims), correction=correction
+        )
+
+
+class MatmulOp(Expr):
+    """``out = a @ b`` with batch broadcasting; the contraction axis stays in ``out`` as reduction."""
+
+    def __init__(self, a: TensorView, b: TensorView, out: TensorView) -> None:
+        super().__init__("matmul", [a, b], [out])
+
+
+class LinearOp(Expr):
+    """``out = x @ weight.T (+ bias)``; the contraction axis stays in ``out`` as reduction."""
+
+    def __init__(
+        self, x: TensorView, weight: TensorView, bias: TensorView | None, out: TensorView
+    ) -> None:
+        self.has_bias = bias is not None
+        operands = [x, weight] if bias is None else [x, weight, bias]
+        super().__init__("linear", operands, [out])

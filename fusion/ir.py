@@ -1,0 +1,261 @@
+"""The fusion IR: symbols, axes, tensors, expressions and the fusion container.
+
+A ``TensorView`` is a list of ``Axis`` objects. Reduction axes stay in the
+tensor's axes after a reduction (printed ``rS3{1024}``) so later passes can see
+what was reduced, e.g. a partial sum over a sharded contraction; the tensor's
+``shape`` lists only the non-reduction axes.
+
+Axes print nvFuser-style: iteration type (``i`` iteration, ``r`` reduction,
+``b`` broadcast), parallel type (``S`` serial, ``DIDx``/``DIDy``/``DIDz``,
+``Stream``), the axis id and the extent: ``iS0{8}``, ``iDIDx1{1024}``,
+``rS5{4096}``, ``bS2{1}``, ``iS3{batch}``.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Union
+
+from fusion.dtypes import DataType
+
+if TYPE_CHECKING:
+    from fusion.exprs import Expr
+
+
+@dataclass(frozen=True)
+class Symbol:
+    """A symbolic extent (dynamic shape), bound from the inputs' shapes at execution."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+Extent = Union[int, Symbol]
+Scalar = Union[bool, int, float]
+
+
+class IterType(enum.Enum):
+    """Whether an axis is iterated, reduced, or broadcast (extent 1, or stride-0 expanded)."""
+
+    ITERATION = "i"
+    REDUCTION = "r"
+    BROADCAST = "b"
+
+
+class ParallelType(enum.Enum):
+    """How an axis is parallelized: serial, split across mesh devices, or split into stream chunks."""
+
+    Serial = "S"
+    DIDx = "DIDx"
+    DIDy = "DIDy"
+    DIDz = "DIDz"
+    Stream = "Stream"
+
+    @property
+    def is_device(self) -> bool:
+        return self in (ParallelType.DIDx, ParallelType.DIDy, ParallelType.DIDz)
+
+
+class Axis:
+    """One axis of a tensor: extent, iteration type and parallel type.
+
+    Axes have identity: every tensor owns its axes, and ``id`` is unique within
+    the fusion (it is what the printer shows).
+    """
+
+    __slots__ = ("id", "extent", "iter_type", "parallel_type")
+
+    def __init__(
+        self,
+        id: int,
+        extent: Extent,
+        iter_type: IterType = IterType.ITERATION,
+        parallel_type: ParallelType = ParallelType.Serial,
+    ) -> None:
+        self.id = id
+        self.extent = extent
+        self.iter_type = iter_type
+        self.parallel_type = parallel_type
+
+    @property
+    def is_reduction(self) -> bool:
+        return self.iter_type is IterType.REDUCTION
+
+    @property
+    def is_broadcast(self) -> bool:
+        return self.iter_type is IterType.BROADCAST
+
+    @property
+    def is_symbolic(self) -> bool:
+        return isinstance(self.extent, Symbol)
+
+    def parallelize(self, parallel_type: ParallelType) -> Axis:
+        """Set the parallel type; returns the axis for chaining."""
+        self.parallel_type = parallel_type
+        return self
+
+    def __str__(self) -> str:
+        return f"{self.iter_type.value}{self.parallel_type.value}{self.id}{{{self.extent}}}"
+
+    __repr__ = __str__
+
+
+def _operator(op_name: str, reflected: bool = False):
+    """A binary operator method that adds ``op_name`` to the tensor's fusion."""
+
+    def method(self: TensorView, other):
+        from fusion import ops  # ops builds on this module
+
+        op = getattr(ops, op_name)
+        return op(other, self) if reflected else op(self, other)
+
+    method.__name__ = f"__{'r' if reflected else ''}{op_name}__"
+    return method
+
+
+class TensorView:
+    """A tensor of the fusion: a dtype and a list of axes.
+
+    ``definition`` is the expr that produces it (None for inputs) and ``uses``
+    the exprs that consume it. Arithmetic operators build ops in the tensor's
+    fusion: ``a + b``, ``a * 2.0``, ``-a``.
+    """
+
+    def __init__(self, fusion: Fusion, id: int, dtype: DataType, axes: list[Axis]) -> None:
+        self.fusion = fusion
+        self.id = id
+        self.dtype = dtype
+        self.axes = axes
+        self.definition: Expr | None = None
+        self.uses: list[Expr] = []
+
+    @property
+    def name(self) -> str:
+        return f"T{self.id}"
+
+    @property
+    def logical_axes(self) -> list[Axis]:
+        """The axes that hold data: every axis but the reduction ones."""
+        return [axis for axis in self.axes if not axis.is_reduction]
+
+    @property
+    def shape(self) -> tuple[Extent, ...]:
+        """Logical extents (reduction axes excluded); fp4 counts values, not bytes."""
+        return tuple(axis.extent for axis in self.logical_axes)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.logical_axes)
+
+    def axis(self, index: int) -> Axis:
+        """The logical axis at ``index`` (negative indices count from the end)."""
+        return self.logical_axes[index]
+
+    @property
+    def is_input(self) -> bool:
+        return self in self.fusion.inputs
+
+    @property
+    def is_output(self) -> bool:
+        return self in self.fusion.outputs
+
+    def __str__(self) -> str:
+        axes = ", ".join(str(axis) for axis in self.axes)
+        return f"{self.name}_{self.dtype.short}[{axes}]"
+
+    __repr__ = __str__
+
+    __add__ = _operator("add")
+    __radd__ = _operator("add", reflected=True)
+    __sub__ = _operator("sub")
+    __rsub__ = _operator("sub", reflected=True)
+    __mul__ = _operator("mul")
+    __rmul__ = _operator("mul", reflected=True)
+    __truediv__ = _operator("div")
+    __rtruediv__ = _operator("div", reflected=True)
+    __pow__ = _operator("pow")
+    __rpow__ = _operator("pow", reflected=True)
+    __matmul__ = _operator("matmul")
+
+    def __neg__(self) -> TensorView:
+        from fusion import ops
+
+        return ops.neg(self)
+
+
+@dataclass(frozen=True)
+class ExtentConstraint:
+    """Two extents an op requires to be equal; checked once symbols are bound."""
+
+    lhs: Extent
+    rhs: Extent
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.lhs} == {self.rhs}  ({self.reason})"
+
+
+class Fusion:
+    """A DAG of tensor ops: inputs, exprs in definition order, outputs.
+
+    Build one with ``FusionDefinition``; ``str(fusion)`` prints it.
+    """
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name
+        self.inputs: list[TensorView] = []
+        self.outputs: list[TensorView] = []
+        self.exprs: list[Expr] = []
+        self.tensors: list[TensorView] = []
+        self.symbols: dict[str, Symbol] = {}
+        self.constraints: list[ExtentConstraint] = []
+        self.finalized = False
+        self._next_axis_id = 0
+
+    def new_axis(
+        self,
+        extent: Extent,
+        iter_type: IterType = IterType.ITERATION,
+        parallel_type: ParallelType = ParallelType.Serial,
+    ) -> Axis:
+        """A fresh axis. A non-reduction axis of static extent 1 is a broadcast axis."""
+        if iter_type is IterType.ITERATION and extent == 1:
+            iter_type = IterType.BROADCAST
+        axis = Axis(self._next_axis_id, extent, iter_type, parallel_type)
+        self._next_axis_id += 1
+        return axis
+
+    def new_tensor(self, dtype: DataType, axes: list[Axis]) -> TensorView:
+        tensor = TensorView(self, len(self.tensors), dtype, axes)
+        self.tensors.append(tensor)
+        return tensor
+
+    def symbol(self, name: str | None = None) -> Symbol:
+        """The symbol called ``name`` (created on first use); a fresh ``s<k>`` when ``name`` is None."""
+        if name is None:
+            index = len(self.symbols)
+            while f"s{index}" in self.symbols:
+                index += 1
+            name = f"s{index}"
+        return self.symbols.setdefault(name, Symbol(name))
+
+    def live_exprs(self) -> list[Expr]:
+        """The exprs the outputs depend on, in definition order."""
+        needed: set[int] = {id(t) for t in self.outputs}
+        live: list[Expr] = []
+        for expr in reversed(self.exprs):
+            if any(id(out) in needed for out in expr.outputs):
+                live.append(expr)
+                needed.update(id(t) for t in expr.inputs)
+        live.reverse()
+        return live
+
+    def __str__(self) -> str:
+        from fusion.printer import fusion_to_text
+
+        return fusion_to_text(self)
+
+    __repr__ = __str__

@@ -1,0 +1,320 @@
+"""The reference evaluator: runs a fusion with eager PyTorch on one device.
+
+It is the ground truth every other path (generated kernels, multi-device
+execution) is compared with, so it favours clarity over speed.
+
+Numerics, defined once here:
+
+- every op computes in its *compute type* (``dtypes.compute_dtype``: float32
+  for bf16/f16 outputs, float64 for float64, the integer type for integers)
+  and rounds once to its output dtype, so each tensor of the fusion holds
+  values exactly representable in its dtype;
+- matmul and linear on bf16/f16 multiply exactly and accumulate in float32,
+  as cuBLAS does;
+- fp4 values are held unpacked (one code per uint8) between ops and packed
+  (``torch.float4_e2m1fn_x2``, low nibble first) at the fusion's boundary;
+  fp4 conversions are those of ``fusion.fp4``; fp8 conversions are torch's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from fusion.dtypes import DataType, compute_dtype, float4_e2m1, float32
+from fusion.errors import InputError
+from fusion.exprs import (
+    BinaryOp,
+    BroadcastOp,
+    CastOp,
+    ExpandOp,
+    Expr,
+    LinearOp,
+    MatmulOp,
+    PermuteOp,
+    ReductionOp,
+    ReshapeOp,
+    SelectOp,
+    SetOp,
+    SliceOp,
+    UnaryOp,
+    VarMeanOp,
+    WhereOp,
+)
+from fusion.fp4 import decode_fp4, encode_fp4, pack_fp4, unpack_fp4
+from fusion.ir import Extent, Fusion, Scalar, Symbol, TensorView
+
+Bindings = dict[Symbol, int]
+Values = dict[TensorView, torch.Tensor]
+
+
+def resolve(extent: Extent, bindings: Bindings) -> int:
+    """The concrete value of ``extent`` under ``bindings``."""
+    return bindings[extent] if isinstance(extent, Symbol) else extent
+
+
+def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
+    """Check ``inputs`` against the fusion's inputs and bind its symbolic extents.
+
+    Raises ``InputError`` (before anything runs) on a wrong count, type, dtype, rank,
+    shape or device, on a symbol bound to two different values, and on a violated
+    extent constraint.
+    """
+    if not isinstance(inputs, (list, tuple)):
+        raise InputError(f"inputs must be a list of tensors, got {type(inputs).__name__}")
+    if len(inputs) != len(fusion.inputs):
+        expected = ", ".join(str(t) for t in fusion.inputs)
+        raise InputError(f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}")
+    bindings: Bindings = {}
+    bound_by: dict[Symbol, str] = {}
+    devices = set()
+    for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs)):
+        where = f"input {position} ({tensor_view})"
+        if not isinstance(value, torch.Tensor):
+            raise InputError(f"{where}: expected a torch.Tensor, got {type(value).__name__}")
+        dtype = tensor_view.dtype
+        if value.dtype != dtype.torch_dtype:
+            hint = (
+                "; pack fp4 values with fusion.fp4.to_fp4 (two per byte)" if dtype.is_packed else ""
+            )
+            raise InputError(
+                f"{where}: expected dtype {dtype.torch_dtype} ({dtype}), got {value.dtype}{hint}"
+            )
+        if value.dim() != tensor_view.ndim:
+            raise InputError(
+                f"{where}: expected rank {tensor_view.ndim}, got shape {tuple(value.shape)}"
+            )
+        shape = list(value.shape)
+        if dtype.is_packed:
+            shape[-1] *= dtype.values_per_storage_element
+        for axis_index, (extent, actual) in enumerate(zip(tensor_view.shape, shape)):
+            if isinstance(extent, Symbol):
+                if extent in bindings and bindings[extent] != actual:
+                    raise InputError(
+                        f"{where}: axis {axis_index} has extent {actual}, but symbol {extent} "
+                        f"is already {bindings[extent]} from {bound_by[extent]}"
+                    )
+                bindings[extent] = actual
+                bound_by[extent] = f"{where} axis {axis_index}"
+            elif extent != actual:
+                raise InputError(
+                    f"{where}: expected shape {list(tensor_view.shape)}"
+                    f"{' (fp4 values)' if dtype.is_packed else ''}, got {shape}: "
+                    f"axis {axis_index} is {actual}, not {extent}"
+                )
+        devices.add(value.device)
+    if len(devices) > 1:
+        raise InputError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
+    for constraint in fusion.constraints:
+        lhs, rhs = resolve(constraint.lhs, bindings), resolve(constraint.rhs, bindings)
+        if lhs != rhs:
+            raise InputError(
+                f"extents disagree: {constraint.lhs}={lhs} but {constraint.rhs}={rhs}, "
+                f"required by {constraint.reason}"
+            )
+    return bindings
+
+
+def to_logical(dtype: DataType, value: torch.Tensor) -> torch.Tensor:
+    """A boundary tensor in the evaluator's representation (fp4: unpacked codes)."""
+    return unpack_fp4(value) if dtype is float4_e2m1 else value
+
+
+def to_storage(dtype: DataType, value: torch.Tensor) -> torch.Tensor:
+    """An evaluator value as a contiguous boundary tensor (fp4: packed two per byte)."""
+    return pack_fp4(value) if dtype is float4_e2m1 else value.contiguous()
+
+
+def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Run ``fusion`` on ``inputs`` and return its outputs (fresh tensors, inputs untouched)."""
+    bindings = bind_inputs(fusion, inputs)
+    values: Values = {
+        tv: to_logical(tv.dtype, value) for tv, value in zip(fusion.inputs, inputs)
+    }
+    for expr in fusion.live_exprs():
+        evaluate_expr(expr, values, bindings)
+    input_storages = {value.untyped_storage().data_ptr() for value in inputs}
+    outputs = []
+    for tv in fusion.outputs:
+        result = to_storage(tv.dtype, values[tv])
+        if result.untyped_storage().data_ptr() in input_storages:
+            result = result.clone()
+        outputs.append(result)
+    return outputs
+
+
+def evaluate_expr(expr: Expr, values: Values, bindings: Bindings) -> None:
+    """Compute ``expr``'s outputs from ``values`` (which must hold its inputs) into ``values``."""
+    results = _EVALUATORS[type(expr)](expr, values, bindings)
+    if isinstance(results, torch.Tensor):
+        results = (results,)
+    for tv, result in zip(expr.outputs, results):
+        values[tv] = result
+
+
+# ---------------------------------------------------------------------------
+# One evaluator per expr class
+
+
+def _in_compute(value: torch.Tensor, dtype: DataType) -> torch.Tensor:
+    return value.to(compute_dtype(dtype).torch_dtype)
+
+
+def _operand_value(
+    operand: TensorView | Scalar, values: Values, dtype: DataType
+) -> torch.Tensor:
+    """A tensor or scalar operand converted to ``dtype``'s compute type."""
+    ctype = compute_dtype(dtype).torch_dtype
+    if isinstance(operand, TensorView):
+        return values[operand].to(ctype)
+    return torch.tensor(operand, dtype=ctype)
+
+
+_UNARY: dict[str, Callable[..., torch.Tensor]] = {
+    "neg": torch.neg,
+    "abs": torch.abs,
+    "exp": torch.exp,
+    "log": torch.log,
+    "sqrt": torch.sqrt,
+    "rsqrt": torch.rsqrt,
+    "reciprocal": torch.reciprocal,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "relu": torch.relu,
+    "gelu": F.gelu,
+    "silu": F.silu,
+}
+
+_BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "add": torch.add,
+    "sub": torch.sub,
+    "mul": torch.mul,
+    "div": torch.div,
+    "maximum": torch.maximum,
+    "minimum": torch.minimum,
+    "pow": torch.pow,
+}
+
+
+def _unary(expr: UnaryOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    out = expr.output
+    x = _operand_value(expr.operands[0], values, out.dtype)
+    return _UNARY[expr.op_name](x, **expr.attrs).to(out.dtype.torch_dtype)
+
+
+def _binary(expr: BinaryOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    out = expr.output
+    lhs, rhs = (_operand_value(o, values, out.dtype) for o in expr.operands)
+    return _BINARY[expr.op_name](lhs, rhs).to(out.dtype.torch_dtype)
+
+
+def _where(expr: WhereOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    cond, x, y = expr.operands
+    out = expr.output
+    return torch.where(
+        values[cond], _operand_value(x, values, out.dtype), _operand_value(y, values, out.dtype)
+    ).to(out.dtype.torch_dtype)
+
+
+def _cast(expr: CastOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    source, target = expr.inputs[0].dtype, expr.output.dtype
+    value = values[expr.inputs[0]]
+    if source is target:
+        return value.clone()
+    if source is float4_e2m1:
+        value = decode_fp4(value, float32.torch_dtype)
+    if target is float4_e2m1:
+        return encode_fp4(value)
+    return value.to(target.torch_dtype)
+
+
+def _set(expr: SetOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    return values[expr.inputs[0]].clone()
+
+
+def _broadcast(expr: BroadcastOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    value = values[expr.inputs[0]]
+    for dim, flag in enumerate(expr.is_broadcast_dim):
+        if flag:
+            value = value.unsqueeze(dim)
+    return value
+
+
+def _expand(expr: ExpandOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    return values[expr.inputs[0]].expand([resolve(e, bindings) for e in expr.shape])
+
+
+def _reshape(expr: ReshapeOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    return values[expr.inputs[0]].reshape([resolve(e, bindings) for e in expr.shape])
+
+
+def _permute(expr: PermuteOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    return values[expr.inputs[0]].permute(expr.dims)
+
+
+def _slice(expr: SliceOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    index = tuple(
+        slice(start, resolve(stop, bindings), step)
+        for start, stop, step in zip(expr.starts, expr.stops, expr.steps)
+    )
+    return values[expr.inputs[0]][index]
+
+
+def _select(expr: SelectOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    return values[expr.inputs[0]].select(expr.dim, expr.index)
+
+
+def _reduction(expr: ReductionOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    out = expr.output
+    x = values[expr.inputs[0]].to(compute_dtype(out.dtype).torch_dtype)
+    if not expr.dims:  # a reduction over no axes (a 0-dim input) is the identity
+        return x.to(out.dtype.torch_dtype)
+    if expr.op_name == "sum":
+        result = torch.sum(x, dim=expr.dims)
+    elif expr.op_name == "mean":
+        result = torch.mean(x, dim=expr.dims)
+    elif expr.op_name == "max":
+        result = torch.amax(x, dim=expr.dims)
+    else:
+        result = torch.amin(x, dim=expr.dims)
+    return result.to(out.dtype.torch_dtype)
+
+
+def _var_mean(expr: VarMeanOp, values: Values, bindings: Bindings) -> tuple[torch.Tensor, ...]:
+    var, mean = expr.outputs
+    x = values[expr.inputs[0]].to(compute_dtype(var.dtype).torch_dtype)
+    result = torch.var_mean(x, dim=expr.dims, correction=expr.correction)
+    return tuple(r.to(var.dtype.torch_dtype) for r in result)
+
+
+def _matmul(expr: MatmulOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    out = expr.output
+    a, b = (_operand_value(t, values, out.dtype) for t in expr.inputs)
+    return torch.matmul(a, b).to(out.dtype.torch_dtype)
+
+
+def _linear(expr: LinearOp, values: Values, bindings: Bindings) -> torch.Tensor:
+    out = expr.output
+    tensors = [_operand_value(t, values, out.dtype) for t in expr.inputs]
+    return F.linear(*tensors).to(out.dtype.torch_dtype)
+
+
+_EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
+    UnaryOp: _unary,
+    BinaryOp: _binary,
+    WhereOp: _where,
+    CastOp: _cast,
+    SetOp: _set,
+    BroadcastOp: _broadcast,
+    ExpandOp: _expand,
+    ReshapeOp: _reshape,
+    PermuteOp: _permute,
+    SliceOp: _slice,
+    SelectOp: _select,
+    ReductionOp: _reduction,
+    VarMeanOp: _var_mean,
+    MatmulOp: _matmul,
+    LinearOp: _linear,
+}

@@ -1,0 +1,1 @@
+"""Entry points: the ``overlap`` command line, and later torchrun and Ray launchers."""
