@@ -174,7 +174,11 @@ class SliceOp(Expr):
     ) -> None:
         self.starts, self.stops, self.steps = tuple(starts), tuple(stops), tuple(steps)
         super().__init__(
-            "slice", [x], [out], starts=list(self.starts), stops=list(self.stops),
+            "slice",
+            [x],
+            [out],
+            starts=list(self.starts),
+            stops=list(self.stops),
             steps=list(self.steps),
         )
 
@@ -188,7 +192,7 @@ class SelectOp(Expr):
 
 
 class ReductionOp(Expr):
-    """``sum``, ``max``, ``min`` or ``mean`` over ``dims``; they stay in ``out`` as reduction axes."""
+    """``sum``, ``max``, ``min`` or ``mean`` over ``dims`` (kept in ``out`` as reduction axes)."""
 
     def __init__(self, op: str, x: TensorView, out: TensorView, dims: Sequence[int]) -> None:
         self.dims = tuple(dims)
@@ -202,13 +206,11 @@ class VarMeanOp(Expr):
         self, x: TensorView, var: TensorView, mean: TensorView, dims: Sequence[int], correction: int
     ) -> None:
         self.dims, self.correction = tuple(dims), correction
-        super().__init__(
-            "var_mean", [x], [var, mean], dims=list(self.dims), correction=correction
-        )
+        super().__init__("var_mean", [x], [var, mean], dims=list(self.dims), correction=correction)
 
 
 class MatmulOp(Expr):
-    """``out = a @ b`` with batch broadcasting; the contraction axis stays in ``out`` as reduction."""
+    """``out = a @ b``, batch axes broadcast; ``out`` keeps the contraction as a reduction axis."""
 
     def __init__(self, a: TensorView, b: TensorView, out: TensorView) -> None:
         super().__init__("matmul", [a, b], [out])

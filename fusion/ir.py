@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 from fusion.dtypes import DataType
 
@@ -33,8 +33,8 @@ class Symbol:
         return self.name
 
 
-Extent = Union[int, Symbol]
-Scalar = Union[bool, int, float]
+Extent = int | Symbol
+Scalar = bool | int | float
 
 
 class IterType(enum.Enum):
@@ -46,7 +46,7 @@ class IterType(enum.Enum):
 
 
 class ParallelType(enum.Enum):
-    """How an axis is parallelized: serial, split across mesh devices, or split into stream chunks."""
+    """How an axis is parallelized: serial, split over mesh devices, or into stream chunks."""
 
     Serial = "S"
     DIDx = "DIDx"
@@ -70,12 +70,12 @@ class Axis:
 
     def __init__(
         self,
-        id: int,
+        axis_id: int,
         extent: Extent,
         iter_type: IterType = IterType.ITERATION,
         parallel_type: ParallelType = ParallelType.Serial,
     ) -> None:
-        self.id = id
+        self.id = axis_id
         self.extent = extent
         self.iter_type = iter_type
         self.parallel_type = parallel_type
@@ -124,9 +124,9 @@ class TensorView:
     fusion: ``a + b``, ``a * 2.0``, ``-a``.
     """
 
-    def __init__(self, fusion: Fusion, id: int, dtype: DataType, axes: list[Axis]) -> None:
+    def __init__(self, fusion: Fusion, tensor_id: int, dtype: DataType, axes: list[Axis]) -> None:
         self.fusion = fusion
-        self.id = id
+        self.id = tensor_id
         self.dtype = dtype
         self.axes = axes
         self.definition: Expr | None = None
@@ -234,7 +234,7 @@ class Fusion:
         return tensor
 
     def symbol(self, name: str | None = None) -> Symbol:
-        """The symbol called ``name`` (created on first use); a fresh ``s<k>`` when ``name`` is None."""
+        """The symbol ``name`` (created on first use); a fresh ``s<k>`` when ``name`` is None."""
         if name is None:
             index = len(self.symbols)
             while f"s{index}" in self.symbols:

@@ -81,8 +81,7 @@ def _fusion_of(op_name: str, operands: Sequence[object]) -> Fusion:
             )
     if fusion.finalized:
         raise DefinitionError(
-            f"{op_name}: the fusion is finalized; add ops inside "
-            "`with FusionDefinition() as fd:`"
+            f"{op_name}: the fusion is finalized; add ops inside `with FusionDefinition() as fd:`"
         )
     return fusion
 
@@ -128,7 +127,9 @@ def _normalize_dim(op_name: str, tensor: TensorView, dim: int) -> int:
     return dim % tensor.ndim
 
 
-def _normalize_dims(op_name: str, tensor: TensorView, dims: int | Sequence[int] | None) -> list[int]:
+def _normalize_dims(
+    op_name: str, tensor: TensorView, dims: int | Sequence[int] | None
+) -> list[int]:
     if dims is None:
         return list(range(tensor.ndim))
     if isinstance(dims, int):
@@ -177,16 +178,12 @@ def _output(op_name: str, fusion: Fusion, dtype: DataType, axes: list[Axis]) -> 
 def _copy_axes(fusion: Fusion, axes: Sequence[Axis]) -> list[Axis]:
     """Fresh axes with the same extents and iteration types (reduction axes become iteration)."""
     return [
-        fusion.new_axis(
-            a.extent, IterType.BROADCAST if a.is_broadcast else IterType.ITERATION
-        )
+        fusion.new_axis(a.extent, IterType.BROADCAST if a.is_broadcast else IterType.ITERATION)
         for a in axes
     ]
 
 
-def _unify_extent(
-    op_name: str, fusion: Fusion, lhs: Extent, rhs: Extent, where: str
-) -> Extent:
+def _unify_extent(op_name: str, fusion: Fusion, lhs: Extent, rhs: Extent, where: str) -> Extent:
     """The common extent of two axes that must agree; records a constraint if symbolic."""
     if lhs == rhs:
         return lhs
@@ -210,8 +207,7 @@ def _broadcast_extents(
         extent = first_axis.extent
         for tensor, axis in sized[1:]:
             where = (
-                f"axis {index}: {first_tensor} has {first_axis.extent}, "
-                f"{tensor} has {axis.extent}"
+                f"axis {index}: {first_tensor} has {first_axis.extent}, {tensor} has {axis.extent}"
             )
             extent = _unify_extent(op_name, fusion, extent, axis.extent, where)
         axes.append(fusion.new_axis(extent))
@@ -381,9 +377,7 @@ def pow(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:  # no
     return _binary("pow", lhs, rhs)
 
 
-def where(
-    cond: TensorView, x: TensorView | Scalar, y: TensorView | Scalar
-) -> TensorView:
+def where(cond: TensorView, x: TensorView | Scalar, y: TensorView | Scalar) -> TensorView:
     """``x`` where ``cond`` is true, else ``y``; ``cond`` must be bool."""
     cond = _tensor("where", "cond", cond)
     x, y = _operand("where", "x", x), _operand("where", "y", y)
@@ -461,7 +455,7 @@ def expand(x: TensorView, shape: Sequence[int | str | Symbol]) -> TensorView:
         )
     extents: list[Extent] = []
     axes: list[Axis] = []
-    for index, (axis, requested) in enumerate(zip(x.logical_axes, shape)):
+    for index, (axis, requested) in enumerate(zip(x.logical_axes, shape, strict=True)):
         if requested == -1:
             extents.append(axis.extent)
             axes.extend(_copy_axes(fusion, [axis]))
@@ -492,7 +486,7 @@ def broadcast_in_dim(
             f"broadcast_in_dim: broadcast_dims {list(broadcast_dims)} must name one output "
             f"axis per axis of {x} (rank {x.ndim})"
         )
-    increasing = all(a < b for a, b in zip(broadcast_dims, broadcast_dims[1:]))
+    increasing = all(a < b for a, b in zip(broadcast_dims, broadcast_dims[1:], strict=True))
     in_range = all(0 <= d < len(shape) for d in broadcast_dims)
     if not (increasing and in_range):
         raise DefinitionError(
@@ -558,9 +552,7 @@ def permute(x: TensorView, dims: Sequence[int]) -> TensorView:
     normalized = [_normalize_dim("permute", x, d) for d in dims]
     if sorted(normalized) != list(range(x.ndim)):
         raise DefinitionError(f"permute: dims {list(dims)} is not a permutation of {x}'s axes")
-    out = _output(
-        "permute", fusion, x.dtype, _copy_axes(fusion, [x.axis(d) for d in normalized])
-    )
+    out = _output("permute", fusion, x.dtype, _copy_axes(fusion, [x.axis(d) for d in normalized]))
     PermuteOp(x, out, normalized)
     return out
 
@@ -587,7 +579,9 @@ def slice(  # noqa: A001 - the IR's name
     norm_starts: list[int] = []
     norm_stops: list[Extent] = []
     axes: list[Axis] = []
-    for index, (axis, start, stop, step) in enumerate(zip(x.logical_axes, starts, stops, steps)):
+    for index, (axis, start, stop, step) in enumerate(
+        zip(x.logical_axes, starts, stops, steps, strict=True)
+    ):
         if not isinstance(step, int) or step < 1:
             raise DefinitionError(f"slice: step {step!r} of axis {index} must be a positive int")
         extent = axis.extent
@@ -726,7 +720,9 @@ def var_mean(
     fusion = _fusion_of("var_mean", [x])
     _require_float("var_mean", x)
     if not isinstance(correction, int) or correction < 0:
-        raise DefinitionError(f"var_mean: correction must be a non-negative int, got {correction!r}")
+        raise DefinitionError(
+            f"var_mean: correction must be a non-negative int, got {correction!r}"
+        )
     dims = _normalize_dims("var_mean", x, dims)
     if not dims:
         raise DefinitionError(f"var_mean: needs at least one axis to reduce; {x} has none")
@@ -746,12 +742,14 @@ def _matmul_dtype(op_name: str, tensors: Sequence[TensorView]) -> DataType:
     dtypes = {t.dtype for t in tensors}
     if len(dtypes) > 1:
         described = ", ".join(f"{t.name} is {t.dtype}" for t in tensors)
-        raise DefinitionError(f"{op_name}: operand dtypes differ ({described}); cast them to one type")
+        raise DefinitionError(
+            f"{op_name}: operand dtypes differ ({described}); cast them to one type"
+        )
     return tensors[0].dtype
 
 
 def matmul(a: TensorView, b: TensorView) -> TensorView:
-    """``a @ b`` for ``a: [..., M, K]``, ``b: [..., K, N]``; batch axes broadcast (right-aligned)."""
+    """``a @ b`` for ``a: [..., M, K]``, ``b: [..., K, N]``; batch axes broadcast right-aligned."""
     a, b = _tensor("matmul", "a", a), _tensor("matmul", "b", b)
     fusion = _fusion_of("matmul", [a, b])
     for tensor in (a, b):
@@ -762,7 +760,10 @@ def matmul(a: TensorView, b: TensorView) -> TensorView:
             )
     dtype = _matmul_dtype("matmul", [a, b])
     k = _unify_extent(
-        "matmul", fusion, a.axis(-1).extent, b.axis(-2).extent,
+        "matmul",
+        fusion,
+        a.axis(-1).extent,
+        b.axis(-2).extent,
         f"contraction: {a} has K={a.axis(-1).extent}, {b} has K={b.axis(-2).extent}",
     )
     batch_rank = builtins.max(a.ndim, b.ndim) - 2
@@ -792,10 +793,15 @@ def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) ->
     if x.ndim < 1:
         raise DefinitionError(f"linear: x {x} must have rank >= 1")
     if weight.ndim != 2:
-        raise DefinitionError(f"linear: weight {weight} must have rank 2 ([N, K]), not {weight.ndim}")
+        raise DefinitionError(
+            f"linear: weight {weight} must have rank 2 ([N, K]), not {weight.ndim}"
+        )
     dtype = _matmul_dtype("linear", operands)
     k = _unify_extent(
-        "linear", fusion, x.axis(-1).extent, weight.axis(1).extent,
+        "linear",
+        fusion,
+        x.axis(-1).extent,
+        weight.axis(1).extent,
         f"contraction: {x} has K={x.axis(-1).extent}, {weight} has K={weight.axis(1).extent}",
     )
     n = weight.axis(0).extent
@@ -803,7 +809,10 @@ def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) ->
         if bias.ndim != 1:
             raise DefinitionError(f"linear: bias {bias} must have rank 1 ([N]), not {bias.ndim}")
         n = _unify_extent(
-            "linear", fusion, n, bias.axis(0).extent,
+            "linear",
+            fusion,
+            n,
+            bias.axis(0).extent,
             f"output features: {weight} has N={n}, {bias} has N={bias.axis(0).extent}",
         )
     axes = _copy_axes(fusion, x.logical_axes[:-1]) + [fusion.new_axis(n)]

@@ -66,11 +66,13 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
         raise InputError(f"inputs must be a list of tensors, got {type(inputs).__name__}")
     if len(inputs) != len(fusion.inputs):
         expected = ", ".join(str(t) for t in fusion.inputs)
-        raise InputError(f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}")
+        raise InputError(
+            f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}"
+        )
     bindings: Bindings = {}
     bound_by: dict[Symbol, str] = {}
     devices = set()
-    for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs)):
+    for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs, strict=True)):
         where = f"input {position} ({tensor_view})"
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{where}: expected a torch.Tensor, got {type(value).__name__}")
@@ -89,7 +91,7 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
         shape = list(value.shape)
         if dtype.is_packed:
             shape[-1] *= dtype.values_per_storage_element
-        for axis_index, (extent, actual) in enumerate(zip(tensor_view.shape, shape)):
+        for axis_index, (extent, actual) in enumerate(zip(tensor_view.shape, shape, strict=True)):
             if isinstance(extent, Symbol):
                 if extent in bindings and bindings[extent] != actual:
                     raise InputError(
@@ -131,7 +133,7 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tenso
     """Run ``fusion`` on ``inputs`` and return its outputs (fresh tensors, inputs untouched)."""
     bindings = bind_inputs(fusion, inputs)
     values: Values = {
-        tv: to_logical(tv.dtype, value) for tv, value in zip(fusion.inputs, inputs)
+        tv: to_logical(tv.dtype, value) for tv, value in zip(fusion.inputs, inputs, strict=True)
     }
     for expr in fusion.live_exprs():
         evaluate_expr(expr, values, bindings)
@@ -150,7 +152,7 @@ def evaluate_expr(expr: Expr, values: Values, bindings: Bindings) -> None:
     results = _EVALUATORS[type(expr)](expr, values, bindings)
     if isinstance(results, torch.Tensor):
         results = (results,)
-    for tv, result in zip(expr.outputs, results):
+    for tv, result in zip(expr.outputs, results, strict=True):
         values[tv] = result
 
 
@@ -162,9 +164,7 @@ def _in_compute(value: torch.Tensor, dtype: DataType) -> torch.Tensor:
     return value.to(compute_dtype(dtype).torch_dtype)
 
 
-def _operand_value(
-    operand: TensorView | Scalar, values: Values, dtype: DataType
-) -> torch.Tensor:
+def _operand_value(operand: TensorView | Scalar, values: Values, dtype: DataType) -> torch.Tensor:
     """A tensor or scalar operand converted to ``dtype``'s compute type."""
     ctype = compute_dtype(dtype).torch_dtype
     if isinstance(operand, TensorView):
@@ -257,7 +257,7 @@ def _permute(expr: PermuteOp, values: Values, bindings: Bindings) -> torch.Tenso
 def _slice(expr: SliceOp, values: Values, bindings: Bindings) -> torch.Tensor:
     index = tuple(
         slice(start, resolve(stop, bindings), step)
-        for start, stop, step in zip(expr.starts, expr.stops, expr.steps)
+        for start, stop, step in zip(expr.starts, expr.stops, expr.steps, strict=True)
     )
     return values[expr.inputs[0]][index]
 

@@ -57,6 +57,10 @@ def assert_close(
     rtol, atol = tolerance(dtype, reduction_extent)
     wide = torch.float64 if dtype.is_floating else torch.int64
     torch.testing.assert_close(
-        actual.to(wide), expected.to(wide), rtol=rtol, atol=atol, equal_nan=True,
+        actual.to(wide),
+        expected.to(wide),
+        rtol=rtol,
+        atol=atol,
+        equal_nan=True,
         msg=lambda m: f"{message} ({dtype}, rtol={rtol:.3g}, atol={atol:.3g}): {m}",
     )

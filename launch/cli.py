@@ -1,6 +1,6 @@
 """The ``overlap`` command line.
 
-    overlap demo     build, print, run and check the example fusion
+overlap demo     build, print, run and check the example fusion
 """
 
 from __future__ import annotations

@@ -64,14 +64,20 @@ def run_demo(tokens: int = 256, hidden: int = 1024, ffn: int = 4096) -> bool:
     fp4_consistent = torch.equal(to_fp4(y).view(torch.uint8), y_fp4.view(torch.uint8))
     fp4_error = (from_fp4(y_fp4) - y.float()).abs().max().item()
     print(f"device: {device}; tokens={tokens} hidden={hidden} ffn={ffn}")
-    print(f"outputs: y {tuple(y.shape)} {y.dtype}, y_fp4 {tuple(y_fp4.shape)} {y_fp4.dtype} "
-          f"({y_fp4.numel()} bytes hold {y.numel()} fp4 values)")
+    print(
+        f"outputs: y {tuple(y.shape)} {y.dtype}, y_fp4 {tuple(y_fp4.shape)} {y_fp4.dtype} "
+        f"({y_fp4.numel()} bytes hold {y.numel()} fp4 values)"
+    )
     print(f"reference evaluator: {elapsed_ms:.1f} ms")
     rtol, atol = tolerance(DataType.bfloat16, hidden)
-    print(f"y vs hand-written torch: max |diff| = {max_error:.3g} "
-          f"(within rtol={rtol:.3g}, atol={atol:.3g}: {close})")
-    print(f"fp4 output equals quantizing y by hand: {fp4_consistent}; "
-          f"max fp4 quantization error = {fp4_error:.3g}")
+    print(
+        f"y vs hand-written torch: max |diff| = {max_error:.3g} "
+        f"(within rtol={rtol:.3g}, atol={atol:.3g}: {close})"
+    )
+    print(
+        f"fp4 output equals quantizing y by hand: {fp4_consistent}; "
+        f"max fp4 quantization error = {fp4_error:.3g}"
+    )
     passed = close and fp4_consistent
     print("demo: " + ("PASS" if passed else "FAIL"))
     return passed
