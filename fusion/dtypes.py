@@ -147,6 +147,7 @@ _BY_NAME = {d.name: d for d in ALL_DTYPES} | {d.short: d for d in ALL_DTYPES}
 
 for _dtype in ALL_DTYPES:
     setattr(DataType, _dtype.name, _dtype)
+DataType.bool_ = bool_  # the module-level spelling, so both DataType.bool and DataType.bool_ work
 
 
 def as_dtype(value: DataType | torch.dtype | str) -> DataType:

@@ -214,6 +214,7 @@ class Fusion:
         self.constraints: list[ExtentConstraint] = []
         self.finalized = False
         self._next_axis_id = 0
+        self._next_anonymous_symbol = 0
 
     def new_axis(
         self,
@@ -236,10 +237,9 @@ class Fusion:
     def symbol(self, name: str | None = None) -> Symbol:
         """The symbol ``name`` (created on first use); a fresh ``s<k>`` when ``name`` is None."""
         if name is None:
-            index = len(self.symbols)
-            while f"s{index}" in self.symbols:
-                index += 1
-            name = f"s{index}"
+            while f"s{self._next_anonymous_symbol}" in self.symbols:
+                self._next_anonymous_symbol += 1
+            name = f"s{self._next_anonymous_symbol}"
         return self.symbols.setdefault(name, Symbol(name))
 
     def live_exprs(self) -> list[Expr]:

@@ -188,9 +188,9 @@ def _unify_extent(op_name: str, fusion: Fusion, lhs: Extent, rhs: Extent, where:
     if lhs == rhs:
         return lhs
     if isinstance(lhs, int) and isinstance(rhs, int):
-        raise DefinitionError(f"{op_name}: extent mismatch at {where}: {lhs} vs {rhs}")
+        raise DefinitionError(f"{op_name}: extent mismatch at {where}")
     fusion.constraints.append(ExtentConstraint(lhs, rhs, f"{op_name}: {where}"))
-    return lhs if isinstance(lhs, int) else rhs
+    return rhs if isinstance(rhs, int) else lhs
 
 
 def _broadcast_extents(

@@ -1,0 +1,89 @@
+"""The project as users and CI see it: README commands, CI script, demo, examples, layers, lint."""
+
+from __future__ import annotations
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAYERS = ["fusion", "sharding", "schedulers", "overlap", "launch"]
+
+
+def _readme_commands() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Set up and run", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```\n\s*(.+?)\n\s*```", section)
+
+
+def test_readme_has_exactly_two_setup_commands_and_ci_runs_the_second():
+    commands = _readme_commands()
+    assert len(commands) == 2, commands
+    demo, tests = commands
+    assert demo.endswith("overlap demo")
+    assert "pytest" in tests
+    ci_script = (ROOT / ".ci" / "run").read_text()
+    assert tests in ci_script.splitlines()
+
+
+def test_both_commands_install_from_the_project_files_with_the_pinned_constraints():
+    for command in _readme_commands():
+        assert "-c constraints.txt" in command
+    constraints = (ROOT / "constraints.txt").read_text()
+    assert re.search(r"^torch==2\.13\.0$", constraints, re.M)
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    # The range must admit the GPU machines' torch 2.11.
+    assert '"torch>=2.11"' in pyproject
+
+
+def test_demo_runs_and_passes_its_own_checks():
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "demo", "--tokens", "7", "--hidden", "64",
+         "--ffn", "128"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Fusion rmsnorm_linear_gelu_fp4" in result.stdout
+    assert "= linear(" in result.stdout
+    assert result.stdout.rstrip().endswith("demo: PASS")
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))
+def test_example_runs(example):
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / example)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _imported_top_level_packages(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_packages_import_only_downward(layer):
+    above = set(LAYERS[LAYERS.index(layer) + 1 :])
+    for path in (ROOT / layer).rglob("*.py"):
+        wrong = _imported_top_level_packages(path) & above
+        assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}, a layer above it"
+
+
+def test_ruff_is_clean():
+    ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
+    if not Path(ruff).exists():
+        pytest.skip("ruff is not installed (it comes with the [test] extra)")
+    for args in (["check", "."], ["format", "--check", "."]):
+        result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
+        assert result.returncode == 0, result.stdout + result.stderr
