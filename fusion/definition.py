@@ -57,7 +57,11 @@ class FusionDefinition:
         self.fusion.finalized = True
 
     def _check_open(self, what: str) -> None:
-        if not self._entered or self.fusion.finalized:
+        if self.fusion.finalized:
+            raise DefinitionError(
+                f"{what}: the fusion definition has ended (its `with` block was left)"
+            )
+        if not self._entered:
             raise DefinitionError(
                 f"{what}: define the fusion inside `with FusionDefinition() as fd:`"
             )
@@ -69,9 +73,10 @@ class FusionDefinition:
         for tensor in self.fusion.tensors:
             for axis in tensor.axes:
                 if isinstance(axis.extent, Symbol) and axis.extent not in bound:
+                    made_by = tensor.definition.op_name if tensor.definition else "define_tensor"
                     raise DefinitionError(
-                        f"{tensor} uses symbol {axis.extent}, but no input has an axis of that "
-                        "extent, so it cannot be bound at execution"
+                        f"{made_by}: {tensor} uses symbol {axis.extent}, but no input has an "
+                        "axis of that extent, so it cannot be bound at execution"
                     )
 
     def define_tensor(

@@ -188,14 +188,18 @@ class TensorView:
 
 @dataclass(frozen=True)
 class ExtentConstraint:
-    """Two extents an op requires to be equal; checked once symbols are bound."""
+    """A relation (``==`` or ``>``) an op requires between two extents; checked once bound."""
 
     lhs: Extent
     rhs: Extent
     reason: str
+    relation: str = "=="
+
+    def holds(self, lhs: int, rhs: int) -> bool:
+        return lhs == rhs if self.relation == "==" else lhs > rhs
 
     def __str__(self) -> str:
-        return f"{self.lhs} == {self.rhs}  ({self.reason})"
+        return f"{self.lhs} {self.relation} {self.rhs}  ({self.reason})"
 
 
 class Fusion:

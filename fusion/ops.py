@@ -16,6 +16,7 @@ reshape, permute, slice, select) accept them.
 from __future__ import annotations
 
 import builtins
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
@@ -77,11 +78,13 @@ def _fusion_of(op_name: str, operands: Sequence[object]) -> Fusion:
     for tensor in tensors[1:]:
         if tensor.fusion is not fusion:
             raise DefinitionError(
-                f"{op_name}: {tensor.name} belongs to a different fusion than {tensors[0].name}"
+                f"{op_name}: {tensor} and {tensors[0]} come from different fusions; the "
+                "operands of an op must come from the same FusionDefinition"
             )
     if fusion.finalized:
         raise DefinitionError(
-            f"{op_name}: the fusion is finalized; add ops inside `with FusionDefinition() as fd:`"
+            f"{op_name}: the fusion definition has ended; add ops inside "
+            "`with FusionDefinition() as fd:`"
         )
     return fusion
 
@@ -152,26 +155,37 @@ def _as_extent(op_name: str, fusion: Fusion, value: object) -> Extent:
     )
 
 
-def check_packing(op_name: str, dtype: DataType, axes: Sequence[Axis]) -> None:
+def check_packing(
+    op_name: str, dtype: DataType, axes: Sequence[Axis], sources: Sequence[TensorView] = ()
+) -> None:
     """A packed dtype (fp4) needs an even innermost extent: two values share a byte."""
     if not dtype.is_packed:
         return
     logical = [axis for axis in axes if not axis.is_reduction]
+    origin = f" (from {', '.join(str(t) for t in sources)})" if sources else ""
+    per_byte = f"{dtype} packs {dtype.values_per_storage_element} values per byte"
     if not logical:
         raise DefinitionError(
-            f"{op_name}: a 0-dim {dtype} tensor cannot be stored; {dtype} packs "
-            f"{dtype.values_per_storage_element} values per byte along the innermost axis"
+            f"{op_name}: the {dtype} tensor{origin} would be 0-dim; {per_byte} along the "
+            "innermost axis"
         )
     extent = logical[-1].extent
     if isinstance(extent, int) and extent % dtype.values_per_storage_element:
+        shape = [axis.extent for axis in logical]
         raise DefinitionError(
-            f"{op_name}: {dtype} packs {dtype.values_per_storage_element} values per byte, "
-            f"but the innermost extent is {extent} (odd)"
+            f"{op_name}: the {dtype} tensor of shape {shape}{origin} has an odd innermost "
+            f"extent {extent}; {per_byte}"
         )
 
 
-def _output(op_name: str, fusion: Fusion, dtype: DataType, axes: list[Axis]) -> TensorView:
-    check_packing(op_name, dtype, axes)
+def _output(
+    op_name: str,
+    fusion: Fusion,
+    dtype: DataType,
+    axes: list[Axis],
+    sources: Sequence[TensorView | Scalar] = (),
+) -> TensorView:
+    check_packing(op_name, dtype, axes, [t for t in sources if isinstance(t, TensorView)])
     return fusion.new_tensor(dtype, axes)
 
 
@@ -227,15 +241,35 @@ def _elementwise_axes(op_name: str, fusion: Fusion, tensors: Sequence[TensorView
 
 
 def _result_dtype(op_name: str, operands: Sequence[TensorView | Scalar]) -> DataType:
-    """torch's promotion over tensors, then scalars (which never widen a tensor's category)."""
+    """torch's promotion over tensors, then scalars (which never widen a tensor's category).
+
+    Refuses a promotion to a type the IR lacks (int8 with uint8 gives int16 in torch) and an
+    integer scalar that does not fit the integer result type.
+    """
     tensors = [o for o in operands if isinstance(o, TensorView)]
+    scalars = [o for o in operands if not isinstance(o, TensorView)]
     for tensor in tensors:
         _require_compute_type(op_name, tensor)
     dtype = tensors[0].dtype
-    for tensor in tensors[1:]:
-        dtype = promote_types(dtype, tensor.dtype)
-    for scalar in (o for o in operands if not isinstance(o, TensorView)):
-        dtype = promote_with_scalar(dtype, scalar)
+    try:
+        for tensor in tensors[1:]:
+            dtype = promote_types(dtype, tensor.dtype)
+        for scalar in scalars:
+            dtype = promote_with_scalar(dtype, scalar)
+    except ValueError:
+        described = ", ".join(_describe(o) for o in operands)
+        raise DefinitionError(
+            f"{op_name}: operands ({described}) promote to a type the IR does not have; "
+            "cast them to a common type first"
+        ) from None
+    if dtype.is_integer:
+        info = torch.iinfo(dtype.torch_dtype)
+        for scalar in scalars:
+            if not isinstance(scalar, bool) and not info.min <= scalar <= info.max:
+                raise DefinitionError(
+                    f"{op_name}: scalar {scalar!r} does not fit the result type {dtype} "
+                    f"[{info.min}, {info.max}]"
+                )
     return dtype
 
 
@@ -332,6 +366,11 @@ def _binary(op_name: str, lhs: TensorView | Scalar, rhs: TensorView | Scalar) ->
         )
     if op_name == "div" and not dtype.is_floating:
         dtype = float32  # true division, as torch does
+    if op_name == "pow" and not dtype.is_floating and isinstance(rhs, int) and rhs < 0:
+        raise DefinitionError(
+            f"pow: {_describe(lhs)} ** {rhs}: an integer to a negative power is not an integer; "
+            "cast the base to a floating-point type first"
+        )
     tensors = [o for o in (lhs, rhs) if isinstance(o, TensorView)]
     out = _output(op_name, fusion, dtype, _elementwise_axes(op_name, fusion, tensors))
     BinaryOp(op_name, lhs, rhs, out)
@@ -398,7 +437,8 @@ def cast(x: TensorView, dtype: DataType | torch.dtype | str) -> TensorView:
     """``x`` converted to ``dtype``; every pair of types, fp8 and fp4 included.
 
     To fp4: round to nearest even, saturate to ±6, NaN to +6 (see ``fusion.fp4``).
-    To fp8: as torch's ``.to(float8_*)``. Floats to integers truncate toward zero;
+    To fp8: round to nearest even once; e4m3fn saturates to ±448, e5m2 overflows to ±inf
+    (see ``fusion.fp8``). Floats to integers truncate toward zero;
     NaN, infinities and out-of-range values give an unspecified integer, as in torch.
     """
     x = _tensor("cast", "input", x)
@@ -407,7 +447,7 @@ def cast(x: TensorView, dtype: DataType | torch.dtype | str) -> TensorView:
         target = as_dtype(dtype)
     except ValueError as error:
         raise DefinitionError(f"cast: {error}") from None
-    out = _output("cast", fusion, target, _copy_axes(fusion, x.logical_axes))
+    out = _output("cast", fusion, target, _copy_axes(fusion, x.logical_axes), [x])
     CastOp(x, out)
     return out
 
@@ -416,7 +456,7 @@ def set(x: TensorView) -> TensorView:  # noqa: A001 - the IR's name for a copy
     """A copy of ``x``."""
     x = _tensor("set", "input", x)
     fusion = _fusion_of("set", [x])
-    out = _output("set", fusion, x.dtype, _copy_axes(fusion, x.logical_axes))
+    out = _output("set", fusion, x.dtype, _copy_axes(fusion, x.logical_axes), [x])
     SetOp(x, out)
     return out
 
@@ -440,7 +480,7 @@ def broadcast(x: TensorView, is_broadcast_dim: Sequence[bool]) -> TensorView:
         )
     source = iter(x.logical_axes)
     axes = [fusion.new_axis(1) if flag else _copy_axes(fusion, [next(source)])[0] for flag in flags]
-    out = _output("broadcast", fusion, x.dtype, axes)
+    out = _output("broadcast", fusion, x.dtype, axes, [x])
     BroadcastOp(x, out, flags)
     return out
 
@@ -471,7 +511,7 @@ def expand(x: TensorView, shape: Sequence[int | str | Symbol]) -> TensorView:
                 f"{extent}; only extent-1 axes expand"
             )
         extents.append(extent)
-    out = _output("expand", fusion, x.dtype, axes)
+    out = _output("expand", fusion, x.dtype, axes, [x])
     ExpandOp(x, out, extents)
     return out
 
@@ -486,7 +526,7 @@ def broadcast_in_dim(
             f"broadcast_in_dim: broadcast_dims {list(broadcast_dims)} must name one output "
             f"axis per axis of {x} (rank {x.ndim})"
         )
-    increasing = all(a < b for a, b in zip(broadcast_dims, broadcast_dims[1:], strict=True))
+    increasing = all(a < b for a, b in itertools.pairwise(broadcast_dims))
     in_range = all(0 <= d < len(shape) for d in broadcast_dims)
     if not (increasing and in_range):
         raise DefinitionError(
@@ -538,7 +578,7 @@ def reshape(x: TensorView, shape: Sequence[int | str | Symbol]) -> TensorView:
     elif in_ints != out_ints or in_syms != out_syms:
         raise mismatch
     axes = [fusion.new_axis(e) for e in out_extents]
-    out = _output("reshape", fusion, x.dtype, axes)
+    out = _output("reshape", fusion, x.dtype, axes, [x])
     ReshapeOp(x, out, out_extents)
     return out
 
@@ -552,7 +592,9 @@ def permute(x: TensorView, dims: Sequence[int]) -> TensorView:
     normalized = [_normalize_dim("permute", x, d) for d in dims]
     if sorted(normalized) != list(range(x.ndim)):
         raise DefinitionError(f"permute: dims {list(dims)} is not a permutation of {x}'s axes")
-    out = _output("permute", fusion, x.dtype, _copy_axes(fusion, [x.axis(d) for d in normalized]))
+    out = _output(
+        "permute", fusion, x.dtype, _copy_axes(fusion, [x.axis(d) for d in normalized]), [x]
+    )
     PermuteOp(x, out, normalized)
     return out
 
@@ -611,7 +653,7 @@ def slice(  # noqa: A001 - the IR's name
         norm_starts.append(begin)
         norm_stops.append(end)
         axes.append(fusion.new_axis(-(-(end - begin) // step)))
-    out = _output("slice", fusion, x.dtype, axes)
+    out = _output("slice", fusion, x.dtype, axes, [x])
     SliceOp(x, out, norm_starts, norm_stops, steps)
     return out
 
@@ -634,8 +676,12 @@ def select(x: TensorView, dim: int, index: int) -> TensorView:
         raise DefinitionError(
             f"select: axis {dim} of {x} has symbolic extent {extent}; use a non-negative index"
         )
+    else:
+        fusion.constraints.append(
+            ExtentConstraint(extent, index, f"select: index {index} of axis {dim} of {x}", ">")
+        )
     kept = [a for i, a in enumerate(x.logical_axes) if i != dim]
-    out = _output("select", fusion, x.dtype, _copy_axes(fusion, kept))
+    out = _output("select", fusion, x.dtype, _copy_axes(fusion, kept), [x])
     SelectOp(x, out, dim, index)
     return out
 

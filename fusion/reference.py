@@ -8,12 +8,15 @@ Numerics, defined once here:
 - every op computes in its *compute type* (``dtypes.compute_dtype``: float32
   for bf16/f16 outputs, float64 for float64, the integer type for integers)
   and rounds once to its output dtype, so each tensor of the fusion holds
-  values exactly representable in its dtype;
+  values exactly representable in its dtype; Python scalars enter in the
+  compute type too (``x_bf16 + 0.1`` adds float32 0.1, as a generated kernel
+  does; eager torch on CPU would round 0.1 to bf16 first);
 - matmul and linear on bf16/f16 multiply exactly and accumulate in float32,
   as cuBLAS does;
 - fp4 values are held unpacked (one code per uint8) between ops and packed
   (``torch.float4_e2m1fn_x2``, low nibble first) at the fusion's boundary;
-  fp4 conversions are those of ``fusion.fp4``; fp8 conversions are torch's.
+  fp4 conversions are those of ``fusion.fp4``, fp8 conversions those of
+  ``fusion.fp8`` (torch's rounding, with a fixed overflow rule and one rounding).
 """
 
 from __future__ import annotations
@@ -23,7 +26,14 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from fusion.dtypes import DataType, compute_dtype, float4_e2m1, float32
+from fusion.dtypes import (
+    DataType,
+    compute_dtype,
+    float4_e2m1,
+    float8_e4m3fn,
+    float8_e5m2,
+    float32,
+)
 from fusion.errors import InputError
 from fusion.exprs import (
     BinaryOp,
@@ -44,10 +54,13 @@ from fusion.exprs import (
     WhereOp,
 )
 from fusion.fp4 import decode_fp4, encode_fp4, pack_fp4, unpack_fp4
+from fusion.fp8 import to_fp8
 from fusion.ir import Extent, Fusion, Scalar, Symbol, TensorView
 
 Bindings = dict[Symbol, int]
 Values = dict[TensorView, torch.Tensor]
+# The concrete logical shape of a tensor where it is evaluated (per rank, it is the local shape).
+ShapeOf = Callable[[TensorView], list[int]]
 
 
 def resolve(extent: Extent, bindings: Bindings) -> int:
@@ -111,10 +124,15 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
         raise InputError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
     for constraint in fusion.constraints:
         lhs, rhs = resolve(constraint.lhs, bindings), resolve(constraint.rhs, bindings)
-        if lhs != rhs:
+        if not constraint.holds(lhs, rhs):
+            described = [
+                f"{extent}={value}" if isinstance(extent, Symbol) else str(value)
+                for extent, value in ((constraint.lhs, lhs), (constraint.rhs, rhs))
+            ]
+            verb = "disagree" if constraint.relation == "==" else "are out of bounds"
             raise InputError(
-                f"extents disagree: {constraint.lhs}={lhs} but {constraint.rhs}={rhs}, "
-                f"required by {constraint.reason}"
+                f"extents {verb}: {described[0]} {constraint.relation} {described[1]} does not "
+                f"hold, required by {constraint.reason}"
             )
     return bindings
 
@@ -135,8 +153,12 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tenso
     values: Values = {
         tv: to_logical(tv.dtype, value) for tv, value in zip(fusion.inputs, inputs, strict=True)
     }
+
+    def shape_of(tensor: TensorView) -> list[int]:
+        return [resolve(extent, bindings) for extent in tensor.shape]
+
     for expr in fusion.live_exprs():
-        evaluate_expr(expr, values, bindings)
+        evaluate_expr(expr, values, shape_of)
     input_storages = {value.untyped_storage().data_ptr() for value in inputs}
     outputs = []
     for tv in fusion.outputs:
@@ -147,9 +169,14 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tenso
     return outputs
 
 
-def evaluate_expr(expr: Expr, values: Values, bindings: Bindings) -> None:
-    """Compute ``expr``'s outputs from ``values`` (which must hold its inputs) into ``values``."""
-    results = _EVALUATORS[type(expr)](expr, values, bindings)
+def evaluate_expr(expr: Expr, values: Values, shape_of: ShapeOf) -> None:
+    """Compute ``expr``'s outputs from ``values`` (which must hold its inputs) into ``values``.
+
+    ``shape_of`` gives the concrete shape of a tensor where it is evaluated; an expr
+    class without its own evaluator is evaluated as its nearest base class.
+    """
+    evaluator = next(_EVALUATORS[cls] for cls in type(expr).__mro__ if cls in _EVALUATORS)
+    results = evaluator(expr, values, shape_of)
     if isinstance(results, torch.Tensor):
         results = (results,)
     for tv, result in zip(expr.outputs, results, strict=True):
@@ -198,19 +225,19 @@ _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 }
 
 
-def _unary(expr: UnaryOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _unary(expr: UnaryOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     x = _operand_value(expr.operands[0], values, out.dtype)
     return _UNARY[expr.op_name](x, **expr.attrs).to(out.dtype.torch_dtype)
 
 
-def _binary(expr: BinaryOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _binary(expr: BinaryOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     lhs, rhs = (_operand_value(o, values, out.dtype) for o in expr.operands)
     return _BINARY[expr.op_name](lhs, rhs).to(out.dtype.torch_dtype)
 
 
-def _where(expr: WhereOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _where(expr: WhereOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     cond, x, y = expr.operands
     out = expr.output
     return torch.where(
@@ -218,7 +245,7 @@ def _where(expr: WhereOp, values: Values, bindings: Bindings) -> torch.Tensor:
     ).to(out.dtype.torch_dtype)
 
 
-def _cast(expr: CastOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _cast(expr: CastOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     source, target = expr.inputs[0].dtype, expr.output.dtype
     value = values[expr.inputs[0]]
     if source is target:
@@ -227,14 +254,16 @@ def _cast(expr: CastOp, values: Values, bindings: Bindings) -> torch.Tensor:
         value = decode_fp4(value, float32.torch_dtype)
     if target is float4_e2m1:
         return encode_fp4(value)
+    if target in (float8_e4m3fn, float8_e5m2):
+        return to_fp8(value, target.torch_dtype)
     return value.to(target.torch_dtype)
 
 
-def _set(expr: SetOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _set(expr: SetOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return values[expr.inputs[0]].clone()
 
 
-def _broadcast(expr: BroadcastOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _broadcast(expr: BroadcastOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     value = values[expr.inputs[0]]
     for dim, flag in enumerate(expr.is_broadcast_dim):
         if flag:
@@ -242,31 +271,34 @@ def _broadcast(expr: BroadcastOp, values: Values, bindings: Bindings) -> torch.T
     return value
 
 
-def _expand(expr: ExpandOp, values: Values, bindings: Bindings) -> torch.Tensor:
-    return values[expr.inputs[0]].expand([resolve(e, bindings) for e in expr.shape])
+def _expand(expr: ExpandOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    return values[expr.inputs[0]].expand(shape_of(expr.output))
 
 
-def _reshape(expr: ReshapeOp, values: Values, bindings: Bindings) -> torch.Tensor:
-    return values[expr.inputs[0]].reshape([resolve(e, bindings) for e in expr.shape])
+def _reshape(expr: ReshapeOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    return values[expr.inputs[0]].reshape(shape_of(expr.output))
 
 
-def _permute(expr: PermuteOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _permute(expr: PermuteOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return values[expr.inputs[0]].permute(expr.dims)
 
 
-def _slice(expr: SliceOp, values: Values, bindings: Bindings) -> torch.Tensor:
-    index = tuple(
-        slice(start, resolve(stop, bindings), step)
-        for start, stop, step in zip(expr.starts, expr.stops, expr.steps, strict=True)
-    )
-    return values[expr.inputs[0]][index]
+def _slice(expr: SliceOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    source = expr.inputs[0]
+    index = []
+    for axis, start, stop, step in zip(
+        source.logical_axes, expr.starts, expr.stops, expr.steps, strict=True
+    ):
+        whole = start == 0 and step == 1 and stop == axis.extent
+        index.append(slice(None) if whole else slice(start, stop, step))
+    return values[source][tuple(index)]
 
 
-def _select(expr: SelectOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _select(expr: SelectOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return values[expr.inputs[0]].select(expr.dim, expr.index)
 
 
-def _reduction(expr: ReductionOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _reduction(expr: ReductionOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     x = values[expr.inputs[0]].to(compute_dtype(out.dtype).torch_dtype)
     if not expr.dims:  # a reduction over no axes (a 0-dim input) is the identity
@@ -282,20 +314,20 @@ def _reduction(expr: ReductionOp, values: Values, bindings: Bindings) -> torch.T
     return result.to(out.dtype.torch_dtype)
 
 
-def _var_mean(expr: VarMeanOp, values: Values, bindings: Bindings) -> tuple[torch.Tensor, ...]:
+def _var_mean(expr: VarMeanOp, values: Values, shape_of: ShapeOf) -> tuple[torch.Tensor, ...]:
     var, mean = expr.outputs
     x = values[expr.inputs[0]].to(compute_dtype(var.dtype).torch_dtype)
     result = torch.var_mean(x, dim=expr.dims, correction=expr.correction)
     return tuple(r.to(var.dtype.torch_dtype) for r in result)
 
 
-def _matmul(expr: MatmulOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _matmul(expr: MatmulOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     a, b = (_operand_value(t, values, out.dtype) for t in expr.inputs)
     return torch.matmul(a, b).to(out.dtype.torch_dtype)
 
 
-def _linear(expr: LinearOp, values: Values, bindings: Bindings) -> torch.Tensor:
+def _linear(expr: LinearOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     tensors = [_operand_value(t, values, out.dtype) for t in expr.inputs]
     return F.linear(*tensors).to(out.dtype.torch_dtype)

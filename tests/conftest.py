@@ -1,0 +1,64 @@
+"""Fixtures shared by the tests: a seeded generator per test and random inputs of any dtype."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable, Sequence
+
+import pytest
+import torch
+
+from fusion.dtypes import DataType, float4_e2m1
+from fusion.fp4 import to_fp4
+
+MakeInput = Callable[..., torch.Tensor]
+
+
+@pytest.fixture
+def rng(request: pytest.FixtureRequest) -> torch.Generator:
+    """A generator seeded from the test's id: every test draws its own inputs, reproducibly."""
+    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture
+def make_input(rng: torch.Generator) -> MakeInput:
+    """``make_input(shape, dtype, low=None, high=None)``: a fresh random fusion input.
+
+    ``shape`` is logical (fp4 counts values; the tensor comes back packed two per byte).
+
+    - compute floats: N(0, 1), or uniform in ``[low, high)`` when both are given;
+    - integers: uniform in ``[low, high)`` (default ``[-100, 100)``), clipped to the type;
+    - bool: fair coin flips; all True when ``low >= 1`` (e.g. a divisor), all False when
+      ``high <= 1``;
+    - fp8: 2 * N(0, 1) rounded to the type; fp4: 3 * N(0, 1) rounded and packed, so that
+      every code, saturated ones included, shows up.
+    """
+
+    def make(
+        shape: Sequence[int],
+        dtype: DataType,
+        low: float | None = None,
+        high: float | None = None,
+    ) -> torch.Tensor:
+        shape = tuple(shape)
+        if dtype.is_bool:
+            low = 0 if low is None else min(max(int(low), 0), 1)
+            high = 2 if high is None else min(max(int(high), low + 1), 2)
+            return torch.randint(low, high, shape, generator=rng).bool()
+        if dtype.is_integer:
+            info = torch.iinfo(dtype.torch_dtype)
+            low = max(-100 if low is None else int(low), info.min)
+            high = min(100 if high is None else int(high), info.max + 1)
+            return torch.randint(low, high, shape, generator=rng, dtype=dtype.torch_dtype)
+        if dtype is float4_e2m1:
+            return to_fp4(3 * torch.randn(shape, generator=rng))
+        if dtype.storage_only:
+            return (2 * torch.randn(shape, generator=rng)).to(dtype.torch_dtype)
+        wide = torch.float64 if dtype.bits == 64 else torch.float32
+        if low is None:
+            values = torch.randn(shape, generator=rng, dtype=wide)
+        else:
+            values = low + (high - low) * torch.rand(shape, generator=rng, dtype=wide)
+        return values.to(dtype.torch_dtype)
+
+    return make
