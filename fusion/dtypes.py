@@ -97,6 +97,17 @@ class DataType:
     def to_torch(self) -> torch.dtype:
         return self.torch_dtype
 
+    # Data types are singletons compared with ``is``: copies and unpickled values are the
+    # same objects (fusions are deep-copied by passes and pickled to Ray actors).
+    def __reduce__(self) -> tuple:
+        return as_dtype, (self.name,)
+
+    def __copy__(self) -> DataType:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> DataType:
+        return self
+
 
 float64 = DataType("float64", "f64", 64, TypeKind.FLOAT, torch.float64)
 float32 = DataType("float32", "f32", 32, TypeKind.FLOAT, torch.float32)

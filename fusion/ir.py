@@ -13,7 +13,10 @@ Axes print nvFuser-style: iteration type (``i`` iteration, ``r`` reduction,
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import enum
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -120,8 +123,9 @@ class TensorView:
     """A tensor of the fusion: a dtype and a list of axes.
 
     ``definition`` is the expr that produces it (None for inputs) and ``uses``
-    the exprs that consume it. Arithmetic operators build ops in the tensor's
-    fusion: ``a + b``, ``a * 2.0``, ``-a``.
+    the exprs that consume it. ``mesh`` is the device mesh the tensor is placed
+    on (None until sharding places it; see ``sharding``). Arithmetic operators
+    build ops in the tensor's fusion: ``a + b``, ``a * 2.0``, ``-a``.
     """
 
     def __init__(self, fusion: Fusion, tensor_id: int, dtype: DataType, axes: list[Axis]) -> None:
@@ -131,6 +135,7 @@ class TensorView:
         self.axes = axes
         self.definition: Expr | None = None
         self.uses: list[Expr] = []
+        self.mesh: object | None = None
 
     @property
     def name(self) -> str:
@@ -245,6 +250,56 @@ class Fusion:
                 self._next_anonymous_symbol += 1
             name = f"s{self._next_anonymous_symbol}"
         return self.symbols.setdefault(name, Symbol(name))
+
+    def clone(self) -> Fusion:
+        """A deep copy; passes rewrite a copy and leave the user's fusion as it was."""
+        return copy.deepcopy(self)
+
+    @contextlib.contextmanager
+    def editing(self) -> Iterator[Fusion]:
+        """Let a pass add ops to a finalized fusion."""
+        finalized, self.finalized = self.finalized, False
+        try:
+            yield self
+        finally:
+            self.finalized = finalized
+
+    def move_before(self, exprs: list[Expr], anchor: Expr) -> None:
+        """Move ``exprs`` (in order) to just before ``anchor`` in the expr list."""
+        for expr in exprs:
+            self.exprs.remove(expr)
+        index = self.exprs.index(anchor)
+        self.exprs[index:index] = exprs
+
+    def move_after(self, exprs: list[Expr], anchor: Expr) -> None:
+        """Move ``exprs`` (in order) to just after ``anchor`` in the expr list."""
+        for expr in exprs:
+            self.exprs.remove(expr)
+        index = self.exprs.index(anchor) + 1
+        self.exprs[index:index] = exprs
+
+    def replace_input(self, expr: Expr, old: TensorView, new: TensorView) -> None:
+        """Make ``expr`` read ``new`` wherever it read ``old``."""
+        expr.operands = tuple(new if o is old else o for o in expr.operands)
+        expr.inputs = [new if t is old else t for t in expr.inputs]
+        old.uses.remove(expr)
+        if expr not in new.uses:
+            new.uses.append(expr)
+
+    def redirect_output(self, expr: Expr, old: TensorView, new: TensorView) -> None:
+        """Make ``expr`` define ``new`` instead of ``old`` (which is left without definition)."""
+        expr.outputs = [new if t is old else t for t in expr.outputs]
+        new.definition = expr
+        old.definition = None
+
+    def remove_expr(self, expr: Expr) -> None:
+        """Drop ``expr``; its outputs are left without definition."""
+        self.exprs.remove(expr)
+        for tensor in dict.fromkeys(expr.inputs):
+            tensor.uses.remove(expr)
+        for tensor in expr.outputs:
+            if tensor.definition is expr:
+                tensor.definition = None
 
     def live_exprs(self) -> list[Expr]:
         """The exprs the outputs depend on, in definition order."""

@@ -11,7 +11,12 @@ Why these tolerances:
   (``2 * eps``) for bf16/f16 and 4 ulps for f32/f64;
 - a reduction accumulates in its compute type (float32 for bf16/f16) in some
   order; for inputs of magnitude about one the error of a different order
-  stays below ``4 * eps_compute * reduction_extent``, which is ``atol``.
+  stays below ``4 * eps_compute * reduction_extent``, which is ``atol``;
+- a result combined from ``partial_sums`` partial results, each rounded to the
+  output type first (a row-parallel linear's all-reduce), carries that many
+  more roundings, each up to one ulp of a partial of magnitude about
+  ``sqrt(reduction_extent)``: ``rtol`` grows by ``partial_sums`` ulps and
+  ``atol`` by ``partial_sums * eps * sqrt(reduction_extent)``.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ import torch
 from fusion.dtypes import DataType, compute_dtype, machine_epsilon
 
 
-def tolerance(dtype: DataType, reduction_extent: int = 1) -> tuple[float, float]:
-    """``(rtol, atol)`` for results of ``dtype``; ``reduction_extent`` counts accumulated terms."""
+def tolerance(
+    dtype: DataType, reduction_extent: int = 1, partial_sums: int = 1
+) -> tuple[float, float]:
+    """``(rtol, atol)`` for results of ``dtype``; ``reduction_extent`` counts accumulated
+    terms, ``partial_sums`` the partial results rounded to ``dtype`` before combining."""
     if not dtype.is_floating or dtype.storage_only:
         return 0.0, 0.0
     eps = machine_epsilon(dtype)
     ulps = 2 if dtype.bits <= 16 else 4
     atol = 4 * machine_epsilon(compute_dtype(dtype)) * max(reduction_extent, 1)
+    if partial_sums > 1:
+        ulps += partial_sums
+        atol += partial_sums * eps * max(reduction_extent, 1) ** 0.5
     return ulps * eps, atol
 
 
@@ -37,6 +48,7 @@ def assert_close(
     dtype: DataType | None = None,
     reduction_extent: int = 1,
     message: str = "",
+    partial_sums: int = 1,
 ) -> None:
     """Assert ``actual`` matches ``expected`` within ``tolerance(dtype, reduction_extent)``.
 
@@ -54,7 +66,7 @@ def assert_close(
         return
     if actual.dtype != expected.dtype:
         raise AssertionError(f"{message} dtype {actual.dtype} != {expected.dtype}")
-    rtol, atol = tolerance(dtype, reduction_extent)
+    rtol, atol = tolerance(dtype, reduction_extent, partial_sums)
     wide = torch.float64 if dtype.is_floating else torch.int64
     torch.testing.assert_close(
         actual.to(wide),

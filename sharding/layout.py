@@ -17,10 +17,12 @@ axis parallelized the same way, and ``TensorView.mesh`` is the mesh.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from fusion.ir import Extent, TensorView
-from sharding.mesh import DeviceMesh
+from fusion.exprs import ReductionOp
+from fusion.ir import ParallelType, TensorView
+from sharding.mesh import DEVICE_PARALLEL_TYPES, DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,20 @@ class Layout:
     __repr__ = __str__
 
 
+def valid_placements(placements: Sequence[Placement]) -> tuple[Placement, ...]:
+    """``placements`` with any second split of an already split tensor axis replicated."""
+    seen: set[int] = set()
+    result: list[Placement] = []
+    for placement in placements:
+        if isinstance(placement, Shard):
+            if placement.dim in seen:
+                placement = Replicate()
+            else:
+                seen.add(placement.dim)
+        result.append(placement)
+    return tuple(result)
+
+
 def split_sizes(extent: int, parts: int) -> list[int]:
     """Balanced split of ``extent`` into ``parts``: sizes differ by at most one."""
     base, extra = divmod(extent, parts)
@@ -116,18 +132,63 @@ def split_range(extent: int, parts: int, index: int) -> tuple[int, int]:
     return sum(sizes[:index]), sizes[index]
 
 
-def local_shape(tensor: TensorView, layout: Layout, rank: int, extents: list[int]) -> list[int]:
-    """The shape of ``rank``'s piece of a tensor of global logical shape ``extents``."""
+def local_shape(layout: Layout, rank: int, shape: Sequence[int]) -> list[int]:
+    """The shape of ``rank``'s piece of a tensor of global logical ``shape``."""
     coords = layout.mesh.coords(rank)
-    shape = list(extents)
+    local = list(shape)
     for mesh_axis, placement in enumerate(layout.placements):
         if isinstance(placement, Shard):
-            _, size = split_range(
-                shape[placement.dim], layout.mesh.shape[mesh_axis], coords[mesh_axis]
-            )
-            shape[placement.dim] = size
-    return shape
+            parts = layout.mesh.shape[mesh_axis]
+            local[placement.dim] = split_range(shape[placement.dim], parts, coords[mesh_axis])[1]
+    return local
 
 
-def extents_are_static(extents: tuple[Extent, ...]) -> bool:
-    return all(isinstance(e, int) for e in extents)
+def partial_op(tensor: TensorView) -> str:
+    """How partial results of ``tensor`` combine: its reduction's op (sum for contractions)."""
+    definition = tensor.definition
+    if isinstance(definition, ReductionOp) and definition.op_name in ("max", "min"):
+        return definition.op_name
+    return "sum"
+
+
+def layout_of(tensor: TensorView) -> Layout | None:
+    """The layout written in the IR (mesh and parallel types), or None when not placed."""
+    mesh = tensor.mesh
+    if mesh is None:
+        return None
+    placements: list[Placement] = []
+    for mesh_axis in range(mesh.ndim):
+        parallel_type = DEVICE_PARALLEL_TYPES[mesh_axis]
+        dims = [i for i, a in enumerate(tensor.logical_axes) if a.parallel_type is parallel_type]
+        reduced = [a for a in tensor.axes if a.is_reduction and a.parallel_type is parallel_type]
+        if dims:
+            placements.append(Shard(dims[0]))
+        elif reduced:
+            placements.append(Partial(partial_op(tensor)))
+        else:
+            placements.append(Replicate())
+    return Layout(mesh, tuple(placements))
+
+
+def apply_layout(tensor: TensorView, layout: Layout) -> None:
+    """Write ``layout`` into the IR: the mesh, and parallel types on the split axes."""
+    for axis in tensor.axes:
+        if axis.parallel_type.is_device:
+            axis.parallel_type = ParallelType.Serial
+    free_reductions = [axis for axis in tensor.axes if axis.is_reduction]
+    for mesh_axis, placement in enumerate(layout.placements):
+        parallel_type = DEVICE_PARALLEL_TYPES[mesh_axis]
+        if isinstance(placement, Shard):
+            if not 0 <= placement.dim < tensor.ndim:
+                raise ValueError(
+                    f"{tensor} has rank {tensor.ndim}; it has no axis {placement.dim} to shard"
+                )
+            tensor.axis(placement.dim).parallel_type = parallel_type
+        elif isinstance(placement, Partial):
+            if not free_reductions:
+                raise ValueError(
+                    f"{tensor} cannot be partial: only the result of a reduction or "
+                    "contraction holds partial values"
+                )
+            free_reductions.pop(0).parallel_type = parallel_type
+    tensor.mesh = layout.mesh

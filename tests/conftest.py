@@ -62,3 +62,21 @@ def make_input(rng: torch.Generator) -> MakeInput:
         return values.to(dtype.torch_dtype)
 
     return make
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """``rank_pools(n)``: a pool of n gloo ranks, started once and restarted after a hang."""
+    from distributed import RankPool
+
+    pools: dict[int, RankPool] = {}
+
+    def get(world_size: int) -> RankPool:
+        pool = pools.get(world_size)
+        if pool is None or not pool.alive:
+            pool = pools[world_size] = RankPool(world_size)
+        return pool
+
+    yield get
+    for pool in pools.values():
+        pool.close()

@@ -1,0 +1,67 @@
+"""``Communicator``: torch.distributed process groups for the teams a program uses.
+
+NCCL on GPU, gloo on CPU. The default process group must be initialized (by
+``torchrun``'s environment and ``init_process_group``, or by a launcher).
+Sub-groups are created collectively: every rank calls ``prepare`` with the
+same teams, in the same order, before any of them is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator:
+    """This rank's view of the world: rank, size, device and process groups by team."""
+
+    def __init__(self, device: torch.device | str | None = None) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "Communicator: initialize torch.distributed first, e.g. "
+                "torch.distributed.init_process_group('gloo') (or 'nccl' on GPUs)"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.backend = dist.get_backend()
+        if device is None:
+            if self.backend == "nccl":
+                device = torch.device("cuda", torch.cuda.current_device())
+            else:
+                device = torch.device("cpu")
+        self.device = torch.device(device)
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+
+    @classmethod
+    def initialize(cls, backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
+        """Initialize the default process group from the environment (``RANK``,
+        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) if needed; NCCL when CUDA is
+        available, else gloo."""
+        if not dist.is_initialized():
+            backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+        return cls()
+
+    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
+        """Create the process groups of ``teams`` (collective: call on every rank alike)."""
+        world = tuple(range(self.world_size))
+        for team in sorted({tuple(sorted(t)) for t in teams}):
+            if team in self._groups or len(team) < 2:
+                continue
+            self._groups[team] = None if team == world else dist.new_group(list(team))
+
+    def group(self, team: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group of ``team`` (None is the default group of the whole world)."""
+        key = tuple(sorted(team))
+        if key not in self._groups:
+            raise KeyError(f"team {key} was not prepared; call prepare() on every rank first")
+        return self._groups[key]
+
+    def all_gather_object(self, value: object) -> list[object]:
+        """``value`` from every rank of the world, in rank order."""
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered

@@ -1,0 +1,204 @@
+"""Sharding propagation: give every tensor of a fusion a layout.
+
+Starting from the user's annotations (which always win), the pass sweeps the
+whole fusion forward (outputs from inputs) then backward (inputs from
+outputs), applying each op family's rule (``sharding.rules``) to every mesh
+axis, until no tensor changes. A tensor still unplaced is replicated on the
+fusion's mesh. Every decision is recorded so ``explain`` can say which rule
+set each layout, and from which tensors.
+
+The pass writes the layouts into the fusion (``TensorView.mesh`` and the
+axes' parallel types); run it on a copy (``Fusion.clone``) to keep the
+user's fusion as it was.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusion.exprs import Expr, SetOp
+from fusion.ir import Fusion, TensorView
+from sharding.errors import ShardingError
+from sharding.layout import (
+    Layout,
+    Placement,
+    Replicate,
+    apply_layout,
+    layout_of,
+    valid_placements,
+)
+from sharding.mesh import DeviceMesh
+from sharding.rules import dim_map
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Why a tensor has its layout: ``how`` is annotation, forward, backward or default."""
+
+    layout: Layout
+    how: str
+    rule: str | None = None
+    sources: tuple[TensorView, ...] = ()
+    expr: Expr | None = None
+
+    def describe(self) -> str:
+        if self.how == "annotation":
+            return "user annotation"
+        if self.how == "default":
+            return "default: replicated on the fusion's mesh"
+        names = ", ".join(t.name for t in self.sources)
+        direction = "from input" if self.how == "forward" else "from output"
+        plural = "s" if len(self.sources) > 1 else ""
+        return (
+            f"{self.rule} rule, {self.how} through {self.expr.op_name} {direction}{plural} {names}"
+        )
+
+
+class ShardingPropagation:
+    """Propagates layouts over one fusion; ``run()`` returns the decision per tensor."""
+
+    def __init__(self, fusion: Fusion) -> None:
+        self.fusion = fusion
+        self.decisions: dict[TensorView, Decision] = {}
+        for tensor in fusion.tensors:
+            layout = layout_of(tensor)
+            if layout is not None:
+                self.decisions[tensor] = Decision(layout, "annotation")
+
+    def run(self) -> dict[TensorView, Decision]:
+        if not self.decisions:
+            raise ShardingError(
+                "no tensor of the fusion is placed on a device mesh; annotate at least one "
+                "with sharding.shard(tensor, mesh, placements)"
+            )
+        exprs = self.fusion.exprs
+        changed = True
+        while changed:
+            changed = any([self._forward(e) for e in exprs])
+            changed = any([self._backward(e) for e in reversed(exprs)]) or changed
+        self._default()
+        self._check_meshes()
+        for tensor, decision in self.decisions.items():
+            if decision.how != "annotation":
+                apply_layout(tensor, decision.layout)
+        return self.decisions
+
+    def _mesh(self, expr: Expr, tensors: list[TensorView]) -> DeviceMesh:
+        meshes = {self.decisions[t].layout.mesh for t in tensors}
+        if len(meshes) > 1:
+            placed = ", ".join(f"{t} on {self.decisions[t].layout.mesh}" for t in tensors)
+            raise ShardingError(
+                f"{expr.op_name}: its operands are placed on different meshes ({placed}); "
+                "move a tensor to another mesh with fd.ops.set and annotate the copy"
+            )
+        return next(iter(meshes))
+
+    def _forward(self, expr: Expr) -> bool:
+        unknown = [t for t in expr.outputs if t not in self.decisions]
+        known = [t for t in expr.inputs if t in self.decisions]
+        if not unknown or not known:
+            return False
+        mesh = self._mesh(expr, known)
+        placements = []
+        rule_name = ""
+        for mesh_axis, parts in enumerate(mesh.shape):
+            rule = dim_map(expr, parts)
+            rule_name = rule.rule
+            inputs = [
+                self.decisions[t].layout.placements[mesh_axis] if t in self.decisions else None
+                for t in expr.inputs
+            ]
+            placements.append(rule.forward(inputs))
+        layout = Layout(mesh, valid_placements(placements))
+        for tensor in unknown:
+            self.decisions[tensor] = Decision(layout, "forward", rule_name, tuple(known), expr)
+        return True
+
+    def _backward(self, expr: Expr) -> bool:
+        unknown = [t for t in expr.inputs if t not in self.decisions]
+        known = [t for t in expr.outputs if t in self.decisions]
+        if not unknown or not known:
+            return False
+        layout = self.decisions[known[0]].layout
+        mesh = layout.mesh
+        per_input: list[list[Placement]] = [[] for _ in expr.inputs]
+        rule_name = ""
+        for mesh_axis, parts in enumerate(mesh.shape):
+            rule = dim_map(expr, parts)
+            rule_name = rule.rule
+            required = rule.backward(layout.placements[mesh_axis])
+            if required is None:
+                required = [Replicate() for _ in expr.inputs]
+            for placements, placement in zip(per_input, required, strict=True):
+                placements.append(placement)
+        for tensor, placements in zip(expr.inputs, per_input, strict=True):
+            if tensor in unknown and tensor not in self.decisions:
+                self.decisions[tensor] = Decision(
+                    Layout(mesh, valid_placements(placements)), "backward", rule_name,
+                    (known[0],), expr,
+                )  # fmt: skip
+        return True
+
+    def _default(self) -> None:
+        meshes = {d.layout.mesh for d in self.decisions.values()}
+        missing = [t for t in self.fusion.tensors if t not in self.decisions]
+        if not missing:
+            return
+        if len(meshes) != 1:
+            raise ShardingError(
+                f"cannot tell which mesh {missing[0]} is on (the fusion uses "
+                f"{len(meshes)} meshes); annotate it with sharding.shard"
+            )
+        (mesh,) = meshes
+        for tensor in missing:
+            self.decisions[tensor] = Decision(Layout.replicated(mesh), "default")
+
+    def _check_meshes(self) -> None:
+        """Every op but a copy (``set``) runs on one mesh: its tensors must all be there."""
+        for expr in self.fusion.exprs:
+            if isinstance(expr, SetOp):
+                continue
+            tensors = expr.inputs + expr.outputs
+            meshes = {self.decisions[t].layout.mesh for t in tensors}
+            if len(meshes) > 1:
+                where = ", ".join(f"{t.name} on {self.decisions[t].layout.mesh}" for t in tensors)
+                raise ShardingError(
+                    f"{expr.op_name}: a tensor is used on a mesh it is not placed on ({where}); "
+                    "move it with fd.ops.set and annotate the copy with its new mesh"
+                )
+
+
+def propagate_shardings(fusion: Fusion) -> dict[TensorView, Decision]:
+    """Give every tensor of ``fusion`` a layout (written into the IR); returns the decisions."""
+    return ShardingPropagation(fusion).run()
+
+
+def explain(fusion: Fusion, decisions: dict[TensorView, Decision]) -> str:
+    """One line per tensor: its placements and what set them.
+
+    Tensors the resharding pass added are listed last, with the communication (or
+    local copy) that defines them and the expr they were made for.
+    """
+    width = max(len(str(t)) for t in fusion.tensors)
+    meshes = list(dict.fromkeys(t.mesh for t in fusion.tensors if t.mesh is not None))
+    lines = [f"M{index} = {mesh}" for index, mesh in enumerate(meshes)]
+
+    def placed(tensor: TensorView) -> str:
+        layout = layout_of(tensor)
+        placements = ", ".join(str(p) for p in layout.placements)
+        return f"{str(tensor):<{width}}  [{placements}] @M{meshes.index(layout.mesh)}"
+
+    inserted = []
+    for tensor in fusion.tensors:
+        if tensor in decisions:
+            lines.append(f"{placed(tensor)}  {decisions[tensor].describe()}")
+        elif tensor.definition is not None:
+            inserted.append(tensor)
+    if inserted:
+        lines.append("inserted by resharding:")
+        for tensor in inserted:
+            definition = tensor.definition
+            consumers = ", ".join(dict.fromkeys(e.op_name for e in tensor.uses)) or "the output"
+            source = ", ".join(t.name for t in definition.inputs)
+            lines.append(f"{placed(tensor)}  {definition.op_name} of {source} for {consumers}")
+    return "\n".join(lines)

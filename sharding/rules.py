@@ -1,0 +1,317 @@
+"""Sharding rules: one small rule per op family, written for one mesh axis.
+
+A rule describes how an expr carries a split from its inputs to its output
+as a ``DimMap``: for each tensor input, which output axis each of its axes
+becomes (or None when a split on that axis cannot pass through the op), and
+which input axes make the output a partial result when split (a contraction
+or a sum over a split axis). Shared code turns a ``DimMap`` into the two
+directions propagation needs:
+
+- ``forward``: the placement of the output given (some of) the inputs';
+- ``backward``: the placements the inputs need for the expr to produce a
+  given output placement locally, or None when it cannot.
+
+Rules see one mesh axis at a time; propagation applies them to every axis of
+the mesh (``parts`` is the number of ranks along the axis being decided).
+Adding an op family touches one place: a function registered in ``RULES``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from fusion.exprs import (
+    BinaryOp,
+    BroadcastOp,
+    CastOp,
+    ExpandOp,
+    Expr,
+    LinearOp,
+    MatmulOp,
+    PermuteOp,
+    ReductionOp,
+    ReshapeOp,
+    SelectOp,
+    SetOp,
+    SliceOp,
+    UnaryOp,
+    VarMeanOp,
+    WhereOp,
+)
+from fusion.ir import Extent, Symbol, TensorView
+from sharding.layout import Partial, Placement, Replicate, Shard
+
+
+@dataclass
+class DimMap:
+    """How one expr carries a split, per tensor input (in ``expr.inputs`` order).
+
+    ``maps[i][d]`` is the output axis that axis ``d`` of input ``i`` becomes; an
+    axis missing from ``maps[i]`` cannot carry a split through the op.
+    ``partial[i]`` are the axes of input ``i`` whose split makes the output a
+    partial result combined by ``partial_op``. ``order`` ranks the inputs when
+    several are split (weights before activations). ``free_output_dims`` may be
+    split with every input replicated (``expand`` computes its local piece).
+    """
+
+    rule: str
+    maps: list[dict[int, int]]
+    partial: list[set[int]] = field(default_factory=list)
+    partial_op: str = "sum"
+    order: list[int] | None = None
+    free_output_dims: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        if not self.partial:
+            self.partial = [set() for _ in self.maps]
+        if self.order is None:
+            self.order = list(range(len(self.maps)))
+
+    def forward(self, inputs: list[Placement | None]) -> Placement:
+        """The output's placement when the inputs are placed as given (None: unknown)."""
+        for index in self.order:
+            placement = inputs[index]
+            if isinstance(placement, Shard) and placement.dim in self.partial[index]:
+                return Partial(self.partial_op)
+        for index in self.order:
+            placement = inputs[index]
+            if isinstance(placement, Shard) and placement.dim in self.maps[index]:
+                return Shard(self.maps[index][placement.dim])
+        return Replicate()
+
+    def backward(self, output: Placement) -> list[Placement] | None:
+        """Input placements that produce ``output`` locally, or None if the op cannot."""
+        if isinstance(output, Replicate):
+            return [Replicate() for _ in self.maps]
+        if isinstance(output, Partial):
+            if output.op != self.partial_op or not any(self.partial):
+                return None
+            return [Shard(min(dims)) if dims else Replicate() for dims in self.partial]
+        sources = [
+            [d for d, o in sorted(mapping.items()) if o == output.dim] for mapping in self.maps
+        ]
+        if not any(sources) and output.dim not in self.free_output_dims:
+            return None
+        return [Shard(dims[0]) if dims else Replicate() for dims in sources]
+
+
+RuleFunction = Callable[[Expr, int], DimMap]
+RULES: dict[type[Expr], RuleFunction] = {}
+
+
+def register(*expr_classes: type[Expr]) -> Callable[[RuleFunction], RuleFunction]:
+    def decorate(function: RuleFunction) -> RuleFunction:
+        for expr_class in expr_classes:
+            RULES[expr_class] = function
+        return function
+
+    return decorate
+
+
+def dim_map(expr: Expr, parts: int) -> DimMap:
+    """The rule of ``expr``'s family (the nearest registered base class)."""
+    for cls in type(expr).__mro__:
+        if cls in RULES:
+            return RULES[cls](expr, parts)
+    raise NotImplementedError(f"no sharding rule for {type(expr).__name__}")
+
+
+def _broadcasts(source: Extent, target: Extent) -> bool:
+    return source == 1 and target != 1
+
+
+def _same_rank_map(tensor: TensorView, out: TensorView) -> dict[int, int]:
+    """Axis d to axis d, except axes the op broadcasts (extent 1 against a larger extent)."""
+    return {
+        d: d
+        for d, (a, b) in enumerate(zip(tensor.shape, out.shape, strict=True))
+        if not _broadcasts(a, b)
+    }
+
+
+@register(UnaryOp, BinaryOp, WhereOp, CastOp, SetOp)
+def pointwise_rule(expr: Expr, parts: int) -> DimMap:
+    """Elementwise ops (and copies, casts): a split passes axis for axis."""
+    out = expr.outputs[0]
+    return DimMap("pointwise", [_same_rank_map(t, out) for t in expr.inputs])
+
+
+@register(BroadcastOp)
+def broadcast_rule(expr: BroadcastOp, parts: int) -> DimMap:
+    """Input axes keep their split at their new positions; new axes are not split."""
+    kept = [o for o, flag in enumerate(expr.is_broadcast_dim) if not flag]
+    return DimMap("broadcast", [dict(enumerate(kept))])
+
+
+@register(ExpandOp)
+def expand_rule(expr: ExpandOp, parts: int) -> DimMap:
+    """Kept axes pass a split; an expanded axis can be split with the input replicated."""
+    (x,), out = expr.inputs, expr.output
+    expanded = {d for d, (a, b) in enumerate(zip(x.shape, out.shape, strict=True)) if a != b}
+    return DimMap(
+        "expand",
+        [{d: d for d in range(x.ndim) if d not in expanded}],
+        free_output_dims=expanded,
+    )
+
+
+@register(PermuteOp)
+def permute_rule(expr: PermuteOp, parts: int) -> DimMap:
+    """Input axis ``dims[o]`` becomes output axis ``o``."""
+    return DimMap("permute", [{d: o for o, d in enumerate(expr.dims)}])
+
+
+@register(SliceOp)
+def slice_rule(expr: SliceOp, parts: int) -> DimMap:
+    """Axes taken whole pass a split; a sliced axis must be whole on every rank."""
+    (x,) = expr.inputs
+    whole = {
+        d
+        for d, (axis, start, stop, step) in enumerate(
+            zip(x.logical_axes, expr.starts, expr.stops, expr.steps, strict=True)
+        )
+        if start == 0 and step == 1 and stop == axis.extent
+    }
+    return DimMap("slice", [{d: d for d in whole}])
+
+
+@register(SelectOp)
+def select_rule(expr: SelectOp, parts: int) -> DimMap:
+    """Other axes pass a split (shifted past the removed one); the selected axis cannot."""
+    (x,) = expr.inputs
+    return DimMap("select", [{d: d - (d > expr.dim) for d in range(x.ndim) if d != expr.dim}])
+
+
+def reshape_groups(
+    source: tuple[Extent, ...], target: tuple[Extent, ...]
+) -> list[tuple[list[int], list[int]]] | None:
+    """Pair runs of source and target axes with equal products; None if not decomposable.
+
+    Extent-1 axes form groups of their own; a symbolic extent must face the same symbol.
+    """
+    groups: list[tuple[list[int], list[int]]] = []
+    i = j = 0
+    while i < len(source) or j < len(target):
+        if i < len(source) and source[i] == 1:
+            groups.append(([i], []))
+            i += 1
+            continue
+        if j < len(target) and target[j] == 1:
+            groups.append(([], [j]))
+            j += 1
+            continue
+        if i >= len(source) or j >= len(target):
+            return None
+        a, b = source[i], target[j]
+        if isinstance(a, Symbol) or isinstance(b, Symbol):
+            if a != b:
+                return None
+            groups.append(([i], [j]))
+            i, j = i + 1, j + 1
+            continue
+        group = ([i], [j])
+        product_a, product_b = a, b
+        i, j = i + 1, j + 1
+        while product_a != product_b:
+            if product_a < product_b:
+                if i >= len(source) or not isinstance(source[i], int) or source[i] == 0:
+                    return None
+                product_a *= source[i]
+                group[0].append(i)
+                i += 1
+            else:
+                if j >= len(target) or not isinstance(target[j], int) or target[j] == 0:
+                    return None
+                product_b *= target[j]
+                group[1].append(j)
+                j += 1
+        groups.append(group)
+    return groups
+
+
+@register(ReshapeOp)
+def reshape_rule(expr: ReshapeOp, parts: int) -> DimMap:
+    """An axis kept as is passes its split; in a merge or split, the outermost axis does
+    when both it and the outermost axis it becomes divide evenly over the ranks."""
+    (x,), out = expr.inputs, expr.output
+    groups = reshape_groups(x.shape, out.shape) or []
+    mapping: dict[int, int] = {}
+    for sources, targets in groups:
+        if not sources or not targets:
+            continue
+        if len(sources) == 1 and len(targets) == 1:
+            mapping[sources[0]] = targets[0]
+            continue
+        first, becomes = x.shape[sources[0]], out.shape[targets[0]]
+        if isinstance(first, int) and isinstance(becomes, int):
+            if first % parts == 0 and becomes % parts == 0:
+                mapping[sources[0]] = targets[0]
+    return DimMap("reshape", [mapping])
+
+
+def _reduction_map(x: TensorView, dims: tuple[int, ...]) -> dict[int, int]:
+    kept = [d for d in range(x.ndim) if d not in dims]
+    return {d: o for o, d in enumerate(kept)}
+
+
+@register(ReductionOp)
+def reduction_rule(expr: ReductionOp, parts: int) -> DimMap:
+    """Kept axes pass a split; a split reduced axis leaves a partial sum, max or min
+    (a mean cannot be combined from partial means: its reduced axes must be whole)."""
+    (x,) = expr.inputs
+    mapping = _reduction_map(x, expr.dims)
+    if expr.op_name == "mean":
+        return DimMap("reduction", [mapping])
+    return DimMap("reduction", [mapping], [set(expr.dims)], partial_op=expr.op_name)
+
+
+@register(VarMeanOp)
+def var_mean_rule(expr: VarMeanOp, parts: int) -> DimMap:
+    """Kept axes pass a split; the reduced axes must be whole."""
+    (x,) = expr.inputs
+    return DimMap("var_mean", [_reduction_map(x, expr.dims)])
+
+
+@register(MatmulOp)
+def matmul_rule(expr: MatmulOp, parts: int) -> DimMap:
+    """``a[..., M, K] @ b[..., K, N]``: M and N pass a split, batch axes too; a split K
+    leaves a partial sum. ``b`` (usually the weight) decides first."""
+    a, b = expr.inputs
+    out = expr.output
+    batch = out.ndim - 2
+
+    def operand_map(tensor: TensorView, rows: int | None, cols: int | None) -> dict[int, int]:
+        offset = batch - (tensor.ndim - 2)
+        mapping = {
+            d: offset + d
+            for d in range(tensor.ndim - 2)
+            if not _broadcasts(tensor.shape[d], out.shape[offset + d])
+        }
+        if rows is not None:
+            mapping[tensor.ndim - 2] = rows
+        if cols is not None:
+            mapping[tensor.ndim - 1] = cols
+        return mapping
+
+    return DimMap(
+        "matmul",
+        [operand_map(a, batch, None), operand_map(b, None, batch + 1)],
+        [{a.ndim - 1}, {b.ndim - 2}],
+        order=[1, 0],
+    )
+
+
+@register(LinearOp)
+def linear_rule(expr: LinearOp, parts: int) -> DimMap:
+    """``x[..., K] @ weight[N, K].T + bias[N]``: a split N (column-parallel) or batch axis
+    passes; a split K (row-parallel) leaves a partial sum. The weight decides first."""
+    x, weight, *bias = expr.inputs
+    n_dim = x.ndim - 1
+    maps = [{d: d for d in range(x.ndim - 1)}, {0: n_dim}]
+    partial = [{x.ndim - 1}, {1}]
+    if bias:
+        maps.append({0: n_dim})
+        partial.append(set())
+    order = [1, 2, 0] if bias else [1, 0]
+    return DimMap("linear", maps, partial, order=order)

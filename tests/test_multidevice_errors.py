@@ -1,0 +1,102 @@
+"""Bad input on a multi-device run fails on every rank with a clear error, and never hangs.
+
+Each job runs on real gloo processes; a failing job must fail on every rank (no rank may
+be left waiting in a collective: the pool's timeout would turn that into a failure), and
+the pool must still run a good job afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from distributed import RankError
+
+from fusion import FusionDefinition
+from fusion.errors import InputError
+from overlap.executor import MultiDeviceExecutor
+from sharding import DeviceMesh, Replicate, Shard, ShardingError, shard
+
+
+def _row_split_fusion(world: int) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        w = fd.define_tensor([4, 6])
+        fd.add_output(fd.ops.linear(x, w))
+    shard(x, DeviceMesh(world), [Shard(0)])
+    shard(w, DeviceMesh(world), [Replicate()])
+    return fd
+
+
+def good_run(communicator) -> bool:
+    fd = _row_split_fusion(communicator.world_size)
+    executor = MultiDeviceExecutor(fd, communicator)
+    full = [torch.ones(8, 6), torch.ones(4, 6)]
+    (out,) = executor.run(executor.shard_inputs(full))
+    return bool(torch.equal(out, executor.shard_outputs(fd.execute(full))[0]))
+
+
+def wrong_shape_on_one_rank(communicator) -> None:
+    fd = _row_split_fusion(communicator.world_size)
+    executor = MultiDeviceExecutor(fd, communicator)
+    local = executor.shard_inputs([torch.ones(8, 6), torch.ones(4, 6)])
+    if communicator.rank == 1:
+        local[0] = torch.ones(local[0].shape[0] + 1, 6)
+    executor.run(local)
+
+
+def wrong_dtype_on_one_rank(communicator) -> None:
+    fd = _row_split_fusion(communicator.world_size)
+    executor = MultiDeviceExecutor(fd, communicator)
+    local = executor.shard_inputs([torch.ones(8, 6), torch.ones(4, 6)])
+    if communicator.rank == communicator.world_size - 1:
+        local[1] = local[1].double()
+    executor.run(local)
+
+
+def missing_input_on_one_rank(communicator) -> None:
+    fd = _row_split_fusion(communicator.world_size)
+    executor = MultiDeviceExecutor(fd, communicator)
+    local = executor.shard_inputs([torch.ones(8, 6), torch.ones(4, 6)])
+    if communicator.rank == 0:
+        local = local[:1]
+    executor.run(local)
+
+
+def mesh_larger_than_the_world(communicator) -> None:
+    MultiDeviceExecutor(_row_split_fusion(communicator.world_size + 1), communicator)
+
+
+def tensor_used_off_its_mesh(communicator) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    shard(x, DeviceMesh([0]), [Replicate()])
+    shard(y, DeviceMesh([1]), [Replicate()])
+    MultiDeviceExecutor(fd, communicator)
+
+
+@pytest.mark.parametrize(
+    ("job", "error", "pieces"),
+    [
+        (wrong_shape_on_one_rank, InputError, ["rank 1:", "input 0", "expected the local shape"]),
+        (wrong_dtype_on_one_rank, InputError, ["input 1", "expected dtype torch.float32"]),
+        (missing_input_on_one_rank, InputError, ["rank 0:", "takes 2 inputs, got 1"]),
+        (mesh_larger_than_the_world, ShardingError, ["the world has", "does not exist"]),
+        (tensor_used_off_its_mesh, ShardingError, ["exp: a tensor is used on a mesh"]),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_bad_input_fails_on_every_rank_then_the_ranks_carry_on(
+    rank_pools, world, job, error, pieces
+):
+    pool = rank_pools(world)
+    with pytest.raises(RankError) as failure:
+        pool.run(job, timeout=60)
+    assert sorted(failure.value.failures) == list(range(world)), "every rank must fail"
+    for rank, message in failure.value.messages().items():
+        assert failure.value.failures[rank][0] == error.__name__, (rank, message)
+        for piece in pieces:
+            assert piece in message, (rank, message)
+    assert pool.run(good_run, timeout=60) == [True] * world
