@@ -106,6 +106,19 @@ class MultiDeviceExecutor:
             for value, tensor in zip(full_outputs, self.fusion.outputs, strict=True)
         ]
 
+    def gather_outputs(self, local_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+        """The whole outputs, assembled from every rank's pieces (collective: call on all ranks).
+
+        Pieces travel through ``all_gather_object`` (host memory): meant for checking and
+        small results, not for the hot path.
+        """
+        cpu = [None if t is None else t.cpu() for t in local_outputs]
+        everyone = self.communicator.all_gather_object(cpu)
+        return [
+            assemble({rank: pieces[position] for rank, pieces in enumerate(everyone)}, tensor)
+            for position, tensor in enumerate(self.fusion.outputs)
+        ]
+
     # -----------------------------------------------------------------------
     # Running
 
@@ -299,3 +312,33 @@ def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Ten
             offset, size = split_range(extent, layout.mesh.shape[mesh_axis], coords[mesh_axis])
             piece = piece.narrow(placement.dim, offset, size)
     return pack_fp4(piece) if packed else piece.contiguous()
+
+
+def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torch.Tensor:
+    """The whole value of ``tensor`` from its pieces by rank (the inverse of ``local_piece``).
+
+    Replicated copies must agree; the first rank's copy is kept.
+    """
+    layout = layout_of(tensor)
+    mesh = layout.mesh
+    packed = tensor.dtype is float4_e2m1
+
+    def along(mesh_axis: int, fixed: dict[int, int]) -> torch.Tensor:
+        """Concatenate over mesh axes from ``mesh_axis`` on, the others fixed at ``fixed``."""
+        if mesh_axis == mesh.ndim:
+            rank = mesh.rank_at([fixed[a] for a in range(mesh.ndim)])
+            piece = pieces[rank]
+            if piece is None:
+                raise ValueError(f"rank {rank} holds a piece of {tensor} but gave None")
+            return unpack_fp4(piece) if packed else piece
+        placement = layout.placements[mesh_axis]
+        if not isinstance(placement, Shard):
+            return along(mesh_axis + 1, {**fixed, mesh_axis: 0})
+        parts = [
+            along(mesh_axis + 1, {**fixed, mesh_axis: coordinate})
+            for coordinate in range(mesh.shape[mesh_axis])
+        ]
+        return torch.cat(parts, placement.dim)
+
+    whole = along(0, {})
+    return pack_fp4(whole) if packed else whole

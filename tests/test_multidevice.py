@@ -35,6 +35,9 @@ def _check(communicator, fd, full_inputs, reduction_extent: int) -> list[str]:
         else:
             assert_close(actual, wanted, reduction_extent=reduction_extent,
                          message=f"rank {communicator.rank} output {position}")  # fmt: skip
+    whole = executor.gather_outputs(outputs)
+    for actual, wanted in zip(whole, fd.execute(full_inputs), strict=True):
+        assert_close(actual, wanted, reduction_extent=reduction_extent)
     return [
         f"{c.op_name}({c.in_layout.mesh.axis_names[c.mesh_axis]})"
         if c.mesh_axis is not None
