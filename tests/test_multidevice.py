@@ -13,7 +13,7 @@ import torch
 from fusion import FusionDefinition, to_fp4
 from fusion.testing import assert_close
 from overlap.executor import MultiDeviceExecutor
-from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding import DeviceMesh, Partial, Replicate, Shard, shard
 
 WORLD_SIZES = [2, 4]
 
@@ -271,3 +271,35 @@ def bf16_row_parallel(communicator, seed: int) -> None:
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_a_bf16_row_parallel_linear_stays_within_bf16_partial_sum_rounding(rank_pools, world):
     rank_pools(world).run(bf16_row_parallel, 19)
+
+
+# ---------------------------------------------------------------------------
+# Between a single rank and a mesh: broadcast, scatter, gather, reduce
+
+
+def one_rank_and_a_mesh(communicator, seed: int, kind: str) -> list[str]:
+    world = communicator.world_size
+    everyone, last = DeviceMesh(world), DeviceMesh([world - 1])
+    with FusionDefinition(kind) as fd:
+        x = fd.define_tensor([7, 6])
+        if kind in ("Broadcast", "Scatter"):
+            produced = fd.ops.exp(x)
+            moved = fd.ops.set(produced)
+            fd.add_output(fd.ops.relu(moved))
+            shard(x, last, [Replicate()])
+            shard(moved, everyone, [Replicate() if kind == "Broadcast" else Shard(0)])
+        else:
+            produced = fd.ops.exp(x) if kind == "Gather" else fd.ops.sum(x, dims=[0])
+            moved = fd.ops.set(produced)
+            fd.add_output(moved)
+            shard(x, everyone, [Shard(0)])
+            if kind == "Reduce":
+                shard(produced, everyone, [Partial()])
+            shard(moved, last, [Replicate()])
+    return _check(communicator, fd, _inputs(seed, [[7, 6]]), reduction_extent=7)
+
+
+@pytest.mark.parametrize("kind", ["Broadcast", "Scatter", "Gather", "Reduce"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_moving_between_one_rank_and_a_mesh(rank_pools, world, kind):
+    assert rank_pools(world).run(one_rank_and_a_mesh, 20, kind) == [[kind]] * world
