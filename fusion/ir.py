@@ -69,7 +69,7 @@ class Axis:
     the fusion (it is what the printer shows).
     """
 
-    __slots__ = ("id", "extent", "iter_type", "parallel_type")
+    __slots__ = ("id", "extent", "iter_type", "parallel_type", "stream_chunks")
 
     def __init__(
         self,
@@ -82,6 +82,7 @@ class Axis:
         self.extent = extent
         self.iter_type = iter_type
         self.parallel_type = parallel_type
+        self.stream_chunks: int | None = None
 
     @property
     def is_reduction(self) -> bool:
@@ -95,13 +96,44 @@ class Axis:
     def is_symbolic(self) -> bool:
         return isinstance(self.extent, Symbol)
 
-    def parallelize(self, parallel_type: ParallelType) -> Axis:
-        """Set the parallel type; returns the axis for chaining."""
+    @property
+    def is_stream(self) -> bool:
+        """Whether the axis is cut into chunks run on different streams."""
+        return self.parallel_type is ParallelType.Stream or self.stream_chunks is not None
+
+    def stream(self, chunks: int) -> Axis:
+        """Cut the axis into ``chunks`` chunks on streams.
+
+        A device-split axis stays split: each rank's piece (or, through a pipelined
+        communication, each owner's piece) is cut into chunks. Other axes become
+        ``Stream`` axes.
+        """
+        if self.parallel_type.is_device:
+            if not isinstance(chunks, int) or chunks < 1:
+                raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+            self.stream_chunks = chunks
+            return self
+        return self.parallelize(ParallelType.Stream, chunks)
+
+    def parallelize(self, parallel_type: ParallelType, chunks: int | None = None) -> Axis:
+        """Set the parallel type; returns the axis for chaining.
+
+        A ``Stream`` axis is cut into ``chunks`` pieces run on different streams
+        (None leaves the count to the planner or the lowering's default).
+        """
+        if chunks is not None and parallel_type is not ParallelType.Stream:
+            raise ValueError(f"chunks applies to Stream axes, not {parallel_type.name}")
+        if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+            raise ValueError(f"chunks must be a positive int, got {chunks!r}")
         self.parallel_type = parallel_type
+        self.stream_chunks = chunks
         return self
 
     def __str__(self) -> str:
-        return f"{self.iter_type.value}{self.parallel_type.value}{self.id}{{{self.extent}}}"
+        parallel = self.parallel_type.value
+        if self.parallel_type.is_device and self.stream_chunks is not None:
+            parallel += "|Stream"
+        return f"{self.iter_type.value}{parallel}{self.id}{{{self.extent}}}"
 
     __repr__ = __str__
 

@@ -27,43 +27,87 @@ import torch
 from fusion.definition import FusionDefinition
 from fusion.dtypes import float4_e2m1
 from fusion.errors import InputError
-from fusion.exprs import Expr
+from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.fp4 import pack_fp4, unpack_fp4
 from fusion.ir import ExtentConstraint, Fusion, Symbol, TensorView
-from fusion.reference import Bindings, evaluate_expr, resolve
+from fusion.reference import Bindings, bind_inputs, evaluate_expr, resolve
 from overlap.communications import Pending, RankContext, start
 from overlap.communicator import Communicator
 from overlap.host_ir import (
+    AliasSelect,
     Allocate,
+    ChunkScheme,
+    CombineStaged,
     Communicate,
     Deallocate,
+    ForLoop,
+    GetCurrentStream,
     HostProgram,
     LaunchKernel,
+    SetCurrentStream,
+    StageForPeers,
+    StreamRef,
+    Synchronize,
     Wait,
+    walk,
 )
 from overlap.lowering import lower_to_host_program
+from overlap.pipelined import PipelinedComms, chunk_rows, place, split_dim
+from overlap.planner import (
+    HardwareFigures,
+    OverlapOptions,
+    default_hardware_figures,
+    plan_overlap,
+)
+from overlap.streams import StreamPool
+from overlap.symmetric import SymmetricBuffers
+from overlap.timeline import Timeline
 from sharding.communication import LocalShard
 from sharding.errors import ShardingError
 from sharding.layout import Layout, Shard, layout_of, local_shape, split_range
+from sharding.mesh import DeviceMesh
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
-from sharding.segmentation import segment_fusion
 
 
 class MultiDeviceExecutor:
-    """Runs ``fusion`` on this rank as part of every rank running it."""
+    """Runs ``fusion`` on this rank as part of every rank running it.
 
-    def __init__(self, fusion: Fusion | FusionDefinition, communicator: Communicator) -> None:
+    A fusion with no tensor placed on a mesh runs whole on one device (the
+    communicator may then be None). ``options`` override the overlap planner and
+    ``hardware`` feeds its cost model (by default the recorded figures of this
+    device kind).
+    """
+
+    def __init__(
+        self,
+        fusion: Fusion | FusionDefinition,
+        communicator: Communicator | None = None,
+        options: OverlapOptions | None = None,
+        hardware: HardwareFigures | None = None,
+    ) -> None:
         fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
         if not fusion.finalized:
             raise ShardingError("finish the fusion definition (leave its `with` block) first")
         self.communicator = communicator
-        self.rank = communicator.rank
-        self.fusion, self.decisions = shard_fusion(fusion)
-        self._check_meshes_fit_the_world()
-        self.segments = segment_fusion(self.fusion)
-        self.program: HostProgram = lower_to_host_program(self.fusion, self.segments)
-        communicator.prepare(team for c in self.program.communications for team in c.teams())
+        self.rank = communicator.rank if communicator else 0
+        self.device = communicator.device if communicator else torch.device("cpu")
+        self.sharded = any(t.mesh is not None for t in fusion.tensors)
+        if self.sharded:
+            if communicator is None:
+                raise ShardingError("a fusion placed on device meshes needs a Communicator")
+            self.fusion, self.decisions = shard_fusion(fusion)
+            self._check_meshes_fit_the_world()
+        else:
+            self.fusion, self.decisions = fusion.clone(), {}
+        self.hardware = hardware or default_hardware_figures(self.device)
+        self.overlap = plan_overlap(self.fusion, self.hardware, options)
+        self.program: HostProgram = lower_to_host_program(self.fusion)
+        self._check_transports()
+        if communicator is not None:
+            communicator.prepare(team for c in self.program.communications for team in c.teams())
+        self._symmetric: SymmetricBuffers | None = None
+        self._streams = StreamPool(self.device)
 
     def _check_meshes_fit_the_world(self) -> None:
         world = self.communicator.world_size
@@ -75,12 +119,27 @@ class MultiDeviceExecutor:
                     f"(0..{world - 1}); rank {too_large[0]} does not exist"
                 )
 
+    def _check_transports(self) -> None:
+        for instruction in walk(self.program.instructions):
+            if isinstance(instruction, Communicate) and instruction.transport == "copy_engine":
+                if self.device.type != "cuda":
+                    raise ShardingError(
+                        f"{instruction.name}: the copy_engine transport needs CUDA devices with "
+                        f"symmetric memory; this rank runs on {self.device}. Use collective or ring"
+                    )
+
     # -----------------------------------------------------------------------
     # What users and tests need around a run
 
     def explain(self) -> str:
         """Which rule placed each tensor (see ``sharding.explain``)."""
         return explain(self.fusion, self.decisions)
+
+    def explain_overlap(self) -> str:
+        """The planner's choices, with reasons and predicted times."""
+        if not self.overlap:
+            return "no all-gather+matmul or matmul+reduce-scatter to overlap"
+        return "\n".join(str(decision) for decision in self.overlap)
 
     @property
     def communications(self) -> list:
@@ -112,6 +171,8 @@ class MultiDeviceExecutor:
         Pieces travel through ``all_gather_object`` (host memory): meant for checking and
         small results, not for the hot path.
         """
+        if not self.sharded:
+            return list(local_outputs)
         cpu = [None if t is None else t.cpu() for t in local_outputs]
         everyone = self.communicator.all_gather_object(cpu)
         return [
@@ -122,62 +183,37 @@ class MultiDeviceExecutor:
     # -----------------------------------------------------------------------
     # Running
 
-    def run(self, local_inputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Run the program on this rank; returns this rank's output pieces (None off-mesh)."""
-        bindings = self._check_inputs(local_inputs)
-        ctx = RankContext(
-            self.rank,
-            self.communicator,
-            lambda t: [resolve(e, bindings) for e in t.shape],
-            lambda t: self._local_shape(t, bindings),
-            _storage_dtype,
+    def run(
+        self, local_inputs: Sequence[torch.Tensor | None], timeline: Timeline | None = None
+    ) -> list[torch.Tensor | None]:
+        """Run the program on this rank; returns this rank's output pieces (None off-mesh).
+
+        With a ``timeline``, every kernel and communication is recorded per stream.
+        """
+        if self.sharded:
+            bindings = self._check_inputs(local_inputs)
+        else:
+            bindings = bind_inputs(self.fusion, list(local_inputs))
+        if self._uses_copy_engine() and self._symmetric is None:
+            self._symmetric = SymmetricBuffers(self.communicator)
+        if self._symmetric is not None:
+            self._symmetric.next_run()
+        return _Run(self, bindings, timeline).execute(local_inputs)
+
+    def _uses_copy_engine(self) -> bool:
+        return any(
+            isinstance(i, Communicate) and i.transport == "copy_engine"
+            for i in walk(self.program.instructions)
         )
-        values: dict[TensorView, torch.Tensor] = {}
-        for tensor, value in zip(self.fusion.inputs, local_inputs, strict=True):
-            if self.rank in tensor.mesh:
-                values[tensor] = unpack_fp4(value) if tensor.dtype is float4_e2m1 else value
-        pending: dict[Communicate, Pending] = {}
-        for instruction in self.program.instructions:
-            if isinstance(instruction, LaunchKernel):
-                if self.rank in instruction.segment.mesh:
-                    for expr in instruction.segment.exprs:
-                        self._compute(expr, values, ctx)
-            elif isinstance(instruction, Communicate):
-                comm = instruction.communication
-                if self.rank in comm.participants():
-                    pending[instruction] = start(comm, values.get(comm.inputs[0]), ctx)
-            elif isinstance(instruction, Wait):
-                if instruction.communicate in pending:
-                    result = pending.pop(instruction.communicate).wait()
-                    if result is not None:
-                        values[instruction.communicate.communication.output] = result
-            elif isinstance(instruction, Deallocate):
-                values.pop(instruction.tensor, None)
-            elif not isinstance(instruction, Allocate):  # buffers are allocated by `start`
-                raise NotImplementedError(type(instruction).__name__)
-        outputs: list[torch.Tensor | None] = []
-        for tensor in self.fusion.outputs:
-            if self.rank not in tensor.mesh:
-                outputs.append(None)
-                continue
-            value = values[tensor]
-            outputs.append(pack_fp4(value) if tensor.dtype is float4_e2m1 else value.contiguous())
-        return outputs
 
-    def _compute(self, expr: Expr, values: dict, ctx: RankContext) -> None:
-        if isinstance(expr, LocalShard):
-            (source,) = expr.inputs
-            coordinate = expr.mesh.coords(self.rank)[expr.mesh_axis]
-            parts = expr.mesh.shape[expr.mesh_axis]
-            extent = values[source].shape[expr.dim]
-            offset, size = split_range(extent, parts, coordinate)
-            values[expr.output] = values[source].narrow(expr.dim, offset, size).contiguous()
-            return
-        evaluate_expr(expr, values, ctx.local_shape)
-
-    def _local_shape(self, tensor: TensorView, bindings: Bindings) -> list[int]:
+    def local_shape(self, tensor: TensorView, bindings: Bindings) -> list[int]:
         shape = [resolve(e, bindings) for e in tensor.shape]
-        return local_shape(layout_of(tensor), self.rank, shape)
+        layout = layout_of(tensor)
+        return shape if layout is None else local_shape(layout, self.rank, shape)
+
+    def holds(self, mesh: DeviceMesh | None) -> bool:
+        """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
+        return mesh is None or self.rank in mesh
 
     # -----------------------------------------------------------------------
     # Input checks, the same verdict on every rank
@@ -192,6 +228,239 @@ class MultiDeviceExecutor:
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")
         return check_local_inputs(self.fusion, everyone)
+
+
+class _Run:
+    """One run of the host program on this rank."""
+
+    def __init__(self, executor: MultiDeviceExecutor, bindings: Bindings, timeline) -> None:
+        self.executor = executor
+        self.rank = executor.rank
+        self.bindings = bindings
+        self.timeline = timeline
+        self.values: dict[TensorView, torch.Tensor | None] = {}
+        self.allocated: set[TensorView] = set()
+        self.pending: dict[Communicate, Pending] = {}
+        self.started: dict[Communicate, object] = {}
+        self.saved_streams: dict[str, object] = {}
+        self.streams = executor._streams
+        self.ctx = RankContext(
+            self.rank,
+            executor.communicator,
+            lambda t: [resolve(e, bindings) for e in t.shape],
+            lambda t: executor.local_shape(t, bindings),
+            _storage_dtype,
+        )
+        self.pipelined = PipelinedComms(self.ctx, executor._symmetric)
+        self.loop: tuple[ChunkScheme, int] | None = None
+
+    def execute(self, local_inputs) -> list[torch.Tensor | None]:
+        executor = self.executor
+        for tensor, value in zip(executor.fusion.inputs, local_inputs, strict=True):
+            if executor.holds(tensor.mesh):
+                self.values[tensor] = unpack_fp4(value) if tensor.dtype is float4_e2m1 else value
+        if executor._symmetric is not None:
+            self._allocate_symmetric()
+        self._instructions(executor.program.instructions)
+        outputs: list[torch.Tensor | None] = []
+        for tensor in executor.fusion.outputs:
+            if not executor.holds(tensor.mesh):
+                outputs.append(None)
+                continue
+            value = self.values[tensor]
+            outputs.append(pack_fp4(value) if tensor.dtype is float4_e2m1 else value.contiguous())
+        return outputs
+
+    def _lane(self, kind: str) -> str:
+        return f"stream {self.loop[1] % self.streams.count} {kind}" if self.loop else f"main {kind}"
+
+    def _instructions(self, instructions: list) -> None:
+        for instruction in instructions:
+            handler = getattr(self, f"_{type(instruction).__name__}")
+            handler(instruction)
+
+    # -- memory ----------------------------------------------------------------
+
+    def _Allocate(self, instruction: Allocate) -> None:
+        self.allocated.add(instruction.tensor)
+
+    def _Deallocate(self, instruction: Deallocate) -> None:
+        self.values.pop(instruction.tensor, None)
+
+    def _buffer(self, tensor: TensorView) -> torch.Tensor:
+        if tensor not in self.values:
+            self.values[tensor] = torch.empty(
+                self.ctx.local_shape(tensor), dtype=_storage_dtype(tensor),
+                device=self.executor.device,
+            )  # fmt: skip
+        return self.values[tensor]
+
+    # -- streams and loops -----------------------------------------------------
+
+    def _GetCurrentStream(self, instruction: GetCurrentStream) -> None:
+        self.saved_streams[instruction.name] = self.streams.current()
+
+    def _stream(self, ref: StreamRef):
+        if ref.saved:
+            return self.saved_streams[ref.saved]
+        return self.streams.get(self.loop[1])
+
+    def _SetCurrentStream(self, instruction: SetCurrentStream) -> None:
+        self.streams.set(self._stream(instruction.stream))
+
+    def _Synchronize(self, instruction: Synchronize) -> None:
+        self.streams.wait(self._stream(instruction.stream))
+
+    def _ForLoop(self, instruction: ForLoop) -> None:
+        outer = self.loop
+        for iteration in range(instruction.scheme.num_chunks):
+            self.loop = (instruction.scheme, iteration)
+            self._instructions(instruction.body)
+        self.loop = outer
+        self.pipelined.drain()
+
+    def _AliasSelect(self, instruction: AliasSelect) -> None:
+        source = instruction.source
+        if not self.executor.holds(source.mesh):
+            return
+        scheme, iteration = self.loop
+        value = self._buffer(source) if source in self.allocated else self.values.get(source)
+        layout = layout_of(source)
+        split = (
+            scheme.owners > 1
+            and layout is not None
+            and layout.placements[scheme.mesh_axis] == Shard(instruction.dim)
+        )
+        if scheme.owners > 1:
+            where = place(scheme, self.rank, iteration)
+            chunk = where.chunk
+            if split and where.owner != where.mine:
+                self.values[instruction.result] = None
+                return
+        else:
+            chunk = scheme.chunk(iteration, 0)
+        offset, size = chunk_rows(value.shape[instruction.dim], scheme, chunk, split)
+        self.values[instruction.result] = value.narrow(instruction.dim, offset, size)
+
+    # -- compute ---------------------------------------------------------------
+
+    def _LaunchKernel(self, kernel: LaunchKernel) -> None:
+        if not self.executor.holds(kernel.mesh):
+            return
+        span = self.timeline.span(self._lane("compute"), kernel.name) if self.timeline else None
+        if span:
+            span.__enter__()
+        for expr in kernel.exprs:
+            self._compute(expr, kernel.aliases)
+        if span:
+            span.__exit__(None, None, None)
+
+    def _compute(self, expr: Expr, aliases: dict[TensorView, TensorView]) -> None:
+        def read(tensor: TensorView) -> torch.Tensor:
+            return self.values[aliases.get(tensor, tensor)]
+
+        destinations = {
+            out: self.values.get(aliases[out]) for out in expr.outputs if out in aliases
+        }
+        if isinstance(expr, LocalShard):
+            (source,) = expr.inputs
+            coordinate = expr.mesh.coords(self.rank)[expr.mesh_axis]
+            extent = read(source).shape[expr.dim]
+            offset, size = split_range(extent, expr.mesh.shape[expr.mesh_axis], coordinate)
+            result = {expr.output: read(source).narrow(expr.dim, offset, size).contiguous()}
+        elif isinstance(expr, (MatmulOp, LinearOp)):
+            result = {expr.output: _contract(expr, read, destinations.get(expr.output))}
+        else:
+            local = {t: read(t) for t in expr.inputs}
+
+            def shape_of(tensor: TensorView) -> list[int]:
+                if tensor in local:
+                    return list(local[tensor].shape)
+                if destinations.get(tensor) is not None:
+                    return list(destinations[tensor].shape)
+                return self.ctx.local_shape(tensor)
+
+            evaluate_expr(expr, local, shape_of)
+            result = {out: local[out] for out in expr.outputs}
+        for out, value in result.items():
+            destination = destinations.get(out)
+            if destination is not None:
+                if destination.data_ptr() != value.data_ptr():
+                    destination.copy_(value)
+            else:
+                self.values[aliases.get(out, out)] = value
+
+    # -- communication ---------------------------------------------------------
+
+    def _Communicate(self, instruction: Communicate) -> None:
+        comm = instruction.communication
+        if self.executor.communicator is None or self.rank not in comm.participants():
+            return
+        source = self.values.get(instruction.source)
+        if self.timeline:
+            self.started[instruction] = self.timeline.start(self._lane("comm"), instruction.name)
+        if self.loop is not None:
+            target = self.values.get(instruction.target)
+            scheme, iteration = self.loop
+            self.pending[instruction] = self.pipelined.start(
+                instruction, source, target, scheme, iteration
+            )
+        else:
+            self.pending[instruction] = start(comm, source, self.ctx)
+
+    def _Wait(self, instruction: Wait) -> None:
+        communicate = instruction.communicate
+        if communicate not in self.pending:
+            return
+        result = self.pending.pop(communicate).wait()
+        if self.loop is None and result is not None:
+            self.values[communicate.target] = result
+        if self.timeline and communicate in self.started:
+            self.timeline.stop(self.started.pop(communicate))
+
+    def _StageForPeers(self, instruction: StageForPeers) -> None:
+        comm = instruction.communicate.communication
+        if self.rank in comm.participants():
+            self.executor._symmetric.stage(instruction.communicate, self.values[comm.inputs[0]])
+
+    def _CombineStaged(self, instruction: CombineStaged) -> None:
+        comm = instruction.communicate.communication
+        if self.rank in comm.participants():
+            self.executor._symmetric.combine(instruction.communicate, self._buffer(comm.output))
+
+    def _allocate_symmetric(self) -> None:
+        for loop in self.executor.program.instructions:
+            if not isinstance(loop, ForLoop):
+                continue
+            for instruction in loop.body:
+                if not (
+                    isinstance(instruction, Communicate) and instruction.transport == "copy_engine"
+                ):
+                    continue
+                comm = instruction.communication
+                dim = split_dim(comm)
+                moving = comm.inputs[0]
+                shape = self.ctx.local_shape(moving)
+                whole = self.ctx.global_shape(comm.output)[dim]
+                rest = shape[:dim] + shape[dim + 1 :]
+                self.executor._symmetric.allocate(
+                    instruction, loop.scheme, whole, dim, rest, _storage_dtype(moving)
+                )
+
+
+def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
+    """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
+    if isinstance(expr, MatmulOp):
+        a, b = (read(t) for t in expr.inputs)
+        if out is not None and out.is_contiguous() and a.dim() == 2 and b.dim() == 2:
+            return torch.mm(a, b, out=out)
+        return torch.matmul(a, b)
+    x, weight, *bias = (read(t) for t in expr.inputs)
+    if out is not None and out.is_contiguous() and x.dim() == 2:
+        if bias:
+            return torch.addmm(bias[0], x, weight.t(), out=out)
+        return torch.mm(x, weight.t(), out=out)
+    return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
 
 
 def _storage_dtype(tensor: TensorView) -> torch.dtype:

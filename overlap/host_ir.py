@@ -2,100 +2,127 @@
 
 One program serves every rank (SPMD): an instruction runs on the ranks of its
 mesh (a kernel) or its teams (a communication) and is skipped elsewhere.
+Stream-parallel work is a ``ForLoop`` over chunks: each iteration selects its
+chunk of every tensor (``AliasSelect``), runs on its own stream, and hands
+back to the user's stream. Example (all-gather + linear, 2 chunks)::
 
-Example (sequence-parallel block on two ranks)::
-
-    HostProgram sp_block: 4 inputs, 1 output
+    HostProgram ag_linear: 2 inputs, 1 output
     meshes:
       M0 = mesh(x=2: [0, 1])
-    inputs: T0, T1, T2, T3
-      LaunchKernel k0 [reference] (T0, T1) -> (T16)  @M0
-        cast, var_mean, broadcast, ...
-      Allocate T20_bf16[iS40{8}, iS41{16}]  @M0
-      c0 = Allgather(T16 -> T20, axis='x', in_dim=0)  @M0
-      Wait c0
-      Deallocate T16
-      ...
-    outputs: T19
+    inputs: T0, T1
+      Allocate T4_f32[iStream8{8}, iS9{4}]  @M0
+      Allocate T2_f32[iStream4{8}, iDIDx5{6}, rS6{4}]  @M0
+      s0 = GetCurrentStream
+      FOR i in range(2):
+        SetCurrentStream(stream i)
+        Synchronize(s0)
+      FOR i in range(2):  # chunks in global order
+        SetCurrentStream(stream i)
+        T5 = AliasSelect(T0, dim=0, chunk=i)
+        T6 = AliasSelect(T4, dim=0, chunk=i)
+        c0 = Allgather(T5 -> T6, axis='x', in_dim=0) [collective]
+        Wait c0
+        T7 = AliasSelect(T2, dim=0, chunk=i)
+        LaunchKernel k0 [cublas] (T6, T1) -> (T7)
+          linear
+        SetCurrentStream(s0)
+        Synchronize(stream i)
+    outputs: T2
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fusion.exprs import Expr
 from fusion.ir import Fusion, TensorView
 from fusion.printer import count
 from sharding.communication import Communication
-from sharding.segmentation import Segment
+from sharding.mesh import DeviceMesh
 
 
 class Instruction:
     """One step of a host program."""
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
+    def text(self, labels: dict[object, str]) -> list[str]:
         raise NotImplementedError
 
 
-def _at(mesh: object, mesh_label: dict[object, str]) -> str:
-    return f"  @{mesh_label[mesh]}" if mesh in mesh_label else ""
+def _at(mesh: object, labels: dict[object, str]) -> str:
+    return f"  @{labels[mesh]}" if mesh in labels else ""
 
 
 @dataclass(eq=False)
 class Allocate(Instruction):
-    """Allocate the local buffer of ``tensor`` (a communication's output)."""
+    """Allocate the local buffer of ``tensor`` (filled later, whole or chunk by chunk)."""
 
     tensor: TensorView
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
-        return [f"Allocate {self.tensor}{_at(self.tensor.mesh, mesh_label)}"]
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"Allocate {self.tensor}{_at(self.tensor.mesh, labels)}"]
 
 
 @dataclass(eq=False)
 class LaunchKernel(Instruction):
-    """Run a compute segment on the ranks of its mesh.
+    """Run ``exprs`` on the ranks of ``mesh`` (everywhere when None).
 
-    ``backend`` names what computes it: ``reference`` (the eager reference evaluator)
-    until generated kernels take over.
+    ``aliases`` maps the fusion's tensors to the chunk tensors this launch reads and
+    writes inside a loop. ``backend`` names what computes it: ``reference`` (the eager
+    reference evaluator) or ``cublas`` (matmul and linear through PyTorch).
     """
 
     name: str
-    segment: Segment
+    exprs: list[Expr]
+    inputs: list[TensorView]
+    outputs: list[TensorView]
+    mesh: DeviceMesh | None
     backend: str = "reference"
+    aliases: dict[TensorView, TensorView] = field(default_factory=dict)
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
-        ins = ", ".join(t.name for t in self.segment.inputs)
-        outs = ", ".join(t.name for t in self.segment.outputs)
-        ops = ", ".join(e.op_name for e in self.segment.exprs)
-        at = _at(self.segment.mesh, mesh_label)
+    def text(self, labels: dict[object, str]) -> list[str]:
+        ins = ", ".join(t.name for t in self.inputs)
+        outs = ", ".join(t.name for t in self.outputs)
+        ops = ", ".join(e.op_name for e in self.exprs)
+        at = _at(self.mesh, labels)
         return [f"LaunchKernel {self.name} [{self.backend}] ({ins}) -> ({outs}){at}", f"  {ops}"]
 
 
 @dataclass(eq=False)
 class Communicate(Instruction):
-    """Start a communication (asynchronously where the backend allows)."""
+    """Start a communication (asynchronously where the backend allows).
+
+    Inside a loop, ``source`` and ``target`` are chunk tensors and ``transport`` says
+    how a chunk moves: ``collective`` (one collective per chunk), ``ring``
+    (send/receive around the ring) or ``copy_engine`` (copies from or to peers'
+    symmetric-memory buffers, no SMs used).
+    """
 
     name: str
     communication: Communication
+    source: TensorView
+    target: TensorView
+    transport: str | None = None
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
+    def text(self, labels: dict[object, str]) -> list[str]:
         comm = self.communication
         attrs = "".join(f", {key}={value!r}" for key, value in comm.attrs.items())
-        meshes = _at(comm.in_layout.mesh, mesh_label)
+        meshes = _at(comm.in_layout.mesh, labels)
         if not comm.same_mesh:
-            meshes += f" -> {mesh_label[comm.out_layout.mesh]}"
+            meshes += f" -> {labels[comm.out_layout.mesh]}"
+        transport = f" [{self.transport}]" if self.transport else ""
         return [
-            f"{self.name} = {comm.op_name}({comm.inputs[0].name} -> {comm.output.name}{attrs})"
-            f"{meshes}"
+            f"{self.name} = {comm.op_name}({self.source.name} -> {self.target.name}{attrs})"
+            f"{transport}{meshes}"
         ]
 
 
 @dataclass(eq=False)
 class Wait(Instruction):
-    """Wait until a communication has finished and its output is ready."""
+    """Make the current stream wait until a communication has delivered its output."""
 
     communicate: Communicate
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
+    def text(self, labels: dict[object, str]) -> list[str]:
         return [f"Wait {self.communicate.name}"]
 
 
@@ -105,8 +132,165 @@ class Deallocate(Instruction):
 
     tensor: TensorView
 
-    def text(self, mesh_label: dict[object, str]) -> list[str]:
+    def text(self, labels: dict[object, str]) -> list[str]:
         return [f"Deallocate {self.tensor.name}"]
+
+
+@dataclass(frozen=True)
+class StreamRef:
+    """A stream: the one saved under ``saved`` (the user's), or the loop's stream ``i``."""
+
+    saved: str | None = None
+
+    def __str__(self) -> str:
+        return self.saved if self.saved else "stream i"
+
+
+LOOP_STREAM = StreamRef()
+
+
+@dataclass(eq=False)
+class GetCurrentStream(Instruction):
+    """Remember the user's current stream under ``name``."""
+
+    name: str
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"{self.name} = GetCurrentStream"]
+
+
+@dataclass(eq=False)
+class SetCurrentStream(Instruction):
+    """Make ``stream`` current: work launched next runs on it."""
+
+    stream: StreamRef
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"SetCurrentStream({self.stream})"]
+
+
+@dataclass(eq=False)
+class Synchronize(Instruction):
+    """Make the current stream wait for the work already queued on ``stream``."""
+
+    stream: StreamRef
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"Synchronize({self.stream})"]
+
+
+@dataclass(eq=False)
+class AliasSelect(Instruction):
+    """``result`` is a view of chunk ``i`` of ``source`` along ``dim`` (reduction axes kept).
+
+    A rank whose ``source`` holds a split of ``dim`` has data only for the chunks it
+    owns; elsewhere the view is empty (a communication fills or empties it).
+    """
+
+    result: TensorView
+    source: TensorView
+    dim: int
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"{self.result.name} = AliasSelect({self.source.name}, dim={self.dim}, chunk=i)"]
+
+
+@dataclass
+class ChunkScheme:
+    """How a loop cuts its stream axis into chunks and in which order ranks visit them.
+
+    With ``owners`` > 1 the axis is split over the ranks of ``mesh_axis`` of ``mesh``
+    (a pipelined all-gather or reduce-scatter): chunk ``c`` is sub-chunk ``c % k`` of
+    owner ``c // k``'s rows, ``k = num_chunks / owners``. ``order`` maps the iteration
+    index to a chunk on each rank: ``global`` (the same everywhere), ``local_first``,
+    ``local_last`` (own chunks first or last), ``ring_gather``/``ring_reduce``
+    (the ring's schedule).
+    """
+
+    num_chunks: int
+    owners: int = 1
+    mesh: DeviceMesh | None = None
+    mesh_axis: int | None = None
+    order: str = "global"
+
+    @property
+    def per_owner(self) -> int:
+        return self.num_chunks // self.owners
+
+    def chunk(self, iteration: int, coordinate: int) -> int:
+        """The chunk this rank (at ``coordinate`` along the split axis) takes at ``iteration``."""
+        k, owners = self.per_owner, self.owners
+        if self.order == "local_first":
+            return (coordinate * k + iteration) % self.num_chunks
+        if self.order == "local_last":
+            return ((coordinate + 1) * k + iteration) % self.num_chunks
+        if self.order == "ring_gather":
+            return ((coordinate - iteration // k) % owners) * k + iteration % k
+        if self.order == "ring_reduce":
+            return ((coordinate - 1 - iteration // k) % owners) * k + iteration % k
+        return iteration
+
+    def describe(self) -> str:
+        if self.owners == 1:
+            return f"{self.num_chunks} chunks"
+        return (
+            f"{self.num_chunks} chunks, {self.per_owner} per rank of "
+            f"{self.mesh.axis_names[self.mesh_axis]}, order {self.order}"
+        )
+
+
+@dataclass(eq=False)
+class ForLoop(Instruction):
+    """``body`` once per chunk of a stream-parallel axis, iteration ``i`` on stream ``i``."""
+
+    scheme: ChunkScheme
+    body: list[Instruction] = field(default_factory=list)
+    comment: str = ""
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        note = f"  # {self.comment}" if self.comment else ""
+        lines = [f"FOR i in range({self.scheme.num_chunks}):{note}"]
+        for instruction in self.body:
+            lines.extend(f"  {line}" for line in instruction.text(labels))
+        return lines
+
+
+@dataclass(eq=False)
+class StageForPeers(Instruction):
+    """Copy this rank's piece of ``tensor`` into its symmetric-memory buffer, then wait at a
+    barrier until every peer has done the same (before a copy-engine all-gather)."""
+
+    communicate: Communicate
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"StageForPeers({self.communicate.communication.inputs[0].name})"]
+
+
+@dataclass(eq=False)
+class CombineStaged(Instruction):
+    """After a copy-engine reduce-scatter: wait at a barrier until every peer has pushed
+    its partial chunks, then sum them into this rank's piece of ``tensor``."""
+
+    communicate: Communicate
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        return [f"CombineStaged({self.communicate.communication.output.name})"]
+
+
+def stream_dim(tensor: TensorView) -> int | None:
+    """The logical axis of ``tensor`` that is stream-parallel, if any (at most one)."""
+    dims = [d for d, a in enumerate(tensor.logical_axes) if a.is_stream]
+    if len(dims) > 1:
+        raise ValueError(f"{tensor} has {len(dims)} Stream axes; at most one is supported")
+    return dims[0] if dims else None
+
+
+def walk(instructions: list[Instruction]):
+    """Every instruction, loop bodies included, in program order."""
+    for instruction in instructions:
+        yield instruction
+        if isinstance(instruction, ForLoop):
+            yield from walk(instruction.body)
 
 
 @dataclass
@@ -118,7 +302,11 @@ class HostProgram:
 
     @property
     def communications(self) -> list[Communication]:
-        return [i.communication for i in self.instructions if isinstance(i, Communicate)]
+        seen: list[Communication] = []
+        for instruction in walk(self.instructions):
+            if isinstance(instruction, Communicate) and instruction.communication not in seen:
+                seen.append(instruction.communication)
+        return seen
 
     def __str__(self) -> str:
         fusion = self.fusion
@@ -126,16 +314,17 @@ class HostProgram:
         for tensor in fusion.tensors:
             if tensor.mesh is not None and tensor.mesh not in meshes:
                 meshes.append(tensor.mesh)
-        label = {mesh: f"M{index}" for index, mesh in enumerate(meshes)}
+        labels = {mesh: f"M{index}" for index, mesh in enumerate(meshes)}
         name = f" {fusion.name}" if fusion.name else ""
         lines = [
             f"HostProgram{name}: {count(len(fusion.inputs), 'input')}, "
-            f"{count(len(fusion.outputs), 'output')}",
-            "meshes:",
-            *(f"  {label[mesh]} = {mesh}" for mesh in meshes),
-            "inputs: " + ", ".join(t.name for t in fusion.inputs),
+            f"{count(len(fusion.outputs), 'output')}"
         ]
+        if meshes:
+            lines.append("meshes:")
+            lines.extend(f"  {labels[mesh]} = {mesh}" for mesh in meshes)
+        lines.append("inputs: " + ", ".join(t.name for t in fusion.inputs))
         for instruction in self.instructions:
-            lines.extend(f"  {line}" for line in instruction.text(label))
+            lines.extend(f"  {line}" for line in instruction.text(labels))
         lines.append("outputs: " + ", ".join(t.name for t in fusion.outputs))
         return "\n".join(lines)

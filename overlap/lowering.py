@@ -1,72 +1,357 @@
-"""Lowering: segments of a resharded fusion become a host program.
+"""Lowering: a resharded fusion becomes a host program, with stream lowering.
 
-A compute segment becomes a ``LaunchKernel``; a communication becomes
-``Allocate`` (its output buffer), ``Communicate`` and ``Wait``. A tensor that
-is neither a fusion input nor an output is released (``Deallocate``) right
-after the instruction that uses it last.
+Exprs outside any stream-parallel run become, in order, ``LaunchKernel``s
+(consecutive compute exprs on one mesh share one; a matmul or linear gets its
+own, on cuBLAS) and communications (``Allocate``, ``Communicate``, ``Wait``).
+
+Stream lowering: an expr whose output has a ``Stream`` axis runs chunk by
+chunk in a ``ForLoop``. Consecutive stream-parallel exprs over the same axis
+(same extent, same number of chunks) share one loop; any other expr between
+them ends the loop. The loop's outputs are allocated once, before it. The
+synchronizations with the user's stream are hoisted into a loop of their own
+before the work loop, so no iteration waits on another. In the work loop,
+iteration ``i`` makes stream ``i`` current, selects chunk ``i`` of every
+tensor it touches (``AliasSelect``; a reduction over another axis keeps its
+reduction axes), runs the exprs on the chunks, restores the user's stream and
+makes it wait for stream ``i``.
+
+A communication next to a stream-parallel expr joins its loop along the
+matching axis: an all-gather feeding a linear is gathered chunk by chunk, each
+chunk consumed as soon as it lands; a reduce-scatter of a linear's output
+reduces each chunk as soon as it is computed.
 """
 
 from __future__ import annotations
 
-from fusion.ir import Fusion, TensorView
+from dataclasses import dataclass
+
+from fusion.exprs import Expr, LinearOp, MatmulOp
+from fusion.ir import Axis, Fusion, TensorView
 from overlap.host_ir import (
+    LOOP_STREAM,
+    AliasSelect,
     Allocate,
+    ChunkScheme,
+    CombineStaged,
     Communicate,
     Deallocate,
+    ForLoop,
+    GetCurrentStream,
     HostProgram,
     Instruction,
     LaunchKernel,
+    SetCurrentStream,
+    StageForPeers,
+    StreamRef,
+    Synchronize,
     Wait,
+    stream_dim,
+    walk,
 )
-from sharding.segmentation import Segment
+from sharding.communication import Communication, CommunicationKind
+from sharding.errors import ShardingError
+from sharding.layout import Shard
+from sharding.rules import dim_map
+
+USER_STREAM = StreamRef("s0")
+DEFAULT_CHUNKS = 2
 
 
-def lower_to_host_program(fusion: Fusion, segments: list[Segment]) -> HostProgram:
-    """The host program that runs ``segments`` in order."""
-    program = HostProgram(fusion)
-    kernels = communications = 0
-    for segment in segments:
-        if segment.is_communication:
-            communicate = Communicate(f"c{communications}", segment.communication)
-            communications += 1
-            program.instructions += [
-                Allocate(segment.communication.output),
-                communicate,
-                Wait(communicate),
-            ]
+def _chunks(axis: Axis) -> int:
+    return axis.stream_chunks or DEFAULT_CHUNKS
+
+
+def _mark_stream(tensor: TensorView, dim: int, chunks: int) -> None:
+    tensor.axis(dim).stream(chunks)
+
+
+def propagate_stream_axes(fusion: Fusion) -> None:
+    """Pull communications next to stream-parallel exprs into their loops.
+
+    A communication whose output feeds a stream-parallel expr along the stream axis
+    (an all-gather feeding a pipelined linear), or whose input comes from one (the
+    reduce-scatter of a pipelined linear), gets the same Stream axis.
+    """
+    for expr in fusion.live_exprs():
+        if not isinstance(expr, Communication) or stream_dim(expr.output) is not None:
+            continue
+        (source,) = expr.inputs
+        producer = source.definition
+        if producer is not None and stream_dim(source) is not None:
+            dim = stream_dim(source)
+            if dim < expr.output.ndim:
+                _mark_stream(expr.output, dim, _chunks(source.axis(dim)))
+                continue
+        for consumer in expr.output.uses:
+            dim = stream_dim(consumer.outputs[0])
+            if dim is None:
+                continue
+            needs = dim_map(consumer, 1).backward(Shard(dim))
+            position = consumer.inputs.index(expr.output)
+            wanted = needs[position] if needs else None
+            if isinstance(wanted, Shard):
+                _mark_stream(expr.output, wanted.dim, _chunks(consumer.outputs[0].axis(dim)))
+                break
+
+
+@dataclass
+class _Run:
+    exprs: list[Expr]
+    looped: bool
+
+
+def _loop_key(expr: Expr) -> tuple | None:
+    out = expr.outputs[0]
+    dim = stream_dim(out)
+    if dim is None:
+        return None
+    axis = out.axis(dim)
+    return (axis.extent, _chunks(axis))
+
+
+def _runs(exprs: list[Expr]) -> list[_Run]:
+    runs: list[_Run] = []
+    for expr in exprs:
+        key = _loop_key(expr)
+        looped = key is not None
+        if (
+            runs
+            and runs[-1].looped == looped
+            and (not looped or _loop_key(runs[-1].exprs[-1]) == key)
+        ):
+            runs[-1].exprs.append(expr)
         else:
-            program.instructions.append(LaunchKernel(f"k{kernels}", segment))
-            kernels += 1
-    _insert_deallocations(program)
-    return program
+            runs.append(_Run([expr], looped))
+    return runs
+
+
+def _is_contraction(expr: Expr) -> bool:
+    return isinstance(expr, (MatmulOp, LinearOp))
+
+
+class _Lowering:
+    def __init__(self, fusion: Fusion) -> None:
+        self.fusion = fusion
+        self.program = HostProgram(fusion)
+        self.scratch = Fusion("chunks")
+        self.scratch.finalized = True
+        self.next_tensor_id = len(fusion.tensors)
+        self.kernels = 0
+        self.communications = 0
+        self.saved_user_stream = False
+
+    # -- helpers --------------------------------------------------------------
+
+    def _chunk_tensor(self, source: TensorView) -> TensorView:
+        axes = [self.scratch.new_axis(a.extent, a.iter_type, a.parallel_type) for a in source.axes]
+        chunk = TensorView(self.scratch, self.next_tensor_id, source.dtype, axes)
+        chunk.mesh = source.mesh
+        self.next_tensor_id += 1
+        return chunk
+
+    def _kernel(
+        self, exprs: list[Expr], aliases: dict[TensorView, TensorView] | None = None
+    ) -> LaunchKernel:
+        aliases = aliases or {}
+        produced = {t for e in exprs for t in e.outputs}
+        inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
+        inside = set(exprs)
+        outputs = [
+            t
+            for e in exprs
+            for t in e.outputs
+            if t in self.fusion.outputs or any(use not in inside for use in t.uses)
+        ]
+        name = f"k{self.kernels}"
+        self.kernels += 1
+        return LaunchKernel(
+            name,
+            exprs,
+            [aliases.get(t, t) for t in inputs],
+            [aliases.get(t, t) for t in outputs],
+            exprs[0].outputs[0].mesh,
+            "cublas" if _is_contraction(exprs[0]) else "reference",
+            aliases,
+        )
+
+    def _compute_kernels(
+        self, exprs: list[Expr], aliases: dict[TensorView, TensorView] | None = None
+    ) -> list[LaunchKernel]:
+        """Consecutive compute exprs on one mesh share a kernel; a contraction is alone."""
+        groups: list[list[Expr]] = []
+        for expr in exprs:
+            alone = _is_contraction(expr)
+            if groups and not alone and not _is_contraction(groups[-1][-1]):
+                if groups[-1][-1].outputs[0].mesh == expr.outputs[0].mesh:
+                    groups[-1].append(expr)
+                    continue
+            groups.append([expr])
+        return [self._kernel(group, aliases) for group in groups]
+
+    def _communicate(self, comm: Communication, source: TensorView, target: TensorView):
+        name = f"c{self.communications}"
+        self.communications += 1
+        return Communicate(name, comm, source, target, getattr(comm, "transport", None))
+
+    # -- runs -----------------------------------------------------------------
+
+    def lower(self) -> HostProgram:
+        for run in _runs(self.fusion.live_exprs()):
+            if run.looped:
+                self._lower_loop(run.exprs)
+            else:
+                self._lower_plain(run.exprs)
+        _insert_deallocations(self.program)
+        return self.program
+
+    def _lower_plain(self, exprs: list[Expr]) -> None:
+        pending: list[Expr] = []
+        for expr in exprs + [None]:
+            if expr is not None and not isinstance(expr, Communication):
+                pending.append(expr)
+                continue
+            self.program.instructions.extend(self._compute_kernels(pending))
+            pending = []
+            if expr is not None:
+                communicate = self._communicate(expr, expr.inputs[0], expr.output)
+                self.program.instructions += [
+                    Allocate(expr.output),
+                    communicate,
+                    Wait(communicate),
+                ]
+
+    def _scheme(self, exprs: list[Expr]) -> ChunkScheme:
+        out = exprs[0].outputs[0]
+        chunks = _chunks(out.axis(stream_dim(out)))
+        scheme = ChunkScheme(chunks)
+        for expr in exprs:
+            if not isinstance(expr, Communication):
+                continue
+            split = _split_dim(expr)
+            if split is None or split != stream_dim(expr.output):
+                continue
+            mesh = expr.in_layout.mesh
+            owners = mesh.shape[expr.mesh_axis]
+            if chunks % owners:
+                raise ShardingError(
+                    f"{expr.op_name} of {expr.inputs[0]} is pipelined over {owners} ranks in "
+                    f"{chunks} chunks; the chunk count must be a multiple of {owners}"
+                )
+            scheme = ChunkScheme(
+                chunks, owners, mesh, expr.mesh_axis, getattr(expr, "order", "global")
+            )
+        return scheme
+
+    def _lower_loop(self, exprs: list[Expr]) -> None:
+        scheme = self._scheme(exprs)
+        instructions = self.program.instructions
+        instructions.extend(Allocate(t) for e in exprs for t in e.outputs)
+        if not self.saved_user_stream:
+            instructions.append(GetCurrentStream(USER_STREAM.saved))
+            self.saved_user_stream = True
+        instructions.append(
+            ForLoop(scheme, [SetCurrentStream(LOOP_STREAM), Synchronize(USER_STREAM)])
+        )
+        body: list[Instruction] = [SetCurrentStream(LOOP_STREAM)]
+        chunks: dict[TensorView, TensorView] = {}
+        before: list[Instruction] = []
+        after: list[Instruction] = []
+
+        def select(tensor: TensorView, dim: int) -> TensorView:
+            if tensor not in chunks:
+                chunks[tensor] = self._chunk_tensor(tensor)
+                body.append(AliasSelect(chunks[tensor], tensor, dim))
+            return chunks[tensor]
+
+        pending: list[Expr] = []
+
+        def flush() -> None:
+            if pending:
+                body.extend(self._compute_kernels(list(pending), dict(chunks)))
+                pending.clear()
+
+        for expr in exprs:
+            out_dim = stream_dim(expr.outputs[0])
+            for tensor, dim in _input_dims(expr, out_dim):
+                if dim is not None:
+                    select(tensor, dim)
+            for out in expr.outputs:
+                select(out, out_dim)
+            if isinstance(expr, Communication):
+                flush()
+                communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
+                body += [communicate, Wait(communicate)]
+                if communicate.transport == "copy_engine":
+                    if expr.kind is CommunicationKind.Allgather:
+                        before.append(StageForPeers(communicate))
+                    else:
+                        after.append(CombineStaged(communicate))
+            else:
+                pending.append(expr)
+        flush()
+        body += [SetCurrentStream(USER_STREAM), Synchronize(LOOP_STREAM)]
+        instructions.extend(before)
+        instructions.append(ForLoop(scheme, body, scheme.describe()))
+        instructions.extend(after)
+
+
+def _split_dim(comm: Communication) -> int | None:
+    """The axis a pipelined all-gather gathers or a reduce-scatter scatters."""
+    if comm.kind is CommunicationKind.Allgather:
+        return comm.in_dim
+    if comm.kind is CommunicationKind.ReduceScatter:
+        return comm.out_dim
+    return None
+
+
+def _input_dims(expr: Expr, out_dim: int) -> list[tuple[TensorView, int | None]]:
+    """For each input, the axis that lines up with the output's stream axis (or None)."""
+    if isinstance(expr, Communication):
+        return [(expr.inputs[0], out_dim)]
+    # One part: chunks need no divisibility (the reshape rule's concern with ranks).
+    needs = dim_map(expr, 1).backward(Shard(out_dim))
+    if needs is None:
+        raise ShardingError(
+            f"{expr.op_name}: cannot run chunk by chunk along axis {out_dim} of {expr.outputs[0]}"
+        )
+    return [
+        (t, p.dim if isinstance(p, Shard) else None)
+        for t, p in zip(expr.inputs, needs, strict=True)
+    ]
 
 
 def _reads(instruction: Instruction) -> list[TensorView]:
     if isinstance(instruction, LaunchKernel):
-        return instruction.segment.inputs
+        return instruction.inputs
     if isinstance(instruction, Communicate):
-        return instruction.communication.inputs
+        return [instruction.source]
+    if isinstance(instruction, AliasSelect):
+        return [instruction.source]
     return []
 
 
 def _insert_deallocations(program: HostProgram) -> None:
+    """Release each intermediate after the top-level instruction that uses it last."""
     kept = set(program.fusion.inputs) | set(program.fusion.outputs)
     last_use: dict[TensorView, int] = {}
     for position, instruction in enumerate(program.instructions):
-        for tensor in _reads(instruction):
-            last_use[tensor] = position
-    # A communication's input is in use until its Wait.
-    for position, instruction in enumerate(program.instructions):
-        if isinstance(instruction, Wait):
-            for tensor in instruction.communicate.communication.inputs:
-                if last_use.get(tensor) == program.instructions.index(instruction.communicate):
-                    last_use[tensor] = position
+        for inner in walk([instruction]):
+            for tensor in _reads(inner):
+                last_use[tensor] = position
+            if isinstance(inner, Wait):
+                last_use[inner.communicate.source] = position
     releases: dict[int, list[TensorView]] = {}
     for tensor, position in last_use.items():
-        if tensor not in kept:
+        if tensor not in kept and tensor.fusion is program.fusion:
             releases.setdefault(position, []).append(tensor)
     instructions: list[Instruction] = []
     for position, instruction in enumerate(program.instructions):
         instructions.append(instruction)
         instructions.extend(Deallocate(t) for t in releases.get(position, []))
     program.instructions = instructions
+
+
+def lower_to_host_program(fusion: Fusion) -> HostProgram:
+    """The host program of a resharded (or single-device) fusion."""
+    propagate_stream_axes(fusion)
+    return _Lowering(fusion).lower()

@@ -1,0 +1,381 @@
+"""Stream lowering, the overlap planner and the timeline, in one process."""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+import pytest
+import torch
+
+from fusion import FusionDefinition, ParallelType
+from overlap.executor import MultiDeviceExecutor
+from overlap.lowering import lower_to_host_program
+from overlap.planner import (
+    CPU_FIGURES,
+    H200_FIGURES,
+    OverlapOptions,
+    plan_overlap,
+    predict,
+)
+from overlap.timeline import Timeline
+from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
+
+
+def _sets(streamed: list[bool], chunks: int = 4) -> FusionDefinition:
+    """A chain of copies; ``streamed[i]`` puts copy i on a Stream axis."""
+    with FusionDefinition(f"{len(streamed)}_sets") as fd:
+        tensor = fd.define_tensor([4, 8])
+        copies = []
+        for _ in streamed:
+            tensor = fd.ops.set(tensor)
+            copies.append(tensor)
+        fd.add_output(tensor)
+    for copy, on_stream in zip(copies, streamed, strict=True):
+        if on_stream:
+            copy.axis(0).parallelize(ParallelType.Stream, chunks)
+    return fd
+
+
+ONE_SET = """\
+HostProgram 1_sets: 1 input, 1 output
+inputs: T0
+  Allocate T1_f32[iStream2{4}, iS3{8}]
+  s0 = GetCurrentStream
+  FOR i in range(4):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(4):  # 4 chunks
+    SetCurrentStream(stream i)
+    T2 = AliasSelect(T0, dim=0, chunk=i)
+    T3 = AliasSelect(T1, dim=0, chunk=i)
+    LaunchKernel k0 [reference] (T2) -> (T3)
+      set
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+outputs: T1"""
+
+TWO_SETS = """\
+HostProgram 2_sets: 1 input, 1 output
+inputs: T0
+  Allocate T1_f32[iStream2{4}, iS3{8}]
+  Allocate T2_f32[iStream4{4}, iS5{8}]
+  s0 = GetCurrentStream
+  FOR i in range(4):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(4):  # 4 chunks
+    SetCurrentStream(stream i)
+    T3 = AliasSelect(T0, dim=0, chunk=i)
+    T4 = AliasSelect(T1, dim=0, chunk=i)
+    T5 = AliasSelect(T2, dim=0, chunk=i)
+    LaunchKernel k0 [reference] (T3) -> (T5)
+      set, set
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+  Deallocate T1
+outputs: T2"""
+
+THREE_SETS = """\
+HostProgram 3_sets: 1 input, 1 output
+inputs: T0
+  Allocate T1_f32[iStream2{4}, iS3{8}]
+  s0 = GetCurrentStream
+  FOR i in range(4):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(4):  # 4 chunks
+    SetCurrentStream(stream i)
+    T4 = AliasSelect(T0, dim=0, chunk=i)
+    T5 = AliasSelect(T1, dim=0, chunk=i)
+    LaunchKernel k0 [reference] (T4) -> (T5)
+      set
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+  LaunchKernel k1 [reference] (T1) -> (T2)
+    set
+  Deallocate T1
+  Allocate T3_f32[iStream6{4}, iS7{8}]
+  FOR i in range(4):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(4):  # 4 chunks
+    SetCurrentStream(stream i)
+    T6 = AliasSelect(T2, dim=0, chunk=i)
+    T7 = AliasSelect(T3, dim=0, chunk=i)
+    LaunchKernel k2 [reference] (T6) -> (T7)
+      set
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+  Deallocate T2
+outputs: T3"""
+
+SUM_IN_LOOP = """\
+HostProgram sum_in_loop: 1 input, 1 output
+inputs: T0
+  Allocate T1_f32[iStream2{4}, rS3{8}]
+  s0 = GetCurrentStream
+  FOR i in range(4):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(4):  # 4 chunks
+    SetCurrentStream(stream i)
+    T2 = AliasSelect(T0, dim=0, chunk=i)
+    T3 = AliasSelect(T1, dim=0, chunk=i)
+    LaunchKernel k0 [reference] (T2) -> (T3)
+      sum
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+outputs: T1"""
+
+
+def _sum_in_loop() -> FusionDefinition:
+    with FusionDefinition("sum_in_loop") as fd:
+        x = fd.define_tensor([4, 8])
+        y = fd.ops.sum(x, dims=[1])
+        fd.add_output(y)
+    y.axis(0).parallelize(ParallelType.Stream, 4)
+    return fd
+
+
+@pytest.mark.parametrize(
+    ("build", "golden"),
+    [
+        (lambda: _sets([True]), ONE_SET),
+        (lambda: _sets([True, True]), TWO_SETS),
+        (lambda: _sets([True, False, True]), THREE_SETS),
+        (_sum_in_loop, SUM_IN_LOOP),
+    ],
+    ids=["one-set", "two-sets-one-loop", "three-sets-two-loops", "sum-inside-the-loop"],
+)
+def test_single_device_stream_lowering_is_pinned_and_computes_the_reference(build, golden):
+    fd = build()
+    executor = MultiDeviceExecutor(fd)
+    assert str(executor.program) == golden
+    x = torch.randn(4, 8)
+    (out,) = executor.run([x])
+    assert torch.equal(out, fd.execute([x])[0])
+
+
+@pytest.mark.parametrize("chunks", [1, 3, 4, 7])
+def test_chunks_that_do_not_divide_the_rows_still_cover_every_row(chunks):
+    fd = _sets([True], chunks)
+    x = torch.randn(4, 8)
+    (out,) = MultiDeviceExecutor(fd).run([x])
+    assert torch.equal(out, x)
+
+
+def test_the_users_fusion_keeps_its_stream_axes_and_is_not_changed_by_lowering():
+    fd = _sets([True])
+    before = str(fd)
+    MultiDeviceExecutor(fd)
+    assert str(fd) == before
+
+
+# ---------------------------------------------------------------------------
+# Pipelined communications: what the lowering prints
+
+
+def _ag_linear():
+    mesh = DeviceMesh(2)
+    with FusionDefinition("ag_linear") as fd:
+        x = fd.define_tensor([8, 4])
+        w = fd.define_tensor([6, 4])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    shard(x, mesh, [Shard(0)])
+    shard(w, mesh, [Replicate()])
+    shard(y, mesh, [Replicate()])
+    return fd
+
+
+def _linear_rs():
+    mesh = DeviceMesh(2)
+    with FusionDefinition("linear_rs") as fd:
+        x = fd.define_tensor([8, 4])
+        w = fd.define_tensor([6, 4])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    shard(x, mesh, [Shard(1)])
+    shard(w, mesh, [Shard(1)])
+    shard(y, mesh, [Shard(0)])
+    return fd
+
+
+AG_LINEAR = """\
+HostProgram ag_linear: 2 inputs, 1 output
+meshes:
+  M0 = mesh(x=2: [0, 1])
+inputs: T0, T1
+  Allocate T3_f32[iStream7{8}, iS8{4}]  @M0
+  Allocate T2_f32[iStream4{8}, iS5{6}, rS6{4}]  @M0
+  s0 = GetCurrentStream
+  FOR i in range(2):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+    SetCurrentStream(stream i)
+    T4 = AliasSelect(T0, dim=0, chunk=i)
+    T5 = AliasSelect(T3, dim=0, chunk=i)
+    c0 = Allgather(T4 -> T5, axis='x', in_dim=0) [collective]  @M0
+    Wait c0
+    T6 = AliasSelect(T2, dim=0, chunk=i)
+    LaunchKernel k0 [cublas] (T5, T1) -> (T6)  @M0
+      linear
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+  Deallocate T3
+outputs: T2"""
+
+LINEAR_RS = """\
+HostProgram linear_rs: 2 inputs, 1 output
+meshes:
+  M0 = mesh(x=2: [0, 1])
+inputs: T0, T1
+  Allocate T3_f32[iStream7{8}, iS8{6}, rDIDx9{4}]  @M0
+  Allocate T2_f32[iDIDx|Stream4{8}, iS5{6}, rS6{4}]  @M0
+  s0 = GetCurrentStream
+  FOR i in range(2):
+    SetCurrentStream(stream i)
+    Synchronize(s0)
+  FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+    SetCurrentStream(stream i)
+    T4 = AliasSelect(T0, dim=0, chunk=i)
+    T5 = AliasSelect(T3, dim=0, chunk=i)
+    T6 = AliasSelect(T2, dim=0, chunk=i)
+    LaunchKernel k0 [cublas] (T4, T1) -> (T5)  @M0
+      linear
+    c0 = ReduceScatter(T5 -> T6, axis='x', out_dim=0, op='sum') [collective]  @M0
+    Wait c0
+    SetCurrentStream(s0)
+    Synchronize(stream i)
+  Deallocate T3
+outputs: T2"""
+
+
+@pytest.mark.parametrize(
+    ("build", "golden"), [(_ag_linear, AG_LINEAR), (_linear_rs, LINEAR_RS)], ids=["ag", "rs"]
+)
+def test_pipelined_patterns_lower_to_one_loop_with_the_hoisted_sync_loop(build, golden):
+    sharded, _ = shard_fusion(build().fusion)
+    options = OverlapOptions(overlap=True, num_chunks=2, transport="collective")
+    (decision,) = plan_overlap(sharded, H200_FIGURES, options)
+    assert decision.overlapped
+    assert str(lower_to_host_program(sharded)) == golden
+
+
+def test_a_copy_engine_all_gather_stages_its_piece_before_the_loop():
+    sharded, _ = shard_fusion(_ag_linear().fusion)
+    plan_overlap(
+        sharded, H200_FIGURES, OverlapOptions(overlap=True, transport="copy_engine", num_chunks=4)
+    )
+    text = str(lower_to_host_program(sharded))
+    assert text.index("StageForPeers(T0)") < text.index("FOR i in range(4):  # 4 chunks")
+    assert "order local_first" in text and "[copy_engine]" in text
+
+
+def test_a_copy_engine_reduce_scatter_combines_after_the_loop():
+    sharded, _ = shard_fusion(_linear_rs().fusion)
+    plan_overlap(
+        sharded, H200_FIGURES, OverlapOptions(overlap=True, transport="copy_engine", num_chunks=2)
+    )
+    text = str(lower_to_host_program(sharded))
+    assert text.index("Synchronize(stream i)") < text.index("CombineStaged(T2)")
+    assert "order local_last" in text
+
+
+# ---------------------------------------------------------------------------
+# The planner
+
+
+def _ag_matmul_shape(m: int, k: int, n: int, world: int = 2):
+    """The benchmark's all-gather + matmul: rows split, weight columns split."""
+    mesh = DeviceMesh(world)
+    with FusionDefinition("ag_matmul") as fd:
+        a = fd.define_tensor([m, k], "bf16")
+        b = fd.define_tensor([k, n * world], "bf16")
+        fd.add_output(fd.ops.matmul(a, b))
+    shard(a, mesh, [Shard(0)])
+    shard(b, mesh, [Shard(1)])
+    return shard_fusion(fd.fusion)[0]
+
+
+def test_the_planner_overlaps_large_shapes_on_h200_and_says_why():
+    (decision,) = plan_overlap(_ag_matmul_shape(8192, 8192, 4096), H200_FIGURES)
+    assert decision.pattern == "allgather+matmul"
+    assert decision.shape == (8192, 8192, 4096)
+    assert decision.overlapped
+    assert decision.chosen.transport == "copy_engine"
+    assert decision.chosen.order == "local_first"
+    text = str(decision)
+    assert "reason: fastest predicted on H200" in text
+    assert "sequential (no overlap)" in text  # the alternatives are listed
+
+
+def test_the_planner_chooses_no_overlap_when_it_cannot_pay():
+    (decision,) = plan_overlap(_ag_matmul_shape(64, 64, 64), CPU_FIGURES)
+    assert not decision.overlapped
+    assert "cannot pay" in decision.reason or "no pipeline" in decision.reason
+
+
+def test_overrides_win_and_are_reported():
+    fusion = _ag_matmul_shape(8192, 8192, 4096)
+    options = OverlapOptions(num_chunks=4, transport="collective")
+    (decision,) = plan_overlap(fusion, H200_FIGURES, options)
+    assert (decision.chosen.num_chunks, decision.chosen.transport) == (4, "collective")
+    assert "forced: num_chunks, transport" in decision.reason
+
+
+def test_overlap_off_keeps_the_communication_whole():
+    fusion = _ag_matmul_shape(8192, 8192, 4096)
+    (decision,) = plan_overlap(fusion, H200_FIGURES, OverlapOptions(overlap=False))
+    assert not decision.overlapped
+    assert "FOR" not in str(lower_to_host_program(fusion))
+
+
+def test_the_cost_model_sees_the_limit_and_wave_quantization():
+    args = ("allgather+matmul", H200_FIGURES, (8192, 8192, 4096), 2, 16)
+    sequential = predict(*args, None, 1)
+    overlapped = predict(*args, "copy_engine", 2)
+    assert overlapped < sequential
+    # Thin chunks lose matmul efficiency: very many chunks stop paying.
+    assert predict(*args, "collective", 64) > predict(*args, "collective", 4)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (dict(transport="smoke"), "transport must be one of"),
+        (dict(num_chunks=0), "num_chunks must be a positive int"),
+    ],
+)
+def test_bad_options_are_refused(options, message):
+    with pytest.raises(ValueError, match=message):
+        OverlapOptions(**options)
+
+
+# ---------------------------------------------------------------------------
+# The timeline
+
+
+def test_the_timeline_exports_a_chrome_trace_and_a_png(tmp_path):
+    fd = _sets([True, True])
+    executor = MultiDeviceExecutor(fd)
+    timeline = Timeline("cpu")
+    executor.run([torch.randn(4, 8)], timeline=timeline)
+    spans = timeline.spans()
+    assert len(spans) == 4 and all(s.end_ms >= s.start_ms >= 0 for s in spans)
+    assert {s.lane for s in spans} == {f"stream {i} compute" for i in range(4)}
+    timeline.write_chrome_trace(tmp_path / "trace.json", rank=3)
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(work) == 4 and all(e["pid"] == 3 for e in work)
+    timeline.write_png(tmp_path / "timeline.png", width=200, lane_height=10)
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
+    # Decode the image data and check that some pixels are the compute colour.
+    start = png.index(b"IDAT") + 4
+    length = int.from_bytes(png[start - 8 : start - 4], "big")
+    raw = zlib.decompress(png[start : start + length])
+    assert len(raw) == 40 * (1 + 200 * 3)
+    assert bytes((66, 133, 244)) in raw
