@@ -34,6 +34,8 @@ class Communicator:
                 device = torch.device("cpu")
         self.device = torch.device(device)
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+        # Host-side exchanges (input checks) go through gloo, so they never wait on the GPU.
+        self._host_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
 
     @classmethod
     def initialize(cls, backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
@@ -63,5 +65,5 @@ class Communicator:
     def all_gather_object(self, value: object) -> list[object]:
         """``value`` from every rank of the world, in rank order."""
         gathered: list[object] = [None] * self.world_size
-        dist.all_gather_object(gathered, value)
+        dist.all_gather_object(gathered, value, group=self._host_group)
         return gathered

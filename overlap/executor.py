@@ -108,6 +108,7 @@ class MultiDeviceExecutor:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
+        self._last_bindings: Bindings | None = None
 
     def _check_meshes_fit_the_world(self) -> None:
         world = self.communicator.world_size
@@ -184,16 +185,25 @@ class MultiDeviceExecutor:
     # Running
 
     def run(
-        self, local_inputs: Sequence[torch.Tensor | None], timeline: Timeline | None = None
+        self,
+        local_inputs: Sequence[torch.Tensor | None],
+        timeline: Timeline | None = None,
+        check_inputs: bool = True,
     ) -> list[torch.Tensor | None]:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
         With a ``timeline``, every kernel and communication is recorded per stream.
+        ``check_inputs`` exchanges every rank's input shapes first (one small host-side
+        all-gather) so a bad input fails everywhere before any collective; a hot loop
+        that has checked its shapes once may turn it off (then the shapes must stay).
         """
-        if self.sharded:
+        if not check_inputs and self._last_bindings is not None:
+            bindings = self._last_bindings
+        elif self.sharded:
             bindings = self._check_inputs(local_inputs)
         else:
             bindings = bind_inputs(self.fusion, list(local_inputs))
+        self._last_bindings = bindings
         if self._uses_copy_engine() and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
@@ -205,6 +215,10 @@ class MultiDeviceExecutor:
             isinstance(i, Communicate) and i.transport == "copy_engine"
             for i in walk(self.program.instructions)
         )
+
+    def ctx_local_shape(self, tensor: TensorView) -> list[int]:
+        """This rank's shape of ``tensor`` when every extent is static."""
+        return self.local_shape(tensor, {})
 
     def local_shape(self, tensor: TensorView, bindings: Bindings) -> list[int]:
         shape = [resolve(e, bindings) for e in tensor.shape]
@@ -282,7 +296,12 @@ class _Run:
     # -- memory ----------------------------------------------------------------
 
     def _Allocate(self, instruction: Allocate) -> None:
+        # Allocated now, on the current (user's) stream: a buffer first touched inside a
+        # loop would belong to a side stream, and the allocator could hand it out again
+        # before the user's stream is done with it.
         self.allocated.add(instruction.tensor)
+        if self.executor.holds(instruction.tensor.mesh):
+            self._buffer(instruction.tensor)
 
     def _Deallocate(self, instruction: Deallocate) -> None:
         self.values.pop(instruction.tensor, None)

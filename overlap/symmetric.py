@@ -74,7 +74,11 @@ class SymmetricBuffers:
         tensor = self.symm_mem.empty(
             (2, slots, rows, *rest), dtype=dtype, device=self.communicator.device
         )
-        handle = self.symm_mem.rendezvous(tensor, group if group is not None else "0")
+        if group is None:
+            import torch.distributed as dist
+
+            group = dist.group.WORLD
+        handle = self.symm_mem.rendezvous(tensor, group.group_name)
         self.buffers[communicate] = _Buffer(
             tensor, handle, tuple(sorted(team)), extent, scheme, dim
         )

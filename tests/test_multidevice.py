@@ -18,10 +18,10 @@ from sharding import DeviceMesh, Partial, Replicate, Shard, shard
 WORLD_SIZES = [2, 4]
 
 
-def _inputs(seed: int, shapes: list[list[int]], dtype=torch.float32) -> list[torch.Tensor]:
+def _inputs(seed: int, shapes: list[list[int]], dtype=torch.float32, device="cpu"):
     """The same random whole inputs on every rank."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=generator).to(dtype) for shape in shapes]
+    return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
 def _check(communicator, fd, full_inputs, reduction_extent: int) -> list[str]:
@@ -64,7 +64,8 @@ def tensor_parallel_mlp(communicator, seed: int, bias: bool) -> list[str]:
     shard(w1, mesh, [Shard(0)])
     shard(w2, mesh, [Shard(1)])
     shapes = [[tokens, hidden], [ffn, hidden], [hidden, ffn]] + ([[hidden]] if bias else [])
-    return _check(communicator, fd, _inputs(seed, shapes), reduction_extent=ffn)
+    full = _inputs(seed, shapes, device=communicator.device)
+    return _check(communicator, fd, full, reduction_extent=ffn)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
@@ -95,7 +96,9 @@ def sequence_parallel_block(communicator, seed: int, tokens: int) -> tuple[list[
     shard(w1, mesh, [Shard(0)])
     shard(w2, mesh, [Shard(1)])
     shard(y, mesh, [Shard(0)])
-    full = _inputs(seed, [[tokens, hidden], [hidden], [ffn, hidden], [hidden, ffn]])
+    full = _inputs(
+        seed, [[tokens, hidden], [hidden], [ffn, hidden], [hidden, ffn]], device=communicator.device
+    )
     kinds = _check(communicator, fd, full, reduction_extent=ffn)
     return kinds, MultiDeviceExecutor(fd, communicator).explain()
 
@@ -130,7 +133,7 @@ def pipeline_stages(communicator, seed: int) -> list[str]:
         shard(tensor, first, [Replicate()])
     for tensor in (moved, w2):
         shard(tensor, second, [Replicate()])
-    full = _inputs(seed, [[5, 12], [20, 12], [6, 20]])
+    full = _inputs(seed, [[5, 12], [20, 12], [6, 20]], device=communicator.device)
     return _check(communicator, fd, full, reduction_extent=20)
 
 
@@ -156,7 +159,7 @@ def data_and_tensor_parallel(communicator, seed: int, mesh_shape: list[int]) -> 
         fd.add_output(fd.ops.sum(y, dims=[0]))  # summed over the data-parallel batch
     shard(x, mesh, [Shard(0), Replicate()])
     shard(w, mesh, [Replicate(), Shard(0)])
-    full = _inputs(seed, [[batch, features], [out_features, features]])
+    full = _inputs(seed, [[batch, features], [out_features, features]], device=communicator.device)
     return _check(communicator, fd, full, reduction_extent=batch * features)
 
 
@@ -182,7 +185,7 @@ def sequence_to_heads(communicator, seed: int) -> list[str]:
         fd.add_output(fd.ops.sum(by_head * by_head, dims=[0]))
     shard(x, mesh, [Shard(0)])
     shard(by_head, mesh, [Shard(1)])
-    full = _inputs(seed, [[sequence, heads * head_dim]])
+    full = _inputs(seed, [[sequence, heads * head_dim]], device=communicator.device)
     return _check(communicator, fd, full, reduction_extent=sequence)
 
 
@@ -206,7 +209,12 @@ def symbolic_sequence(communicator, seed: int, tokens: int) -> list[str]:
         fd.add_output(fd.ops.sum(y, dims=[0]))
     shard(x, mesh, [Shard(0)])
     shard(w, mesh, [Replicate()])
-    return _check(communicator, fd, _inputs(seed, [[tokens, 12], [8, 12]]), reduction_extent=12)
+    return _check(
+        communicator,
+        fd,
+        _inputs(seed, [[tokens, 12], [8, 12]], device=communicator.device),
+        reduction_extent=12,
+    )
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
@@ -229,7 +237,7 @@ def gather_storage_types(communicator, seed: int) -> list[str]:
             shard(tensor, mesh, [Shard(0)])
             shard(gathered, mesh, [Replicate()])
     generator = torch.Generator().manual_seed(seed)
-    values = 4 * torch.randn(7, 6, generator=generator)
+    values = (4 * torch.randn(7, 6, generator=generator)).to(communicator.device)
     full = [
         values.to(torch.float8_e4m3fn),
         values.to(torch.float8_e5m2),
@@ -259,7 +267,7 @@ def bf16_row_parallel(communicator, seed: int) -> None:
         fd.add_output(fd.ops.linear(x, w))
     shard(x, mesh, [Shard(1)])
     shard(w, mesh, [Shard(1)])
-    full = _inputs(seed, [[16, 64], [32, 64]], torch.bfloat16)
+    full = _inputs(seed, [[16, 64], [32, 64]], torch.bfloat16, communicator.device)
     executor = MultiDeviceExecutor(fd, communicator)
     (out,) = executor.run(executor.shard_inputs(full))
     (expected,) = fd.execute(full)
@@ -296,7 +304,9 @@ def one_rank_and_a_mesh(communicator, seed: int, kind: str) -> list[str]:
             if kind == "Reduce":
                 shard(produced, everyone, [Partial()])
             shard(moved, last, [Replicate()])
-    return _check(communicator, fd, _inputs(seed, [[7, 6]]), reduction_extent=7)
+    return _check(
+        communicator, fd, _inputs(seed, [[7, 6]], device=communicator.device), reduction_extent=7
+    )
 
 
 @pytest.mark.parametrize("kind", ["Broadcast", "Scatter", "Gather", "Reduce"])

@@ -50,7 +50,10 @@ def pipelined(communicator, pattern: str, rows: int, chunks: int, transport: str
     options = OverlapOptions(overlap=True, num_chunks=chunks, transport=transport)
     executor = MultiDeviceExecutor(fd, communicator, options)
     generator = torch.Generator().manual_seed(seed)
-    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    full = [
+        torch.randn(list(t.shape), generator=generator).to(communicator.device)
+        for t in fd.fusion.inputs
+    ]
     expected = executor.shard_outputs(fd.execute(full))
     for _ in range(2):  # a second run reuses buffers and streams
         (out,) = executor.run(executor.shard_inputs(full))

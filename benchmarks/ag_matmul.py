@@ -1,0 +1,274 @@
+"""All-gather + matmul and matmul + reduce-scatter: ours against the limit and PyTorch.
+
+Run on every GPU of one host (one process each):
+
+    torchrun --nproc-per-node 2 benchmarks/ag_matmul.py
+
+For each shape (M, K, N) — M the whole rows, K and N the local matmul's — and each
+pattern it prints, side by side from one run: the matmul alone, the communication
+alone (NCCL all-gather or reduce-scatter), the two in sequence through our executor with
+overlap off, ours with the planner's choice and with each fixed chunk count, and
+PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` /
+``fused_matmul_reduce_scatter``; the limit T* = max(t_mm, t_comm + t_mm / P) and each
+time over T*. Variants are interleaved (A B C A B C ...) and repeated, each time the
+median of its rounds; every figure is the slowest rank's. Our outputs are compared
+bitwise with the sequential run's. Figures go to ``benchmarks/results/ag_matmul.json``.
+
+``--smoke`` runs tiny shapes on CPU processes with gloo (a check of this script, no
+figures worth keeping).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from fusion import FusionDefinition  # noqa: E402
+from overlap.communicator import Communicator  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap.planner import OverlapOptions, measure_hardware_figures  # noqa: E402
+from sharding import DeviceMesh, Shard, shard  # noqa: E402
+
+SHAPES = [(8192, 8192, 14336), (8192, 8192, 4096), (16384, 8192, 8192), (8192, 8192, 1024),
+          (4096, 4096, 4096)]  # fmt: skip
+SMOKE_SHAPES = [(64, 32, 48), (36, 16, 8)]
+
+
+def build(pattern: str, m: int, k: int, n: int, world: int) -> FusionDefinition:
+    """The pattern as a fusion; each rank's matmul is [M, K] x [K, N]."""
+    mesh = DeviceMesh(world)
+    with FusionDefinition(pattern) as fd:
+        if pattern == "ag_matmul":
+            a = fd.define_tensor([m, k], "bf16")
+            b = fd.define_tensor([k, n * world], "bf16")
+            c = fd.ops.matmul(a, b)
+            fd.add_output(c)
+            shard(a, mesh, [Shard(0)])  # rows split: gathered before the matmul
+            shard(b, mesh, [Shard(1)])  # columns split: each rank computes its N
+        else:
+            a = fd.define_tensor([m, k * world], "bf16")
+            b = fd.define_tensor([k * world, n], "bf16")
+            c = fd.ops.matmul(a, b)
+            fd.add_output(c)
+            shard(a, mesh, [Shard(1)])  # contraction split: partial sums ...
+            shard(b, mesh, [Shard(0)])
+            shard(c, mesh, [Shard(0)])  # ... reduce-scattered to row pieces
+    return fd
+
+
+class Timer:
+    """Interleaved timing: every round times each variant once (CUDA events or host clock)."""
+
+    def __init__(self, device: torch.device, iterations: int) -> None:
+        self.device = device
+        self.iterations = iterations
+        self.times: dict[str, list[float]] = {}
+
+    def time(self, name: str, function) -> None:
+        if self.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(self.iterations):
+                function()
+            end.record()
+            end.synchronize()
+            elapsed = begin.elapsed_time(end)
+        else:
+            import time
+
+            start = time.perf_counter()
+            for _ in range(self.iterations):
+                function()
+            elapsed = (time.perf_counter() - start) * 1e3
+        self.times.setdefault(name, []).append(elapsed / self.iterations)
+
+    def medians(self) -> dict[str, float]:
+        return {name: sorted(t)[len(t) // 2] for name, t in self.times.items()}
+
+
+def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    names = sorted(values)
+    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return dict(zip(names, tensor.tolist(), strict=True))
+
+
+def run_shape(communicator, figures, pattern, shape, rounds, iterations, smoke) -> dict:
+    m, k, n = shape
+    world, rank, device = communicator.world_size, communicator.rank, communicator.device
+    fd = build(pattern, m, k, n, world)
+    generator = torch.Generator(device=device).manual_seed(1234 + rank)
+    sequential = MultiDeviceExecutor(fd, communicator, OverlapOptions(overlap=False), figures)
+    local = [
+        torch.randn(shape_, generator=generator, device=device, dtype=torch.bfloat16)
+        for shape_ in (sequential.ctx_local_shape(t) for t in sequential.fusion.inputs)
+    ]
+    variants = {"seq": sequential}
+    variants["ours"] = MultiDeviceExecutor(fd, communicator, None, figures)
+    for per_rank in (1, 2, 4):
+        options = OverlapOptions(overlap=True, num_chunks=per_rank * world)
+        if smoke:
+            options = OverlapOptions(overlap=True, num_chunks=per_rank * world,
+                                     transport="collective")  # fmt: skip
+        variants[f"c{per_rank * world}"] = MultiDeviceExecutor(fd, communicator, options, figures)
+    (reference,) = sequential.run(local)
+    bitwise = {}
+    for name, executor in variants.items():
+        (out,) = executor.run(local)
+        bitwise[name] = bool(torch.equal(out, reference))
+    # The parts alone, on the same local shapes.
+    if pattern == "ag_matmul":
+        a_local, b_local = local
+        gathered = torch.empty((m, k), dtype=a_local.dtype, device=device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        parts = {
+            "mm": lambda: torch.mm(gathered, b_local),
+            "comm": lambda: gather(gathered, a_local),
+        }
+    else:
+        a_local, b_local = local
+        partial = torch.mm(a_local, b_local)
+        scattered = torch.empty((m // world, n), dtype=partial.dtype, device=device)
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        parts = {
+            "mm": lambda: torch.mm(a_local, b_local),
+            "comm": lambda: scatter(scattered, partial),
+        }
+    symm = symmetric_memory_op(pattern, local, communicator) if not smoke else None
+    if symm is not None:
+        parts["symm"] = symm
+    timer = Timer(device, iterations)
+    warm_ups = list(parts.values()) + [
+        lambda e=e: e.run(local, check_inputs=False) for e in variants.values()
+    ]
+    for function in warm_ups:
+        function()  # first calls allocate buffers and streams
+    for _ in range(rounds):
+        for name, function in parts.items():
+            timer.time(name, function)
+        for name, executor in variants.items():
+            timer.time(name, lambda e=executor: e.run(local, check_inputs=False))
+    times = slowest(timer.medians(), device)
+    t_mm, t_comm = times["mm"], times["comm"]
+    t_star = max(t_mm, t_comm + t_mm / world)
+    (decision,) = variants["ours"].overlap
+    row = {
+        "pattern": pattern, "M": m, "K": k, "N": n, "world": world,
+        "t_mm_ms": t_mm, "t_comm_ms": t_comm, "t_seq_ms": times["seq"],
+        "t_ours_ms": times["ours"], "t_symm_ms": times.get("symm"), "t_star_ms": t_star,
+        "ours_plan": decision.chosen.describe(),
+        "ours_over_t_star": times["ours"] / t_star,
+        "fixed_chunks_ms": {name: times[name] for name in variants if name.startswith("c")},
+        "bitwise_equal_to_sequential": bitwise,
+        "planner": str(decision),
+    }  # fmt: skip
+    return row
+
+
+def symmetric_memory_op(pattern, local, communicator):
+    """PyTorch's fused op on the same local operands, or None if it is not available."""
+    try:
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+    except ImportError:
+        return None
+    group_name = dist.group.WORLD.group_name
+    enable_symm_mem_for_group(group_name)
+    a, b = local
+    if pattern == "ag_matmul":
+        return lambda: torch.ops.symm_mem.fused_all_gather_matmul(
+            a, [b], gather_dim=0, group_name=group_name
+        )
+    return lambda: torch.ops.symm_mem.fused_matmul_reduce_scatter(
+        a, b, "sum", scatter_dim=0, group_name=group_name
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ag_matmul.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        dist.init_process_group("gloo")
+        communicator = Communicator("cpu")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        communicator = Communicator()
+    figures = measure_hardware_figures(communicator)
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    rows = []
+    for shape in shapes:
+        for pattern in ("ag_matmul", "matmul_rs"):
+            rows.append(run_shape(communicator, figures, pattern, shape, args.rounds,
+                                  args.iterations, args.smoke))  # fmt: skip
+            if communicator.rank == 0:
+                print_row(rows[-1])
+    if communicator.rank == 0:
+        print_table(rows, figures)
+        if not args.smoke:
+            write_results(args.out, rows, figures, communicator)
+    dist.destroy_process_group()
+
+
+def print_row(row: dict) -> None:
+    print(f"[{row['pattern']} {row['M']}x{row['K']}x{row['N']}] plan: {row['planner']}", flush=True)
+
+
+def print_table(rows: list[dict], figures) -> None:
+    print(f"\nhardware figures: {figures}")
+    header = (
+        f"{'pattern':<10} {'M,K,N':<18} {'mm':>7} {'comm':>7} {'seq':>7} {'ours':>7} "
+        f"{'symm':>7} {'T*':>7} {'ours/T*':>8} {'symm/T*':>8} {'bitwise':>8}  plan; fixed chunks"
+    )
+    print(header)
+    for r in rows:
+        symm = r["t_symm_ms"]
+        fixed = " ".join(f"{k}={v:.3f}" for k, v in r["fixed_chunks_ms"].items())
+        print(
+            f"{r['pattern']:<10} {r['M']},{r['K']},{r['N']:<8} {r['t_mm_ms']:7.3f} "
+            f"{r['t_comm_ms']:7.3f} {r['t_seq_ms']:7.3f} {r['t_ours_ms']:7.3f} "
+            f"{symm if symm is not None else float('nan'):7.3f} {r['t_star_ms']:7.3f} "
+            f"{r['ours_over_t_star']:8.3f} "
+            f"{(symm / r['t_star_ms']) if symm else float('nan'):8.3f} "
+            f"{str(all(r['bitwise_equal_to_sequential'].values())):>8}  "
+            f"{r['ours_plan']}; {fixed}"
+        )
+
+
+def write_results(path: str, rows: list[dict], figures, communicator) -> None:
+    git = subprocess.run(
+        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    commit = git or os.environ.get("BENCH_COMMIT", "unknown")
+    result = {
+        "device": f"{communicator.world_size}x {torch.cuda.get_device_name()}",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit,
+        "command": "torchrun --nproc-per-node 2 benchmarks/ag_matmul.py",
+        "torch": torch.__version__,
+        "hardware_figures": vars(figures),
+        "rows": rows,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
