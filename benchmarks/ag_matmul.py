@@ -38,6 +38,7 @@ from fusion import FusionDefinition  # noqa: E402
 from overlap.communicator import Communicator  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.planner import OverlapOptions, measure_hardware_figures  # noqa: E402
+from overlap.timeline import Timeline  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 SHAPES = [(8192, 8192, 14336), (8192, 8192, 4096), (16384, 8192, 8192), (8192, 8192, 1024),
@@ -105,7 +106,24 @@ def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
     return dict(zip(names, tensor.tolist(), strict=True))
 
 
-def run_shape(communicator, figures, pattern, shape, rounds, iterations, smoke) -> dict:
+def host_cost_ms(executor, local, device) -> float:
+    """The host's time to issue one run (the GPU may still be busy when it returns)."""
+    import time
+
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(5):
+        executor.run(local, check_inputs=False)
+    cost = (time.perf_counter() - start) / 5 * 1e3
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return cost
+
+
+def run_shape(
+    communicator, figures, pattern, shape, rounds, iterations, smoke, timeline_dir=None
+) -> dict:
     m, k, n = shape
     world, rank, device = communicator.world_size, communicator.rank, communicator.device
     fd = build(pattern, m, k, n, world)
@@ -160,7 +178,14 @@ def run_shape(communicator, figures, pattern, shape, rounds, iterations, smoke) 
             timer.time(name, function)
         for name, executor in variants.items():
             timer.time(name, lambda e=executor: e.run(local, check_inputs=False))
-    times = slowest(timer.medians(), device)
+    host = host_cost_ms(variants["ours"], local, device)
+    if timeline_dir and communicator.rank == 0 and device.type == "cuda":
+        timeline = Timeline(device)
+        variants["ours"].run(local, timeline=timeline, check_inputs=False)
+        stem = f"{timeline_dir}/timeline_{pattern}_{m}x{k}x{n}"
+        timeline.write_chrome_trace(stem + ".json", rank=0)
+        timeline.write_png(stem + ".png")
+    times = slowest({**timer.medians(), "host": host}, device)
     t_mm, t_comm = times["mm"], times["comm"]
     t_star = max(t_mm, t_comm + t_mm / world)
     (decision,) = variants["ours"].overlap
@@ -170,6 +195,7 @@ def run_shape(communicator, figures, pattern, shape, rounds, iterations, smoke) 
         "t_ours_ms": times["ours"], "t_symm_ms": times.get("symm"), "t_star_ms": t_star,
         "ours_plan": decision.chosen.describe(),
         "ours_over_t_star": times["ours"] / t_star,
+        "ours_host_ms": times["host"],
         "fixed_chunks_ms": {name: times[name] for name in variants if name.startswith("c")},
         "bitwise_equal_to_sequential": bitwise,
         "planner": str(decision),
@@ -201,6 +227,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ag_matmul.json"))
+    parser.add_argument("--timeline-dir", help="write rank 0's timeline of each shape here")
     args = parser.parse_args()
     if args.smoke:
         dist.init_process_group("gloo")
@@ -216,7 +243,7 @@ def main() -> None:
     for shape in shapes:
         for pattern in ("ag_matmul", "matmul_rs"):
             rows.append(run_shape(communicator, figures, pattern, shape, args.rounds,
-                                  args.iterations, args.smoke))  # fmt: skip
+                                  args.iterations, args.smoke, args.timeline_dir))  # fmt: skip
             if communicator.rank == 0:
                 print_row(rows[-1])
     if communicator.rank == 0:
@@ -247,7 +274,7 @@ def print_table(rows: list[dict], figures) -> None:
             f"{r['ours_over_t_star']:8.3f} "
             f"{(symm / r['t_star_ms']) if symm else float('nan'):8.3f} "
             f"{str(all(r['bitwise_equal_to_sequential'].values())):>8}  "
-            f"{r['ours_plan']}; {fixed}"
+            f"{r['ours_plan']}; host {r['ours_host_ms']:.3f} ms; {fixed}"
         )
 
 

@@ -37,14 +37,11 @@ class RankContext:
     """What a communication needs to know about this rank and the tensors' shapes."""
 
     rank: int
-    communicator: Communicator
+    communicator: Communicator | None  # None: one device, nothing to communicate
     global_shape: Callable[[TensorView], list[int]]
     local_shape: Callable[[TensorView], list[int]]
     storage_dtype: Callable[[TensorView], torch.dtype]
-
-    @property
-    def device(self) -> torch.device:
-        return self.communicator.device
+    device: torch.device
 
     def empty(self, tensor: TensorView, shape: list[int] | None = None) -> torch.Tensor:
         shape = self.local_shape(tensor) if shape is None else shape

@@ -36,7 +36,6 @@ from overlap.communicator import Communicator
 from overlap.host_ir import (
     AliasSelect,
     Allocate,
-    ChunkScheme,
     CombineStaged,
     Communicate,
     Deallocate,
@@ -46,7 +45,6 @@ from overlap.host_ir import (
     LaunchKernel,
     SetCurrentStream,
     StageForPeers,
-    StreamRef,
     Synchronize,
     Wait,
     walk,
@@ -109,6 +107,7 @@ class MultiDeviceExecutor:
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
         self._last_bindings: Bindings | None = None
+        self._compiled: dict[tuple, _Compiled] = {}
 
     def _check_meshes_fit_the_world(self) -> None:
         world = self.communicator.world_size
@@ -177,7 +176,9 @@ class MultiDeviceExecutor:
         cpu = [None if t is None else t.cpu() for t in local_outputs]
         everyone = self.communicator.all_gather_object(cpu)
         return [
-            assemble({rank: pieces[position] for rank, pieces in enumerate(everyone)}, tensor)
+            assemble({rank: pieces[position] for rank, pieces in enumerate(everyone)}, tensor).to(
+                self.device
+            )
             for position, tensor in enumerate(self.fusion.outputs)
         ]
 
@@ -208,7 +209,10 @@ class MultiDeviceExecutor:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
             self._symmetric.next_run()
-        return _Run(self, bindings, timeline).execute(local_inputs)
+        key = tuple(sorted((symbol.name, value) for symbol, value in bindings.items()))
+        if key not in self._compiled:
+            self._compiled[key] = _Compiled(self, bindings)
+        return self._compiled[key].run(local_inputs, timeline)
 
     def _uses_copy_engine(self) -> bool:
         return any(
@@ -244,38 +248,54 @@ class MultiDeviceExecutor:
         return check_local_inputs(self.fusion, everyone)
 
 
-class _Run:
-    """One run of the host program on this rank."""
+class _Compiled:
+    """The host program specialized for this rank and these extents: a flat list of steps.
 
-    def __init__(self, executor: MultiDeviceExecutor, bindings: Bindings, timeline) -> None:
+    Loops are unrolled; everything that does not change from run to run (which ranks
+    take part, chunk offsets, groups, peers' buffers, streams) is worked out here once,
+    so a run only launches work. Each run gets fresh buffers.
+    """
+
+    def __init__(self, executor: MultiDeviceExecutor, bindings: Bindings) -> None:
         self.executor = executor
         self.rank = executor.rank
-        self.bindings = bindings
-        self.timeline = timeline
         self.values: dict[TensorView, torch.Tensor | None] = {}
-        self.allocated: set[TensorView] = set()
         self.pending: dict[Communicate, Pending] = {}
-        self.started: dict[Communicate, object] = {}
         self.saved_streams: dict[str, object] = {}
+        self.timeline: Timeline | None = None
         self.streams = executor._streams
+        self.shapes: dict[TensorView, list[int]] = {}
         self.ctx = RankContext(
             self.rank,
             executor.communicator,
             lambda t: [resolve(e, bindings) for e in t.shape],
-            lambda t: executor.local_shape(t, bindings),
+            self.local_shape,
             _storage_dtype,
+            executor.device,
         )
+        self.bindings = bindings
         self.pipelined = PipelinedComms(self.ctx, executor._symmetric)
-        self.loop: tuple[ChunkScheme, int] | None = None
+        if executor._symmetric is not None:
+            self._allocate_symmetric()
+        self.steps: list = []
+        self._compile(executor.program.instructions, None)
 
-    def execute(self, local_inputs) -> list[torch.Tensor | None]:
+    def local_shape(self, tensor: TensorView) -> list[int]:
+        if tensor not in self.shapes:
+            self.shapes[tensor] = self.executor.local_shape(tensor, self.bindings)
+        return self.shapes[tensor]
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
         executor = self.executor
+        self.values = {}
+        self.timeline = timeline
         for tensor, value in zip(executor.fusion.inputs, local_inputs, strict=True):
             if executor.holds(tensor.mesh):
                 self.values[tensor] = unpack_fp4(value) if tensor.dtype is float4_e2m1 else value
-        if executor._symmetric is not None:
-            self._allocate_symmetric()
-        self._instructions(executor.program.instructions)
+        for step in self.steps:
+            step()
         outputs: list[torch.Tensor | None] = []
         for tensor in executor.fusion.outputs:
             if not executor.holds(tensor.mesh):
@@ -283,183 +303,229 @@ class _Run:
                 continue
             value = self.values[tensor]
             outputs.append(pack_fp4(value) if tensor.dtype is float4_e2m1 else value.contiguous())
+        self.values = {}
         return outputs
 
-    def _lane(self, kind: str) -> str:
-        return f"stream {self.loop[1] % self.streams.count} {kind}" if self.loop else f"main {kind}"
+    def _lane(self, loop, kind: str) -> str:
+        return f"stream {loop[1] % self.streams.count} {kind}" if loop else f"main {kind}"
 
-    def _instructions(self, instructions: list) -> None:
+    # -- compiling -------------------------------------------------------------
+
+    def _compile(self, instructions: list, loop) -> None:
         for instruction in instructions:
-            handler = getattr(self, f"_{type(instruction).__name__}")
-            handler(instruction)
+            if isinstance(instruction, ForLoop):
+                for iteration in range(instruction.scheme.num_chunks):
+                    self._compile(instruction.body, (instruction.scheme, iteration))
+                self.steps.append(self.pipelined.drain)
+                continue
+            compile_step = getattr(self, f"_{type(instruction).__name__}")
+            step = compile_step(instruction, loop)
+            if step is not None:
+                self.steps.append(step)
 
-    # -- memory ----------------------------------------------------------------
-
-    def _Allocate(self, instruction: Allocate) -> None:
-        # Allocated now, on the current (user's) stream: a buffer first touched inside a
-        # loop would belong to a side stream, and the allocator could hand it out again
+    def _Allocate(self, instruction: Allocate, loop):
+        # Allocated before the loop, on the user's stream: a buffer first touched inside
+        # a loop would belong to a side stream, and the allocator could hand it out again
         # before the user's stream is done with it.
-        self.allocated.add(instruction.tensor)
-        if self.executor.holds(instruction.tensor.mesh):
-            self._buffer(instruction.tensor)
+        tensor = instruction.tensor
+        if not self.executor.holds(tensor.mesh):
+            return None
+        shape, dtype, device = self.local_shape(tensor), _storage_dtype(tensor), self.ctx.device
 
-    def _Deallocate(self, instruction: Deallocate) -> None:
-        self.values.pop(instruction.tensor, None)
+        def allocate() -> None:
+            self.values[tensor] = torch.empty(shape, dtype=dtype, device=device)
 
-    def _buffer(self, tensor: TensorView) -> torch.Tensor:
-        if tensor not in self.values:
-            self.values[tensor] = torch.empty(
-                self.ctx.local_shape(tensor), dtype=_storage_dtype(tensor),
-                device=self.executor.device,
-            )  # fmt: skip
-        return self.values[tensor]
+        return allocate
 
-    # -- streams and loops -----------------------------------------------------
+    def _Deallocate(self, instruction: Deallocate, loop):
+        return lambda: self.values.pop(instruction.tensor, None)
 
-    def _GetCurrentStream(self, instruction: GetCurrentStream) -> None:
-        self.saved_streams[instruction.name] = self.streams.current()
+    def _GetCurrentStream(self, instruction: GetCurrentStream, loop):
+        if not self.streams.cuda:
+            return None
+        return lambda: self.saved_streams.__setitem__(instruction.name, self.streams.current())
 
-    def _stream(self, ref: StreamRef):
-        if ref.saved:
-            return self.saved_streams[ref.saved]
-        return self.streams.get(self.loop[1])
+    def _SetCurrentStream(self, instruction: SetCurrentStream, loop):
+        if not self.streams.cuda:
+            return None
+        if instruction.stream.saved:
+            name = instruction.stream.saved
+            return lambda: self.streams.set(self.saved_streams[name])
+        stream = self.streams.get(loop[1])
+        return lambda: self.streams.set(stream)
 
-    def _SetCurrentStream(self, instruction: SetCurrentStream) -> None:
-        self.streams.set(self._stream(instruction.stream))
+    def _Synchronize(self, instruction: Synchronize, loop):
+        if not self.streams.cuda:
+            return None
+        if instruction.stream.saved:
+            name = instruction.stream.saved
+            return lambda: self.streams.wait(self.saved_streams[name])
+        stream = self.streams.get(loop[1])
+        return lambda: self.streams.wait(stream)
 
-    def _Synchronize(self, instruction: Synchronize) -> None:
-        self.streams.wait(self._stream(instruction.stream))
-
-    def _ForLoop(self, instruction: ForLoop) -> None:
-        outer = self.loop
-        for iteration in range(instruction.scheme.num_chunks):
-            self.loop = (instruction.scheme, iteration)
-            self._instructions(instruction.body)
-        self.loop = outer
-        self.pipelined.drain()
-
-    def _AliasSelect(self, instruction: AliasSelect) -> None:
-        source = instruction.source
+    def _AliasSelect(self, instruction: AliasSelect, loop):
+        source, result, dim = instruction.source, instruction.result, instruction.dim
         if not self.executor.holds(source.mesh):
-            return
-        scheme, iteration = self.loop
-        value = self._buffer(source) if source in self.allocated else self.values.get(source)
+            return None
+        scheme, iteration = loop
         layout = layout_of(source)
         split = (
             scheme.owners > 1
             and layout is not None
-            and layout.placements[scheme.mesh_axis] == Shard(instruction.dim)
+            and layout.placements[scheme.mesh_axis] == Shard(dim)
         )
         if scheme.owners > 1:
             where = place(scheme, self.rank, iteration)
+            if split and not where.owned:
+                return lambda: self.values.__setitem__(result, None)
             chunk = where.chunk
-            if split and where.owner != where.mine:
-                self.values[instruction.result] = None
-                return
         else:
             chunk = scheme.chunk(iteration, 0)
-        offset, size = chunk_rows(value.shape[instruction.dim], scheme, chunk, split)
-        self.values[instruction.result] = value.narrow(instruction.dim, offset, size)
+        offset, size = chunk_rows(self.local_shape(source)[dim], scheme, chunk, split)
 
-    # -- compute ---------------------------------------------------------------
+        def select() -> None:
+            self.values[result] = self.values[source].narrow(dim, offset, size)
 
-    def _LaunchKernel(self, kernel: LaunchKernel) -> None:
+        return select
+
+    def _LaunchKernel(self, kernel: LaunchKernel, loop):
         if not self.executor.holds(kernel.mesh):
-            return
-        span = self.timeline.span(self._lane("compute"), kernel.name) if self.timeline else None
-        if span:
-            span.__enter__()
-        for expr in kernel.exprs:
-            self._compute(expr, kernel.aliases)
-        if span:
-            span.__exit__(None, None, None)
+            return None
+        computes = [self._compile_expr(expr, kernel.aliases) for expr in kernel.exprs]
+        lane = self._lane(loop, "compute")
 
-    def _compute(self, expr: Expr, aliases: dict[TensorView, TensorView]) -> None:
+        def launch() -> None:
+            if self.timeline is None:
+                for compute in computes:
+                    compute()
+                return
+            with self.timeline.span(lane, kernel.name):
+                for compute in computes:
+                    compute()
+
+        return launch
+
+    def _compile_expr(self, expr: Expr, aliases: dict[TensorView, TensorView]):
+        values = self  # read through self.values: it is replaced on every run
+
         def read(tensor: TensorView) -> torch.Tensor:
-            return self.values[aliases.get(tensor, tensor)]
+            return values.values[aliases.get(tensor, tensor)]
 
-        destinations = {
-            out: self.values.get(aliases[out]) for out in expr.outputs if out in aliases
-        }
+        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
         if isinstance(expr, LocalShard):
             (source,) = expr.inputs
             coordinate = expr.mesh.coords(self.rank)[expr.mesh_axis]
-            extent = read(source).shape[expr.dim]
+            extent = self.local_shape(source)[expr.dim]
             offset, size = split_range(extent, expr.mesh.shape[expr.mesh_axis], coordinate)
-            result = {expr.output: read(source).narrow(expr.dim, offset, size).contiguous()}
-        elif isinstance(expr, (MatmulOp, LinearOp)):
-            result = {expr.output: _contract(expr, read, destinations.get(expr.output))}
-        else:
+            ((_, key, _),) = outputs
+
+            def shard_locally() -> None:
+                piece = read(source).narrow(expr.dim, offset, size).contiguous()
+                values.values[key] = piece
+
+            return shard_locally
+        if isinstance(expr, (MatmulOp, LinearOp)):
+            ((_, key, into_chunk),) = outputs
+
+            def contract() -> None:
+                destination = values.values.get(key) if into_chunk else None
+                result = _contract(expr, read, destination)
+                if destination is None:
+                    values.values[key] = result
+                elif result.data_ptr() != destination.data_ptr():
+                    destination.copy_(result)
+
+            return contract
+
+        def evaluate() -> None:
             local = {t: read(t) for t in expr.inputs}
+            destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
 
             def shape_of(tensor: TensorView) -> list[int]:
                 if tensor in local:
                     return list(local[tensor].shape)
                 if destinations.get(tensor) is not None:
                     return list(destinations[tensor].shape)
-                return self.ctx.local_shape(tensor)
+                return self.local_shape(tensor)
 
             evaluate_expr(expr, local, shape_of)
-            result = {out: local[out] for out in expr.outputs}
-        for out, value in result.items():
-            destination = destinations.get(out)
-            if destination is not None:
-                if destination.data_ptr() != value.data_ptr():
-                    destination.copy_(value)
-            else:
-                self.values[aliases.get(out, out)] = value
+            for out, key, into_chunk in outputs:
+                if into_chunk and destinations[out] is not None:
+                    destinations[out].copy_(local[out])
+                else:
+                    values.values[key] = local[out]
 
-    # -- communication ---------------------------------------------------------
+        return evaluate
 
-    def _Communicate(self, instruction: Communicate) -> None:
+    def _Communicate(self, instruction: Communicate, loop):
         comm = instruction.communication
         if self.executor.communicator is None or self.rank not in comm.participants():
-            return
-        source = self.values.get(instruction.source)
-        if self.timeline:
-            self.started[instruction] = self.timeline.start(self._lane("comm"), instruction.name)
-        if self.loop is not None:
-            target = self.values.get(instruction.target)
-            scheme, iteration = self.loop
-            self.pending[instruction] = self.pipelined.start(
-                instruction, source, target, scheme, iteration
-            )
+            return None
+        source, target = instruction.source, instruction.target
+        lane = self._lane(loop, "comm")
+        if loop is not None:
+            transfer = self.pipelined.prepare(instruction, *loop)
+
+            def post() -> Pending:
+                return transfer(self.values.get(source), self.values.get(target))
+
         else:
-            self.pending[instruction] = start(comm, source, self.ctx)
 
-    def _Wait(self, instruction: Wait) -> None:
+            def post() -> Pending:
+                return start(comm, self.values.get(source), self.ctx)
+
+        def communicate() -> None:
+            if self.timeline is not None:
+                instruction._token = self.timeline.start(lane, instruction.name)
+            self.pending[instruction] = post()
+
+        return communicate
+
+    def _Wait(self, instruction: Wait, loop):
         communicate = instruction.communicate
-        if communicate not in self.pending:
-            return
-        result = self.pending.pop(communicate).wait()
-        if self.loop is None and result is not None:
-            self.values[communicate.target] = result
-        if self.timeline and communicate in self.started:
-            self.timeline.stop(self.started.pop(communicate))
+        comm = communicate.communication
+        if self.executor.communicator is None or self.rank not in comm.participants():
+            return None
+        keep = loop is None
 
-    def _StageForPeers(self, instruction: StageForPeers) -> None:
-        comm = instruction.communicate.communication
-        if self.rank in comm.participants():
-            self.executor._symmetric.stage(instruction.communicate, self.values[comm.inputs[0]])
+        def wait() -> None:
+            result = self.pending.pop(communicate).wait()
+            if keep and result is not None:
+                self.values[communicate.target] = result
+            if self.timeline is not None:
+                self.timeline.stop(communicate._token)
 
-    def _CombineStaged(self, instruction: CombineStaged) -> None:
-        comm = instruction.communicate.communication
-        if self.rank in comm.participants():
-            self.executor._symmetric.combine(instruction.communicate, self._buffer(comm.output))
+        return wait
+
+    def _StageForPeers(self, instruction: StageForPeers, loop):
+        communicate = instruction.communicate
+        comm = communicate.communication
+        if self.rank not in comm.participants():
+            return None
+        symmetric = self.executor._symmetric
+        return lambda: symmetric.stage(communicate, self.values[comm.inputs[0]])
+
+    def _CombineStaged(self, instruction: CombineStaged, loop):
+        communicate = instruction.communicate
+        comm = communicate.communication
+        if self.rank not in comm.participants():
+            return None
+        symmetric = self.executor._symmetric
+        return lambda: symmetric.combine(communicate, self.values[comm.output])
 
     def _allocate_symmetric(self) -> None:
         for loop in self.executor.program.instructions:
             if not isinstance(loop, ForLoop):
                 continue
             for instruction in loop.body:
-                if not (
-                    isinstance(instruction, Communicate) and instruction.transport == "copy_engine"
-                ):
+                if not isinstance(instruction, Communicate):
+                    continue
+                if instruction.transport != "copy_engine":
                     continue
                 comm = instruction.communication
                 dim = split_dim(comm)
                 moving = comm.inputs[0]
-                shape = self.ctx.local_shape(moving)
+                shape = self.local_shape(moving)
                 whole = self.ctx.global_shape(comm.output)[dim]
                 rest = shape[:dim] + shape[dim + 1 :]
                 self.executor._symmetric.allocate(

@@ -249,9 +249,7 @@ class _Lowering:
         if not self.saved_user_stream:
             instructions.append(GetCurrentStream(USER_STREAM.saved))
             self.saved_user_stream = True
-        instructions.append(
-            ForLoop(scheme, [SetCurrentStream(LOOP_STREAM), Synchronize(USER_STREAM)])
-        )
+        sync_loop = ForLoop(scheme, [SetCurrentStream(LOOP_STREAM), Synchronize(USER_STREAM)])
         body: list[Instruction] = [SetCurrentStream(LOOP_STREAM)]
         chunks: dict[TensorView, TensorView] = {}
         before: list[Instruction] = []
@@ -290,7 +288,10 @@ class _Lowering:
                 pending.append(expr)
         flush()
         body += [SetCurrentStream(USER_STREAM), Synchronize(LOOP_STREAM)]
+        # Staging for peers runs on the user's stream before the streams fork from it, so
+        # every stream's transfers come after the barrier that says the peers are staged.
         instructions.extend(before)
+        instructions.append(sync_loop)
         instructions.append(ForLoop(scheme, body, scheme.describe()))
         instructions.extend(after)
 

@@ -16,10 +16,15 @@ into its owner. How a chunk moves:
 
 A communication that acts along another axis than the stream axis (an
 all-reduce of a chunk, say) runs the whole-tensor collective on the chunk.
+
+Everything that depends only on the rank and the iteration (which chunk, its
+owner, the group, the peers) is worked out once, by ``prepare``; a run then
+calls the returned function with the chunk's tensors.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +38,8 @@ from sharding.layout import split_range
 TRANSPORTS = ("collective", "ring", "copy_engine")
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
+ChunkTransfer = Callable[[torch.Tensor | None, torch.Tensor | None], Pending]
+
 
 def split_dim(comm: Communication) -> int | None:
     """The axis a pipelined all-gather gathers or a reduce-scatter scatters."""
@@ -41,6 +48,11 @@ def split_dim(comm: Communication) -> int | None:
     if comm.kind is CommunicationKind.ReduceScatter:
         return comm.out_dim
     return None
+
+
+def is_pipelined(comm: Communication, scheme: ChunkScheme) -> bool:
+    """Whether the loop cuts the axis this communication gathers or scatters."""
+    return scheme.owners > 1 and split_dim(comm) == stream_dim(comm.output)
 
 
 @dataclass
@@ -56,6 +68,10 @@ class ChunkPlace:
     @property
     def parts(self) -> int:
         return len(self.team)
+
+    @property
+    def owned(self) -> bool:
+        return self.owner == self.mine
 
     def rank_at(self, coordinate: int) -> int:
         return self.team[coordinate % self.parts]
@@ -89,112 +105,130 @@ def _contiguous(view: torch.Tensor) -> torch.Tensor:
 
 
 class PipelinedComms:
-    """Runs the chunk communications of a program's loops on one rank."""
+    """Prepares the chunk communications of a program's loops on one rank."""
 
     def __init__(self, ctx: RankContext, symmetric) -> None:
         self.ctx = ctx
-        self.symmetric = symmetric  # SymmetricBuffers or None (CPU)
-        self.outstanding: list[object] = []  # sends whose completion nobody waits for yet
+        self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
+        self.outstanding: list[object] = []  # sends nobody waits for yet
 
     def drain(self) -> None:
-        """Wait for every outstanding send (end of a loop)."""
+        """Wait for every outstanding send (after a loop)."""
         for work in self.outstanding:
             work.wait()
         self.outstanding.clear()
 
-    def start(
-        self,
-        communicate: Communicate,
-        source: torch.Tensor | None,
-        target: torch.Tensor | None,
-        scheme: ChunkScheme,
-        iteration: int,
-    ) -> Pending:
+    def prepare(
+        self, communicate: Communicate, scheme: ChunkScheme, iteration: int
+    ) -> ChunkTransfer:
+        """The transfer of ``communicate``'s chunk at ``iteration``, for this rank."""
         comm = communicate.communication
-        ctx = self.ctx
-        split = split_dim(comm)
-        if scheme.owners == 1 or split != stream_dim(comm.output):
-            chunk_ctx = replace(ctx, local_shape=lambda t: list(target.shape))
-            pending = start(comm, source, chunk_ctx)
-            finish = pending.finish
-            pending.finish = lambda: target.copy_(finish()) if target is not None else None
-            return pending
-        where = place(scheme, ctx.rank, iteration)
-        group = ctx.communicator.group(where.team) if where.parts > 1 else None
+        if not is_pipelined(comm, scheme):
+            return self._whole_collective(comm)
+        where = place(scheme, self.ctx.rank, iteration)
+        group = self.ctx.communicator.group(where.team) if where.parts > 1 else None
         transport = communicate.transport or "collective"
         if comm.kind is CommunicationKind.Allgather:
-            return self._gather_chunk(communicate, source, target, where, group, transport)
-        return self._reduce_chunk(communicate, source, target, where, group, transport)
+            return self._gather_chunk(communicate, where, group, transport)
+        return self._reduce_chunk(communicate, where, group, transport)
+
+    def _whole_collective(self, comm: Communication) -> ChunkTransfer:
+        def transfer(source, target) -> Pending:
+            chunk_ctx = replace(self.ctx, local_shape=lambda tensor: list(target.shape))
+            pending = start(comm, source, chunk_ctx)
+            finish = pending.finish
+            pending.finish = lambda: target.copy_(finish())
+            return pending
+
+        return transfer
 
     # -- all-gather: chunk c comes from its owner ------------------------------
 
-    def _gather_chunk(self, communicate, source, target, where, group, transport) -> Pending:
-        mine = where.owner == where.mine
-        if mine:
-            target.copy_(source)
+    def _gather_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
+        owner = where.rank_at(where.owner)
         if where.parts == 1:
-            return Pending()
+            return lambda source, target: (target.copy_(source), Pending())[1]
         if transport == "copy_engine":
-            if not mine:
-                self.symmetric.pull(communicate, where, target)
-            return Pending()
+            pull = None if where.owned else self.symmetric.puller(communicate, where)
+
+            def copy_engine(source, target) -> Pending:
+                if pull is None:
+                    target.copy_(source)
+                else:
+                    pull(target)
+                return Pending()
+
+            return copy_engine
         if transport == "collective":
-            buffer = _contiguous(target)
-            work = dist.broadcast(
-                buffer, src=where.rank_at(where.owner), group=group, async_op=True
-            )
-            return Pending([work], lambda: target.copy_(buffer) if buffer is not target else None)
+
+            def broadcast(source, target) -> Pending:
+                if where.owned:
+                    target.copy_(source)
+                buffer = _contiguous(target)
+                work = dist.broadcast(buffer, src=owner, group=group, async_op=True)
+                return Pending(
+                    [work], lambda: target.copy_(buffer) if buffer is not target else None
+                )
+
+            return broadcast
         steps = (where.mine - where.owner) % where.parts
-        after = where.rank_at(where.mine + 1)
-        if mine:
-            self.outstanding.append(dist.isend(_contiguous(target), dst=after))
-            return Pending()
-        buffer = _contiguous(target)
-        work = dist.irecv(buffer, src=where.rank_at(where.mine - 1))
+        before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
 
-        def finish() -> None:
-            if buffer is not target:
-                target.copy_(buffer)
-            if steps < where.parts - 1:
-                self.outstanding.append(dist.isend(buffer, dst=after))
+        def ring(source, target) -> Pending:
+            if where.owned:
+                target.copy_(source)
+                self.outstanding.append(dist.isend(_contiguous(target), dst=after))
+                return Pending()
+            buffer = _contiguous(target)
+            work = dist.irecv(buffer, src=before)
 
-        return Pending([work], finish)
+            def finish() -> None:
+                if buffer is not target:
+                    target.copy_(buffer)
+                if steps < where.parts - 1:
+                    self.outstanding.append(dist.isend(buffer, dst=after))
+
+            return Pending([work], finish)
+
+        return ring
 
     # -- reduce-scatter: chunk c is summed into its owner -------------------------
 
-    def _reduce_chunk(self, communicate, source, target, where, group, transport) -> Pending:
+    def _reduce_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
         comm = communicate.communication
-        mine = where.owner == where.mine
         if where.parts == 1:
-            target.copy_(source)
-            return Pending()
+            return lambda source, target: (target.copy_(source), Pending())[1]
         if transport == "copy_engine":
-            self.symmetric.push(communicate, where, source)
-            return Pending()
+            push = self.symmetric.pusher(communicate, where)
+            return lambda source, target: (push(source), Pending())[1]
         if transport == "collective":
-            buffer = source.contiguous().clone() if not source.is_contiguous() else source
-            work = dist.reduce(
-                buffer,
-                dst=where.rank_at(where.owner),
-                op=_REDUCE_OPS[comm.reduce_op],
-                group=group,
-                async_op=True,
-            )
-            return Pending([work], lambda: target.copy_(buffer) if mine else None)
+            owner = where.rank_at(where.owner)
+            op = _REDUCE_OPS[comm.reduce_op]
+
+            def reduce(source, target) -> Pending:
+                buffer = _contiguous(source)
+                work = dist.reduce(buffer, dst=owner, op=op, group=group, async_op=True)
+                return Pending([work], lambda: target.copy_(buffer) if where.owned else None)
+
+            return reduce
         step = (where.mine - where.owner - 1) % where.parts
-        after = where.rank_at(where.mine + 1)
-        if step == 0:
-            self.outstanding.append(dist.isend(_contiguous(source), dst=after))
-            return Pending()
-        received = torch.empty_like(source, memory_format=torch.contiguous_format)
-        work = dist.irecv(received, src=where.rank_at(where.mine - 1))
+        before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
         combine = _COMBINE[comm.reduce_op]
 
-        def finish() -> None:
-            total = combine(received.float(), source.float()).to(source.dtype)
-            if mine:
-                target.copy_(total)
-            else:
-                self.outstanding.append(dist.isend(total, dst=after))
+        def ring(source, target) -> Pending:
+            if step == 0:
+                self.outstanding.append(dist.isend(_contiguous(source), dst=after))
+                return Pending()
+            received = torch.empty_like(source, memory_format=torch.contiguous_format)
+            work = dist.irecv(received, src=before)
 
-        return Pending([work], finish)
+            def finish() -> None:
+                total = combine(received.float(), source.float()).to(source.dtype)
+                if where.owned:
+                    target.copy_(total)
+                else:
+                    self.outstanding.append(dist.isend(total, dst=after))
+
+            return Pending([work], finish)
+
+        return ring

@@ -8,7 +8,7 @@ peer's buffer is a device-to-device copy done by the copy engines: no SMs.
   every piece is there, then every rank pulls the chunks it needs;
 - reduce-scatter: each rank pushes partial chunk ``c`` into slot ``me`` of
   the owner's buffer, a barrier makes sure every push has landed, then the
-  owner sums its slots.
+  owner adds its own partial and the pushed ones.
 
 Buffers alternate between two halves from one run to the next, so a rank never
 overwrites what a slower peer may still be reading: the barrier of run n+1
@@ -18,9 +18,11 @@ the same half.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from overlap.host_ir import ChunkScheme, Communicate
 from overlap.pipelined import ChunkPlace, chunk_rows
@@ -35,6 +37,7 @@ class _Buffer:
     extent: int  # the whole extent of the split axis
     scheme: ChunkScheme
     dim: int  # the split axis in the tensors that move
+    peers: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class SymmetricBuffers:
@@ -68,25 +71,19 @@ class SymmetricBuffers:
             return
         comm = communicate.communication
         team = comm.in_layout.mesh.team(self.communicator.rank, comm.mesh_axis)
-        group = self.communicator.group(team)
+        group = self.communicator.group(team) or dist.group.WORLD
         slots = 1 if comm.kind.value == "Allgather" else scheme.owners
         rows = max(split_sizes(extent, scheme.owners))
         tensor = self.symm_mem.empty(
             (2, slots, rows, *rest), dtype=dtype, device=self.communicator.device
         )
-        if group is None:
-            import torch.distributed as dist
-
-            group = dist.group.WORLD
         handle = self.symm_mem.rendezvous(tensor, group.group_name)
-        self.buffers[communicate] = _Buffer(
-            tensor, handle, tuple(sorted(team)), extent, scheme, dim
-        )
-
-    def _peer(self, buffer: _Buffer, rank: int) -> torch.Tensor:
-        return buffer.handle.get_buffer(
-            buffer.members.index(rank), tuple(buffer.tensor.shape), buffer.tensor.dtype
-        )
+        buffer = _Buffer(tensor, handle, tuple(sorted(team)), extent, scheme, dim)
+        for rank in buffer.members:
+            buffer.peers[rank] = handle.get_buffer(
+                buffer.members.index(rank), tuple(tensor.shape), tensor.dtype
+            )
+        self.buffers[communicate] = buffer
 
     def _chunk(self, buffer: _Buffer, where: ChunkPlace) -> tuple[int, int]:
         block = split_sizes(buffer.extent, buffer.scheme.owners)[where.owner]
@@ -101,30 +98,51 @@ class SymmetricBuffers:
         buffer.tensor[self.parity, 0, : moved.shape[0]].copy_(moved)
         buffer.handle.barrier(channel=0)
 
-    def pull(self, communicate: Communicate, where: ChunkPlace, target: torch.Tensor) -> None:
-        """Copy the owner's rows of chunk ``where.chunk`` into ``target``."""
+    def puller(self, communicate: Communicate, where: ChunkPlace) -> Callable:
+        """A function copying the owner's rows of ``where``'s chunk into a target."""
         buffer = self.buffers[communicate]
         offset, size = self._chunk(buffer, where)
-        peer = self._peer(buffer, where.rank_at(where.owner))
-        target.movedim(buffer.dim, 0).copy_(peer[self.parity, 0, offset : offset + size])
+        halves = [
+            buffer.peers[where.rank_at(where.owner)][parity, 0, offset : offset + size]
+            for parity in (0, 1)
+        ]
+        dim = buffer.dim
+
+        def pull(target: torch.Tensor) -> None:
+            target.movedim(dim, 0).copy_(halves[self.parity])
+
+        return pull
 
     # -- reduce-scatter ----------------------------------------------------------
 
-    def push(self, communicate: Communicate, where: ChunkPlace, partial: torch.Tensor) -> None:
-        """Copy this rank's partial chunk into its slot of the owner's buffer."""
+    def pusher(self, communicate: Communicate, where: ChunkPlace) -> Callable:
+        """A function copying a partial chunk into this rank's slot of the owner's buffer."""
         buffer = self.buffers[communicate]
         offset, size = self._chunk(buffer, where)
-        destination = self._peer(buffer, where.rank_at(where.owner))
-        destination[self.parity, where.mine, offset : offset + size].copy_(
-            partial.movedim(buffer.dim, 0)
-        )
+        halves = [
+            buffer.peers[where.rank_at(where.owner)][parity, where.mine, offset : offset + size]
+            for parity in (0, 1)
+        ]
+        dim = buffer.dim
+
+        def push(partial: torch.Tensor) -> None:
+            halves[self.parity].copy_(partial.movedim(dim, 0))
+
+        return push
 
     def combine(self, communicate: Communicate, output: torch.Tensor) -> None:
-        """Wait until every push has landed, then sum the slots into this rank's piece."""
+        """Wait until every push has landed, then sum the slots into this rank's piece.
+
+        Two slots are added in one pass in the output's type (exactly what a two-rank
+        NCCL reduce-scatter computes); more are accumulated in float32.
+        """
         buffer = self.buffers[communicate]
         buffer.handle.barrier(channel=0)
         moved = output.movedim(buffer.dim, 0)
         slots = buffer.tensor[self.parity, :, : moved.shape[0]]
+        if slots.shape[0] == 2:
+            torch.add(slots[0], slots[1], out=moved)
+            return
         total = slots[0].float()
         for slot in range(1, slots.shape[0]):
             total += slots[slot].float()
