@@ -179,12 +179,13 @@ def run_shape(
         for name, executor in variants.items():
             timer.time(name, lambda e=executor: e.run(local, check_inputs=False))
     host = host_cost_ms(variants["ours"], local, device)
-    if timeline_dir and communicator.rank == 0 and device.type == "cuda":
+    if timeline_dir:  # every rank runs (the run communicates); rank 0 writes
         timeline = Timeline(device)
         variants["ours"].run(local, timeline=timeline, check_inputs=False)
-        stem = f"{timeline_dir}/timeline_{pattern}_{m}x{k}x{n}"
-        timeline.write_chrome_trace(stem + ".json", rank=0)
-        timeline.write_png(stem + ".png")
+        if communicator.rank == 0:
+            stem = f"{timeline_dir}/timeline_{pattern}_{m}x{k}x{n}"
+            timeline.write_chrome_trace(stem + ".json", rank=0)
+            timeline.write_png(stem + ".png")
     times = slowest({**timer.medians(), "host": host}, device)
     t_mm, t_comm = times["mm"], times["comm"]
     t_star = max(t_mm, t_comm + t_mm / world)

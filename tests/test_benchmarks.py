@@ -1,0 +1,27 @@
+"""The benchmark scripts still run: a smoke run on CPU processes (gloo), with a timeout."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_ag_matmul_benchmark_smoke_run(tmp_path):
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "benchmarks" / "ag_matmul.py"), "--smoke", "--rounds", "1",
+        "--iterations", "1", "--timeline-dir", str(tmp_path),
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("ag_", "matmul_"))]
+    assert len(rows) == 4, result.stdout
+    assert all(" True " in row for row in rows), rows  # bitwise equal to sequential
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json"] * 4 + [".png"] * 4
