@@ -260,7 +260,8 @@ class _Compiled:
         self.executor = executor
         self.rank = executor.rank
         self.values: dict[TensorView, torch.Tensor | None] = {}
-        self.pending: dict[Communicate, Pending] = {}
+        self.pending: dict[tuple[Communicate, int | None], Pending] = {}
+        self.tokens: dict[tuple[Communicate, int | None], int] = {}
         self.saved_streams: dict[str, object] = {}
         self.timeline: Timeline | None = None
         self.streams = executor._streams
@@ -279,6 +280,12 @@ class _Compiled:
             self._allocate_symmetric()
         self.steps: list = []
         self._compile(executor.program.instructions, None)
+
+    def _slot(self, tensor: TensorView, loop):
+        """Where a tensor's value lives: a chunk tensor has one value per iteration."""
+        if loop is not None and tensor.fusion is not self.executor.fusion:
+            return (tensor, loop[1])
+        return tensor
 
     def local_shape(self, tensor: TensorView) -> list[int]:
         if tensor not in self.shapes:
@@ -374,6 +381,7 @@ class _Compiled:
             and layout is not None
             and layout.placements[scheme.mesh_axis] == Shard(dim)
         )
+        result = self._slot(result, loop)
         if scheme.owners > 1:
             where = place(scheme, self.rank, iteration)
             if split and not where.owned:
@@ -391,7 +399,8 @@ class _Compiled:
     def _LaunchKernel(self, kernel: LaunchKernel, loop):
         if not self.executor.holds(kernel.mesh):
             return None
-        computes = [self._compile_expr(expr, kernel.aliases) for expr in kernel.exprs]
+        aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
+        computes = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
@@ -405,7 +414,7 @@ class _Compiled:
 
         return launch
 
-    def _compile_expr(self, expr: Expr, aliases: dict[TensorView, TensorView]):
+    def _compile_expr(self, expr: Expr, aliases: dict[TensorView, object]):
         values = self  # read through self.values: it is replaced on every run
 
         def read(tensor: TensorView) -> torch.Tensor:
@@ -461,7 +470,7 @@ class _Compiled:
         comm = instruction.communication
         if self.executor.communicator is None or self.rank not in comm.participants():
             return None
-        source, target = instruction.source, instruction.target
+        source, target = self._slot(instruction.source, loop), self._slot(instruction.target, loop)
         lane = self._lane(loop, "comm")
         if loop is not None:
             transfer = self.pipelined.prepare(instruction, *loop)
@@ -474,10 +483,12 @@ class _Compiled:
             def post() -> Pending:
                 return start(comm, self.values.get(source), self.ctx)
 
+        key = (instruction, loop[1] if loop else None)
+
         def communicate() -> None:
             if self.timeline is not None:
-                instruction._token = self.timeline.start(lane, instruction.name)
-            self.pending[instruction] = post()
+                self.tokens[key] = self.timeline.start(lane, instruction.name)
+            self.pending[key] = post()
 
         return communicate
 
@@ -486,14 +497,17 @@ class _Compiled:
         comm = communicate.communication
         if self.executor.communicator is None or self.rank not in comm.participants():
             return None
-        keep = loop is None
+        key = (communicate, loop[1] if loop else None)
+        target = self._slot(communicate.target, loop)
 
         def wait() -> None:
-            result = self.pending.pop(communicate).wait()
-            if keep and result is not None:
-                self.values[communicate.target] = result
+            # A chunk transfer writes into its target view; it may hand back another
+            # tensor to use as the chunk (an owner's chunk used where it is).
+            result = self.pending.pop(key).wait()
+            if result is not None:
+                self.values[target] = result
             if self.timeline is not None:
-                self.timeline.stop(communicate._token)
+                self.timeline.stop(self.tokens.pop(key))
 
         return wait
 

@@ -16,11 +16,13 @@ back to the user's stream. Example (all-gather + linear, 2 chunks)::
       FOR i in range(2):
         SetCurrentStream(stream i)
         Synchronize(s0)
-      FOR i in range(2):  # chunks in global order
+      FOR i in range(2):  # post every transfer first
         SetCurrentStream(stream i)
         T5 = AliasSelect(T0, dim=0, chunk=i)
         T6 = AliasSelect(T4, dim=0, chunk=i)
         c0 = Allgather(T5 -> T6, axis='x', in_dim=0) [collective]
+      FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+        SetCurrentStream(stream i)
         Wait c0
         T7 = AliasSelect(T2, dim=0, chunk=i)
         LaunchKernel k0 [cublas] (T6, T1) -> (T7)
@@ -102,6 +104,9 @@ class Communicate(Instruction):
     source: TensorView
     target: TensorView
     transport: str | None = None
+    # A copy-engine all-gather whose gathered tensor is used only chunk by chunk: a
+    # rank's own chunk is used where it is instead of being copied in.
+    alias_owned: bool = False
 
     def text(self, labels: dict[object, str]) -> list[str]:
         comm = self.communication

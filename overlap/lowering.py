@@ -278,6 +278,12 @@ class _Lowering:
             if isinstance(expr, Communication):
                 flush()
                 communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
+                communicate.alias_owned = (
+                    communicate.transport == "copy_engine"
+                    and expr.kind is CommunicationKind.Allgather
+                    and expr.output not in self.fusion.outputs
+                    and all(use in exprs for use in expr.output.uses)
+                )
                 body += [communicate, Wait(communicate)]
                 if communicate.transport == "copy_engine":
                     if expr.kind is CommunicationKind.Allgather:
@@ -288,12 +294,34 @@ class _Lowering:
                 pending.append(expr)
         flush()
         body += [SetCurrentStream(USER_STREAM), Synchronize(LOOP_STREAM)]
-        # Staging for peers runs on the user's stream before the streams fork from it, so
-        # every stream's transfers come after the barrier that says the peers are staged.
+        # Staging for peers comes before the streams fork from the user's stream, so every
+        # stream's transfers come after the barrier that says the peers are staged.
         instructions.extend(before)
         instructions.append(sync_loop)
+        posting = _hoisted_transfers(exprs[0], body, scheme)
+        if posting:
+            instructions.append(ForLoop(scheme, posting, "post every transfer first"))
         instructions.append(ForLoop(scheme, body, scheme.describe()))
         instructions.extend(after)
+
+
+def _hoisted_transfers(first: Expr, body: list[Instruction], scheme: ChunkScheme):
+    """Take the transfers of a pipelined all-gather out of the work loop, into a loop of
+    their own before it: they depend on no compute, so posting them all first lets every
+    chunk's transfer start at once instead of after the host has issued the matmuls before
+    it. The work loop keeps each chunk's ``Wait``. Ring transfers stay in the work loop:
+    they forward what the previous step received."""
+    if not (
+        isinstance(first, Communication)
+        and first.kind is CommunicationKind.Allgather
+        and scheme.owners > 1
+        and getattr(first, "transport", "collective") in ("collective", "copy_engine", None)
+    ):
+        return []
+    end = next(i for i, inst in enumerate(body) if isinstance(inst, Communicate)) + 1
+    moved = body[1:end]
+    del body[1:end]
+    return [SetCurrentStream(LOOP_STREAM), *moved]
 
 
 def _split_dim(comm: Communication) -> int | None:
@@ -335,12 +363,16 @@ def _insert_deallocations(program: HostProgram) -> None:
     """Release each intermediate after the top-level instruction that uses it last."""
     kept = set(program.fusion.inputs) | set(program.fusion.outputs)
     last_use: dict[TensorView, int] = {}
+    source_of: dict[TensorView, TensorView] = {}  # a chunk's use is a use of its tensor
     for position, instruction in enumerate(program.instructions):
         for inner in walk([instruction]):
-            for tensor in _reads(inner):
-                last_use[tensor] = position
+            if isinstance(inner, AliasSelect):
+                source_of[inner.result] = inner.source
+            reads = _reads(inner)
             if isinstance(inner, Wait):
-                last_use[inner.communicate.source] = position
+                reads = [inner.communicate.source, inner.communicate.target]
+            for tensor in reads:
+                last_use[source_of.get(tensor, tensor)] = position
     releases: dict[int, list[TensorView]] = {}
     for tensor, position in last_use.items():
         if tensor not in kept and tensor.fusion is program.fusion:

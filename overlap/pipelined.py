@@ -149,6 +149,9 @@ class PipelinedComms:
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
         if transport == "copy_engine":
+            if where.owned and communicate.alias_owned:
+                # The chunk is used where it is: no copy (its value becomes the source).
+                return lambda source, target: Pending(finish=lambda: source)
             pull = None if where.owned else self.symmetric.puller(communicate, where)
 
             def copy_engine(source, target) -> Pending:

@@ -246,6 +246,24 @@ def _pipeline_ms(compute: list[float], transfer: list[float], gather: bool) -> f
     return max(compute_end, transfer_end)
 
 
+# The host issues a host program step by step (about one launch each); a pipeline of C
+# chunks takes about FIXED + PER_CHUNK * C steps, a sequential run SEQUENTIAL_STEPS. When
+# the GPU work is shorter than that, the host is the limit.
+SEQUENTIAL_STEPS = 6
+PIPELINE_FIXED_STEPS = 8
+PIPELINE_STEPS_PER_CHUNK = 12
+
+
+def host_ms(figures: HardwareFigures, transport: str | None, chunks: int) -> float:
+    """The host's time to issue one run of a candidate."""
+    steps = (
+        SEQUENTIAL_STEPS
+        if transport is None
+        else PIPELINE_FIXED_STEPS + PIPELINE_STEPS_PER_CHUNK * chunks
+    )
+    return steps * figures.launch_us / 1e3
+
+
 def predict(
     pattern: str,
     figures: HardwareFigures,
@@ -255,7 +273,23 @@ def predict(
     transport: str | None,
     chunks: int,
 ) -> float:
-    """Predicted time (ms) of one pattern on the slowest rank."""
+    """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
+    host's time to issue the run if that is longer."""
+    return max(
+        _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
+        host_ms(figures, transport, chunks),
+    )
+
+
+def _device_ms(
+    pattern: str,
+    figures: HardwareFigures,
+    shape: tuple[int, int, int],
+    parts: int,
+    bits: int,
+    transport: str | None,
+    chunks: int,
+) -> float:
     m, k, n = shape
     moved_width = k if pattern == "allgather+matmul" else n
     total_bytes = m * moved_width * bits / 8 * (parts - 1) / parts
@@ -273,15 +307,17 @@ def predict(
     compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
     chunk_bytes = [r * moved_width * bits / 8 for r in rows]
     if transport == "copy_engine":
-        # Own chunks need no transfer; the peers' arrive one after another.
+        # Own chunks need no transfer; the peers' arrive one after another, after this
+        # rank's piece is staged for them (beside the first matmuls, on its own stream).
         own = set(range(per_rank))
+        staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)
         transfer = [
             0.0 if c in own else _transfer_ms(b, gbps, figures.launch_us)
             for c, b in enumerate(chunk_bytes)
         ]
         if pattern == "allgather+matmul":
-            staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)
-            return staging + _pipeline_ms(compute, transfer, gather=True)
+            transfer[per_rank % chunks] += staging
+            return _pipeline_ms(compute, transfer, gather=True)
         transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
         combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
         return _pipeline_ms(compute, transfer, gather=False) + combine

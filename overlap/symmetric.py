@@ -38,6 +38,7 @@ class _Buffer:
     scheme: ChunkScheme
     dim: int  # the split axis in the tensors that move
     peers: dict[int, torch.Tensor] = field(default_factory=dict)
+    staged: torch.cuda.Event | None = None  # recorded once this rank's piece is staged
 
 
 class SymmetricBuffers:
@@ -50,6 +51,7 @@ class SymmetricBuffers:
         self.communicator = communicator
         self.buffers: dict[Communicate, _Buffer] = {}
         self.parity = 0
+        self.stage_stream = torch.cuda.Stream(communicator.device)
 
     def next_run(self) -> None:
         self.parity ^= 1
@@ -92,11 +94,20 @@ class SymmetricBuffers:
     # -- all-gather --------------------------------------------------------------
 
     def stage(self, communicate: Communicate, local: torch.Tensor) -> None:
-        """Copy this rank's piece into its buffer, then wait until every peer's is there."""
+        """Copy this rank's piece into its buffer, then wait until every peer's is there.
+
+        Done on a stream of its own: the streams that pull wait for it, the ones that
+        compute with this rank's own chunks do not.
+        """
         buffer = self.buffers[communicate]
         moved = local.movedim(buffer.dim, 0)
-        buffer.tensor[self.parity, 0, : moved.shape[0]].copy_(moved)
-        buffer.handle.barrier(channel=0)
+        self.stage_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stage_stream):
+            buffer.tensor[self.parity, 0, : moved.shape[0]].copy_(moved)
+            buffer.handle.barrier(channel=0)
+            buffer.staged = torch.cuda.Event()
+            buffer.staged.record(self.stage_stream)
+        local.record_stream(self.stage_stream)
 
     def puller(self, communicate: Communicate, where: ChunkPlace) -> Callable:
         """A function copying the owner's rows of ``where``'s chunk into a target."""
@@ -109,6 +120,7 @@ class SymmetricBuffers:
         dim = buffer.dim
 
         def pull(target: torch.Tensor) -> None:
+            torch.cuda.current_stream().wait_event(buffer.staged)
             target.movedim(dim, 0).copy_(halves[self.parity])
 
         return pull

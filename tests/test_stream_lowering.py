@@ -213,11 +213,13 @@ inputs: T0, T1
   FOR i in range(2):
     SetCurrentStream(stream i)
     Synchronize(s0)
-  FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+  FOR i in range(2):  # post every transfer first
     SetCurrentStream(stream i)
     T4 = AliasSelect(T0, dim=0, chunk=i)
     T5 = AliasSelect(T3, dim=0, chunk=i)
     c0 = Allgather(T4 -> T5, axis='x', in_dim=0) [collective]  @M0
+  FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+    SetCurrentStream(stream i)
     Wait c0
     T6 = AliasSelect(T2, dim=0, chunk=i)
     LaunchKernel k0 [cublas] (T5, T1) -> (T6)  @M0
