@@ -254,8 +254,15 @@ PIPELINE_FIXED_STEPS = 8
 PIPELINE_STEPS_PER_CHUNK = 12
 
 
-def host_ms(figures: HardwareFigures, transport: str | None, chunks: int) -> float:
-    """The host's time to issue one run of a candidate."""
+GRAPH_REPLAY_MS = 0.015  # the host's cost of replaying a captured CUDA graph
+
+
+def host_ms(
+    figures: HardwareFigures, transport: str | None, chunks: int, replayed: bool = False
+) -> float:
+    """The host's time to issue one run of a candidate (a graph replay when ``replayed``)."""
+    if replayed:
+        return GRAPH_REPLAY_MS
     steps = (
         SEQUENTIAL_STEPS
         if transport is None
@@ -272,12 +279,13 @@ def predict(
     bits: int,
     transport: str | None,
     chunks: int,
+    replayed: bool = False,
 ) -> float:
     """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
-    host's time to issue the run if that is longer."""
+    host's time to issue the run if that is longer (``replayed``: from a CUDA graph)."""
     return max(
         _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
-        host_ms(figures, transport, chunks),
+        host_ms(figures, transport, chunks, replayed),
     )
 
 
@@ -336,7 +344,7 @@ def _device_ms(
 
 
 def _candidates(
-    pattern: str, figures: HardwareFigures, shape, parts: int, bits: int, options
+    pattern: str, figures: HardwareFigures, shape, parts: int, bits: int, options, replayed
 ) -> list[Candidate]:
     transports = [options.transport] if options.transport else list(TRANSPORTS)
     if not figures.has_copy_engine and options.transport is None:
@@ -345,7 +353,9 @@ def _candidates(
     candidates = []
     if options.overlap is not True:
         candidates.append(
-            Candidate(None, 1, "-", predict(pattern, figures, shape, parts, bits, None, 1))
+            Candidate(
+                None, 1, "-", predict(pattern, figures, shape, parts, bits, None, 1, replayed)
+            )
         )
     if options.overlap is False:
         return candidates
@@ -353,15 +363,22 @@ def _candidates(
         for chunks in chunk_counts:
             if transport == "ring" and chunks != parts:
                 continue  # the ring moves one whole piece per step
-            time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks)
+            time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks, replayed)
             candidates.append(Candidate(transport, chunks, _ORDERS[(pattern, transport)], time_ms))
     return candidates
 
 
 def plan_overlap(
-    fusion: Fusion, figures: HardwareFigures, options: OverlapOptions | None = None
+    fusion: Fusion,
+    figures: HardwareFigures,
+    options: OverlapOptions | None = None,
+    replayed: bool = False,
 ) -> list[OverlapDecision]:
-    """Decide, apply and return the overlap of every pattern found in ``fusion``."""
+    """Decide, apply and return the overlap of every pattern found in ``fusion``.
+
+    ``replayed``: runs replay a CUDA graph, so the host's cost of issuing a long
+    pipeline does not count.
+    """
     options = options or OverlapOptions()
     if options.transport == "copy_engine" and not figures.has_copy_engine:
         raise ShardingError(
@@ -399,7 +416,9 @@ def plan_overlap(
         k = operand_shape[-1]
         n = out_shape[-1]
         shape = (m, k, n)
-        candidates = _candidates(pattern, figures, shape, parts, comm.output.dtype.bits, options)
+        candidates = _candidates(
+            pattern, figures, shape, parts, comm.output.dtype.bits, options, replayed
+        )
         best = min(candidates, key=lambda c: c.predicted_ms)
         sequential = next((c for c in candidates if c.transport is None), None)
         forced = [k for k, v in vars(options).items() if v is not None]
