@@ -20,6 +20,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Sequence
 
 import torch
@@ -235,8 +236,15 @@ class MultiDeviceExecutor:
         if graph_key not in self._graphs:
             compiled.run(local_inputs, None)  # warm up: handles, allocations
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = compiled.run(local_inputs, None)
+            # No garbage collection while capturing: freeing an unreachable executor's
+            # symmetric memory then would be a CUDA call the capture forbids.
+            gc.collect()
+            gc.disable()
+            try:
+                with torch.cuda.graph(graph):
+                    outputs = compiled.run(local_inputs, None)
+            finally:
+                gc.enable()
             if len(self._graphs) >= 8:  # inputs keep moving: drop the oldest graphs
                 self._graphs.pop(next(iter(self._graphs)))
             self._graphs[graph_key] = (graph, outputs)
