@@ -257,6 +257,12 @@ def main() -> None:
         print_table(rows, figures)
         if not args.smoke:
             write_results(args.out, rows, figures, communicator)
+    dist.barrier()
+    if not args.smoke:
+        # Tearing down symmetric memory and captured graphs at exit has hung torch 2.11
+        # here; the results are written, so leave without it.
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 
@@ -287,14 +293,16 @@ def print_table(rows: list[dict], figures) -> None:
 
 def write_results(path: str, rows: list[dict], figures, communicator) -> None:
     git = subprocess.run(
-        ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
-    commit = git or os.environ.get("BENCH_COMMIT", "unknown")
+    commit = os.environ.get("BENCH_COMMIT") or git or "unknown"
     result = {
         "device": f"{communicator.world_size}x {torch.cuda.get_device_name()}",
         "date": datetime.date.today().isoformat(),
         "commit": commit,
-        "command": "torchrun --nproc-per-node 2 benchmarks/ag_matmul.py",
+        "command": " ".join(
+            ["torchrun --nproc-per-node", str(communicator.world_size), *sys.argv]
+        ),  # fmt: skip
         "torch": torch.__version__,
         "hardware_figures": vars(figures),
         "rows": rows,

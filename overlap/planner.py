@@ -69,16 +69,17 @@ class HardwareFigures:
         return self.copy_engine_gbps > 0
 
 
-# Measured with benchmarks/ag_matmul.py (see benchmarks/results/ag_matmul.json); bf16.
+# Measured on 2x H200 (NVLink) by measure_hardware_figures, bf16, in the run recorded in
+# benchmarks/results/ag_matmul.json.
 H200_FIGURES = HardwareFigures(
     name="H200 (NVLink)",
-    matmul_tflops=700.0,
-    collective_gbps=175.0,
-    p2p_gbps=175.0,
-    copy_engine_gbps=300.0,
-    memory_gbps=4300.0,
-    launch_us=8.0,
-    collective_slowdown=1.12,
+    matmul_tflops=738.0,
+    collective_gbps=197.0,
+    p2p_gbps=197.0,
+    copy_engine_gbps=349.0,
+    memory_gbps=3670.0,
+    launch_us=14.2,
+    collective_slowdown=1.37,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(
@@ -110,7 +111,7 @@ class OverlapOptions:
 
     ``overlap=False`` keeps every communication whole; ``num_chunks`` fixes the chunk
     count (a multiple of the team size); ``transport`` one of ``collective``, ``ring``,
-    ``copy_engine``.
+    ``copy_engine``. Fixing a chunk count or a transport implies overlap.
     """
 
     overlap: bool | None = None
@@ -351,7 +352,9 @@ def _candidates(
         transports.remove("copy_engine")
     chunk_counts = [options.num_chunks] if options.num_chunks else [parts * k for k in (1, 2, 4)]
     candidates = []
-    if options.overlap is not True:
+    # Fixing a chunk count or a transport asks for a pipeline: no sequential candidate.
+    wants_pipeline = options.num_chunks is not None or options.transport is not None
+    if options.overlap is False or (options.overlap is None and not wants_pipeline):
         candidates.append(
             Candidate(
                 None, 1, "-", predict(pattern, figures, shape, parts, bits, None, 1, replayed)

@@ -114,26 +114,59 @@ class Timeline:
             file.write(render_png(self.spans(), width, lane_height))
 
 
+# A 3x5 pixel font for lane labels: each glyph is 5 rows of 3 bits (left bit first).
+_GLYPHS = {
+    "a": (2, 5, 7, 5, 5), "b": (6, 5, 6, 5, 6), "c": (3, 4, 4, 4, 3), "d": (6, 5, 5, 5, 6),
+    "e": (7, 4, 6, 4, 7), "f": (7, 4, 6, 4, 4), "g": (3, 4, 5, 5, 3), "h": (5, 5, 7, 5, 5),
+    "i": (7, 2, 2, 2, 7), "j": (1, 1, 1, 5, 2), "k": (5, 5, 6, 5, 5), "l": (4, 4, 4, 4, 7),
+    "m": (5, 7, 7, 5, 5), "n": (6, 5, 5, 5, 5), "o": (2, 5, 5, 5, 2), "p": (6, 5, 6, 4, 4),
+    "q": (2, 5, 5, 6, 3), "r": (6, 5, 6, 5, 5), "s": (3, 4, 2, 1, 6), "t": (7, 2, 2, 2, 2),
+    "u": (5, 5, 5, 5, 7), "v": (5, 5, 5, 5, 2), "w": (5, 5, 7, 7, 5), "x": (5, 5, 2, 5, 5),
+    "y": (5, 5, 2, 2, 2), "z": (7, 1, 2, 4, 7), "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7),
+    "2": (6, 1, 2, 4, 7), "3": (6, 1, 2, 1, 6), "4": (5, 5, 7, 1, 1), "5": (7, 4, 6, 1, 6),
+    "6": (3, 4, 7, 5, 7), "7": (7, 1, 2, 2, 2), "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 6),
+}  # fmt: skip
+_LABEL_SCALE = 2
 _COMPUTE = (66, 133, 244)
 _COMM = (245, 145, 32)
 _GRID = (225, 225, 225)
 
 
+def _draw_text(pixels: list[bytearray], text: str, left: int, top: int) -> None:
+    for position, char in enumerate(text.lower()):
+        for row, bits in enumerate(_GLYPHS.get(char, (0, 0, 0, 0, 0))):
+            for column in range(3):
+                if bits & (4 >> column):
+                    for dy in range(_LABEL_SCALE):
+                        line = pixels[top + row * _LABEL_SCALE + dy]
+                        x = left + (position * 4 + column) * _LABEL_SCALE
+                        line[3 * x : 3 * x + 3 * _LABEL_SCALE] = b"\x30" * (3 * _LABEL_SCALE)
+
+
 def render_png(spans: list[Span], width: int = 1200, lane_height: int = 28) -> bytes:
-    """PNG bytes of the chart (no plotting library needed)."""
+    """PNG bytes of the chart (no plotting library needed): lane names on the left, then
+    one bar per span, time running left to right from the first span's start."""
     lanes = sorted({s.lane for s in spans})
     height = max(len(lanes), 1) * lane_height
     pixels = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
+    label_width = (max((len(lane) for lane in lanes), default=0) * 4 + 2) * _LABEL_SCALE
+    if label_width > width // 3 or lane_height < 5 * _LABEL_SCALE + 2:
+        label_width = 0  # too small for labels
+    chart = width - label_width
     end = max((s.end_ms for s in spans), default=1.0) or 1.0
-    for index in range(1, len(lanes)):
-        row = pixels[index * lane_height]
-        for x in range(width):
-            row[3 * x : 3 * x + 3] = bytes(_GRID)
+    for index, lane in enumerate(lanes):
+        if label_width:
+            top = index * lane_height + (lane_height - 5 * _LABEL_SCALE) // 2
+            _draw_text(pixels, lane, _LABEL_SCALE, top)
+        if index:
+            row = pixels[index * lane_height]
+            for x in range(width):
+                row[3 * x : 3 * x + 3] = bytes(_GRID)
     for span in spans:
         color = bytes(_COMM if span.lane.endswith("comm") else _COMPUTE)
         top = lanes.index(span.lane) * lane_height + 3
-        left = int(span.start_ms / end * (width - 1))
-        right = max(int(span.end_ms / end * (width - 1)), left + 1)
+        left = label_width + int(span.start_ms / end * (chart - 1))
+        right = max(label_width + int(span.end_ms / end * (chart - 1)), left + 1)
         for y in range(top, top + lane_height - 6):
             row = pixels[y]
             row[3 * left : 3 * right] = color * (right - left)
