@@ -51,7 +51,7 @@ from overlap.host_ir import (
     walk,
 )
 from overlap.lowering import lower_to_host_program
-from overlap.pipelined import PipelinedComms, chunk_rows, place, split_dim
+from overlap.pipelined import PipelinedComms, chunk_rows, place
 from overlap.planner import (
     HardwareFigures,
     OverlapOptions,
@@ -575,7 +575,7 @@ class _Compiled:
                 if instruction.transport != "copy_engine":
                     continue
                 comm = instruction.communication
-                dim = split_dim(comm)
+                dim = comm.split_dim
                 moving = comm.inputs[0]
                 shape = self.local_shape(moving)
                 whole = self.ctx.global_shape(comm.output)[dim]

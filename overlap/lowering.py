@@ -52,6 +52,7 @@ from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import Shard
 from sharding.rules import dim_map
+from sharding.segmentation import segment_fusion
 
 USER_STREAM = StreamRef("s0")
 DEFAULT_CHUNKS = 2
@@ -205,20 +206,13 @@ class _Lowering:
         return self.program
 
     def _lower_plain(self, exprs: list[Expr]) -> None:
-        pending: list[Expr] = []
-        for expr in exprs + [None]:
-            if expr is not None and not isinstance(expr, Communication):
-                pending.append(expr)
+        for segment in segment_fusion(self.fusion, exprs):
+            if not segment.is_communication:
+                self.program.instructions.extend(self._compute_kernels(segment.exprs))
                 continue
-            self.program.instructions.extend(self._compute_kernels(pending))
-            pending = []
-            if expr is not None:
-                communicate = self._communicate(expr, expr.inputs[0], expr.output)
-                self.program.instructions += [
-                    Allocate(expr.output),
-                    communicate,
-                    Wait(communicate),
-                ]
+            comm = segment.communication
+            communicate = self._communicate(comm, comm.inputs[0], comm.output)
+            self.program.instructions += [Allocate(comm.output), communicate, Wait(communicate)]
 
     def _scheme(self, exprs: list[Expr]) -> ChunkScheme:
         out = exprs[0].outputs[0]
@@ -227,7 +221,7 @@ class _Lowering:
         for expr in exprs:
             if not isinstance(expr, Communication):
                 continue
-            split = _split_dim(expr)
+            split = expr.split_dim
             if split is None or split != stream_dim(expr.output):
                 continue
             mesh = expr.in_layout.mesh
@@ -322,15 +316,6 @@ def _hoisted_transfers(first: Expr, body: list[Instruction], scheme: ChunkScheme
     moved = body[1:end]
     del body[1:end]
     return [SetCurrentStream(LOOP_STREAM), *moved]
-
-
-def _split_dim(comm: Communication) -> int | None:
-    """The axis a pipelined all-gather gathers or a reduce-scatter scatters."""
-    if comm.kind is CommunicationKind.Allgather:
-        return comm.in_dim
-    if comm.kind is CommunicationKind.ReduceScatter:
-        return comm.out_dim
-    return None
 
 
 def _input_dims(expr: Expr, out_dim: int) -> list[tuple[TensorView, int | None]]:

@@ -41,18 +41,9 @@ _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 ChunkTransfer = Callable[[torch.Tensor | None, torch.Tensor | None], Pending]
 
 
-def split_dim(comm: Communication) -> int | None:
-    """The axis a pipelined all-gather gathers or a reduce-scatter scatters."""
-    if comm.kind is CommunicationKind.Allgather:
-        return comm.in_dim
-    if comm.kind is CommunicationKind.ReduceScatter:
-        return comm.out_dim
-    return None
-
-
 def is_pipelined(comm: Communication, scheme: ChunkScheme) -> bool:
     """Whether the loop cuts the axis this communication gathers or scatters."""
-    return scheme.owners > 1 and split_dim(comm) == stream_dim(comm.output)
+    return scheme.owners > 1 and comm.split_dim == stream_dim(comm.output)
 
 
 @dataclass

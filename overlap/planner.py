@@ -391,66 +391,63 @@ def plan_overlap(
     decisions = []
     for pattern, comm, contraction, row in find_patterns(fusion):
         parts = comm.in_layout.mesh.shape[comm.mesh_axis]
-        operand = contraction.inputs[0]
-        out = contraction.outputs[0]
-        operand_shape = _static_local_shape(
-            comm.output if pattern == "allgather+matmul" else operand
-        )
-        out_shape = _static_local_shape(out)
         if parts < 2:
             continue
-        if operand_shape is None or out_shape is None:
-            if options.overlap and options.num_chunks and options.transport:
-                shape = (0, 0, 0)
-                chosen = Candidate(
-                    options.transport, options.num_chunks,
-                    _ORDERS[(pattern, options.transport)], float("nan"),
-                )  # fmt: skip
-                decision = OverlapDecision(
-                    pattern, comm, contraction, shape, parts, chosen,
-                    "symbolic extents: the cost model needs static shapes; as forced", [chosen],
-                )  # fmt: skip
-                _apply(decision, row)
-                decisions.append(decision)
+        decision = _decide(pattern, comm, contraction, row, parts, figures, options, replayed)
+        if decision is None:
             continue
-        m = out_shape[row] if pattern == "allgather+matmul" else operand_shape[row]
-        if pattern == "matmul+reduce_scatter":
-            m = out_shape[row]
-        k = operand_shape[-1]
-        n = out_shape[-1]
-        shape = (m, k, n)
-        candidates = _candidates(
-            pattern, figures, shape, parts, comm.output.dtype.bits, options, replayed
-        )
-        best = min(candidates, key=lambda c: c.predicted_ms)
-        sequential = next((c for c in candidates if c.transport is None), None)
-        forced = [k for k, v in vars(options).items() if v is not None]
-        if sequential is not None and best is not sequential:
-            if best.predicted_ms > 0.97 * sequential.predicted_ms and options.overlap is None:
-                best = sequential
-                reason = (
-                    f"overlap cannot pay on {figures.name}: the best pipeline "
-                    f"({min(c.predicted_ms for c in candidates if c.transport):.3f} ms) "
-                    f"saves under 3 % of the sequential {sequential.predicted_ms:.3f} ms"
-                )
-            else:
-                reason = (
-                    f"fastest predicted on {figures.name}: {best.predicted_ms:.3f} ms against "
-                    f"{sequential.predicted_ms:.3f} ms sequential"
-                )
-        elif best is sequential:
-            reason = f"no pipeline is predicted faster than sequential on {figures.name}"
-        else:
-            reason = f"fastest predicted on {figures.name} among the forced candidates"
-        if forced:
-            reason += f" (forced: {', '.join(forced)})"
-        decision = OverlapDecision(
-            pattern, comm, contraction, shape, parts, best, reason, candidates
-        )
         if decision.overlapped:
             _apply(decision, row)
         decisions.append(decision)
     return decisions
+
+
+def _local_matmul_shape(pattern, comm, contraction, row) -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of one rank's matmul, M the whole rows; None when not static."""
+    gathered = comm.output if pattern == "allgather+matmul" else contraction.inputs[0]
+    operand_shape = _static_local_shape(gathered)
+    out_shape = _static_local_shape(contraction.outputs[0])
+    if operand_shape is None or out_shape is None:
+        return None
+    return out_shape[row], operand_shape[-1], out_shape[-1]
+
+
+def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
+    shape = _local_matmul_shape(pattern, comm, contraction, row)
+    if shape is None:
+        if not (options.num_chunks and options.transport and options.overlap is not False):
+            return None  # no static shapes, nothing forced: leave it whole
+        chosen = Candidate(
+            options.transport, options.num_chunks, _ORDERS[(pattern, options.transport)],
+            float("nan"),
+        )  # fmt: skip
+        reason = "symbolic extents: the cost model needs static shapes; as forced"
+        return OverlapDecision(pattern, comm, contraction, (0, 0, 0), parts, chosen, reason,
+                               [chosen])  # fmt: skip
+    bits = comm.output.dtype.bits
+    candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed)
+    best = min(candidates, key=lambda c: c.predicted_ms)
+    sequential = next((c for c in candidates if c.transport is None), None)
+    if sequential is None:
+        reason = f"fastest predicted on {figures.name} among the forced candidates"
+    elif best is sequential:
+        reason = f"no pipeline is predicted faster than sequential on {figures.name}"
+    elif best.predicted_ms > 0.97 * sequential.predicted_ms and options.overlap is None:
+        reason = (
+            f"overlap cannot pay on {figures.name}: the best pipeline "
+            f"({best.predicted_ms:.3f} ms) saves under 3 % of the sequential "
+            f"{sequential.predicted_ms:.3f} ms"
+        )
+        best = sequential
+    else:
+        reason = (
+            f"fastest predicted on {figures.name}: {best.predicted_ms:.3f} ms against "
+            f"{sequential.predicted_ms:.3f} ms sequential"
+        )
+    forced = [name for name, value in vars(options).items() if value is not None]
+    if forced:
+        reason += f" (forced: {', '.join(forced)})"
+    return OverlapDecision(pattern, comm, contraction, shape, parts, best, reason, candidates)
 
 
 def _apply(decision: OverlapDecision, row: int) -> None:

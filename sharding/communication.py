@@ -93,6 +93,15 @@ class Communication(SetOp):
     def same_mesh(self) -> bool:
         return self.in_layout.mesh == self.out_layout.mesh
 
+    @property
+    def split_dim(self) -> int | None:
+        """The axis an all-gather gathers or a reduce-scatter scatters (None for others)."""
+        if self.kind is CommunicationKind.Allgather:
+            return self.in_dim
+        if self.kind is CommunicationKind.ReduceScatter:
+            return self.out_dim
+        return None
+
     def teams(self) -> list[tuple[int, ...]]:
         """The groups of ranks that take part together (each team runs its own collective)."""
         in_mesh, out_mesh = self.in_layout.mesh, self.out_layout.mesh

@@ -44,10 +44,12 @@ class Segment:
         return f"segment {self.index} ({kind}: {names}) ({ins}) -> ({outs})"
 
 
-def segment_fusion(fusion: Fusion) -> list[Segment]:
-    """The segments of ``fusion``'s live exprs, in an order that respects dependencies."""
+def segment_fusion(fusion: Fusion, exprs: list[Expr] | None = None) -> list[Segment]:
+    """The segments of ``exprs`` (by default ``fusion``'s live exprs), in an order that
+    respects dependencies. A segment's outputs are what the rest of the fusion reads."""
+    exprs = fusion.live_exprs() if exprs is None else exprs
     groups: list[tuple[list[Expr], DeviceMesh | None]] = []
-    for expr in fusion.live_exprs():
+    for expr in exprs:
         mesh = expr.outputs[0].mesh
         alone = isinstance(expr, Communication)
         if groups and not alone and not isinstance(groups[-1][0][-1], Communication):
@@ -56,12 +58,15 @@ def segment_fusion(fusion: Fusion) -> list[Segment]:
                 continue
         groups.append(([expr], mesh))
     segments = []
-    for index, (exprs, mesh) in enumerate(groups):
-        produced = {t for e in exprs for t in e.outputs}
-        consumed_later = {
-            t for later_exprs, _ in groups[index + 1 :] for e in later_exprs for t in e.inputs
-        } | set(fusion.outputs)
-        inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
-        outputs = [t for e in exprs for t in e.outputs if t in consumed_later]
-        segments.append(Segment(index, exprs, mesh, inputs, outputs))
+    for index, (members, mesh) in enumerate(groups):
+        inside = set(members)
+        produced = {t for e in members for t in e.outputs}
+        inputs = list(dict.fromkeys(t for e in members for t in e.inputs if t not in produced))
+        outputs = [
+            t
+            for e in members
+            for t in e.outputs
+            if t in fusion.outputs or any(use not in inside for use in t.uses)
+        ]
+        segments.append(Segment(index, members, mesh, inputs, outputs))
     return segments
