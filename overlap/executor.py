@@ -338,7 +338,8 @@ class _Compiled:
         self.timeline = timeline
         for tensor, value in zip(executor.fusion.inputs, local_inputs, strict=True):
             if executor.holds(tensor.mesh):
-                self.values[tensor] = unpack_fp4(value) if tensor.dtype is float4_e2m1 else value
+                # fp4 stays packed, two values per byte, between kernels.
+                self.values[tensor] = value.view(torch.uint8) if _is_fp4(tensor) else value
         for step in self.steps:
             step()
         outputs: list[torch.Tensor | None] = []
@@ -347,7 +348,8 @@ class _Compiled:
                 outputs.append(None)
                 continue
             value = self.values[tensor]
-            outputs.append(pack_fp4(value) if tensor.dtype is float4_e2m1 else value.contiguous())
+            value = value.contiguous()
+            outputs.append(value.view(torch.float4_e2m1fn_x2) if _is_fp4(tensor) else value)
         self.values = {}
         return outputs
 
@@ -375,7 +377,8 @@ class _Compiled:
         tensor = instruction.tensor
         if not self.executor.holds(tensor.mesh):
             return None
-        shape, dtype, device = self.local_shape(tensor), _storage_dtype(tensor), self.ctx.device
+        shape = _storage_shape(tensor, self.local_shape(tensor))
+        dtype, device = _storage_dtype(tensor), self.ctx.device
 
         def allocate() -> None:
             self.values[tensor] = torch.empty(shape, dtype=dtype, device=device)
@@ -428,6 +431,13 @@ class _Compiled:
         else:
             chunk = scheme.chunk(iteration, 0)
         offset, size = chunk_rows(self.local_shape(source)[dim], scheme, chunk, split)
+        if _is_fp4(source) and dim == source.ndim - 1:
+            if offset % 2 or size % 2:
+                raise ShardingError(
+                    f"chunk {chunk} of {source} along its innermost axis starts or ends inside "
+                    "a byte of packed fp4 values; choose a chunk count that keeps pieces even"
+                )
+            offset, size = offset // 2, size // 2
 
         def select() -> None:
             self.values[result] = self.values[source].narrow(dim, offset, size)
@@ -467,8 +477,9 @@ class _Compiled:
             ((_, key, _),) = outputs
 
             def shard_locally() -> None:
-                piece = read(source).narrow(expr.dim, offset, size).contiguous()
-                values.values[key] = piece
+                whole = _unpacked(source, read(source))
+                piece = whole.narrow(expr.dim, offset, size).contiguous()
+                values.values[key] = _packed(source, piece)
 
             return shard_locally
         if isinstance(expr, (MatmulOp, LinearOp)):
@@ -485,22 +496,27 @@ class _Compiled:
             return contract
 
         def evaluate() -> None:
-            local = {t: read(t) for t in expr.inputs}
+            # The reference evaluator holds fp4 unpacked, one code per byte.
+            local = {t: _unpacked(t, read(t)) for t in expr.inputs}
             destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
 
             def shape_of(tensor: TensorView) -> list[int]:
                 if tensor in local:
                     return list(local[tensor].shape)
-                if destinations.get(tensor) is not None:
-                    return list(destinations[tensor].shape)
+                destination = destinations.get(tensor)
+                if destination is not None and not _is_fp4(tensor):
+                    return list(destination.shape)
+                if destination is not None:
+                    return list(destination.shape[:-1]) + [2 * destination.shape[-1]]
                 return self.local_shape(tensor)
 
             evaluate_expr(expr, local, shape_of)
             for out, key, into_chunk in outputs:
+                result = _packed(out, local[out])
                 if into_chunk and destinations[out] is not None:
-                    destinations[out].copy_(local[out])
+                    destinations[out].copy_(result)
                 else:
-                    values.values[key] = local[out]
+                    values.values[key] = result
 
         return evaluate
 
@@ -515,6 +531,15 @@ class _Compiled:
 
             def post() -> Pending:
                 return transfer(self.values.get(source), self.values.get(target))
+
+        elif _is_fp4(comm.output):
+            # Collectives move fp4 unpacked (one value per byte), then pack it again.
+            def post() -> Pending:
+                value = self.values.get(source)
+                pending = start(comm, None if value is None else unpack_fp4(value), self.ctx)
+                finish = pending.finish
+                pending.finish = lambda: _packed(comm.output, finish())
+                return pending
 
         else:
 
@@ -600,9 +625,30 @@ def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
     return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
 
 
+def _is_fp4(tensor: TensorView) -> bool:
+    return tensor.dtype is float4_e2m1
+
+
 def _storage_dtype(tensor: TensorView) -> torch.dtype:
-    """The torch dtype of a tensor as a rank holds it between ops (fp4: one byte per value)."""
-    return torch.uint8 if tensor.dtype is float4_e2m1 else tensor.dtype.torch_dtype
+    """The torch dtype a rank holds a tensor in between kernels (fp4: bytes)."""
+    return torch.uint8 if _is_fp4(tensor) else tensor.dtype.torch_dtype
+
+
+def _storage_shape(tensor: TensorView, shape: list[int]) -> list[int]:
+    """The storage shape of a logical shape: packed fp4 halves the innermost extent."""
+    return shape[:-1] + [shape[-1] // 2] if _is_fp4(tensor) else shape
+
+
+def _unpacked(tensor: TensorView, value: torch.Tensor | None) -> torch.Tensor | None:
+    """fp4 bytes as one code per value (what the reference evaluator computes with)."""
+    return unpack_fp4(value) if value is not None and _is_fp4(tensor) else value
+
+
+def _packed(tensor: TensorView, value: torch.Tensor | None) -> torch.Tensor | None:
+    """fp4 codes packed two per byte (how kernels and buffers hold fp4)."""
+    if value is None or not _is_fp4(tensor):
+        return value
+    return pack_fp4(value).view(torch.uint8)
 
 
 def _describe_inputs(

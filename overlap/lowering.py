@@ -270,6 +270,11 @@ class _Lowering:
             for out in expr.outputs:
                 select(out, out_dim)
             if isinstance(expr, Communication):
+                if expr.output.dtype.is_packed:
+                    raise ShardingError(
+                        f"{expr.op_name} of {expr.inputs[0]}: pipelining a communication of "
+                        f"packed {expr.output.dtype} values is not supported; keep it whole"
+                    )
                 flush()
                 communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
                 communicate.alias_owned = (

@@ -1,0 +1,166 @@
+"""Triton device helpers that convert float32 to and from fp8 (e4m3fn, e5m2) and fp4 (e2m1).
+
+Generated kernels call these instead of ``x.to(tl.float8e4nv)``: Triton's own fp8
+conversion differs between the interpreter (which neither rounds to nearest even nor
+saturates) and the GPU, so the helpers use only integer bit operations and float
+arithmetic that is exact, and give the same codes everywhere. The results match
+``fusion.fp8.to_fp8`` and ``fusion.fp4.encode_fp4`` for every float32 input:
+
+- round to nearest, ties to even, once;
+- e4m3fn saturates: overflow and ±inf become ±448; NaN becomes 0x7F (0xFF when its
+  sign bit is set, as torch does);
+- e5m2 follows IEEE: overflow becomes ±inf; NaN becomes 0x7F (0xFF when negative);
+- e2m1 saturates to ±6, NaN becomes code 0x7 (+6); negative values that round to zero
+  keep their sign (code 0x8).
+
+Encoders take float32 (widen bf16/f16 first, which is exact) and return uint8 codes;
+decoders take uint8 codes and return float32. Example, inside a kernel::
+
+    codes = fp8e4m3_encode(tl.load(src + offsets).to(tl.float32))
+    tl.store(dst + offsets, codes)
+
+Float32 subnormal inputs lie far below half the smallest subnormal of every target
+format, so a GPU that flushes them to zero still gives the same (signed) zero code.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Adding then subtracting 2**23 rounds a float32 in [0, 2**22) to an integer, ties to even,
+# because the sum's ulp is 1.
+_ROUND_TO_INTEGER: tl.constexpr = tl.constexpr(8388608.0)
+_FLOAT32_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
+_FLOAT32_QUIET_NAN_BITS: tl.constexpr = tl.constexpr(0x7FC00000)
+
+
+@triton.jit
+def _sign_and_magnitude(x):
+    """Split float32 ``x`` into its sign (0 or 1) and magnitude bits, both int32."""
+    bits = x.to(tl.int32, bitcast=True)
+    return (bits >> 31) & 1, bits & 0x7FFFFFFF
+
+
+@triton.jit
+def _round_mantissa(magnitude_bits, DROPPED_BITS: tl.constexpr):
+    """Drop the low ``DROPPED_BITS`` bits of a float32 magnitude, rounding to nearest even.
+
+    Adding half an ulp less one, plus the kept lowest bit, carries exactly when the dropped
+    bits exceed half or equal half with an odd kept part; a carry into the exponent is the
+    right result. The caller passes magnitudes no larger than inf, so the sum fits int32.
+    """
+    half_ulp_less_one = (1 << (DROPPED_BITS - 1)) - 1
+    kept_lowest_bit = (magnitude_bits >> DROPPED_BITS) & 1
+    return (magnitude_bits + half_ulp_less_one + kept_lowest_bit) >> DROPPED_BITS
+
+
+@triton.jit
+def _round_subnormal(magnitude_bits, MIN_NORMAL_BITS: tl.constexpr, STEPS_PER_UNIT: tl.constexpr):
+    """Round a magnitude below the format's smallest normal to a count of subnormal steps.
+
+    Clamping the bits first keeps the scaled value below 2**22 for every input (inf and NaN
+    included) so the magic-number rounding is valid; the clamped lanes are not used.
+    Scaling by a power of two is exact, so there is one rounding only.
+    """
+    clamped = tl.minimum(magnitude_bits, MIN_NORMAL_BITS).to(tl.float32, bitcast=True)
+    scaled = clamped * STEPS_PER_UNIT
+    return ((scaled + _ROUND_TO_INTEGER) - _ROUND_TO_INTEGER).to(tl.int32)
+
+
+@triton.jit
+def fp8e4m3_encode(x):
+    """Float32 ``x`` to float8_e4m3fn codes (uint8): nearest even, saturating to ±448."""
+    sign, magnitude_bits = _sign_and_magnitude(x)
+    # Normals: keep 3 mantissa bits; exponent bias 127 becomes 7, i.e. subtract 120 << 3.
+    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 20) - (120 << 3)
+    normal = tl.minimum(normal, 0x7F)
+    # Below 2**-6: steps of 2**-9; a count of 8 is the smallest normal's code, 0x08.
+    subnormal = _round_subnormal(magnitude_bits, 121 << 23, 512.0)
+    code = tl.where(magnitude_bits < (121 << 23), subnormal, normal)
+    code = tl.where(magnitude_bits > _FLOAT32_INF_BITS, 0x7F, code)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def fp8e4m3_decode(code):
+    """Float8_e4m3fn codes (uint8) to float32, exact; 0x7F and 0xFF are NaN."""
+    code = code.to(tl.int32)
+    exponent = (code >> 3) & 0xF
+    mantissa = code & 0x7
+    normal_bits = ((exponent + 120) << 23) | (mantissa << 20)
+    subnormal_bits = (mantissa.to(tl.float32) * (1.0 / 512.0)).to(tl.int32, bitcast=True)
+    magnitude_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
+    magnitude_bits = tl.where((code & 0x7F) == 0x7F, _FLOAT32_QUIET_NAN_BITS, magnitude_bits)
+    return (magnitude_bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp8e5m2_encode(x):
+    """Float32 ``x`` to float8_e5m2 codes (uint8): nearest even, overflow to ±inf."""
+    sign, magnitude_bits = _sign_and_magnitude(x)
+    # Normals: keep 2 mantissa bits; exponent bias 127 becomes 15, i.e. subtract 112 << 2.
+    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 21) - (112 << 2)
+    normal = tl.minimum(normal, 0x7C)
+    # Below 2**-14: steps of 2**-16; a count of 4 is the smallest normal's code, 0x04.
+    subnormal = _round_subnormal(magnitude_bits, 113 << 23, 65536.0)
+    code = tl.where(magnitude_bits < (113 << 23), subnormal, normal)
+    code = tl.where(magnitude_bits > _FLOAT32_INF_BITS, 0x7F, code)
+    return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def fp8e5m2_decode(code):
+    """Float8_e5m2 codes (uint8) to float32, exact; exponent 31 is inf or NaN."""
+    code = code.to(tl.int32)
+    exponent = (code >> 2) & 0x1F
+    mantissa = code & 0x3
+    normal_bits = ((exponent + 112) << 23) | (mantissa << 21)
+    subnormal_bits = (mantissa.to(tl.float32) * (1.0 / 65536.0)).to(tl.int32, bitcast=True)
+    special_bits = tl.where(mantissa == 0, _FLOAT32_INF_BITS, _FLOAT32_QUIET_NAN_BITS)
+    magnitude_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
+    magnitude_bits = tl.where(exponent == 0x1F, special_bits, magnitude_bits)
+    return (magnitude_bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_encode(x):
+    """Float32 ``x`` to e2m1 codes 0..15 (uint8): nearest even, saturating to ±6, NaN to 0x7.
+
+    Same codes as ``fusion.fp4.encode_fp4``. The rounding add carries every dropped bit,
+    so a magnitude just above a midpoint (0.25 + ulp, say) rounds up.
+    """
+    sign, magnitude_bits = _sign_and_magnitude(x)
+    # Magnitudes of 1 and above: keep 1 mantissa bit; exponent bias 127 becomes 1.
+    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 22) - (126 << 1)
+    normal = tl.minimum(normal, 0x7)
+    # Below 1: steps of 0.5; a count of 2 is the code of 1.0.
+    subnormal = _round_subnormal(magnitude_bits, 127 << 23, 2.0)
+    code = tl.where(magnitude_bits < (127 << 23), subnormal, normal) | (sign << 3)
+    code = tl.where(magnitude_bits > _FLOAT32_INF_BITS, 0x7, code)
+    return code.to(tl.uint8)
+
+
+@triton.jit
+def fp4_decode(code):
+    """E2m1 codes 0..15 (uint8) to float32, exact (code 8 is -0.0)."""
+    code = code.to(tl.int32)
+    exponent = (code >> 1) & 0x3
+    mantissa = code & 0x1
+    normal_bits = ((exponent + 126) << 23) | (mantissa << 22)
+    subnormal_bits = (mantissa.to(tl.float32) * 0.5).to(tl.int32, bitcast=True)
+    magnitude_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
+    return (magnitude_bits | ((code & 0x8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def fp4_pack(lo, hi):
+    """Two e2m1 codes into one byte (uint8), ``lo`` in the low nibble as float4_e2m1fn_x2."""
+    return ((lo.to(tl.int32) & 0xF) | ((hi.to(tl.int32) & 0xF) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def fp4_unpack(byte):
+    """One byte to its two e2m1 codes (uint8): ``(lo, hi)``, the low nibble first."""
+    byte = byte.to(tl.int32)
+    return (byte & 0xF).to(tl.uint8), ((byte >> 4) & 0xF).to(tl.uint8)
