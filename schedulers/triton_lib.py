@@ -74,7 +74,7 @@ def fp8e4m3_encode(x):
     sign, magnitude_bits = _sign_and_magnitude(x)
     # Normals: keep 3 mantissa bits; exponent bias 127 becomes 7, i.e. subtract 120 << 3.
     normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 20) - (120 << 3)
-    normal = tl.minimum(normal, 0x7F)
+    normal = tl.minimum(normal, 0x7E)
     # Below 2**-6: steps of 2**-9; a count of 8 is the smallest normal's code, 0x08.
     subnormal = _round_subnormal(magnitude_bits, 121 << 23, 512.0)
     code = tl.where(magnitude_bits < (121 << 23), subnormal, normal)
