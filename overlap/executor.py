@@ -21,6 +21,8 @@ Example (on every rank)::
 from __future__ import annotations
 
 import gc
+import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -61,6 +63,8 @@ from overlap.planner import (
 from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
+from schedulers.hardware import current_hardware
+from schedulers.reduction import ReductionScheduler
 from sharding.communication import LocalShard
 from sharding.errors import ShardingError
 from sharding.layout import Layout, Shard, layout_of, local_shape, split_range
@@ -77,6 +81,13 @@ class MultiDeviceExecutor:
     ``hardware`` feeds its cost model (by default the recorded figures of this
     device kind).
 
+    ``kernels`` chooses how compute segments run: ``"generated"`` (Triton kernels from
+    the schedulers wherever one takes the segment; on CPU this needs Triton's
+    interpreter, ``TRITON_INTERPRET=1``), ``"reference"`` (the reference evaluator) or
+    ``"auto"`` (generated on CUDA, reference elsewhere). ``kernel_params`` overrides the
+    heuristics' launch configuration of a kernel by its name (``{"k0": params}``);
+    ``kernel_report()`` says what each kernel got.
+
     ``cuda_graph=True`` (CUDA only) captures a run in a CUDA graph the first time it
     sees a set of input buffers and replays it after that, so the host no longer
     issues the program step by step. The outputs are then the graph's own buffers:
@@ -91,6 +102,8 @@ class MultiDeviceExecutor:
         options: OverlapOptions | None = None,
         hardware: HardwareFigures | None = None,
         cuda_graph: bool = False,
+        kernels: str = "auto",
+        kernel_params: dict[str, object] | None = None,
     ) -> None:
         fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
         if not fusion.finalized:
@@ -109,12 +122,24 @@ class MultiDeviceExecutor:
         self.hardware = hardware or default_hardware_figures(self.device)
         replayed = cuda_graph and self.device.type == "cuda"
         self.overlap = plan_overlap(self.fusion, self.hardware, options, replayed)
-        self.program: HostProgram = lower_to_host_program(self.fusion)
+        if kernels not in ("auto", "generated", "reference"):
+            raise ValueError(f"kernels must be auto, generated or reference, got {kernels!r}")
+        if kernels == "generated" and self.device.type != "cuda":
+            if os.environ.get("TRITON_INTERPRET") != "1":
+                raise ValueError(
+                    "generated kernels on CPU run in Triton's interpreter: set "
+                    "TRITON_INTERPRET=1 before starting Python"
+                )
+        generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
+        self.kernel_params = dict(kernel_params or {})
+        self.chosen_params: dict[str, object] = {}
+        self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
         if communicator is not None:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
+        self.hardware_profile = current_hardware(self.device)
         self._last_bindings: Bindings | None = None
         self._compiled: dict[tuple, _Compiled] = {}
         self.cuda_graph = cuda_graph
@@ -145,6 +170,15 @@ class MultiDeviceExecutor:
     def explain(self) -> str:
         """Which rule placed each tensor (see ``sharding.explain``)."""
         return explain(self.fusion, self.decisions)
+
+    def kernel_report(self) -> str:
+        """Each generated kernel's scheduler and launch configuration (after a first run)."""
+        lines = []
+        for instruction in walk(self.program.instructions):
+            if isinstance(instruction, LaunchKernel) and instruction.scheduler is not None:
+                params = self.chosen_params.get(instruction.name, "(not run yet)")
+                lines.append(f"{instruction.name} [{instruction.backend}] {params}")
+        return "\n".join(lines) or "no generated kernels"
 
     def explain_overlap(self) -> str:
         """The planner's choices, with reasons and predicted times."""
@@ -448,7 +482,10 @@ class _Compiled:
         if not self.executor.holds(kernel.mesh):
             return None
         aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
-        computes = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
+        if kernel.scheduler is not None:
+            computes = [self._compile_generated(kernel, aliases)]
+        else:
+            computes = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
@@ -461,6 +498,53 @@ class _Compiled:
                     compute()
 
         return launch
+
+    def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object]):
+        """A generated kernel: heuristics (or the user's override) pick its params now."""
+        executor = self.executor
+        scheduler, plan = kernel.scheduler, kernel.plan
+        hardware = executor.hardware_profile
+        override = executor.kernel_params.get(kernel.name)
+        if isinstance(scheduler, ReductionScheduler):
+            source = self.local_shape(plan.reduction.inputs[0])
+            extents = [source[axis] for axis in plan.reduced]
+            params = override or scheduler.heuristics(plan, hardware, math.prod(extents))
+            launch = scheduler.build(plan, params, hardware, extents)
+        else:
+            params = override or scheduler.heuristics(plan, hardware)
+            launch = scheduler.build(plan, params)
+        executor.chosen_params[kernel.name] = params
+        device = self.ctx.device
+
+        def run() -> None:
+            inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
+            targets = []
+            for tensor in plan.outputs:
+                destination = self.values.get(aliases[tensor]) if tensor in aliases else None
+                if destination is None or not destination.is_contiguous():
+                    shape = _storage_shape(tensor, self._logical_shape_of(tensor, destination))
+                    targets.append(torch.empty(shape, dtype=_storage_dtype(tensor), device=device))
+                else:
+                    targets.append(destination)
+            shapes = {t: _logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
+            shapes.update(
+                {t: _logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
+            )
+            launch(inputs, targets, shapes)
+            for tensor, target in zip(plan.outputs, targets, strict=True):
+                key = aliases.get(tensor, tensor)
+                destination = self.values.get(key) if tensor in aliases else None
+                if destination is not None and destination is not target:
+                    destination.copy_(target)
+                else:
+                    self.values[key] = target
+
+        return run
+
+    def _logical_shape_of(self, tensor: TensorView, destination) -> list[int]:
+        if destination is not None:
+            return _logical_shape(tensor, destination)
+        return self.local_shape(tensor)
 
     def _compile_expr(self, expr: Expr, aliases: dict[TensorView, object]):
         values = self  # read through self.values: it is replaced on every run
@@ -632,6 +716,12 @@ def _is_fp4(tensor: TensorView) -> bool:
 def _storage_dtype(tensor: TensorView) -> torch.dtype:
     """The torch dtype a rank holds a tensor in between kernels (fp4: bytes)."""
     return torch.uint8 if _is_fp4(tensor) else tensor.dtype.torch_dtype
+
+
+def _logical_shape(tensor: TensorView, value: torch.Tensor) -> list[int]:
+    """The logical shape of a held value (packed fp4 holds two values per byte)."""
+    shape = list(value.shape)
+    return shape[:-1] + [2 * shape[-1]] if _is_fp4(tensor) else shape
 
 
 def _storage_shape(tensor: TensorView, shape: list[int]) -> list[int]:

@@ -80,13 +80,19 @@ class LaunchKernel(Instruction):
     mesh: DeviceMesh | None
     backend: str = "reference"
     aliases: dict[TensorView, TensorView] = field(default_factory=dict)
+    scheduler: object | None = None  # the scheduler that generates the kernel
+    plan: object | None = None  # its analysis of ``exprs``
+    note: str = ""  # why no scheduler took the exprs, for a reference kernel
 
     def text(self, labels: dict[object, str]) -> list[str]:
         ins = ", ".join(t.name for t in self.inputs)
         outs = ", ".join(t.name for t in self.outputs)
         ops = ", ".join(e.op_name for e in self.exprs)
         at = _at(self.mesh, labels)
-        return [f"LaunchKernel {self.name} [{self.backend}] ({ins}) -> ({outs}){at}", f"  {ops}"]
+        lines = [f"LaunchKernel {self.name} [{self.backend}] ({ins}) -> ({outs}){at}", f"  {ops}"]
+        if self.note:
+            lines.append(f"  no scheduler: {self.note}")
+        return lines
 
 
 @dataclass(eq=False)

@@ -48,6 +48,7 @@ from overlap.host_ir import (
     stream_dim,
     walk,
 )
+from schedulers.registry import KernelGroup, split_into_kernels
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import Shard
@@ -131,8 +132,9 @@ def _is_contraction(expr: Expr) -> bool:
 
 
 class _Lowering:
-    def __init__(self, fusion: Fusion) -> None:
+    def __init__(self, fusion: Fusion, schedule: bool) -> None:
         self.fusion = fusion
+        self.schedule = schedule
         self.program = HostProgram(fusion)
         self.scratch = Fusion("chunks")
         self.scratch.finalized = True
@@ -151,7 +153,10 @@ class _Lowering:
         return chunk
 
     def _kernel(
-        self, exprs: list[Expr], aliases: dict[TensorView, TensorView] | None = None
+        self,
+        exprs: list[Expr],
+        aliases: dict[TensorView, TensorView] | None = None,
+        group: KernelGroup | None = None,
     ) -> LaunchKernel:
         aliases = aliases or {}
         produced = {t for e in exprs for t in e.outputs}
@@ -165,14 +170,20 @@ class _Lowering:
         ]
         name = f"k{self.kernels}"
         self.kernels += 1
+        backend = "cublas" if _is_contraction(exprs[0]) else "reference"
+        if group is not None and group.scheduler is not None:
+            backend = group.scheduler.name
         return LaunchKernel(
             name,
             exprs,
             [aliases.get(t, t) for t in inputs],
             [aliases.get(t, t) for t in outputs],
             exprs[0].outputs[0].mesh,
-            "cublas" if _is_contraction(exprs[0]) else "reference",
+            backend,
             aliases,
+            group.scheduler if group else None,
+            group.plan if group else None,
+            group.reason if group else "",
         )
 
     def _compute_kernels(
@@ -187,7 +198,14 @@ class _Lowering:
                     groups[-1].append(expr)
                     continue
             groups.append([expr])
-        return [self._kernel(group, aliases) for group in groups]
+        kernels = []
+        for group in groups:
+            if not self.schedule or _is_contraction(group[0]):
+                kernels.append(self._kernel(group, aliases))
+                continue
+            for piece in split_into_kernels(group, self.fusion):
+                kernels.append(self._kernel(piece.exprs, aliases, piece))
+        return kernels
 
     def _communicate(self, comm: Communication, source: TensorView, target: TensorView):
         name = f"c{self.communications}"
@@ -374,7 +392,11 @@ def _insert_deallocations(program: HostProgram) -> None:
     program.instructions = instructions
 
 
-def lower_to_host_program(fusion: Fusion) -> HostProgram:
-    """The host program of a resharded (or single-device) fusion."""
+def lower_to_host_program(fusion: Fusion, schedule: bool = False) -> HostProgram:
+    """The host program of a resharded (or single-device) fusion.
+
+    ``schedule``: compute that a scheduler takes becomes generated Triton kernels (the
+    rest, and everything when False, runs through the reference evaluator).
+    """
     propagate_stream_axes(fusion)
-    return _Lowering(fusion).lower()
+    return _Lowering(fusion, schedule).lower()

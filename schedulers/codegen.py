@@ -1,0 +1,293 @@
+"""Writing Triton source for generated kernels: loads, ops, casts, stores.
+
+A kernel is Python source text built line by line, then compiled once (see
+``schedulers.cache``). Values travel in registers in a *value form* that keeps the
+reference's numerics exactly:
+
+- floats as float32 (float64 for float64) holding a value exactly representable in
+  the tensor's dtype: every op computes in its compute type (float32 for bf16/f16) and
+  rounds once to its output dtype, as ``fusion.reference`` does;
+- integers and bools natively;
+- fp8 and fp4 as their codes (uint8); casts decode and encode them with the bit
+  operations of ``schedulers.triton_lib``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusion.dtypes import (
+    DataType,
+    bfloat16,
+    bool_,
+    compute_dtype,
+    float4_e2m1,
+    float8_e4m3fn,
+    float8_e5m2,
+    float16,
+    float32,
+    float64,
+)
+from fusion.exprs import BinaryOp, BroadcastOp, CastOp, ExpandOp, Expr, SetOp, UnaryOp, WhereOp
+from fusion.ir import Scalar, TensorView
+from schedulers.analysis import NotSchedulable
+
+TRITON_TYPES = {
+    "float64": "tl.float64",
+    "float32": "tl.float32",
+    "bfloat16": "tl.bfloat16",
+    "float16": "tl.float16",
+    "int64": "tl.int64",
+    "int32": "tl.int32",
+    "int8": "tl.int8",
+    "uint8": "tl.uint8",
+    "bool": "tl.int1",
+}
+_ENCODE = {
+    float8_e4m3fn: "fp8e4m3_encode",
+    float8_e5m2: "fp8e5m2_encode",
+    float4_e2m1: "fp4_encode",
+}
+_DECODE = {
+    float8_e4m3fn: "fp8e4m3_decode",
+    float8_e5m2: "fp8e5m2_decode",
+    float4_e2m1: "fp4_decode",
+}
+PRELUDE = """\
+import triton
+import triton.language as tl
+from schedulers.triton_lib import (
+    fp4_decode, fp4_encode, fp8e4m3_decode, fp8e4m3_encode, fp8e5m2_decode, fp8e5m2_encode,
+)
+from schedulers.triton_math import (
+    add, div, gelu, gelu_tanh, maximum, minimum, round_to_bf16, round_to_f16, sigmoid, sqrt,
+    tanh,
+)
+"""
+
+
+def memory_type(dtype: DataType) -> str:
+    """The Triton element type a kernel loads and stores for ``dtype`` (codes as bytes)."""
+    if dtype.storage_only:
+        return "tl.uint8"
+    return TRITON_TYPES[dtype.name]
+
+
+def check_supported(exprs: list[Expr]) -> None:
+    """Raise ``NotSchedulable`` for an op or cast the code generator does not write."""
+    for expr in exprs:
+        if isinstance(expr, BinaryOp) and expr.op_name == "pow":
+            _, exponent = expr.operands
+            if not (isinstance(exponent, (int, float)) and exponent in _POWERS):
+                raise NotSchedulable("pow with a tensor or unusual exponent")
+        if isinstance(expr, CastOp):
+            source, target = expr.inputs[0].dtype, expr.output.dtype
+            if source is float64 and target.storage_only:
+                raise NotSchedulable(f"a cast from float64 to {target} (rounds in float64)")
+
+
+# pow with these scalar exponents is written with multiplications and roots.
+_POWERS = {0, 1, 2, 3, 0.5, -0.5, -1, -2}
+
+
+@dataclass
+class Value:
+    """A value in registers: the variable holding it and the dtype it stands for."""
+
+    name: str
+    dtype: DataType
+
+
+class Emitter:
+    """Accumulates the lines of one kernel's body."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.count = 0
+
+    def fresh(self, prefix: str = "v") -> str:
+        self.count += 1
+        return f"{prefix}{self.count}"
+
+    def line(self, text: str) -> None:
+        self.lines.append(text)
+
+    def assign(self, expression: str, prefix: str = "v") -> str:
+        name = self.fresh(prefix)
+        self.line(f"{name} = {expression}")
+        return name
+
+    # -- loads and stores ----------------------------------------------------------
+
+    def load(self, tensor: TensorView, pointer: str, index: str, mask: str) -> Value:
+        dtype = tensor.dtype
+        if dtype is float4_e2m1:
+            byte = self.assign(f"tl.load({pointer} + ({index} >> 1), mask={mask}, other=0)")
+            shift = f"(({index} & 1) * 4).to(tl.uint8)"
+            return Value(self.assign(f"({byte} >> {shift}) & 15"), dtype)
+        raw = self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0)")
+        if dtype.is_floating and not dtype.storage_only and dtype is not float64:
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+        return Value(raw, dtype)
+
+    def stored(self, value: Value) -> str:
+        """The expression to store for ``value`` (exact: it already has the dtype's value)."""
+        if value.dtype.storage_only or value.dtype is bool_:
+            return value.name
+        return f"{value.name}.to({TRITON_TYPES[value.dtype.name]})"
+
+    # -- conversions ---------------------------------------------------------------
+
+    def as_compute(self, value: Value, target: DataType) -> str:
+        """``value`` as an operand of an op computing in ``target`` (a compute type)."""
+        source = value.dtype
+        if source.storage_only:
+            decoded = self.assign(f"{_DECODE[source]}({value.name})")
+            return decoded if target is float32 else f"{decoded}.to({TRITON_TYPES[target.name]})"
+        carried = float32 if source.is_floating and source is not float64 else source
+        if carried is target:
+            return value.name
+        return f"{value.name}.to({TRITON_TYPES[target.name]})"
+
+    def rounded(self, expression: str, computed: DataType, dtype: DataType) -> Value:
+        """``expression`` (in ``computed``) rounded once to ``dtype``, in value form."""
+        if dtype is bfloat16:
+            source = expression if computed is float32 else f"({expression}).to(tl.float32)"
+            return Value(self.assign(f"round_to_bf16({source})"), dtype)
+        if dtype is float16:
+            source = expression if computed is float32 else f"({expression}).to(tl.float32)"
+            return Value(self.assign(f"round_to_f16({source})"), dtype)
+        if dtype.storage_only:
+            source = expression if computed is float32 else f"({expression}).to(tl.float32)"
+            return Value(self.assign(f"{_ENCODE[dtype]}({source})"), dtype)
+        if dtype is bool_:
+            return Value(self.assign(f"({expression}) != 0"), dtype)
+        if computed is dtype:
+            return Value(self.assign(expression), dtype)
+        return Value(self.assign(f"({expression}).to({TRITON_TYPES[dtype.name]})"), dtype)
+
+    # -- ops -------------------------------------------------------------------------
+
+    def expr(self, expr: Expr, operands: list[Value | Scalar]) -> list[Value]:
+        """Emit ``expr`` on ``operands`` (values for tensors, Python scalars as they are)."""
+        out = expr.outputs[0]
+        if isinstance(expr, (SetOp, BroadcastOp, ExpandOp)):
+            return [operands[0]]  # the same values, seen through another shape
+        if isinstance(expr, CastOp):
+            return [self._cast(operands[0], out.dtype)]
+        ctype = compute_dtype(out.dtype)
+        args = [
+            self.as_compute(o, ctype) if isinstance(o, Value) else _literal(o, ctype)
+            for o in operands
+        ]
+        if isinstance(expr, UnaryOp):
+            text = self._unary(expr, args[0], ctype)
+        elif isinstance(expr, BinaryOp):
+            text = self._binary(expr.op_name, args[0], args[1], ctype, expr.operands[1])
+        elif isinstance(expr, WhereOp):
+            condition = operands[0]
+            text = f"tl.where({condition.name}, {args[1]}, {args[2]})"
+        else:
+            raise NotSchedulable(f"{expr.op_name} is not generated")
+        return [self.rounded(text, ctype, out.dtype)]
+
+    def _cast(self, value: Value, target: DataType) -> Value:
+        source = value.dtype
+        if source is target:
+            return value
+        if target.is_floating and not target.storage_only:
+            compute = float64 if target is float64 else float32
+            return self.rounded(self.as_compute(value, compute), compute, target)
+        if target.storage_only:
+            return self.rounded(self.as_compute(value, float32), float32, target)
+        if target is bool_:
+            return Value(self.assign(f"{self.as_compute(value, _carrier(source))} != 0"), target)
+        # To an integer: floats truncate toward zero, as torch does.
+        carrier = self.as_compute(value, _carrier(source))
+        return Value(self.assign(f"{carrier}.to({TRITON_TYPES[target.name]})"), target)
+
+    def _unary(self, expr: UnaryOp, a: str, ctype: DataType) -> str:
+        name = expr.op_name
+        exact32 = ctype is float32
+        if name == "neg":
+            return f"-{a}"
+        if name == "abs":
+            return f"tl.abs({a})"
+        if name == "relu":
+            if ctype.is_floating:
+                return f"tl.maximum({a}, 0.0, propagate_nan=tl.PropagateNan.ALL)"
+            return f"tl.maximum({a}, 0)"
+        if name == "exp":
+            return f"tl.exp({a})"
+        if name == "log":
+            return f"tl.log({a})"
+        if name == "sqrt":
+            return f"sqrt({a})" if exact32 else f"tl.sqrt({a})"
+        if name == "rsqrt":
+            return f"div(1.0, sqrt({a}))" if exact32 else f"1.0 / tl.sqrt({a})"
+        if name == "reciprocal":
+            return f"div(1.0, {a})" if exact32 else f"1.0 / {a}"
+        if name == "tanh":
+            return f"tanh({a})"
+        if name == "sigmoid":
+            return f"sigmoid({a})"
+        if name == "silu":
+            return f"{a} * sigmoid({a})"
+        if name == "gelu":
+            return f"gelu_tanh({a})" if expr.attrs.get("approximate") == "tanh" else f"gelu({a})"
+        raise NotSchedulable(f"{name} is not generated")
+
+    def _binary(self, name: str, a: str, b: str, ctype: DataType, exponent: object) -> str:
+        if name == "add":
+            return f"{a} + {b}"
+        if name == "sub":
+            return f"{a} - {b}"
+        if name == "mul":
+            return f"{a} * {b}"
+        if name == "div":
+            return f"div({a}, {b})" if ctype is float32 else f"{a} / {b}"
+        if name in ("maximum", "minimum"):
+            nan = ", propagate_nan=tl.PropagateNan.ALL" if ctype.is_floating else ""
+            return f"tl.{name}({a}, {b}{nan})"
+        if name == "pow":
+            return _power(a, exponent, ctype)
+        raise NotSchedulable(f"{name} is not generated")
+
+
+def _carrier(dtype: DataType) -> DataType:
+    """The type a value of ``dtype`` travels in (see the module's docstring)."""
+    if dtype.storage_only or (dtype.is_floating and dtype is not float64):
+        return float32
+    return dtype
+
+
+def _literal(value: Scalar, ctype: DataType) -> str:
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if ctype.is_floating:
+        number = float(value)
+        if number != number or number in (float("inf"), float("-inf")):
+            return f'float("{number}")'
+        return repr(number)
+    return str(int(value))
+
+
+def _power(a: str, exponent: object, ctype: DataType) -> str:
+    one = "1.0" if ctype.is_floating else "1"
+    if exponent == 0:
+        return f"(tl.zeros_like({a}) + {one})"
+    if exponent == 1:
+        return a
+    if exponent == 2:
+        return f"{a} * {a}"
+    if exponent == 3:
+        return f"{a} * {a} * {a}"
+    if exponent == 0.5:
+        return f"sqrt({a})" if ctype is float32 else f"tl.sqrt({a})"
+    if exponent == -0.5:
+        return f"div(1.0, sqrt({a}))" if ctype is float32 else f"1.0 / tl.sqrt({a})"
+    if exponent == -1:
+        return f"div(1.0, {a})" if ctype is float32 else f"1.0 / {a}"
+    if exponent == -2:
+        return f"div(1.0, {a} * {a})" if ctype is float32 else f"1.0 / ({a} * {a})"
+    raise NotSchedulable(f"pow with exponent {exponent!r}")

@@ -1,0 +1,188 @@
+"""The pointwise scheduler: chains of elementwise ops, casts and broadcasts in one kernel.
+
+Every output has one shape S; the kernel walks S as a flat index, ``block`` elements
+per program, and each input is read through its own broadcast pattern (neighbouring
+axes of S that no input tells apart are merged, so few extents are divided by). The
+vector width is 128 bits over the widest dtype's bits: 4 float32, 8 bf16, 16 fp8 and
+32 fp4 values per access. fp4 outputs are written a pair of values per byte.
+
+Extents are runtime arguments Triton does not specialize on: one kernel serves every
+batch size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fusion.dtypes import float4_e2m1
+from fusion.exprs import Expr
+from fusion.ir import TensorView
+from schedulers.analysis import (
+    POINTWISE,
+    Collapsed,
+    NotSchedulable,
+    collapse,
+    group_sizes,
+    group_strides,
+    map_into_space,
+)
+from schedulers.cache import KERNEL_CACHE
+from schedulers.codegen import PRELUDE, Emitter, Value, check_supported, memory_type
+from schedulers.hardware import HardwareProfile
+
+VECTOR_BITS = 128
+
+
+@dataclass(frozen=True)
+class PointwiseParams:
+    """Launch configuration of a pointwise kernel (override any field to tune it)."""
+
+    vector_width: int  # elements per 128-bit access of the widest dtype
+    unroll: int  # vectors per thread per tensor
+    num_warps: int
+
+    @property
+    def block(self) -> int:
+        """Elements per program."""
+        return self.vector_width * 32 * self.num_warps * self.unroll
+
+    def __str__(self) -> str:
+        return (
+            f"PointwiseParams(vector_width={self.vector_width}, unroll={self.unroll}, "
+            f"num_warps={self.num_warps}, block={self.block})"
+        )
+
+
+@dataclass
+class PointwisePlan:
+    """What the kernel computes; independent of extents."""
+
+    exprs: list[Expr]
+    inputs: list[TensorView]
+    outputs: list[TensorView]
+    mappings: dict[TensorView, tuple[int | None, ...]]
+    collapsed: Collapsed
+    rank: int
+
+    @property
+    def widest_bits(self) -> int:
+        return max(t.dtype.bits for t in self.inputs + self.outputs)
+
+
+class PointwiseScheduler:
+    name = "pointwise"
+
+    def plan(
+        self, exprs: list[Expr], inputs: list[TensorView], outputs: list[TensorView]
+    ) -> PointwisePlan:
+        """Analyse ``exprs``; raises ``NotSchedulable`` with the reason if it cannot."""
+        for expr in exprs:
+            if not isinstance(expr, POINTWISE):
+                raise NotSchedulable(f"{expr.op_name} is not pointwise")
+        check_supported(exprs)
+        shape = outputs[0].shape
+        for out in outputs[1:]:
+            if out.shape != shape:
+                raise NotSchedulable(f"outputs of different shapes: {outputs[0]}, {out}")
+        identity = tuple(range(len(shape)))
+        mappings = map_into_space(exprs, {out: identity for out in outputs})
+        collapsed = collapse(len(shape), [mappings[t] for t in inputs])
+        return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape))
+
+    def heuristics(self, plan: PointwisePlan, hardware: HardwareProfile) -> PointwiseParams:
+        """Sizes in bits: a 128-bit vector of the widest dtype, four of them per thread."""
+        vector_width = VECTOR_BITS // plan.widest_bits
+        num_warps = 8 if hardware.arch >= 90 else 4
+        return PointwiseParams(vector_width=vector_width, unroll=4, num_warps=num_warps)
+
+    def source(self, plan: PointwisePlan, params: PointwiseParams) -> str:
+        """The kernel's Triton source (the cache key: no extent appears in it)."""
+        emit = Emitter()
+        groups = len(plan.collapsed.groups)
+        inputs = [f"in{i}" for i in range(len(plan.inputs))]
+        outputs = [f"out{i}" for i in range(len(plan.outputs))]
+        sizes = [f"size{g}" for g in range(groups)]
+        strides = [[f"stride{i}_{g}" for g in range(groups)] for i in range(len(plan.inputs))]
+        runtime = ["numel", *sizes, *(s for row in strides for s in row)]
+        emit.line("pid = tl.program_id(0).to(tl.int64)")
+        emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+        emit.line("mask = offs < numel")
+        broadcast = [i for i, present in enumerate(plan.collapsed.present) if not all(present)]
+        if broadcast:
+            emit.line("rest = offs")
+            for g in reversed(range(groups)):
+                emit.line(f"c{g} = rest % {sizes[g]}")
+                emit.line(f"rest = rest // {sizes[g]}")
+        values: dict[TensorView, Value] = {}
+        for i, tensor in enumerate(plan.inputs):
+            if i in broadcast:
+                terms = [
+                    f"c{g} * {strides[i][g]}"
+                    for g, present in enumerate(plan.collapsed.present[i])
+                    if present
+                ]
+                index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
+            else:
+                index = "offs"
+            values[tensor] = emit.load(tensor, inputs[i], index, "mask")
+        for expr in plan.exprs:
+            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
+            for out, value in zip(expr.outputs, emit.expr(expr, operands), strict=True):
+                values[out] = value
+        for i, tensor in enumerate(plan.outputs):
+            value = values[tensor]
+            if tensor.dtype is float4_e2m1:
+                emit.line(f"lo{i}, hi{i} = tl.split(tl.reshape({value.name}, (BLOCK // 2, 2)))")
+                emit.line("pairs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
+                emit.line(
+                    f"tl.store({outputs[i]} + pairs, (lo{i} | (hi{i} << 4)).to(tl.uint8), "
+                    "mask=pairs < numel // 2)"
+                )
+            else:
+                emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
+        header = (
+            f"@triton.jit(do_not_specialize={runtime!r})\n"
+            f"def pointwise_kernel({', '.join([*inputs, *outputs, *runtime])}, "
+            "BLOCK: tl.constexpr):\n"
+        )
+        body = "".join(f"    {line}\n" for line in emit.lines)
+        comment = f"# {params}; memory types: " + ", ".join(
+            memory_type(t.dtype) for t in plan.inputs + plan.outputs
+        )
+        return f"{PRELUDE}\n{comment}\n{header}{body}"
+
+    def build(self, plan: PointwisePlan, params: PointwiseParams):
+        """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
+        kernel = KERNEL_CACHE.get(self.source(plan, params), "pointwise_kernel")
+
+        def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
+            shape = shapes[plan.outputs[0]]
+            numel = math.prod(shape)
+            if numel == 0:
+                return
+            sizes = group_sizes(plan.collapsed, shape)
+            strides = [
+                stride
+                for tensor in plan.inputs
+                for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
+            ]
+            grid = (triton_cdiv(numel, params.block),)
+            pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            kernel[grid](*pointers, numel, *sizes, *strides, BLOCK=params.block,
+                         num_warps=params.num_warps)  # fmt: skip
+
+        return launch
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """fp8 tensors are read and written as their byte codes."""
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
+        return tensor.view(torch.uint8)
+    return tensor

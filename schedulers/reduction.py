@@ -1,0 +1,378 @@
+"""The reduction scheduler: a sum, max, min or mean with pointwise ops before and after.
+
+The reduction's input space S is cut into iteration axes (kept) and reduced axes,
+which must be the innermost axes (an *inner*, row reduction) or the outermost ones (an
+*outer*, column reduction). Pointwise ops before the reduction (the prologue) run on
+each tile as it is loaded; ops after it (the epilogue) run on the reduced values.
+
+- Inner: each program takes ``block_rows`` rows and walks their reduced extent in
+  tiles of ``block_reduce``, accumulating in float32 (int64 for integer sums).
+- Outer: the reduced extent is split over the grid so there are a few waves of
+  programs even when few columns remain; each program writes float32 partial results
+  and a second kernel combines them in a fixed order: deterministic. With
+  ``deterministic=False`` (sums only) partial sums are added atomically instead.
+
+``block_reduce`` depends on the reduced extent; nothing depends on the iteration
+extent, so a new batch size reuses the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fusion.dtypes import DataType, compute_dtype, float64, int64
+from fusion.exprs import Expr, ReductionOp
+from fusion.ir import TensorView
+from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
+from schedulers.cache import KERNEL_CACHE
+from schedulers.codegen import PRELUDE, TRITON_TYPES, Emitter, Value, check_supported
+from schedulers.hardware import HardwareProfile
+from schedulers.pointwise import as_bytes, triton_cdiv
+
+_COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
+
+
+@dataclass(frozen=True)
+class ReductionParams:
+    """Launch configuration of a reduction kernel (override any field to tune it)."""
+
+    layout: str  # "inner" or "outer"
+    block_rows: int  # inner: rows per program; outer: reduced rows per step
+    block_reduce: int  # inner: reduced extent per step; outer: columns per program
+    num_warps: int
+    waves: int = 4  # outer: how many waves of programs the grid split aims for
+    deterministic: bool = True
+
+    def __str__(self) -> str:
+        fields = (
+            f"layout={self.layout}, block_rows={self.block_rows}, "
+            f"block_reduce={self.block_reduce}, num_warps={self.num_warps}"
+        )
+        if self.layout == "outer":
+            fields += f", waves={self.waves}, deterministic={self.deterministic}"
+        return f"ReductionParams({fields})"
+
+
+@dataclass
+class ReductionPlan:
+    exprs: list[Expr]
+    inputs: list[TensorView]
+    outputs: list[TensorView]
+    reduction: ReductionOp
+    prologue: list[Expr]
+    epilogue: list[Expr]
+    mappings: dict[TensorView, tuple[int | None, ...]]  # into S (prologue) or kept space
+    layout: str
+    kept: list[int]  # axes of S that are kept, in order
+    reduced: list[int]  # axes of S that are reduced
+
+    @property
+    def widest_bits(self) -> int:
+        return max(t.dtype.bits for t in self.inputs + self.outputs)
+
+    @property
+    def accumulator(self) -> DataType:
+        out = self.reduction.output.dtype
+        if out.is_floating:
+            return float64 if out is float64 else compute_dtype(out)
+        return int64 if self.reduction.op_name == "sum" else out
+
+
+def _split(exprs: list[Expr]) -> tuple[list[Expr], ReductionOp, list[Expr]]:
+    reductions = [e for e in exprs if isinstance(e, ReductionOp)]
+    if len(reductions) != 1:
+        raise NotSchedulable(f"{len(reductions)} reductions (one is needed)")
+    (reduction,) = reductions
+    index = exprs.index(reduction)
+    prologue, epilogue = exprs[:index], exprs[index + 1 :]
+    for expr in prologue + epilogue:
+        if not isinstance(expr, POINTWISE):
+            raise NotSchedulable(f"{expr.op_name} beside a reduction")
+    return prologue, reduction, epilogue
+
+
+class ReductionScheduler:
+    name = "reduction"
+
+    def plan(
+        self, exprs: list[Expr], inputs: list[TensorView], outputs: list[TensorView]
+    ) -> ReductionPlan:
+        prologue, reduction, epilogue = _split(exprs)
+        check_supported(prologue + epilogue)
+        if reduction.op_name in ("max", "min") and reduction.output.dtype.is_bool:
+            raise NotSchedulable("max and min of bools")
+        (source,) = reduction.inputs
+        rank = source.ndim
+        reduced = list(reduction.dims)
+        kept = [d for d in range(rank) if d not in reduced]
+        if reduced == list(range(rank - len(reduced), rank)):
+            layout = "inner"
+        elif reduced == list(range(len(reduced))):
+            layout = "outer"
+        else:
+            raise NotSchedulable(f"reduced axes {reduced} are neither innermost nor outermost")
+        result = reduction.output
+        kept_identity = tuple(kept)  # the kept space is S restricted to the kept axes
+        produced_after = {t for e in epilogue for t in e.outputs} | {result}
+        for out in outputs:
+            if out not in produced_after:
+                raise NotSchedulable(f"{out} is computed before the reduction")
+            if out.shape != result.shape:
+                raise NotSchedulable(f"{out} has another shape than {result}")
+        roots = {out: kept_identity for out in outputs if out is not result}
+        mappings = map_into_space(epilogue, {**roots, result: kept_identity})
+        prologue_map = map_into_space(prologue, {source: tuple(range(rank))})
+        for tensor, mapping in prologue_map.items():
+            if mappings.get(tensor, mapping) != mapping:
+                raise NotSchedulable(f"{tensor} is used before and after the reduction")
+            mappings[tensor] = mapping
+        for tensor in inputs:
+            if tensor not in mappings:
+                raise NotSchedulable(f"{tensor} is not read along the reduction's axes")
+        return ReductionPlan(
+            exprs, inputs, outputs, reduction, prologue, epilogue, mappings, layout, kept, reduced
+        )
+
+    def heuristics(
+        self, plan: ReductionPlan, hardware: HardwareProfile, reduced_extent: int
+    ) -> ReductionParams:
+        """A tile of about 16 KiB of the widest dtype; the reduced extent sets its width."""
+        elements = TILE_BITS // plan.widest_bits
+        if plan.layout == "inner":
+            block_reduce = min(_next_power_of_two(reduced_extent), elements)
+            block_rows = max(1, elements // block_reduce)
+            return ReductionParams("inner", block_rows, block_reduce, num_warps=4)
+        block_columns = min(128 * (32 // min(plan.widest_bits, 32)), elements)
+        block_rows = max(1, min(elements // block_columns, _next_power_of_two(reduced_extent)))
+        return ReductionParams("outer", block_rows, block_columns, num_warps=4)
+
+    # -- code ------------------------------------------------------------------------
+
+    def _coordinates(self, emit: Emitter, index: str, axes: list[int], prefix: str) -> None:
+        """Coordinates of a flat ``index`` over ``axes`` (runtime extents ``size_<axis>``)."""
+        emit.line(f"rest_{prefix} = {index}")
+        for axis in reversed(axes):
+            emit.line(f"{prefix}{axis} = rest_{prefix} % size{axis}")
+            emit.line(f"rest_{prefix} = rest_{prefix} // size{axis}")
+
+    def _offset(self, plan: ReductionPlan, i: int, axes: list[int], prefix: str) -> str:
+        """Input ``i``'s offset along ``axes`` (coordinates ``<prefix><axis>``)."""
+        mapping = plan.mappings[plan.inputs[i]]
+        terms = [f"{prefix}{axis} * stride{i}_{axis}" for axis in axes if axis in mapping]
+        index = "kept_index" if prefix == "k" else "reduced_index"
+        return " + ".join(terms) if terms else f"({index} * 0)"
+
+    def source(self, plan: ReductionPlan, params: ReductionParams) -> str:
+        emit = Emitter()
+        rank = plan.reduction.inputs[0].ndim
+        ins = [f"in{i}" for i in range(len(plan.inputs))]
+        outs = [f"out{i}" for i in range(len(plan.outputs))]
+        sizes = [f"size{axis}" for axis in range(rank)]
+        strides = [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
+        runtime = ["kept_count", "reduced_count", "split", *sizes, *strides]
+        combine = _COMBINE[plan.reduction.op_name]
+        accumulator = plan.accumulator
+        acc_type = TRITON_TYPES[accumulator.name]
+        identity = _identity(plan.reduction.op_name, accumulator)
+        inner = plan.layout == "inner"
+        emit.line("pid = tl.program_id(0).to(tl.int64)")
+        emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
+        emit.line("kept_mask = kept_index < kept_count")
+        self._coordinates(emit, "kept_index", plan.kept, "k")
+        if inner:
+            emit.line("begin = 0")
+            emit.line("end = reduced_count")
+        else:
+            emit.line("part = tl.program_id(1).to(tl.int64)")
+            emit.line("rows_each = tl.cdiv(reduced_count, split)")
+            emit.line("begin = part * rows_each")
+            emit.line("end = tl.minimum(begin + rows_each, reduced_count)")
+        shape = "(BLOCK_KEPT, BLOCK_REDUCED)" if inner else "(BLOCK_REDUCED, BLOCK_KEPT)"
+        emit.line(f"acc = tl.full({shape}, {identity}, {acc_type})")
+        emit.line("for start in range(begin, end, BLOCK_REDUCED):")
+        body = Emitter()
+        body.count = 1000
+        body.line("reduced_index = start + tl.arange(0, BLOCK_REDUCED)")
+        body.line("reduced_mask = reduced_index < end")
+        self._coordinates(body, "reduced_index", plan.reduced, "r")
+        if inner:
+            body.line("mask = kept_mask[:, None] & reduced_mask[None, :]")
+        else:
+            body.line("mask = reduced_mask[:, None] & kept_mask[None, :]")
+        values: dict[TensorView, Value] = {}
+        source = plan.reduction.inputs[0]
+        needed_before = {t for e in plan.prologue for t in e.inputs} | {source}
+        for i, tensor in enumerate(plan.inputs):
+            if tensor not in needed_before:
+                continue
+            kept = self._offset(plan, i, plan.kept, "k")
+            reduced = self._offset(plan, i, plan.reduced, "r")
+            if inner:
+                index = f"({kept})[:, None] + ({reduced})[None, :]"
+            else:
+                index = f"({reduced})[:, None] + ({kept})[None, :]"
+            values[tensor] = body.load(tensor, ins[i], body.assign(index, "idx"), "mask")
+        for expr in plan.prologue:
+            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
+            for out, value in zip(expr.outputs, body.expr(expr, operands), strict=True):
+                values[out] = value
+        term = body.as_compute(values[source], accumulator)
+        body.line(f"acc = {combine}(acc, tl.where(mask, {term}, {identity}))")
+        emit.lines.extend(f"    {line}" for line in body.lines)
+        axis = 1 if inner else 0
+        emit.line(f"reduced = tl.reduce(acc, {axis}, {combine})")
+        if not inner and not params.deterministic:
+            # Outer, atomics: add this part's partial sums into one row, in any order.
+            emit.line("tl.atomic_add(partial + kept_index, reduced, mask=kept_mask)")
+            return self._wrap(emit, "reduction_kernel", ["partial", *ins], runtime, "")
+        if not inner:
+            # Outer: write this part's partial results; `combine_kernel` finishes them.
+            emit.line("tl.store(partial + part * kept_count + kept_index, reduced, mask=kept_mask)")
+            return self._wrap(emit, "reduction_kernel", ["partial", *ins], runtime, "")
+        self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
+        return self._wrap(emit, "reduction_kernel", [*ins, *outs], runtime, "")
+
+    def _finish(self, emit, plan, values, reduced, ins, outs) -> None:
+        """Mean, rounding to the reduction's dtype, the epilogue and the stores."""
+        accumulator = plan.accumulator
+        result = plan.reduction.output
+        if plan.reduction.op_name == "mean":
+            emit.line(
+                f"{reduced} = div({reduced}, reduced_count + 0.0)"
+                if accumulator.name == "float32"
+                else f"{reduced} = {reduced} / reduced_count"
+            )
+        values[result] = emit.rounded(reduced, accumulator, result.dtype)
+        for i, tensor in enumerate(plan.inputs):
+            if tensor in values or tensor in {t for e in plan.prologue for t in e.inputs}:
+                continue
+            if tensor is plan.reduction.inputs[0]:
+                continue
+            index = emit.assign(self._offset(plan, i, plan.kept, "k"), "idx")
+            values[tensor] = emit.load(tensor, ins[i], index, "kept_mask")
+        for expr in plan.epilogue:
+            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
+            for out, value in zip(expr.outputs, emit.expr(expr, operands), strict=True):
+                values[out] = value
+        for i, tensor in enumerate(plan.outputs):
+            emit.line(
+                f"tl.store({outs[i]} + kept_index, {emit.stored(values[tensor])}, mask=kept_mask)"
+            )
+
+    def combine_source(self, plan: ReductionPlan, params: ReductionParams) -> str:
+        """The outer reduction's second kernel: combine the parts in order, then finish."""
+        emit = Emitter()
+        rank = plan.reduction.inputs[0].ndim
+        ins = [f"in{i}" for i in range(len(plan.inputs))]
+        outs = [f"out{i}" for i in range(len(plan.outputs))]
+        sizes = [f"size{axis}" for axis in range(rank)]
+        strides = [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
+        runtime = ["kept_count", "reduced_count", "split", *sizes, *strides]
+        combine = _COMBINE[plan.reduction.op_name]
+        identity = _identity(plan.reduction.op_name, plan.accumulator)
+        emit.line("pid = tl.program_id(0).to(tl.int64)")
+        emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
+        emit.line("kept_mask = kept_index < kept_count")
+        self._coordinates(emit, "kept_index", plan.kept, "k")
+        emit.line(f"reduced = tl.full((BLOCK_KEPT,), {identity}, partial.dtype.element_ty)")
+        emit.line("for part in range(0, split):")
+        emit.line(
+            "    reduced = "
+            f"{combine}(reduced, tl.load(partial + part * kept_count + kept_index, "
+            f"mask=kept_mask, other={identity}))"
+        )
+        self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
+        return self._wrap(emit, "combine_kernel", ["partial", *ins, *outs], runtime, "")
+
+    def _wrap(self, emit: Emitter, name: str, pointers, runtime, comment: str) -> str:
+        header = (
+            f"@triton.jit(do_not_specialize={runtime!r})\n"
+            f"def {name}({', '.join([*pointers, *runtime])}, "
+            "BLOCK_KEPT: tl.constexpr, BLOCK_REDUCED: tl.constexpr):\n"
+        )
+        body = "".join(f"    {line}\n" for line in emit.lines)
+        return f"{PRELUDE}\n{header}{body}"
+
+    def build(
+        self,
+        plan: ReductionPlan,
+        params: ReductionParams,
+        hardware: HardwareProfile,
+        reduced_extents: list[int],
+    ):
+        """A launcher ``(inputs, outputs, shapes)``; ``reduced_extents`` are the reduced
+        axes' extents (the kept ones come from the outputs at each launch)."""
+        if not params.deterministic and (
+            plan.layout != "outer" or plan.accumulator.name != "float32"
+            or plan.reduction.op_name not in ("sum", "mean")
+        ):  # fmt: skip
+            raise NotSchedulable("atomics are for float32 outer sums and means only")
+        inner = plan.layout == "inner"
+        main = KERNEL_CACHE.get(self.source(plan, params), "reduction_kernel")
+        combine = None if inner else KERNEL_CACHE.get(self.combine_source(plan, params),
+                                                      "combine_kernel")  # fmt: skip
+        rank = plan.reduction.inputs[0].ndim
+
+        def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
+            kept_shape = iter(shapes[plan.outputs[0]])
+            reduced_shape = iter(reduced_extents)
+            shape = [
+                next(reduced_shape) if axis in plan.reduced else next(kept_shape)
+                for axis in range(rank)
+            ]
+            kept_count = math.prod(shape[a] for a in plan.kept)
+            reduced_count = math.prod(shape[a] for a in plan.reduced)
+            if kept_count == 0:
+                return
+            strides = []
+            for tensor in plan.inputs:
+                mapping = plan.mappings[tensor]
+                own = shapes[tensor]
+                for axis in range(rank):
+                    if axis in mapping:
+                        dim = mapping.index(axis)
+                        strides.append(math.prod(own[dim + 1 :]))
+                    else:
+                        strides.append(0)
+            pointers = [as_bytes(t) for t in inputs]
+            targets = [as_bytes(t) for t in outputs]
+            if inner:
+                grid = (triton_cdiv(kept_count, params.block_rows),)
+                main[grid](*pointers, *targets, kept_count, reduced_count, 1, *shape, *strides,
+                           BLOCK_KEPT=params.block_rows, BLOCK_REDUCED=params.block_reduce,
+                           num_warps=params.num_warps)  # fmt: skip
+                return
+            tiles = triton_cdiv(kept_count, params.block_reduce)
+            most = max(1, triton_cdiv(reduced_count, params.block_rows))
+            split = min(most, max(1, params.waves * hardware.sm_count // tiles))
+            rows = split if params.deterministic else 1
+            partial = torch.zeros(
+                (rows, kept_count), dtype=plan.accumulator.torch_dtype, device=inputs[0].device
+            )
+            main[(tiles, split)](partial, *pointers, kept_count, reduced_count, split, *shape,
+                                 *strides, BLOCK_KEPT=params.block_reduce,
+                                 BLOCK_REDUCED=params.block_rows,
+                                 num_warps=params.num_warps)  # fmt: skip
+            combine[(tiles,)](partial, *pointers, *targets, kept_count, reduced_count, rows,
+                              *shape, *strides, BLOCK_KEPT=params.block_reduce,
+                              BLOCK_REDUCED=params.block_rows,
+                              num_warps=params.num_warps)  # fmt: skip
+
+        return launch
+
+
+def _identity(op: str, accumulator: DataType) -> str:
+    if op in ("sum", "mean"):
+        return "0" if not accumulator.is_floating else "0.0"
+    if accumulator.is_floating:
+        return 'float("-inf")' if op == "max" else 'float("inf")'
+    info = torch.iinfo(accumulator.torch_dtype)
+    return str(info.min if op == "max" else info.max)
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())

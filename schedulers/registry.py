@@ -1,0 +1,83 @@
+"""The scheduler registry: which scheduler takes which exprs, tried in priority order.
+
+``split_into_kernels`` cuts a run of compute exprs into kernels: from each position it
+takes the longest run that some scheduler accepts (reduction first, then pointwise); an
+expr no scheduler takes is evaluated by the reference evaluator, and the reason is kept
+so the host program can say why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusion.exprs import Expr
+from fusion.ir import Fusion, TensorView
+from schedulers.analysis import NotSchedulable
+from schedulers.pointwise import PointwiseScheduler
+from schedulers.reduction import ReductionScheduler
+
+SCHEDULERS = (ReductionScheduler(), PointwiseScheduler())
+
+
+@dataclass
+class KernelGroup:
+    """Exprs that become one kernel: a scheduler's, or the reference evaluator's."""
+
+    exprs: list[Expr]
+    inputs: list[TensorView]
+    outputs: list[TensorView]
+    scheduler: object | None
+    plan: object | None
+    reason: str = ""  # why no scheduler took it
+
+
+def boundary(exprs: list[Expr], fusion: Fusion) -> tuple[list[TensorView], list[TensorView]]:
+    """The tensors ``exprs`` read from outside and those they produce for the outside."""
+    inside = set(exprs)
+    produced = {t for e in exprs for t in e.outputs}
+    inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
+    outputs = [
+        t
+        for e in exprs
+        for t in e.outputs
+        if t in fusion.outputs or any(use not in inside for use in t.uses)
+    ]
+    return inputs, outputs
+
+
+def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[object, object] | str:
+    inputs, outputs = boundary(exprs, fusion)
+    reasons = []
+    for scheduler in SCHEDULERS:
+        try:
+            return scheduler, scheduler.plan(exprs, inputs, outputs)
+        except NotSchedulable as reason:
+            reasons.append(f"{scheduler.name}: {reason}")
+    return "; ".join(reasons)
+
+
+def split_into_kernels(exprs: list[Expr], fusion: Fusion) -> list[KernelGroup]:
+    """Kernels for ``exprs`` (no matmul among them), in order."""
+    groups: list[KernelGroup] = []
+    start = 0
+    while start < len(exprs):
+        for end in range(len(exprs), start, -1):
+            taken = _first_taker(exprs[start:end], fusion)
+            if not isinstance(taken, str):
+                break
+        if isinstance(taken, str):
+            end = start + 1
+            reason = _first_taker(exprs[start:end], fusion)
+            if groups and groups[-1].scheduler is None:
+                groups[-1].exprs.append(exprs[start])
+            else:
+                groups.append(KernelGroup([exprs[start]], [], [], None, None, reason))
+        else:
+            scheduler, plan = taken
+            inputs, outputs = boundary(exprs[start:end], fusion)
+            groups.append(KernelGroup(exprs[start:end], inputs, outputs, scheduler, plan))
+        start = end
+    for group in groups:
+        if group.scheduler is None:
+            group.inputs, group.outputs = boundary(group.exprs, fusion)
+    return groups

@@ -1,0 +1,98 @@
+"""Device helpers for generated kernels that behave the same in Triton's CPU interpreter
+and on a GPU.
+
+The interpreter truncates float32 to bfloat16 instead of rounding, and it has no
+libdevice; so rounding to bf16 is done here with integer operations, and tanh,
+division and square roots use only what both support (``div_rn`` and ``sqrt_rn`` are
+the IEEE-exact forms, as torch computes them).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def round_to_bf16(x):
+    """A float32 rounded to the nearest bfloat16 (ties to even), kept as float32."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    rounded = tl.where(x != x, bits | 0x00400000, rounded)  # keep NaN a (quiet) NaN
+    return rounded.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def round_to_f16(x):
+    """A float32 rounded to the nearest float16 (ties to even), kept as float32."""
+    return x.to(tl.float16).to(tl.float32)
+
+
+@triton.jit
+def div(x, y):
+    """IEEE division (Triton's ``/`` on float32 may be approximate on GPU; on float64 it
+    is exact). Either operand may be a Python number."""
+    zero = x * 0 + y * 0  # a tensor of the operands' type
+    if zero.dtype == tl.float32:
+        return tl.math.div_rn(x + zero, y + zero)
+    return x / y
+
+
+@triton.jit
+def sqrt(x):
+    return tl.sqrt_rn(x)
+
+
+@triton.jit
+def sigmoid(x):
+    return div(1.0, 1.0 + tl.exp(-x))
+
+
+@triton.jit
+def tanh(x):
+    """tanh within about a float32 ulp: its Taylor series below 0.55 (through x**17, the
+    next term is under 1e-8 relative there), exp beyond (where 1 - e no longer cancels)."""
+    a = tl.abs(x)
+    e = tl.exp(-2.0 * a)
+    far = div(1.0 - e, 1.0 + e)
+    if x.dtype == tl.float64:  # near zero, exp's error is far below float64 tolerances
+        return tl.where(x < 0, -far, far)
+    s = a * a
+    series = 6404582.0 / 10854718875.0
+    series = series * s - 929569.0 / 638512875.0
+    series = series * s + 21844.0 / 6081075.0
+    series = series * s - 1382.0 / 155925.0
+    series = series * s + 62.0 / 2835.0
+    series = series * s - 17.0 / 315.0
+    series = series * s + 2.0 / 15.0
+    series = series * s - 1.0 / 3.0
+    near = a + a * s * series
+    magnitude = tl.where(a < 0.55, near, far)
+    return tl.where(x < 0, -magnitude, magnitude)
+
+
+@triton.jit
+def gelu(x):
+    return 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+
+
+@triton.jit
+def gelu_tanh(x):
+    inner = 0.7978845608028654 * (x + 0.044715 * x * x * x)
+    return 0.5 * x * (1.0 + tanh(inner))
+
+
+@triton.jit
+def add(a, b):
+    return a + b
+
+
+@triton.jit
+def maximum(a, b):
+    """max that propagates NaN, as torch.amax does."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def minimum(a, b):
+    return tl.minimum(a, b, propagate_nan=tl.PropagateNan.ALL)

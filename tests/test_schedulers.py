@@ -1,0 +1,283 @@
+"""Generated Triton kernels (in Triton's CPU interpreter) against the reference evaluator.
+
+Every case builds a fusion, runs it through the executor with ``kernels="generated"``
+on fresh random inputs and compares each output with ``fusion.reference`` using the
+per-dtype tolerances of ``fusion.testing`` (fp8 and fp4 compare bytewise). Each case
+also checks which scheduler took the work, so a silent fallback to the reference
+evaluator cannot pass for a generated kernel.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton decorates any kernel
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fusion import FusionDefinition  # noqa: E402
+from fusion.dtypes import as_dtype  # noqa: E402
+from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap.host_ir import LaunchKernel, walk  # noqa: E402
+from schedulers.cache import KERNEL_CACHE  # noqa: E402
+from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware  # noqa: E402
+from schedulers.pointwise import PointwiseParams, PointwiseScheduler  # noqa: E402
+from schedulers.reduction import ReductionParams, ReductionScheduler  # noqa: E402
+
+SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
+FLOATS = ["float32", "bfloat16", "float16"]
+
+
+def _random(shape, dtype: str, generator, low=None, high=None) -> torch.Tensor:
+    if dtype.startswith("float8"):
+        return (3 * torch.randn(shape, generator=generator)).to(getattr(torch, dtype))
+    if dtype == "float4_e2m1":
+        return to_fp4(3 * torch.randn(shape, generator=generator))
+    if low is not None:
+        values = low + (high - low) * torch.rand(shape, generator=generator)
+    else:
+        values = torch.randn(shape, generator=generator)
+    return values.to(as_dtype(dtype).torch_dtype)
+
+
+def _backends(executor: MultiDeviceExecutor) -> list[str]:
+    return [i.backend for i in walk(executor.program.instructions) if isinstance(i, LaunchKernel)]
+
+
+def _check(fd, inputs, reduction_extent: int = 1):
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    outputs = executor.run(inputs)
+    for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
+        assert_close(actual, expected, reduction_extent=reduction_extent)
+    return executor
+
+
+# ---------------------------------------------------------------------------
+# Pointwise
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", FLOATS)
+def test_a_pointwise_chain_with_broadcasts_is_one_kernel(shape, dtype, rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(list(shape), dtype)
+        w = fd.define_tensor([shape[-1]], dtype)
+        y = fd.define_tensor(list(shape), dtype)
+        wb = fd.ops.broadcast(w, [True] * (len(shape) - 1) + [False])
+        h = fd.ops.gelu(x * wb + 0.5, approximate="tanh")
+        g = fd.ops.silu(fd.ops.tanh(h) * fd.ops.sigmoid(y)) / (fd.ops.abs(y) + 1.0)
+        fd.add_output(fd.ops.maximum(fd.ops.exp(-fd.ops.abs(g)), fd.ops.relu(g) * 2))
+        fd.add_output(fd.ops.sqrt(fd.ops.abs(h) + 1.0) + fd.ops.rsqrt(fd.ops.abs(y) + 0.25) ** 2)
+    inputs = [_random(s, dtype, rng) for s in (shape, (shape[-1],), shape)]
+    # Each op of the chain rounds once, as the reference does, but tanh, exp and erf are
+    # implemented differently (numpy in the interpreter, libm in torch): each of the ~12
+    # ops may add a few float32 ulps, which count like the terms of a reduction.
+    executor = _check(fd, inputs, reduction_extent=12)
+    assert _backends(executor) == ["pointwise"]
+
+
+@pytest.mark.parametrize("op", ["log", "reciprocal", "neg", "gelu", "exp", "pow", "tanh"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float64"])
+def test_each_unary_op(op, dtype, rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([7, 1000], dtype)
+        if op == "pow":
+            fd.add_output(fd.ops.pow(x, 3) + fd.ops.pow(x, -2) + fd.ops.pow(x, 0.5))
+        else:
+            fd.add_output(getattr(fd.ops, op)(x))
+    _check(fd, [_random((7, 1000), dtype, rng, 0.5, 4.0)])
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64", "int8"])
+def test_integer_pointwise_and_promotion(dtype, rng):
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([7, 333], dtype)
+        b = fd.define_tensor([1, 333], dtype)
+        fd.add_output(fd.ops.maximum(a, b) * 2 - fd.ops.abs(b))
+        fd.add_output(a / (fd.ops.abs(b) + 1))  # true division: float32
+        fd.add_output(fd.ops.cast(a, "float32") * 0.5)
+    low, high = -50, 50
+    inputs = [torch.randint(low, high, shape, generator=rng).to(as_dtype(dtype).torch_dtype)
+              for shape in ((7, 333), (1, 333))]  # fmt: skip
+    executor = _check(fd, inputs)
+    assert _backends(executor) == ["pointwise"]
+
+
+@pytest.mark.parametrize("storage", ["float8_e4m3fn", "float8_e5m2", "float4_e2m1"])
+@pytest.mark.parametrize("compute", FLOATS)
+def test_storage_casts_in_and_out_of_one_kernel(storage, compute, rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([33, 64], storage)
+        y = fd.ops.cast(fd.ops.silu(fd.ops.cast(x, compute)) * 4.0, storage)
+        fd.add_output(y)
+        fd.add_output(fd.ops.cast(fd.ops.cast(x, compute), "float32"))
+    executor = _check(fd, [_random((33, 64), storage, rng)])
+    assert _backends(executor) == ["pointwise"]
+
+
+def test_fp4_round_trip_is_exact_over_every_code():
+    codes = torch.arange(16, dtype=torch.uint8).repeat(4)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([64], "float4_e2m1")
+        fd.add_output(fd.ops.cast(fd.ops.cast(x, "float32"), "float4_e2m1"))
+        fd.add_output(fd.ops.cast(x, "float32"))
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    packed, decoded = executor.run([pack_fp4(codes)])
+    assert torch.equal(packed.view(torch.uint8), pack_fp4(codes).view(torch.uint8))
+    magnitudes = torch.tensor(FP4_MAGNITUDES)
+    assert torch.equal(decoded, torch.cat([magnitudes, -magnitudes]).repeat(4))
+
+
+@pytest.mark.parametrize("source", ["float32", "bfloat16", "float16"])
+def test_fp4_encoding_of_every_tie_and_its_neighbours(source):
+    dtype = as_dtype(source).torch_dtype
+    midpoints = torch.tensor(FP4_MIDPOINTS, dtype=dtype)
+    above = torch.nextafter(midpoints, torch.full_like(midpoints, 10))
+    below = torch.nextafter(midpoints, torch.zeros_like(midpoints))
+    saturating = torch.tensor([6.0, 7.0, 1e4, float("inf"), float("nan"), -0.0], dtype=dtype)
+    values = torch.cat([midpoints, above, below, saturating])
+    values = torch.cat([values, -values])
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([values.numel()], source)
+        fd.add_output(fd.ops.cast(x, "float4_e2m1"))
+    executor = _check(fd, [values])
+    assert _backends(executor) == ["pointwise"]
+
+
+# ---------------------------------------------------------------------------
+# Reductions
+
+
+@pytest.mark.parametrize("op", ["sum", "max", "min", "mean"])
+@pytest.mark.parametrize("dtype", FLOATS)
+@pytest.mark.parametrize(
+    ("shape", "dims"),
+    [((7, 1000), [1]), ((1000, 7), [0]), ((1, 1), [1]), ((3, 5, 64), [1, 2]),
+     ((64, 3, 5), [0]), ((513, 300), [0]), ((1, 4099), [1]), ((1000,), [0])],
+    ids=str,
+)  # fmt: skip
+def test_a_reduction_with_prologue_and_epilogue_is_one_kernel(op, dtype, shape, dims, rng):
+    rows = shape[-1]
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(list(shape), dtype)
+        w = fd.define_tensor([rows], dtype)
+        scaled = x * fd.ops.broadcast(w, [True] * (len(shape) - 1) + [False])
+        reduced = getattr(fd.ops, op)(fd.ops.cast(scaled, "float32"), dims=dims)
+        fd.add_output(fd.ops.cast(fd.ops.exp(reduced * 0.01), dtype))
+    inputs = [_random(shape, dtype, rng), _random((rows,), dtype, rng)]
+    extent = 1
+    for d in dims:
+        extent *= shape[d]
+    executor = _check(fd, inputs, reduction_extent=extent)
+    assert _backends(executor) == ["reduction"]
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int8", "bool"])
+def test_integer_sums_accumulate_in_int64(dtype, rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([300, 17], dtype)
+        fd.add_output(fd.ops.sum(x, dims=[0]))
+        fd.add_output(fd.ops.max(x, dims=[1]))
+    values = torch.randint(-100, 100, (300, 17), generator=rng)
+    value = values > 0 if dtype == "bool" else values.to(getattr(torch, dtype))
+    executor = _check(fd, [value])
+    # max of bools is left to the reference evaluator
+    expected = ["reduction", "reference"] if dtype == "bool" else ["reduction", "reduction"]
+    assert _backends(executor) == expected
+
+
+def test_an_outer_sum_with_atomics_is_an_option(rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2000, 40])
+        fd.add_output(fd.ops.sum(x, dims=[0]))
+    options = ReductionParams("outer", 32, 64, 4, waves=4, deterministic=False)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": options})
+    inputs = [torch.randn(2000, 40, generator=rng)]
+    (out,) = executor.run(inputs)
+    assert_close(out, fd.execute(inputs)[0], reduction_extent=2000)
+    assert "deterministic=False" in executor.kernel_report()
+
+
+def test_what_no_scheduler_takes_falls_back_and_says_so(rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([7, 64])
+        var, mean = fd.ops.var_mean(x, dims=[1])
+        fd.add_output(fd.ops.exp(var + mean))
+    executor = _check(fd, [torch.randn(7, 64, generator=rng)], reduction_extent=64)
+    text = str(executor.program)
+    assert "[reference]" in text and "no scheduler: reduction: 0 reductions" in text
+    assert "[pointwise]" in text  # the exp after it is still generated
+
+
+# ---------------------------------------------------------------------------
+# Kernel reuse, heuristics and hardware
+
+
+def test_ten_batch_sizes_compile_once():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["batch", 96], "bfloat16")
+        fd.add_output(fd.ops.gelu(x) * 2.0)
+        fd.add_output(fd.ops.sum(fd.ops.cast(x, "float32"), dims=[1]))
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    generator = torch.Generator().manual_seed(5)
+    executor.run([torch.randn(3, 96, generator=generator).bfloat16()])
+    before = KERNEL_CACHE.compilations
+    for batch in (1, 2, 5, 7, 16, 17, 100, 129, 255, 1000):
+        x_in = torch.randn(batch, 96, generator=generator).bfloat16()
+        for actual, expected in zip(executor.run([x_in]), fd.execute([x_in]), strict=True):
+            assert_close(actual, expected, reduction_extent=96)
+    assert KERNEL_CACHE.compilations == before
+
+
+@pytest.mark.parametrize(
+    ("dtype", "width"),
+    [("float64", 2), ("float32", 4), ("bfloat16", 8), ("float8_e4m3fn", 16), ("float4_e2m1", 32)],
+)
+def test_the_vector_width_is_128_bits_over_the_widest_dtype(dtype, width):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 64], dtype)
+        fd.add_output(fd.ops.set(x))
+    scheduler = PointwiseScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+    params = scheduler.heuristics(plan, H200)
+    assert params.vector_width == width
+    assert params.block == width * 32 * params.num_warps * params.unroll
+
+
+def test_reduction_params_follow_the_reduced_extent_not_the_batch():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["batch", "hidden"], "bfloat16")
+        fd.add_output(fd.ops.sum(fd.ops.cast(x, "float32"), dims=[1]))
+    scheduler = ReductionScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+    small, large = scheduler.heuristics(plan, H100, 96), scheduler.heuristics(plan, H100, 65536)
+    assert small.block_reduce == 128 and large.block_reduce == 4096
+    assert small.block_rows * small.block_reduce == large.block_rows * large.block_reduce
+
+
+def test_hardware_profiles_count_in_bits():
+    assert H200.smem_per_block_bits == 227 * 1024 * 8
+    assert B200.sm_count == 148 and H100.arch == 90
+    assert current_hardware("cpu") is INTERPRETER
+
+
+def test_user_params_override_the_heuristics(rng):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([7, 1000])
+        fd.add_output(fd.ops.exp(x))
+    params = PointwiseParams(vector_width=4, unroll=1, num_warps=2)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    inputs = [torch.randn(7, 1000, generator=rng)]
+    assert_close(executor.run(inputs)[0], fd.execute(inputs)[0])
+    assert executor.kernel_report() == f"k0 [pointwise] {params}"
+
+
+def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.exp(fd.define_tensor([4])))
+    with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
+        MultiDeviceExecutor(fd, kernels="generated")
