@@ -1,0 +1,213 @@
+"""Generated kernels against eager PyTorch and torch.compile, as a fraction of a copy.
+
+    python benchmarks/kernels.py            # on one GPU; figures to results/kernels.json
+    python benchmarks/kernels.py --smoke    # tiny shapes on CPU (Triton's interpreter)
+
+For each case (bytes = inputs read + outputs written) it times ours (the executor with
+generated kernels, replayed from a CUDA graph), eager PyTorch and torch.compile with CUDA
+events (median of interleaved rounds), and reports GB/s and the fraction of a measured
+device-to-device copy. Ours is checked against the reference evaluator first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from fusion import FusionDefinition  # noqa: E402
+from fusion.fp4 import from_fp4, to_fp4  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+
+
+def pointwise_case(m: int, n: int):
+    with FusionDefinition("pointwise_chain") as fd:
+        x = fd.define_tensor([m, n], "bf16")
+        scale = fd.define_tensor([n], "bf16")
+        bias = fd.define_tensor([n], "bf16")
+        row = [True, False]
+        h = x * fd.ops.broadcast(scale, row) + fd.ops.broadcast(bias, row)
+        fd.add_output(fd.ops.silu(h))
+
+    def eager(x, scale, bias):
+        return F.silu(x * scale + bias)
+
+    shapes = [(m, n), (n,), (n,)]
+    return fd, eager, shapes, [torch.bfloat16] * 3, 2 * (2 * m * n)
+
+
+def row_sum_case(m: int, n: int):
+    with FusionDefinition("row_sum") as fd:
+        x = fd.define_tensor([m, n], "bf16")
+        fd.add_output(fd.ops.sum(fd.ops.cast(x, "f32"), dims=[1]))
+
+    def eager(x):
+        return x.float().sum(dim=1)
+
+    return fd, eager, [(m, n)], [torch.bfloat16], 2 * m * n + 4 * m
+
+
+def column_sum_case(m: int, n: int):
+    with FusionDefinition("column_sum") as fd:
+        x = fd.define_tensor([m, n], "bf16")
+        fd.add_output(fd.ops.sum(fd.ops.cast(x, "f32"), dims=[0]))
+
+    def eager(x):
+        return x.float().sum(dim=0)
+
+    return fd, eager, [(m, n)], [torch.bfloat16], 2 * m * n + 4 * n
+
+
+def fp32_to_fp4_case(m: int, n: int):
+    with FusionDefinition("fp32_to_fp4") as fd:
+        x = fd.define_tensor([m, n], "f32")
+        fd.add_output(fd.ops.cast(x, "f4e2m1"))
+    return fd, to_fp4, [(m, n)], [torch.float32], 4 * m * n + m * n // 2
+
+
+def fp4_to_bf16_case(m: int, n: int):
+    with FusionDefinition("fp4_to_bf16") as fd:
+        x = fd.define_tensor([m, n], "f4e2m1")
+        fd.add_output(fd.ops.cast(x, "bf16"))
+
+    def eager(x):
+        return from_fp4(x, torch.bfloat16)
+
+    return fd, eager, [(m, n // 2)], [torch.float4_e2m1fn_x2], m * n // 2 + 2 * m * n
+
+
+def cases(smoke: bool):
+    if smoke:
+        yield "pointwise", pointwise_case(7, 96)
+        yield "row_sum", row_sum_case(7, 300)
+        yield "column_sum", column_sum_case(300, 33)
+        yield "fp32_to_fp4", fp32_to_fp4_case(5, 64)
+        yield "fp4_to_bf16", fp4_to_bf16_case(5, 64)
+        return
+    yield "pointwise", pointwise_case(16384, 8192)
+    yield "row_sum", row_sum_case(32768, 4096)
+    for n in (256, 1024, 4096, 16384, 65536):
+        yield "column_sum", column_sum_case(128 * 2**20 // n, n)
+    yield "fp32_to_fp4", fp32_to_fp4_case(16384, 8192)
+    yield "fp4_to_bf16", fp4_to_bf16_case(16384, 16384)
+
+
+def make_input(shape, dtype, device, generator):
+    if dtype == torch.float4_e2m1fn_x2:
+        rows, half = shape
+        return to_fp4(3 * torch.randn(rows, 2 * half, generator=generator)).to(device)
+    return torch.randn(shape, generator=generator).to(device, dtype)
+
+
+def time_ms(functions: dict, device, rounds: int, iterations: int) -> dict[str, float]:
+    """Median over interleaved rounds (A B C A B C ...) of the mean over ``iterations``."""
+    times: dict[str, list[float]] = {name: [] for name in functions}
+    for function in functions.values():
+        function()
+    for _ in range(rounds):
+        for name, function in functions.items():
+            if device.type == "cuda":
+                begin = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
+                begin.record()
+                for _ in range(iterations):
+                    function()
+                end.record()
+                end.synchronize()
+                times[name].append(begin.elapsed_time(end) / iterations)
+            else:
+                import time
+
+                start = time.perf_counter()
+                for _ in range(iterations):
+                    function()
+                times[name].append((time.perf_counter() - start) * 1e3 / iterations)
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def copy_gbps(device) -> float:
+    if device.type != "cuda":
+        return float("nan")
+    source = torch.empty(2**30, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    ms = time_ms({"copy": lambda: target.copy_(source)}, device, 5, 10)["copy"]
+    return 2 * source.numel() / (ms * 1e6)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=10)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    copy = copy_gbps(device)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for case, (fd, eager, shapes, dtypes, nbytes) in cases(args.smoke):
+        inputs = [make_input(s, d, device, generator) for s, d in zip(shapes, dtypes, strict=True)]
+        executor = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=device.type == "cuda")
+        outputs = executor.run(inputs)
+        expected = fd.execute(inputs)
+        extent = max(s[0] for s in shapes) if case == "column_sum" else shapes[0][-1]
+        for actual, wanted in zip(outputs, expected, strict=True):
+            assert_close(actual, wanted, reduction_extent=extent)
+        functions = {
+            "ours": lambda e=executor, i=inputs: e.run(i),
+            "eager": lambda f=eager, i=inputs: f(*i),
+        }
+        if not args.smoke:
+            compiled = torch.compile(eager)
+            functions["compile"] = lambda f=compiled, i=inputs: f(*i)
+        times = time_ms(functions, device, args.rounds, args.iterations)
+        shape = (
+            list(shapes[0])
+            if dtypes[0] != torch.float4_e2m1fn_x2
+            else [shapes[0][0], 2 * shapes[0][1]]
+        )
+        for provider, ms in times.items():
+            gbps = nbytes / (ms * 1e6)
+            rows.append({
+                "case": case, "shape": shape, "dtype": str(dtypes[0]).replace("torch.", ""),
+                "bytes": nbytes, "provider": provider, "ms": ms, "gbps": gbps,
+                "frac_copy": gbps / copy,
+            })  # fmt: skip
+            print(f"{case:<12} {str(shape):<16} {provider:<8} {ms:8.3f} ms {gbps:8.1f} GB/s "
+                  f"{gbps / copy:6.2f} of copy", flush=True)  # fmt: skip
+        print(f"  {executor.kernel_report()}", flush=True)
+    print(f"device copy: {copy:.1f} GB/s")
+    if not args.smoke:
+        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+            cwd=ROOT,
+        ).stdout.strip()  # fmt: skip
+        result = {
+            "device": torch.cuda.get_device_name(device),
+            "date": datetime.date.today().isoformat(),
+            "commit": commit or "unknown",
+            "command": " ".join(["python", *sys.argv]),
+            "torch": torch.__version__,
+            "copy_gbps": copy,
+            "rows": rows,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
