@@ -110,7 +110,10 @@ class MultiDeviceExecutor:
             raise ShardingError("finish the fusion definition (leave its `with` block) first")
         self.communicator = communicator
         self.rank = communicator.rank if communicator else 0
-        self.device = communicator.device if communicator else torch.device("cpu")
+        if communicator is not None:
+            self.device = communicator.device
+        else:  # one device: the GPU when there is one
+            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.sharded = any(t.mesh is not None for t in fusion.tensors)
         if self.sharded:
             if communicator is None:
