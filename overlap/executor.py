@@ -514,7 +514,8 @@ class _Compiled:
             params = override or scheduler.heuristics(plan, hardware, math.prod(extents))
             launch = scheduler.build(plan, params, hardware, extents)
         else:
-            params = override or scheduler.heuristics(plan, hardware)
+            shape = self.local_shape(plan.outputs[0])
+            params = override or scheduler.heuristics(plan, hardware, shape)
             launch = scheduler.build(plan, params)
         executor.chosen_params[kernel.name] = params
         device = self.ctx.device

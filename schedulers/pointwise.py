@@ -13,7 +13,7 @@ batch size.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -43,6 +43,7 @@ class PointwiseParams:
     vector_width: int  # elements per 128-bit access of the widest dtype
     unroll: int  # vectors per thread per tensor
     num_warps: int
+    block_columns: int = 0  # tiled kernels: columns per tile (0: a flat kernel)
 
     @property
     def block(self) -> int:
@@ -50,9 +51,10 @@ class PointwiseParams:
         return self.vector_width * 32 * self.num_warps * self.unroll
 
     def __str__(self) -> str:
+        tile = f", block_columns={self.block_columns}" if self.block_columns else ""
         return (
             f"PointwiseParams(vector_width={self.vector_width}, unroll={self.unroll}, "
-            f"num_warps={self.num_warps}, block={self.block})"
+            f"num_warps={self.num_warps}, block={self.block}{tile})"
         )
 
 
@@ -70,6 +72,16 @@ class PointwisePlan:
     @property
     def widest_bits(self) -> int:
         return max(t.dtype.bits for t in self.inputs + self.outputs)
+
+    @property
+    def broadcast(self) -> list[int]:
+        """The inputs that do not cover every group of axes."""
+        return [i for i, present in enumerate(self.collapsed.present) if not all(present)]
+
+    @property
+    def tiled(self) -> bool:
+        """Two groups of axes and a broadcast input: 2-D tiles avoid per-element division."""
+        return len(self.collapsed.groups) == 2 and bool(self.broadcast)
 
 
 class PointwiseScheduler:
@@ -92,11 +104,23 @@ class PointwiseScheduler:
         collapsed = collapse(len(shape), [mappings[t] for t in inputs])
         return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape))
 
-    def heuristics(self, plan: PointwisePlan, hardware: HardwareProfile) -> PointwiseParams:
-        """Sizes in bits: a 128-bit vector of the widest dtype, four of them per thread."""
+    def heuristics(
+        self, plan: PointwisePlan, hardware: HardwareProfile, shape: list[int] | None = None
+    ) -> PointwiseParams:
+        """Sizes in bits: a 128-bit vector of the widest dtype, four of them per thread.
+
+        With an input broadcast over two groups of axes (``x * w[None, :]``), programs
+        take 2-D tiles, as wide as the inner group (a power of two up to 1024, which
+        depends on that extent only), so no element divides its index.
+        """
         vector_width = VECTOR_BITS // plan.widest_bits
         num_warps = 8 if hardware.arch >= 90 else 4
-        return PointwiseParams(vector_width=vector_width, unroll=4, num_warps=num_warps)
+        params = PointwiseParams(vector_width=vector_width, unroll=4, num_warps=num_warps)
+        if plan.tiled and shape is not None:
+            inner = group_sizes(plan.collapsed, shape)[1]
+            columns = min(_next_power_of_two(max(inner, 2)), 1024, params.block)
+            params = replace(params, block_columns=columns)
+        return params
 
     def source(self, plan: PointwisePlan, params: PointwiseParams) -> str:
         """The kernel's Triton source (the cache key: no extent appears in it)."""
@@ -107,26 +131,45 @@ class PointwiseScheduler:
         sizes = [f"size{g}" for g in range(groups)]
         strides = [[f"stride{i}_{g}" for g in range(groups)] for i in range(len(plan.inputs))]
         runtime = ["numel", *sizes, *(s for row in strides for s in row)]
+        tiled = plan.tiled and params.block_columns > 0
         emit.line("pid = tl.program_id(0).to(tl.int64)")
-        emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
-        emit.line("mask = offs < numel")
-        broadcast = [i for i, present in enumerate(plan.collapsed.present) if not all(present)]
-        if broadcast:
-            emit.line("rest = offs")
-            for g in reversed(range(groups)):
-                emit.line(f"c{g} = rest % {sizes[g]}")
-                emit.line(f"rest = rest // {sizes[g]}")
+        if tiled:
+            emit.line("column_blocks = tl.cdiv(size1, BLOCK_COLUMNS)")
+            emit.line("rows = (pid // column_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+            emit.line(
+                "columns = (pid % column_blocks) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)"
+            )
+            emit.line("mask = (rows < size0)[:, None] & (columns < size1)[None, :]")
+            emit.line("offs = rows[:, None] * size1 + columns[None, :]")
+            coordinates = ["rows", "columns"]
+        else:
+            emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+            emit.line("mask = offs < numel")
+            coordinates = [f"c{g}" for g in range(groups)]
+            if plan.broadcast:
+                emit.line("rest = offs")
+                for g in reversed(range(groups)):
+                    if g == 0:
+                        emit.line("c0 = rest")  # the outermost coordinate needs no remainder
+                        continue
+                    emit.line(f"c{g} = rest % {sizes[g]}")
+                    emit.line(f"rest = rest // {sizes[g]}")
         values: dict[TensorView, Value] = {}
         for i, tensor in enumerate(plan.inputs):
-            if i in broadcast:
-                terms = [
-                    f"c{g} * {strides[i][g]}"
-                    for g, present in enumerate(plan.collapsed.present[i])
-                    if present
-                ]
-                index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
-            else:
+            if i not in plan.broadcast:
+                if tensor.dtype is float4_e2m1 and not tiled:
+                    values[tensor] = self._load_packed(emit, inputs[i], tensor)
+                    continue
                 index = "offs"
+            else:
+                present = plan.collapsed.present[i]
+                terms = [f"{coordinates[g]} * {strides[i][g]}" for g in range(groups) if present[g]]
+                if tiled:
+                    row = terms[0] if present[0] else "rows * 0"
+                    column = terms[-1] if present[1] else "columns * 0"
+                    index = emit.assign(f"({row})[:, None] + ({column})[None, :]", "idx")
+                else:
+                    index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
             values[tensor] = emit.load(tensor, inputs[i], index, "mask")
         for expr in plan.exprs:
             operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
@@ -134,19 +177,35 @@ class PointwiseScheduler:
                 values[out] = value
         for i, tensor in enumerate(plan.outputs):
             value = values[tensor]
-            if tensor.dtype is float4_e2m1:
+            if tensor.dtype is not float4_e2m1:
+                emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
+            elif tiled:
+                emit.line(
+                    f"lo{i}, hi{i} = tl.split("
+                    f"tl.reshape({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS // 2, 2)))"
+                )
+                emit.line(
+                    "pairs = (pid % column_blocks) * (BLOCK_COLUMNS // 2) "
+                    "+ tl.arange(0, BLOCK_COLUMNS // 2)"
+                )
+                emit.line(
+                    f"tl.store({outputs[i]} + rows[:, None] * (size1 // 2) + pairs[None, :], "
+                    f"(lo{i} | (hi{i} << 4)).to(tl.uint8), "
+                    "mask=(rows < size0)[:, None] & (pairs < size1 // 2)[None, :])"
+                )
+            else:
                 emit.line(f"lo{i}, hi{i} = tl.split(tl.reshape({value.name}, (BLOCK // 2, 2)))")
                 emit.line("pairs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
                 emit.line(
                     f"tl.store({outputs[i]} + pairs, (lo{i} | (hi{i} << 4)).to(tl.uint8), "
                     "mask=pairs < numel // 2)"
                 )
-            else:
-                emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
+        constants = "BLOCK: tl.constexpr"
+        if tiled:
+            constants += ", BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr"
         header = (
             f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def pointwise_kernel({', '.join([*inputs, *outputs, *runtime])}, "
-            "BLOCK: tl.constexpr):\n"
+            f"def pointwise_kernel({', '.join([*inputs, *outputs, *runtime])}, {constants}):\n"
         )
         body = "".join(f"    {line}\n" for line in emit.lines)
         comment = f"# {params}; memory types: " + ", ".join(
@@ -154,9 +213,18 @@ class PointwiseScheduler:
         )
         return f"{PRELUDE}\n{comment}\n{header}{body}"
 
+    def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
+        """A flat fp4 input read as whole bytes, both values of each at once."""
+        emit.line("pair_offs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
+        byte = emit.assign(f"tl.load({pointer} + pair_offs, mask=pair_offs < numel // 2, other=0)")
+        codes = emit.assign(f"tl.reshape(tl.join({byte} & 15, {byte} >> 4), (BLOCK,))")
+        return Value(codes, tensor.dtype)
+
     def build(self, plan: PointwisePlan, params: PointwiseParams):
         """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
         kernel = KERNEL_CACHE.get(self.source(plan, params), "pointwise_kernel")
+        tiled = plan.tiled and params.block_columns > 0
+        block_rows = max(1, params.block // max(params.block_columns, 1))
 
         def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
             shape = shapes[plan.outputs[0]]
@@ -169,12 +237,24 @@ class PointwiseScheduler:
                 for tensor in plan.inputs
                 for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
             ]
-            grid = (triton_cdiv(numel, params.block),)
             pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            if tiled:
+                grid = (
+                    triton_cdiv(sizes[0], block_rows) * triton_cdiv(sizes[1], params.block_columns),
+                )
+                kernel[grid](*pointers, numel, *sizes, *strides, BLOCK=params.block,
+                             BLOCK_ROWS=block_rows, BLOCK_COLUMNS=params.block_columns,
+                             num_warps=params.num_warps)  # fmt: skip
+                return
+            grid = (triton_cdiv(numel, params.block),)
             kernel[grid](*pointers, numel, *sizes, *strides, BLOCK=params.block,
                          num_warps=params.num_warps)  # fmt: skip
 
         return launch
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
 
 
 def triton_cdiv(a: int, b: int) -> int:

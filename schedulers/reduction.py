@@ -153,9 +153,16 @@ class ReductionScheduler:
     # -- code ------------------------------------------------------------------------
 
     def _coordinates(self, emit: Emitter, index: str, axes: list[int], prefix: str) -> None:
-        """Coordinates of a flat ``index`` over ``axes`` (runtime extents ``size_<axis>``)."""
+        """Coordinates of a flat ``index`` over ``axes`` (runtime extents ``size_<axis>``).
+
+        The outermost coordinate needs no remainder, so one axis costs no division (a
+        64-bit division per element would dominate a memory-bound kernel).
+        """
         emit.line(f"rest_{prefix} = {index}")
-        for axis in reversed(axes):
+        for position, axis in enumerate(reversed(axes)):
+            if position == len(axes) - 1:
+                emit.line(f"{prefix}{axis} = rest_{prefix}")
+                continue
             emit.line(f"{prefix}{axis} = rest_{prefix} % size{axis}")
             emit.line(f"rest_{prefix} = rest_{prefix} // size{axis}")
 
