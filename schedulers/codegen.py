@@ -197,6 +197,8 @@ class Emitter:
             return value
         if target.is_floating and not target.storage_only:
             compute = float64 if target is float64 else float32
+            if source.storage_only:  # every fp8 and fp4 value is exact in bf16, f16, f32
+                return Value(self.as_compute(value, compute), target)
             return self.rounded(self.as_compute(value, compute), compute, target)
         if target.storage_only:
             return self.rounded(self.as_compute(value, float32), float32, target)

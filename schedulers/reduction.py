@@ -148,7 +148,8 @@ class ReductionScheduler:
             return ReductionParams("inner", block_rows, block_reduce, num_warps=4)
         block_columns = min(128 * (32 // min(plan.widest_bits, 32)), elements)
         block_rows = max(1, min(elements // block_columns, _next_power_of_two(reduced_extent)))
-        return ReductionParams("outer", block_rows, block_columns, num_warps=4)
+        # Enough programs per SM to keep the memory system busy with loads in flight.
+        return ReductionParams("outer", block_rows, block_columns, num_warps=4, waves=16)
 
     # -- code ------------------------------------------------------------------------
 
