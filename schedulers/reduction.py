@@ -177,11 +177,7 @@ class ReductionScheduler:
     def source(self, plan: ReductionPlan, params: ReductionParams) -> str:
         emit = Emitter()
         rank = plan.reduction.inputs[0].ndim
-        ins = [f"in{i}" for i in range(len(plan.inputs))]
-        outs = [f"out{i}" for i in range(len(plan.outputs))]
-        sizes = [f"size{axis}" for axis in range(rank)]
-        strides = [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
-        runtime = ["kept_count", "reduced_count", "split", *sizes, *strides]
+        ins, outs, runtime = _parameters(plan, rank)
         combine = _COMBINE[plan.reduction.op_name]
         accumulator = plan.accumulator
         acc_type = TRITON_TYPES[accumulator.name]
@@ -275,11 +271,7 @@ class ReductionScheduler:
         """The outer reduction's second kernel: combine the parts in order, then finish."""
         emit = Emitter()
         rank = plan.reduction.inputs[0].ndim
-        ins = [f"in{i}" for i in range(len(plan.inputs))]
-        outs = [f"out{i}" for i in range(len(plan.outputs))]
-        sizes = [f"size{axis}" for axis in range(rank)]
-        strides = [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
-        runtime = ["kept_count", "reduced_count", "split", *sizes, *strides]
+        ins, outs, runtime = _parameters(plan, rank)
         combine = _COMBINE[plan.reduction.op_name]
         identity = _identity(plan.reduction.op_name, plan.accumulator)
         emit.line("pid = tl.program_id(0).to(tl.int64)")
@@ -384,3 +376,12 @@ def _identity(op: str, accumulator: DataType) -> str:
 
 def _next_power_of_two(value: int) -> int:
     return 1 << max(0, (value - 1).bit_length())
+
+
+def _parameters(plan: ReductionPlan, rank: int) -> tuple[list[str], list[str], list[str]]:
+    """A reduction kernel's input and output pointers and its runtime (unspecialised) scalars."""
+    ins = [f"in{i}" for i in range(len(plan.inputs))]
+    outs = [f"out{i}" for i in range(len(plan.outputs))]
+    sizes = [f"size{axis}" for axis in range(rank)]
+    strides = [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
+    return ins, outs, ["kept_count", "reduced_count", "split", *sizes, *strides]
