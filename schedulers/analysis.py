@@ -138,3 +138,14 @@ def group_strides(collapsed: Collapsed, mapping: Mapping, shape: list[int]) -> l
             stride *= extent
         strides.append(stride)
     return strides
+
+
+def unit_stride_group(collapsed: Collapsed, mapping: Mapping) -> int | None:
+    """The group along which a contiguous input steps by one element: the group of its
+    innermost dimension (None when that dimension is in no group)."""
+    if not mapping or mapping[-1] is None:
+        return None
+    for g, group in enumerate(collapsed.groups):
+        if mapping[-1] in group:
+            return g
+    return None

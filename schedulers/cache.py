@@ -16,7 +16,13 @@ import importlib.util
 import os
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
+
+# Pitches (row strides) that are multiples of this many elements start every row on a
+# 128-bit boundary for every dtype down to 8 bits: kernels told so can issue vector
+# loads and stores, which Triton cannot prove for a pitch it does not specialize on.
+ALIGN_ELEMENTS = 16
 
 
 class KernelCache:
@@ -47,6 +53,11 @@ class KernelCache:
                 self.compilations += 1
             return self._kernels[source]
 
+    def sources(self) -> list[str]:
+        """The sources built so far, oldest first."""
+        with self._lock:
+            return list(self._kernels)
+
     def clear(self) -> None:
         with self._lock:
             self._kernels.clear()
@@ -54,3 +65,33 @@ class KernelCache:
 
 
 KERNEL_CACHE = KernelCache()
+
+
+class AlignedVariants:
+    """One kernel in two forms: the general one, and one that knows some runtime
+    arguments (pitches, the extent its mask tests) are multiples of ``ALIGN_ELEMENTS``
+    (it takes them divided by it).
+
+    Which form runs is a divisibility fact of the extents, not an extent: a new batch
+    size keeps the form, and each form is built once.
+    """
+
+    def __init__(self, source_of: Callable[[bool], str], name: str) -> None:
+        self._source_of = source_of
+        self._name = name
+        self._kernels: dict[bool, object] = {}
+
+    def kernel(self, aligned: bool):
+        if aligned not in self._kernels:
+            self._kernels[aligned] = KERNEL_CACHE.get(self._source_of(aligned), self._name)
+        return self._kernels[aligned]
+
+    def bind(self, runtime: dict[str, int], known: list[str]) -> tuple[object, list[int]]:
+        """The kernel for these runtime arguments (the aligned one when every argument in
+        ``known`` is a multiple of ``ALIGN_ELEMENTS``) and the arguments it takes, in order."""
+        aligned = all(runtime[name] % ALIGN_ELEMENTS == 0 for name in known)
+        arguments = [
+            value // ALIGN_ELEMENTS if aligned and name in known else value
+            for name, value in runtime.items()
+        ]
+        return self.kernel(aligned), arguments

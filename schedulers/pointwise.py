@@ -28,8 +28,9 @@ from schedulers.analysis import (
     group_sizes,
     group_strides,
     map_into_space,
+    unit_stride_group,
 )
-from schedulers.cache import KERNEL_CACHE
+from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants
 from schedulers.codegen import PRELUDE, Emitter, Value, check_supported, memory_type
 from schedulers.hardware import HardwareProfile
 
@@ -122,8 +123,32 @@ class PointwiseScheduler:
             params = replace(params, block_columns=columns)
         return params
 
-    def source(self, plan: PointwisePlan, params: PointwiseParams) -> str:
-        """The kernel's Triton source (the cache key: no extent appears in it)."""
+    def aligned_arguments(self, plan: PointwisePlan, params: PointwiseParams) -> list[str]:
+        """The runtime arguments an ``aligned`` kernel knows are multiples of
+        ``ALIGN_ELEMENTS``: the pitches from row to row and the extent the mask compares
+        against (a mask that may change inside a vector forbids vector accesses too).
+        Unit strides never appear in the source."""
+        names = ["size1"] if plan.tiled and params.block_columns > 0 else ["numel"]
+        for i, tensor in enumerate(plan.inputs):
+            if i not in plan.broadcast:
+                continue
+            unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
+            names += [
+                f"stride{i}_{g}"
+                for g, present in enumerate(plan.collapsed.present[i])
+                if present and g != unit
+            ]
+        return names
+
+    def source(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) -> str:
+        """The kernel's Triton source (the cache key: no extent appears in it).
+
+        ``aligned``: every one of ``aligned_arguments`` is a multiple of
+        ``ALIGN_ELEMENTS``. The kernel takes them divided by it and multiplies them back,
+        so Triton can prove that rows start on 128-bit boundaries and that masks are
+        uniform over a vector, and issues vector loads and stores (a fact of the extents,
+        not an extent: it is part of the cache key; at most two kernels).
+        """
         emit = Emitter()
         groups = len(plan.collapsed.groups)
         inputs = [f"in{i}" for i in range(len(plan.inputs))]
@@ -133,6 +158,11 @@ class PointwiseScheduler:
         runtime = ["numel", *sizes, *(s for row in strides for s in row)]
         tiled = plan.tiled and params.block_columns > 0
         emit.line("pid = tl.program_id(0).to(tl.int64)")
+        if aligned:
+            known = self.aligned_arguments(plan, params)
+            runtime = [f"{name}_{ALIGN_ELEMENTS}" if name in known else name for name in runtime]
+            for name in known:
+                emit.line(f"{name} = {name}_{ALIGN_ELEMENTS} * {ALIGN_ELEMENTS}")
         if tiled:
             emit.line("column_blocks = tl.cdiv(size1, BLOCK_COLUMNS)")
             emit.line("rows = (pid // column_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -163,7 +193,12 @@ class PointwiseScheduler:
                 index = "offs"
             else:
                 present = plan.collapsed.present[i]
-                terms = [f"{coordinates[g]} * {strides[i][g]}" for g in range(groups) if present[g]]
+                unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
+                terms = [
+                    coordinates[g] if g == unit else f"{coordinates[g]} * {strides[i][g]}"
+                    for g in range(groups)
+                    if present[g]
+                ]
                 if tiled:
                     row = terms[0] if present[0] else "rows * 0"
                     column = terms[-1] if present[1] else "columns * 0"
@@ -211,6 +246,8 @@ class PointwiseScheduler:
         comment = f"# {params}; memory types: " + ", ".join(
             memory_type(t.dtype) for t in plan.inputs + plan.outputs
         )
+        if aligned:
+            comment += f"; {', '.join(known)} are multiples of {ALIGN_ELEMENTS} elements"
         return f"{PRELUDE}\n{comment}\n{header}{body}"
 
     def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
@@ -222,9 +259,17 @@ class PointwiseScheduler:
 
     def build(self, plan: PointwisePlan, params: PointwiseParams):
         """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
-        kernel = KERNEL_CACHE.get(self.source(plan, params), "pointwise_kernel")
         tiled = plan.tiled and params.block_columns > 0
         block_rows = max(1, params.block // max(params.block_columns, 1))
+        known = self.aligned_arguments(plan, params)
+        groups = len(plan.collapsed.groups)
+        names = (
+            ["numel"]
+            + [f"size{g}" for g in range(groups)]
+            + [f"stride{i}_{g}" for i in range(len(plan.inputs)) for g in range(groups)]
+        )
+        kernels = AlignedVariants(lambda aligned: self.source(plan, params, aligned),
+                                  "pointwise_kernel")  # fmt: skip
 
         def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
             shape = shapes[plan.outputs[0]]
@@ -238,16 +283,18 @@ class PointwiseScheduler:
                 for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
             ]
             pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            runtime = dict(zip(names, [numel, *sizes, *strides], strict=True))
+            kernel, arguments = kernels.bind(runtime, known)
             if tiled:
                 grid = (
                     triton_cdiv(sizes[0], block_rows) * triton_cdiv(sizes[1], params.block_columns),
                 )
-                kernel[grid](*pointers, numel, *sizes, *strides, BLOCK=params.block,
+                kernel[grid](*pointers, *arguments, BLOCK=params.block,
                              BLOCK_ROWS=block_rows, BLOCK_COLUMNS=params.block_columns,
                              num_warps=params.num_warps)  # fmt: skip
                 return
             grid = (triton_cdiv(numel, params.block),)
-            kernel[grid](*pointers, numel, *sizes, *strides, BLOCK=params.block,
+            kernel[grid](*pointers, *arguments, BLOCK=params.block,
                          num_warps=params.num_warps)  # fmt: skip
 
         return launch

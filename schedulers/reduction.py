@@ -27,7 +27,7 @@ from fusion.dtypes import DataType, compute_dtype, float64, int64
 from fusion.exprs import Expr, ReductionOp
 from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
-from schedulers.cache import KERNEL_CACHE
+from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants
 from schedulers.codegen import PRELUDE, TRITON_TYPES, Emitter, Value, check_supported
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
@@ -168,16 +168,45 @@ class ReductionScheduler:
             emit.line(f"rest_{prefix} = rest_{prefix} // size{axis}")
 
     def _offset(self, plan: ReductionPlan, i: int, axes: list[int], prefix: str) -> str:
-        """Input ``i``'s offset along ``axes`` (coordinates ``<prefix><axis>``)."""
+        """Input ``i``'s offset along ``axes`` (coordinates ``<prefix><axis>``); a contiguous
+        input steps by one along the axis of its innermost dimension."""
         mapping = plan.mappings[plan.inputs[i]]
-        terms = [f"{prefix}{axis} * stride{i}_{axis}" for axis in axes if axis in mapping]
+        terms = [
+            f"{prefix}{axis}" if axis == mapping[-1] else f"{prefix}{axis} * stride{i}_{axis}"
+            for axis in axes
+            if axis in mapping
+        ]
         index = "kept_index" if prefix == "k" else "reduced_index"
         return " + ".join(terms) if terms else f"({index} * 0)"
 
-    def source(self, plan: ReductionPlan, params: ReductionParams) -> str:
+    def aligned_arguments(self, plan: ReductionPlan) -> list[str]:
+        """What an ``aligned`` kernel knows are multiples of ``ALIGN_ELEMENTS``: the count
+        its mask compares the contiguous axis against, and the strides that appear in the
+        source (the unit ones never do). See ``PointwiseScheduler.aligned_arguments``."""
+        count = "reduced_count" if plan.layout == "inner" else "kept_count"
+        return [count] + [
+            f"stride{i}_{axis}"
+            for i, tensor in enumerate(plan.inputs)
+            for axis in plan.mappings[tensor]
+            if axis is not None and axis != plan.mappings[tensor][-1]
+        ]
+
+    def _aligned_prologue(
+        self, emit: Emitter, plan: ReductionPlan, runtime: list[str]
+    ) -> list[str]:
+        """Pitches arrive divided by ``ALIGN_ELEMENTS``; see ``AlignedVariants``."""
+        known = self.aligned_arguments(plan)
+        for name in known:
+            emit.line(f"{name} = {name}_{ALIGN_ELEMENTS} * {ALIGN_ELEMENTS}")
+        return [f"{name}_{ALIGN_ELEMENTS}" if name in known else name for name in runtime]
+
+    def source(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False) -> str:
+        """The first (or only) kernel; ``aligned`` as in ``PointwiseScheduler.source``."""
         emit = Emitter()
         rank = plan.reduction.inputs[0].ndim
         ins, outs, runtime = _parameters(plan, rank)
+        if aligned:
+            runtime = self._aligned_prologue(emit, plan, runtime)
         combine = _COMBINE[plan.reduction.op_name]
         accumulator = plan.accumulator
         acc_type = TRITON_TYPES[accumulator.name]
@@ -267,11 +296,15 @@ class ReductionScheduler:
                 f"tl.store({outs[i]} + kept_index, {emit.stored(values[tensor])}, mask=kept_mask)"
             )
 
-    def combine_source(self, plan: ReductionPlan, params: ReductionParams) -> str:
+    def combine_source(
+        self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False
+    ) -> str:
         """The outer reduction's second kernel: combine the parts in order, then finish."""
         emit = Emitter()
         rank = plan.reduction.inputs[0].ndim
         ins, outs, runtime = _parameters(plan, rank)
+        if aligned:
+            runtime = self._aligned_prologue(emit, plan, runtime)
         combine = _COMBINE[plan.reduction.op_name]
         identity = _identity(plan.reduction.op_name, plan.accumulator)
         emit.line("pid = tl.program_id(0).to(tl.int64)")
@@ -312,10 +345,14 @@ class ReductionScheduler:
         ):  # fmt: skip
             raise NotSchedulable("atomics are for float32 outer sums and means only")
         inner = plan.layout == "inner"
-        main = KERNEL_CACHE.get(self.source(plan, params), "reduction_kernel")
-        combine = None if inner else KERNEL_CACHE.get(self.combine_source(plan, params),
-                                                      "combine_kernel")  # fmt: skip
+        main = AlignedVariants(lambda aligned: self.source(plan, params, aligned),
+                               "reduction_kernel")  # fmt: skip
+        combine = AlignedVariants(lambda aligned: self.combine_source(plan, params, aligned),
+                                  "combine_kernel")  # fmt: skip
         rank = plan.reduction.inputs[0].ndim
+        known = self.aligned_arguments(plan)
+        names = ["kept_count", "reduced_count", "split"] + [f"size{axis}" for axis in range(rank)]
+        names += [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
 
         def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
             kept_shape = iter(shapes[plan.outputs[0]])
@@ -340,10 +377,16 @@ class ReductionScheduler:
                         strides.append(0)
             pointers = [as_bytes(t) for t in inputs]
             targets = [as_bytes(t) for t in outputs]
+
+            def bind(variants: AlignedVariants, split: int) -> tuple[object, list[int]]:
+                values = [kept_count, reduced_count, split, *shape, *strides]
+                return variants.bind(dict(zip(names, values, strict=True)), known)
+
             if inner:
                 grid = (triton_cdiv(kept_count, params.block_rows),)
-                main[grid](*pointers, *targets, kept_count, reduced_count, 1, *shape, *strides,
-                           BLOCK_KEPT=params.block_rows, BLOCK_REDUCED=params.block_reduce,
+                kernel, arguments = bind(main, 1)
+                kernel[grid](*pointers, *targets, *arguments,
+                             BLOCK_KEPT=params.block_rows, BLOCK_REDUCED=params.block_reduce,
                            num_warps=params.num_warps)  # fmt: skip
                 return
             tiles = triton_cdiv(kept_count, params.block_reduce)
@@ -353,14 +396,14 @@ class ReductionScheduler:
             partial = torch.zeros(
                 (rows, kept_count), dtype=plan.accumulator.torch_dtype, device=inputs[0].device
             )
-            main[(tiles, split)](partial, *pointers, kept_count, reduced_count, split, *shape,
-                                 *strides, BLOCK_KEPT=params.block_reduce,
-                                 BLOCK_REDUCED=params.block_rows,
-                                 num_warps=params.num_warps)  # fmt: skip
-            combine[(tiles,)](partial, *pointers, *targets, kept_count, reduced_count, rows,
-                              *shape, *strides, BLOCK_KEPT=params.block_reduce,
-                              BLOCK_REDUCED=params.block_rows,
-                              num_warps=params.num_warps)  # fmt: skip
+            kernel, arguments = bind(main, split)
+            kernel[(tiles, split)](partial, *pointers, *arguments,
+                                   BLOCK_KEPT=params.block_reduce, BLOCK_REDUCED=params.block_rows,
+                                   num_warps=params.num_warps)  # fmt: skip
+            kernel, arguments = bind(combine, rows)
+            kernel[(tiles,)](partial, *pointers, *targets, *arguments,
+                             BLOCK_KEPT=params.block_reduce, BLOCK_REDUCED=params.block_rows,
+                             num_warps=params.num_warps)  # fmt: skip
 
         return launch
 

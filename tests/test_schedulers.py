@@ -232,6 +232,73 @@ def test_ten_batch_sizes_compile_once():
     assert KERNEL_CACHE.compilations == before
 
 
+def _aligned_cases():
+    """Fusions over ["batch", "hidden"] whose kernels have an aligned form."""
+    with FusionDefinition() as tiled:
+        x = tiled.define_tensor(["batch", "hidden"], "bfloat16")
+        w = tiled.define_tensor(["hidden"], "bfloat16")
+        tiled.add_output(tiled.ops.silu(x * tiled.ops.broadcast(w, [True, False])))
+    with FusionDefinition() as rows:
+        x = rows.define_tensor(["batch", "hidden"], "bfloat16")
+        rows.add_output(rows.ops.sum(rows.ops.cast(x, "float32"), dims=[1]))
+    with FusionDefinition() as columns:
+        x = columns.define_tensor(["batch", "hidden"], "bfloat16")
+        b = columns.define_tensor(["hidden"], "float32")
+        total = columns.ops.sum(columns.ops.cast(x, "float32"), dims=[0])
+        columns.add_output(total + b)
+    return {"tiled": (tiled, 2, None), "rows": (rows, 1, 1), "columns": (columns, 2, 0)}
+
+
+@pytest.mark.parametrize("case", ["tiled", "rows", "columns"])
+def test_aligned_and_general_forms_both_match_the_reference(case):
+    """Hidden 96 takes the aligned form (pitches and masked extents multiples of 16);
+    hidden 100 the general one. Each form is built once, whatever the batch."""
+    fd, n_inputs, reduced = _aligned_cases()[case]
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    generator = torch.Generator().manual_seed(11)
+
+    def run(batch: int, hidden: int) -> None:
+        shapes = [(batch, hidden), (hidden,)][:n_inputs]
+        dtypes = ["bfloat16", "bfloat16" if case == "tiled" else "float32"]
+        inputs = [_random(s, d, generator) for s, d in zip(shapes, dtypes, strict=False)]
+        extent = 1 if reduced is None else (batch, hidden)[reduced]
+        for actual, expected in zip(executor.run(inputs), fd.execute(inputs), strict=True):
+            assert_close(actual, expected, reduction_extent=extent)
+
+    KERNEL_CACHE.clear()
+    run(32, 96)
+    aligned = KERNEL_CACHE.sources()
+    run(48, 100)
+    general = KERNEL_CACHE.sources()[len(aligned) :]
+    assert aligned and all("_16 * 16" in text for text in aligned)
+    assert general and not any("_16 * 16" in text for text in general)
+    for batch in (1, 7, 32, 33):
+        run(batch, 96)
+        run(batch, 100)
+    assert KERNEL_CACHE.compilations == len(aligned) + len(general)
+
+
+def test_aligned_sources_state_their_facts_and_drop_unit_strides():
+    fd, _, _ = _aligned_cases()["columns"]
+    scheduler = ReductionScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+    params = scheduler.heuristics(plan, H200, 1000)
+    general, aligned = scheduler.source(plan, params), scheduler.source(plan, params, True)
+    assert scheduler.aligned_arguments(plan) == ["kept_count", "stride0_0"]
+    assert "kept_count_16" in aligned and "stride0_0 = stride0_0_16 * 16" in aligned
+    assert "kept_count_16" not in general and "stride0_0_16" not in general
+    for text in (general, aligned):
+        assert "(k1)[None, :]" in text and "k1 * stride0_1" not in text
+
+    fd, _, _ = _aligned_cases()["tiled"]
+    scheduler = PointwiseScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+    params = scheduler.heuristics(plan, H200, [64, 4096])
+    aligned = scheduler.source(plan, params, True)
+    assert scheduler.aligned_arguments(plan, params) == ["size1"]
+    assert "size1 = size1_16 * 16" in aligned and "columns * stride1_1" not in aligned
+
+
 @pytest.mark.parametrize(
     ("dtype", "width"),
     [("float64", 2), ("float32", 4), ("bfloat16", 8), ("float8_e4m3fn", 16), ("float4_e2m1", 32)],
