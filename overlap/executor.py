@@ -136,6 +136,8 @@ class MultiDeviceExecutor:
         generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
         self.kernel_params = dict(kernel_params or {})
         self.chosen_params: dict[str, object] = {}
+        # kernel name -> the forms() of each launcher built for it (one per set of shapes)
+        self.kernel_forms: dict[str, list] = {}
         self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
         if communicator is not None:
@@ -180,7 +182,12 @@ class MultiDeviceExecutor:
         for instruction in walk(self.program.instructions):
             if isinstance(instruction, LaunchKernel) and instruction.scheduler is not None:
                 params = self.chosen_params.get(instruction.name, "(not run yet)")
-                lines.append(f"{instruction.name} [{instruction.backend}] {params}")
+                line = f"{instruction.name} [{instruction.backend}] {params}"
+                launchers = self.kernel_forms.get(instruction.name, [])
+                forms = {form for forms_of in launchers for form in forms_of()}
+                if forms:
+                    line += f" form: {', '.join(sorted(forms))}"
+                lines.append(line)
         return "\n".join(lines) or "no generated kernels"
 
     def explain_overlap(self) -> str:
@@ -518,6 +525,7 @@ class _Compiled:
             params = override or scheduler.heuristics(plan, hardware, shape)
             launch = scheduler.build(plan, params)
         executor.chosen_params[kernel.name] = params
+        executor.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = self.ctx.device
 
         def run() -> None:

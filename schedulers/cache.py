@@ -80,6 +80,7 @@ class AlignedVariants:
         self._source_of = source_of
         self._name = name
         self._kernels: dict[bool, object] = {}
+        self.used: set[bool] = set()  # which forms have run
 
     def kernel(self, aligned: bool):
         if aligned not in self._kernels:
@@ -90,8 +91,15 @@ class AlignedVariants:
         """The kernel for these runtime arguments (the aligned one when every argument in
         ``known`` is a multiple of ``ALIGN_ELEMENTS``) and the arguments it takes, in order."""
         aligned = all(runtime[name] % ALIGN_ELEMENTS == 0 for name in known)
+        self.used.add(aligned)
         arguments = [
             value // ALIGN_ELEMENTS if aligned and name in known else value
             for name, value in runtime.items()
         ]
         return self.kernel(aligned), arguments
+
+
+def forms_used(variants: list[AlignedVariants]) -> list[str]:
+    """The forms that have run: ``"aligned"``, ``"general"``, or both."""
+    used = set().union(*(v.used for v in variants))
+    return [name for flag, name in ((True, "aligned"), (False, "general")) if flag in used]

@@ -30,7 +30,7 @@ from schedulers.analysis import (
     map_into_space,
     unit_stride_group,
 )
-from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants
+from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import PRELUDE, Emitter, Value, check_supported, memory_type
 from schedulers.hardware import HardwareProfile
 
@@ -250,6 +250,17 @@ class PointwiseScheduler:
             comment += f"; {', '.join(known)} are multiples of {ALIGN_ELEMENTS} elements"
         return f"{PRELUDE}\n{comment}\n{header}{body}"
 
+    def constants(self, plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:
+        """The kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""
+        if not (plan.tiled and params.block_columns > 0):
+            return {"BLOCK": params.block}
+        rows = max(1, params.block // params.block_columns)
+        return {"BLOCK": params.block, "BLOCK_ROWS": rows, "BLOCK_COLUMNS": params.block_columns}
+
+    def kernels(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False):
+        """``(name, source)`` of each kernel a launch runs (one)."""
+        return [("pointwise_kernel", self.source(plan, params, aligned))]
+
     def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
         """A flat fp4 input read as whole bytes, both values of each at once."""
         emit.line("pair_offs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
@@ -262,6 +273,7 @@ class PointwiseScheduler:
         tiled = plan.tiled and params.block_columns > 0
         block_rows = max(1, params.block // max(params.block_columns, 1))
         known = self.aligned_arguments(plan, params)
+        constants = self.constants(plan, params)
         groups = len(plan.collapsed.groups)
         names = (
             ["numel"]
@@ -289,14 +301,11 @@ class PointwiseScheduler:
                 grid = (
                     triton_cdiv(sizes[0], block_rows) * triton_cdiv(sizes[1], params.block_columns),
                 )
-                kernel[grid](*pointers, *arguments, BLOCK=params.block,
-                             BLOCK_ROWS=block_rows, BLOCK_COLUMNS=params.block_columns,
-                             num_warps=params.num_warps)  # fmt: skip
-                return
-            grid = (triton_cdiv(numel, params.block),)
-            kernel[grid](*pointers, *arguments, BLOCK=params.block,
-                         num_warps=params.num_warps)  # fmt: skip
+            else:
+                grid = (triton_cdiv(numel, params.block),)
+            kernel[grid](*pointers, *arguments, **constants, num_warps=params.num_warps)
 
+        launch.forms = lambda: forms_used([kernels])
         return launch
 
 

@@ -27,7 +27,7 @@ from fusion.dtypes import DataType, compute_dtype, float64, int64
 from fusion.exprs import Expr, ReductionOp
 from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
-from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants
+from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import PRELUDE, TRITON_TYPES, Emitter, Value, check_supported
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
@@ -191,6 +191,19 @@ class ReductionScheduler:
             if axis is not None and axis != plan.mappings[tensor][-1]
         ]
 
+    def constants(self, plan: ReductionPlan, params: ReductionParams) -> dict[str, int]:
+        """The kernels' ``tl.constexpr`` arguments: tile sizes, never an extent."""
+        if plan.layout == "inner":
+            return {"BLOCK_KEPT": params.block_rows, "BLOCK_REDUCED": params.block_reduce}
+        return {"BLOCK_KEPT": params.block_reduce, "BLOCK_REDUCED": params.block_rows}
+
+    def kernels(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False):
+        """``(name, source)`` of each kernel a launch runs, first to last."""
+        kernels = [("reduction_kernel", self.source(plan, params, aligned))]
+        if plan.layout == "outer":
+            kernels.append(("combine_kernel", self.combine_source(plan, params, aligned)))
+        return kernels
+
     def _aligned_prologue(
         self, emit: Emitter, plan: ReductionPlan, runtime: list[str]
     ) -> list[str]:
@@ -351,6 +364,7 @@ class ReductionScheduler:
                                   "combine_kernel")  # fmt: skip
         rank = plan.reduction.inputs[0].ndim
         known = self.aligned_arguments(plan)
+        constants = self.constants(plan, params)
         names = ["kept_count", "reduced_count", "split"] + [f"size{axis}" for axis in range(rank)]
         names += [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
 
@@ -385,9 +399,8 @@ class ReductionScheduler:
             if inner:
                 grid = (triton_cdiv(kept_count, params.block_rows),)
                 kernel, arguments = bind(main, 1)
-                kernel[grid](*pointers, *targets, *arguments,
-                             BLOCK_KEPT=params.block_rows, BLOCK_REDUCED=params.block_reduce,
-                           num_warps=params.num_warps)  # fmt: skip
+                kernel[grid](*pointers, *targets, *arguments, **constants,
+                             num_warps=params.num_warps)  # fmt: skip
                 return
             tiles = triton_cdiv(kept_count, params.block_reduce)
             most = max(1, triton_cdiv(reduced_count, params.block_rows))
@@ -397,14 +410,13 @@ class ReductionScheduler:
                 (rows, kept_count), dtype=plan.accumulator.torch_dtype, device=inputs[0].device
             )
             kernel, arguments = bind(main, split)
-            kernel[(tiles, split)](partial, *pointers, *arguments,
-                                   BLOCK_KEPT=params.block_reduce, BLOCK_REDUCED=params.block_rows,
+            kernel[(tiles, split)](partial, *pointers, *arguments, **constants,
                                    num_warps=params.num_warps)  # fmt: skip
             kernel, arguments = bind(combine, rows)
-            kernel[(tiles,)](partial, *pointers, *targets, *arguments,
-                             BLOCK_KEPT=params.block_reduce, BLOCK_REDUCED=params.block_rows,
+            kernel[(tiles,)](partial, *pointers, *targets, *arguments, **constants,
                              num_warps=params.num_warps)  # fmt: skip
 
+        launch.forms = lambda: forms_used([main, combine])
         return launch
 
 

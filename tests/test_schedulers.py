@@ -276,6 +276,7 @@ def test_aligned_and_general_forms_both_match_the_reference(case):
         run(batch, 96)
         run(batch, 100)
     assert KERNEL_CACHE.compilations == len(aligned) + len(general)
+    assert "form: aligned, general" in executor.kernel_report()
 
 
 def test_aligned_sources_state_their_facts_and_drop_unit_strides():
@@ -339,7 +340,7 @@ def test_user_params_override_the_heuristics(rng):
     executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
     inputs = [torch.randn(7, 1000, generator=rng)]
     assert_close(executor.run(inputs)[0], fd.execute(inputs)[0])
-    assert executor.kernel_report() == f"k0 [pointwise] {params}"
+    assert executor.kernel_report() == f"k0 [pointwise] {params} form: general"  # 7000 elements
 
 
 def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):

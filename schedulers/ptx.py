@@ -1,0 +1,167 @@
+"""Look at generated kernels as the GPU will run them, on a machine without one.
+
+Triton compiles for a named architecture without a device (its wheel carries
+``ptxas``), so the PTX of a generated kernel can be read anywhere. What matters most
+for a memory-bound kernel is the width of its global loads and stores: a 16-bit
+``ld.global.b16`` per element moves a fraction of what a 128-bit ``ld.global.v4.b32``
+does. ``access_widths`` counts them; tests assert that aligned kernels use 128-bit
+accesses, so a change that loses vectorization fails on CPU.
+
+Compiling needs a real (not interpreted) Triton: run it in a process without
+``TRITON_INTERPRET=1``. ``python -m schedulers.ptx`` prints the widths of the
+benchmark kernels (``benchmarks/kernels.py``) for sm_90.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from pathlib import Path
+
+from schedulers.codegen import memory_type
+
+_POINTERS = {
+    "tl.float64": "*fp64",
+    "tl.float32": "*fp32",
+    "tl.bfloat16": "*bf16",
+    "tl.float16": "*fp16",
+    "tl.int64": "*i64",
+    "tl.int32": "*i32",
+    "tl.int8": "*i8",
+    "tl.uint8": "*u8",
+    "tl.int1": "*i1",
+}
+_ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+
+
+def _require_compiler() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError(
+            "schedulers.ptx compiles kernels: run it in a process without TRITON_INTERPRET=1"
+        )
+
+
+def _load(source: str, name: str, folder: Path):
+    path = folder / f"ptx_{abs(hash(source)):x}.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return getattr(module, name)
+
+
+def compile_ptx(
+    source: str,
+    name: str,
+    pointers: dict[str, str],
+    constants: dict[str, int],
+    num_warps: int,
+    arch: int = 90,
+) -> str:
+    """PTX of kernel ``name`` in ``source`` for ``sm_<arch>``.
+
+    ``pointers``: pointer argument -> Triton element type (``"tl.bfloat16"``); they are
+    taken 16-byte aligned, as Triton assumes for a tensor whose address allows it.
+    Other non-constexpr arguments are 64-bit integers no fact is known of (as
+    ``do_not_specialize`` makes them).
+    """
+    _require_compiler()
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    with tempfile.TemporaryDirectory(prefix="overlap_ptx_") as folder:
+        kernel = _load(source, name, Path(folder))
+        signature = {}
+        for argument in kernel.arg_names:
+            if argument in pointers:
+                signature[argument] = _POINTERS[pointers[argument]]
+            elif argument in constants:
+                signature[argument] = "constexpr"
+            else:
+                signature[argument] = "i64"
+        names = kernel.arg_names
+        aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in pointers}
+        fixed = {(names.index(a),): value for a, value in constants.items()}
+        compiled = triton.compile(
+            ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=aligned),
+            target=GPUTarget("cuda", arch, 32),
+            options={"num_warps": num_warps},
+        )
+        return compiled.asm["ptx"]
+
+
+def access_widths(ptx: str) -> dict[str, dict[int, int]]:
+    """Global loads and stores of ``ptx`` by width in bits: ``{"loads": {128: 16}, ...}``."""
+    counts = {"loads": Counter(), "stores": Counter()}
+    for kind, modifiers in _ACCESS.findall(ptx):
+        parts = modifiers.split(".")
+        lanes = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
+        bits = next(int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p))
+        counts["loads" if kind == "ld" else "stores"][lanes * bits] += 1
+    return {kind: dict(sorted(c.items())) for kind, c in counts.items()}
+
+
+def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dict[str, dict]:
+    """``access_widths`` of each kernel ``scheduler`` generates for ``plan`` and ``params``."""
+    pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
+    pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
+    if hasattr(plan, "accumulator"):
+        pointers["partial"] = memory_type(plan.accumulator)
+    constants = scheduler.constants(plan, params)
+    return {
+        name: access_widths(compile_ptx(source, name, pointers, constants, params.num_warps, arch))
+        for name, source in scheduler.kernels(plan, params, aligned)
+    }
+
+
+def _benchmark_kernels(hardware):
+    """The kernels of ``benchmarks/kernels.py`` at its shapes, with their params."""
+    from benchmarks.kernels import cases
+    from schedulers.registry import split_into_kernels
+
+    for case, (fd, _, shapes, _, _) in cases(smoke=False):
+        for group in split_into_kernels(fd.fusion.exprs, fd.fusion):
+            scheduler, plan = group.scheduler, group.plan
+            if scheduler is None:
+                continue
+            if hasattr(plan, "reduction"):
+                extents = [shapes[0][axis] for axis in plan.reduced]
+                params = scheduler.heuristics(plan, hardware, extents[0])
+            else:
+                shape = list(shapes[0])
+                if plan.inputs[0].dtype.bits == 4:
+                    shape[-1] *= 2  # the benchmark gives fp4 shapes in bytes
+                params = scheduler.heuristics(plan, hardware, shape)
+            yield case, scheduler, plan, params
+
+
+def main() -> None:
+    import argparse
+
+    from schedulers.hardware import H100, H200
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--json", action="store_true", help="one JSON object per kernel")
+    args = parser.parse_args()
+    hardware = H200 if args.arch == 90 else H100
+    for case, scheduler, plan, params in _benchmark_kernels(hardware):
+        for aligned in (False, True):
+            for name, widths in kernel_widths(scheduler, plan, params, aligned, args.arch).items():
+                row = {"case": case, "kernel": name, "aligned": aligned, **widths}
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                else:
+                    form = "aligned" if aligned else "general"
+                    print(f"{case:<12} {name:<17} {form:<8} loads {widths['loads']} "
+                          f"stores {widths['stores']}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    sys.exit(main())
