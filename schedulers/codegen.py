@@ -53,6 +53,11 @@ _DECODE = {
     float8_e5m2: "fp8e5m2_decode",
     float4_e2m1: "fp4_decode",
 }
+# Options of every generated kernel's compilation. No multiply-add contraction: the
+# reference rounds a product before adding to it, and so must the kernel (an fma
+# rounds once; in bf16 that can differ by an ulp from torch).
+COMPILE_OPTIONS = {"enable_fp_fusion": False}
+
 PRELUDE = """\
 import triton
 import triton.language as tl

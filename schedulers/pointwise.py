@@ -31,7 +31,14 @@ from schedulers.analysis import (
     unit_stride_group,
 )
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
-from schedulers.codegen import PRELUDE, Emitter, Value, check_supported, memory_type
+from schedulers.codegen import (
+    COMPILE_OPTIONS,
+    PRELUDE,
+    Emitter,
+    Value,
+    check_supported,
+    memory_type,
+)
 from schedulers.hardware import HardwareProfile
 
 VECTOR_BITS = 128
@@ -303,7 +310,9 @@ class PointwiseScheduler:
                 )
             else:
                 grid = (triton_cdiv(numel, params.block),)
-            kernel[grid](*pointers, *arguments, **constants, num_warps=params.num_warps)
+            kernel[grid](
+                *pointers, *arguments, **constants, num_warps=params.num_warps, **COMPILE_OPTIONS
+            )
 
         launch.forms = lambda: forms_used([kernels])
         return launch

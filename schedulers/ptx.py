@@ -23,7 +23,7 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from schedulers.codegen import memory_type
+from schedulers.codegen import COMPILE_OPTIONS, memory_type
 
 _POINTERS = {
     "tl.float64": "*fp64",
@@ -91,7 +91,7 @@ def compile_ptx(
         compiled = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=aligned),
             target=GPUTarget("cuda", arch, 32),
-            options={"num_warps": num_warps},
+            options={"num_warps": num_warps, **COMPILE_OPTIONS},
         )
         return compiled.asm["ptx"]
 
@@ -107,17 +107,42 @@ def access_widths(ptx: str) -> dict[str, dict[int, int]]:
     return {kind: dict(sorted(c.items())) for kind, c in counts.items()}
 
 
+def instructions(ptx: str) -> Counter:
+    """The instructions of ``ptx`` by opcode (``"cvt.rn.bf16x2.f32"``), predicates dropped."""
+    opcodes = Counter()
+    for line in ptx.splitlines():
+        text = line.strip()
+        if not text or text.startswith(("//", ".", "$", "{", "}", ")", "(")):
+            continue
+        if text.startswith("@"):
+            text = text.split(None, 1)[1] if " " in text else ""
+        opcode = text.split(None, 1)[0].rstrip(";") if text else ""
+        if opcode and not opcode.endswith(":"):
+            opcodes[opcode] += 1
+    return opcodes
+
+
 def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dict[str, dict]:
-    """``access_widths`` of each kernel ``scheduler`` generates for ``plan`` and ``params``."""
+    """For each kernel ``scheduler`` generates for ``plan`` and ``params``: its
+    ``access_widths``, its instruction count (``"instructions"``), how many of them
+    convert to bf16 rounding to nearest (``"bf16_conversions"``) and how many are fused
+    multiply-adds (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``)."""
     pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
     pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
     if hasattr(plan, "accumulator"):
         pointers["partial"] = memory_type(plan.accumulator)
     constants = scheduler.constants(plan, params)
-    return {
-        name: access_widths(compile_ptx(source, name, pointers, constants, params.num_warps, arch))
-        for name, source in scheduler.kernels(plan, params, aligned)
-    }
+    result = {}
+    for name, source in scheduler.kernels(plan, params, aligned):
+        ptx = compile_ptx(source, name, pointers, constants, params.num_warps, arch)
+        opcodes = instructions(ptx)
+        result[name] = {
+            **access_widths(ptx),
+            "instructions": sum(opcodes.values()),
+            "bf16_conversions": sum(n for op, n in opcodes.items() if op.startswith("cvt.rn.bf16")),
+            "fused_multiply_adds": sum(n for op, n in opcodes.items() if op.startswith("fma")),
+        }
+    return result
 
 
 def _benchmark_kernels(hardware):
@@ -154,13 +179,16 @@ def main() -> None:
     for case, scheduler, plan, params in _benchmark_kernels(hardware):
         for aligned in (False, True):
             for name, widths in kernel_widths(scheduler, plan, params, aligned, args.arch).items():
+                per_thread = getattr(params, "block", 0) // (32 * params.num_warps)
                 row = {"case": case, "kernel": name, "aligned": aligned, **widths}
+                row["elements_per_thread"] = per_thread or None
                 if args.json:
                     print(json.dumps(row), flush=True)
                 else:
                     form = "aligned" if aligned else "general"
                     print(f"{case:<12} {name:<17} {form:<8} loads {widths['loads']} "
-                          f"stores {widths['stores']}", flush=True)  # fmt: skip
+                          f"stores {widths['stores']} instructions {widths['instructions']}",
+                          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -28,7 +28,14 @@ from fusion.exprs import Expr, ReductionOp
 from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
-from schedulers.codegen import PRELUDE, TRITON_TYPES, Emitter, Value, check_supported
+from schedulers.codegen import (
+    COMPILE_OPTIONS,
+    PRELUDE,
+    TRITON_TYPES,
+    Emitter,
+    Value,
+    check_supported,
+)
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
 
@@ -400,7 +407,7 @@ class ReductionScheduler:
                 grid = (triton_cdiv(kept_count, params.block_rows),)
                 kernel, arguments = bind(main, 1)
                 kernel[grid](*pointers, *targets, *arguments, **constants,
-                             num_warps=params.num_warps)  # fmt: skip
+                             num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
                 return
             tiles = triton_cdiv(kept_count, params.block_reduce)
             most = max(1, triton_cdiv(reduced_count, params.block_rows))
@@ -411,10 +418,10 @@ class ReductionScheduler:
             )
             kernel, arguments = bind(main, split)
             kernel[(tiles, split)](partial, *pointers, *arguments, **constants,
-                                   num_warps=params.num_warps)  # fmt: skip
+                                   num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
             kernel, arguments = bind(combine, rows)
             kernel[(tiles,)](partial, *pointers, *targets, *arguments, **constants,
-                             num_warps=params.num_warps)  # fmt: skip
+                             num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
 
         launch.forms = lambda: forms_used([main, combine])
         return launch

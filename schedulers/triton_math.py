@@ -2,24 +2,33 @@
 and on a GPU.
 
 The interpreter truncates float32 to bfloat16 instead of rounding, and it has no
-libdevice; so rounding to bf16 is done here with integer operations, and tanh,
-division and square roots use only what both support (``div_rn`` and ``sqrt_rn`` are
-the IEEE-exact forms, as torch computes them).
+libdevice; so in the interpreter rounding to bf16 is done with integer operations
+(on a GPU the conversion instruction rounds to nearest even itself, in one
+instruction instead of eight), and tanh, division and square roots use only what
+both support (``div_rn`` and ``sqrt_rn`` are the IEEE-exact forms, as torch computes
+them).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton import knobs
+
+# Read when this module is imported: set TRITON_INTERPRET before importing it.
+_INTERPRETED: tl.constexpr = tl.constexpr(bool(knobs.runtime.interpret))
 
 
 @triton.jit
 def round_to_bf16(x):
     """A float32 rounded to the nearest bfloat16 (ties to even), kept as float32."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    rounded = tl.where(x != x, bits | 0x00400000, rounded)  # keep NaN a (quiet) NaN
-    return rounded.to(tl.float32, bitcast=True)
+    if _INTERPRETED:
+        bits = x.to(tl.int32, bitcast=True)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+        rounded = tl.where(x != x, bits | 0x00400000, rounded)  # keep NaN a (quiet) NaN
+        return rounded.to(tl.float32, bitcast=True)
+    else:
+        return x.to(tl.bfloat16).to(tl.float32)
 
 
 @triton.jit

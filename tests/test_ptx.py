@@ -75,3 +75,18 @@ def test_the_general_form_is_the_narrow_one(widths):
     """What the aligned form buys: without the facts, Triton can prove no alignment."""
     for row in _rows(widths, "pointwise", "pointwise_kernel", aligned=False):
         assert _bits(row, "loads") == {16} and _bits(row, "stores") == {16}, row
+
+
+@pytest.mark.parametrize(("case", "most"), [("pointwise", 20), ("fp4_to_bf16", 16)])
+def test_pointwise_kernels_stay_within_an_instruction_budget(widths, case, most):
+    """At H200's copy bandwidth a bf16 element leaves roughly 30 instructions per thread
+    of issue time; bit-exact bf16 rounding in integer ops or a slow fp4 decoder spent
+    more than that (41 and 23 instructions an element before they were replaced)."""
+    for row in _rows(widths, case, "pointwise_kernel"):
+        assert row["instructions"] / row["elements_per_thread"] <= most, row
+
+
+def test_no_multiply_add_is_contracted(widths):
+    """The reference rounds x * s before adding b; an fma would not (COMPILE_OPTIONS)."""
+    for row in _rows(widths, "pointwise", "pointwise_kernel"):
+        assert row["fused_multiply_adds"] == 0, row
