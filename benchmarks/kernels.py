@@ -17,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,6 +32,8 @@ from fusion import FusionDefinition  # noqa: E402
 from fusion.fp4 import from_fp4, to_fp4  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from schedulers.pointwise import PointwiseParams  # noqa: E402
+from schedulers.reduction import ReductionParams  # noqa: E402
 
 
 def pointwise_case(m: int, n: int):
@@ -105,6 +108,30 @@ def cases(smoke: bool):
     yield "fp4_to_bf16", fp4_to_bf16_case(16384, 16384)
 
 
+def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
+    """Other launch configurations of each generated kernel, to time beside the
+    heuristics' choice (``--sweep``): a label -> ``kernel_params`` of an executor."""
+    variants: dict[str, dict] = {}
+    for name, params in executor.chosen_params.items():
+        if isinstance(params, PointwiseParams):
+            for unroll in (1, 2, 8):
+                if unroll != params.unroll:
+                    variants[f"{name}.unroll={unroll}"] = {name: replace(params, unroll=unroll)}
+            for warps in (4, 8):
+                if warps != params.num_warps:
+                    variants[f"{name}.warps={warps}"] = {name: replace(params, num_warps=warps)}
+        elif isinstance(params, ReductionParams):
+            if params.layout == "outer":
+                for waves in (4, 32):
+                    variants[f"{name}.waves={waves}"] = {name: replace(params, waves=waves)}
+                atomics = replace(params, deterministic=False)
+                variants[f"{name}.atomics"] = {name: atomics}
+            for warps in (8, 16):
+                if warps != params.num_warps:
+                    variants[f"{name}.warps={warps}"] = {name: replace(params, num_warps=warps)}
+    return variants
+
+
 def make_input(shape, dtype, device, generator):
     if dtype == torch.float4_e2m1fn_x2:
         rows, half = shape
@@ -153,6 +180,10 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="also time other launch configurations of each kernel (providers ours[...])",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     copy = copy_gbps(device)
@@ -170,6 +201,15 @@ def main() -> None:
             "ours": lambda e=executor, i=inputs: e.run(i),
             "eager": lambda f=eager, i=inputs: f(*i),
         }
+        if args.sweep:
+            for label, overrides in alternatives(executor).items():
+                variant = MultiDeviceExecutor(
+                    fd, kernels="generated", cuda_graph=device.type == "cuda",
+                    kernel_params=overrides,
+                )  # fmt: skip
+                for actual, wanted in zip(variant.run(inputs), expected, strict=True):
+                    assert_close(actual, wanted, reduction_extent=extent)
+                functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
         if not args.smoke:
             compiled = torch.compile(eager)
             functions["compile"] = lambda f=compiled, i=inputs: f(*i)
@@ -186,7 +226,7 @@ def main() -> None:
                 "bytes": nbytes, "provider": provider, "ms": ms, "gbps": gbps,
                 "frac_copy": gbps / copy,
             })  # fmt: skip
-            print(f"{case:<12} {str(shape):<16} {provider:<8} {ms:8.3f} ms {gbps:8.1f} GB/s "
+            print(f"{case:<12} {str(shape):<16} {provider:<22} {ms:8.3f} ms {gbps:8.1f} GB/s "
                   f"{gbps / copy:6.2f} of copy", flush=True)  # fmt: skip
         print(f"  {executor.kernel_report()}", flush=True)
     print(f"device copy: {copy:.1f} GB/s")

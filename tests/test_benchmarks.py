@@ -25,3 +25,20 @@ def test_ag_matmul_benchmark_smoke_run(tmp_path):
     assert len(rows) == 4, result.stdout
     assert all(" True " in row for row in rows), rows  # bitwise equal to sequential
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json"] * 4 + [".png"] * 4
+
+
+def test_kernels_benchmark_smoke_run_with_a_sweep():
+    """Tiny shapes in Triton's interpreter; every provider's output is checked first."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke", "--sweep",
+        "--rounds", "1", "--iterations", "1",
+    ]  # fmt: skip
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if " ms " in line]
+    providers = {row.split("]", 1)[1].split()[0] for row in rows}  # after the shape
+    assert {"ours", "eager", "ours[k0.unroll=1]", "ours[k0.atomics]"} <= providers, providers
+    assert "form: aligned" in result.stdout
