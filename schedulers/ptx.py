@@ -126,7 +126,8 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
     """For each kernel ``scheduler`` generates for ``plan`` and ``params``: its
     ``access_widths``, its instruction count (``"instructions"``), how many of them
     convert to bf16 rounding to nearest (``"bf16_conversions"``) and how many are fused
-    multiply-adds (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``)."""
+    multiply-adds (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``) or flush
+    subnormals to zero (``"flush_to_zero"``: the fp4 decoder needs them kept)."""
     pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
     pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
     if hasattr(plan, "accumulator"):
@@ -141,6 +142,7 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
             "instructions": sum(opcodes.values()),
             "bf16_conversions": sum(n for op, n in opcodes.items() if op.startswith("cvt.rn.bf16")),
             "fused_multiply_adds": sum(n for op, n in opcodes.items() if op.startswith("fma")),
+            "flush_to_zero": sum(n for op, n in opcodes.items() if ".ftz" in op),
         }
     return result
 

@@ -90,3 +90,9 @@ def test_no_multiply_add_is_contracted(widths):
     """The reference rounds x * s before adding b; an fma would not (COMPILE_OPTIONS)."""
     for row in _rows(widths, "pointwise", "pointwise_kernel"):
         assert row["fused_multiply_adds"] == 0, row
+
+
+def test_the_fp4_decoder_keeps_subnormals(widths):
+    """fp4_decode scales a float32 subnormal (0.5 is 2**-127 * 2**126): no .ftz."""
+    for row in _rows(widths, "fp4_to_bf16", "pointwise_kernel"):
+        assert row["flush_to_zero"] == 0, row
