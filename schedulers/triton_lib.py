@@ -70,17 +70,34 @@ def _round_subnormal(magnitude_bits, MIN_NORMAL_BITS: tl.constexpr, STEPS_PER_UN
 
 
 @triton.jit
-def fp8e4m3_encode(x):
-    """Float32 ``x`` to float8_e4m3fn codes (uint8): nearest even, saturating to ±448."""
+def _fp8_encode(
+    x,
+    MANTISSA_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    MAX_CODE: tl.constexpr,
+    STEPS_PER_UNIT: tl.constexpr,
+):
+    """Float32 ``x`` to codes of an fp8 format with ``MANTISSA_BITS`` and exponent ``BIAS``:
+    nearest even; magnitudes past ``MAX_CODE`` clamp to it; NaN to 0x7F (with the sign).
+
+    Normals keep ``MANTISSA_BITS`` of float32's 23, and the exponent bias 127 becomes
+    ``BIAS``. Below the smallest normal, 2**(1 - BIAS), the code counts subnormal steps of
+    1 / ``STEPS_PER_UNIT``; a count of 2**MANTISSA_BITS is the smallest normal's code.
+    """
     sign, magnitude_bits = _sign_and_magnitude(x)
-    # Normals: keep 3 mantissa bits; exponent bias 127 becomes 7, i.e. subtract 120 << 3.
-    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 20) - (120 << 3)
-    normal = tl.minimum(normal, 0x7E)
-    # Below 2**-6: steps of 2**-9; a count of 8 is the smallest normal's code, 0x08.
-    subnormal = _round_subnormal(magnitude_bits, 121 << 23, 512.0)
-    code = tl.where(magnitude_bits < (121 << 23), subnormal, normal)
+    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 23 - MANTISSA_BITS)
+    normal = tl.minimum(normal - ((127 - BIAS) << MANTISSA_BITS), MAX_CODE)
+    min_normal_bits: tl.constexpr = (128 - BIAS) << 23
+    subnormal = _round_subnormal(magnitude_bits, min_normal_bits, STEPS_PER_UNIT)
+    code = tl.where(magnitude_bits < min_normal_bits, subnormal, normal)
     code = tl.where(magnitude_bits > _FLOAT32_INF_BITS, 0x7F, code)
     return (code | (sign << 7)).to(tl.uint8)
+
+
+@triton.jit
+def fp8e4m3_encode(x):
+    """Float32 ``x`` to float8_e4m3fn codes (uint8): nearest even, saturating to ±448."""
+    return _fp8_encode(x, 3, 7, 0x7E, 512.0)
 
 
 @triton.jit
@@ -98,16 +115,8 @@ def fp8e4m3_decode(code):
 
 @triton.jit
 def fp8e5m2_encode(x):
-    """Float32 ``x`` to float8_e5m2 codes (uint8): nearest even, overflow to ±inf."""
-    sign, magnitude_bits = _sign_and_magnitude(x)
-    # Normals: keep 2 mantissa bits; exponent bias 127 becomes 15, i.e. subtract 112 << 2.
-    normal = _round_mantissa(tl.minimum(magnitude_bits, _FLOAT32_INF_BITS), 21) - (112 << 2)
-    normal = tl.minimum(normal, 0x7C)
-    # Below 2**-14: steps of 2**-16; a count of 4 is the smallest normal's code, 0x04.
-    subnormal = _round_subnormal(magnitude_bits, 113 << 23, 65536.0)
-    code = tl.where(magnitude_bits < (113 << 23), subnormal, normal)
-    code = tl.where(magnitude_bits > _FLOAT32_INF_BITS, 0x7F, code)
-    return (code | (sign << 7)).to(tl.uint8)
+    """Float32 ``x`` to float8_e5m2 codes (uint8): nearest even, overflow to ±inf (0x7C)."""
+    return _fp8_encode(x, 2, 15, 0x7C, 65536.0)
 
 
 @triton.jit
