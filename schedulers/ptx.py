@@ -8,17 +8,15 @@ does. ``access_widths`` counts them; tests assert that aligned kernels use 128-b
 accesses, so a change that loses vectorization fails on CPU.
 
 Compiling needs a real (not interpreted) Triton: run it in a process without
-``TRITON_INTERPRET=1``. ``python -m schedulers.ptx`` prints the widths of the
+``TRITON_INTERPRET=1``. ``python benchmarks/kernel_ptx.py`` prints the widths of the
 benchmark kernels (``benchmarks/kernels.py``) for sm_90.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import re
-import sys
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -145,53 +143,3 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
             "flush_to_zero": sum(n for op, n in opcodes.items() if ".ftz" in op),
         }
     return result
-
-
-def _benchmark_kernels(hardware):
-    """The kernels of ``benchmarks/kernels.py`` at its shapes, with their params."""
-    from benchmarks.kernels import cases
-    from schedulers.registry import split_into_kernels
-
-    for case, (fd, _, shapes, _, _) in cases(smoke=False):
-        for group in split_into_kernels(fd.fusion.exprs, fd.fusion):
-            scheduler, plan = group.scheduler, group.plan
-            if scheduler is None:
-                continue
-            if hasattr(plan, "reduction"):
-                extents = [shapes[0][axis] for axis in plan.reduced]
-                params = scheduler.heuristics(plan, hardware, extents[0])
-            else:
-                shape = list(shapes[0])
-                if plan.inputs[0].dtype.bits == 4:
-                    shape[-1] *= 2  # the benchmark gives fp4 shapes in bytes
-                params = scheduler.heuristics(plan, hardware, shape)
-            yield case, scheduler, plan, params
-
-
-def main() -> None:
-    import argparse
-
-    from schedulers.hardware import H100, H200
-
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", type=int, default=90)
-    parser.add_argument("--json", action="store_true", help="one JSON object per kernel")
-    args = parser.parse_args()
-    hardware = H200 if args.arch == 90 else H100
-    for case, scheduler, plan, params in _benchmark_kernels(hardware):
-        for aligned in (False, True):
-            for name, widths in kernel_widths(scheduler, plan, params, aligned, args.arch).items():
-                per_thread = getattr(params, "block", 0) // (32 * params.num_warps)
-                row = {"case": case, "kernel": name, "aligned": aligned, **widths}
-                row["elements_per_thread"] = per_thread or None
-                if args.json:
-                    print(json.dumps(row), flush=True)
-                else:
-                    form = "aligned" if aligned else "general"
-                    print(f"{case:<12} {name:<17} {form:<8} loads {widths['loads']} "
-                          f"stores {widths['stores']} instructions {widths['instructions']}",
-                          flush=True)  # fmt: skip
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -25,7 +25,7 @@ def widths() -> list[dict]:
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, "-m", "schedulers.ptx", "--json"],
+        [sys.executable, str(ROOT / "benchmarks" / "kernel_ptx.py"), "--json"],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]

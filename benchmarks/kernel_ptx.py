@@ -1,0 +1,71 @@
+"""The benchmark kernels as the GPU will run them, read on a machine without one.
+
+    python benchmarks/kernel_ptx.py            # a line per kernel and form
+    python benchmarks/kernel_ptx.py --json     # one JSON object per kernel and form
+
+Compiles each kernel of ``benchmarks/kernels.py`` (at its shapes, with the heuristics'
+params) in both forms, general and aligned, for ``--arch`` (90: Hopper) and prints
+its global accesses by width and its instruction count (``schedulers.ptx``). Needs a
+real Triton: run it without ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.kernels import cases  # noqa: E402
+from schedulers.hardware import B200, H200  # noqa: E402
+from schedulers.ptx import kernel_widths  # noqa: E402
+from schedulers.reduction import ReductionScheduler  # noqa: E402
+from schedulers.registry import split_into_kernels  # noqa: E402
+
+PROFILES = {90: H200, 100: B200}
+
+
+def benchmark_kernels(hardware):
+    """``(case, scheduler, plan, params)`` of each generated kernel of the benchmark."""
+    for case, (fd, _, shapes, _, _) in cases(smoke=False):
+        for group in split_into_kernels(fd.fusion.exprs, fd.fusion):
+            scheduler, plan = group.scheduler, group.plan
+            if scheduler is None:
+                continue
+            if isinstance(scheduler, ReductionScheduler):
+                extent = math.prod(shapes[0][axis] for axis in plan.reduced)
+                params = scheduler.heuristics(plan, hardware, extent)
+            else:
+                shape = list(shapes[0])
+                if plan.inputs[0].dtype.bits == 4:
+                    shape[-1] *= 2  # the benchmark gives fp4 shapes in bytes
+                params = scheduler.heuristics(plan, hardware, shape)
+            yield case, scheduler, plan, params
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", type=int, choices=sorted(PROFILES), default=90)
+    parser.add_argument("--json", action="store_true", help="one JSON object per kernel")
+    args = parser.parse_args()
+    for case, scheduler, plan, params in benchmark_kernels(PROFILES[args.arch]):
+        for aligned in (False, True):
+            for name, widths in kernel_widths(scheduler, plan, params, aligned, args.arch).items():
+                per_thread = getattr(params, "block", 0) // (32 * params.num_warps)
+                row = {"case": case, "kernel": name, "aligned": aligned, **widths}
+                row["elements_per_thread"] = per_thread or None
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                else:
+                    form = "aligned" if aligned else "general"
+                    print(f"{case:<12} {name:<17} {form:<8} loads {widths['loads']} "
+                          f"stores {widths['stores']} instructions {widths['instructions']}",
+                          flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
