@@ -4,9 +4,10 @@
     python benchmarks/kernels.py --smoke    # tiny shapes on CPU (Triton's interpreter)
 
 For each case (bytes = inputs read + outputs written) it times ours (the executor with
-generated kernels, replayed from a CUDA graph), eager PyTorch and torch.compile with CUDA
-events (median of interleaved rounds), and reports GB/s and the fraction of a measured
-device-to-device copy. Ours is checked against the reference evaluator first.
+generated kernels, replayed from a CUDA graph), eager PyTorch, torch.compile and a copy of
+the same number of bytes with CUDA events (median of interleaved rounds), and reports
+GB/s and the fraction of a measured 1 GiB device-to-device copy. Ours is checked against
+the reference evaluator first.
 """
 
 from __future__ import annotations
@@ -114,18 +115,26 @@ def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
     variants: dict[str, dict] = {}
     for name, params in executor.chosen_params.items():
         if isinstance(params, PointwiseParams):
-            for unroll in (1, 2, 8):
-                if unroll != params.unroll:
-                    variants[f"{name}.unroll={unroll}"] = {name: replace(params, unroll=unroll)}
-            for warps in (4, 8):
-                if warps != params.num_warps:
-                    variants[f"{name}.warps={warps}"] = {name: replace(params, num_warps=warps)}
+            for warps, unroll in ((4, 2), (4, 4), (4, 8), (8, 1), (8, 2), (8, 4), (8, 8)):
+                if (warps, unroll) != (params.num_warps, params.unroll):
+                    other = replace(params, num_warps=warps, unroll=unroll)
+                    variants[f"{name}.warps={warps},unroll={unroll}"] = {name: other}
+            if params.block_columns:
+                for columns in (256, 512):
+                    other = replace(params, block_columns=columns)
+                    variants[f"{name}.block_columns={columns}"] = {name: other}
         elif isinstance(params, ReductionParams):
             if params.layout == "outer":
-                for waves in (4, 32):
+                for waves in (4, 8, 32):
                     variants[f"{name}.waves={waves}"] = {name: replace(params, waves=waves)}
                 atomics = replace(params, deterministic=False)
                 variants[f"{name}.atomics"] = {name: atomics}
+                for rows, columns in ((16, 256), (8, 512), (64, 64)):
+                    other = replace(params, block_rows=rows, block_reduce=columns)
+                    variants[f"{name}.tile={rows}x{columns}"] = {name: other}
+            else:
+                other = replace(params, block_rows=2, block_reduce=params.block_reduce // 2)
+                variants[f"{name}.tile=2x{other.block_reduce}"] = {name: other}
             for warps in (8, 16):
                 if warps != params.num_warps:
                     variants[f"{name}.warps={warps}"] = {name: replace(params, num_warps=warps)}
@@ -210,6 +219,10 @@ def main() -> None:
                 for actual, wanted in zip(variant.run(inputs), expected, strict=True):
                     assert_close(actual, wanted, reduction_extent=extent)
                 functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
+        if device.type == "cuda":  # a copy of the same bytes: what this size allows
+            source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+            target = torch.empty_like(source)
+            functions["copy"] = lambda s=source, t=target: t.copy_(s)
         if not args.smoke:
             compiled = torch.compile(eager)
             functions["compile"] = lambda f=compiled, i=inputs: f(*i)

@@ -206,10 +206,18 @@ class PointwiseScheduler:
                     for g in range(groups)
                     if present[g]
                 ]
-                if tiled:
-                    row = terms[0] if present[0] else "rows * 0"
-                    column = terms[-1] if present[1] else "columns * 0"
-                    index = emit.assign(f"({row})[:, None] + ({column})[None, :]", "idx")
+                if tiled and present[0] and present[1]:
+                    index = emit.assign(f"({terms[0]})[:, None] + ({terms[-1]})[None, :]", "idx")
+                elif tiled:
+                    # Read once per row or column of the tile, not once per element: a
+                    # vector along the present axis, widened to the tile by broadcasting.
+                    along, mask = (("rows", "rows < size0") if present[0] else
+                                   ("columns", "columns < size1"))  # fmt: skip
+                    index = terms[0] if terms else f"{along} * 0"
+                    value = emit.load(tensor, inputs[i], emit.assign(index, "idx"), mask)
+                    expand = "[:, None]" if present[0] else "[None, :]"
+                    values[tensor] = Value(emit.assign(f"{value.name}{expand}"), value.dtype)
+                    continue
                 else:
                     index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
             values[tensor] = emit.load(tensor, inputs[i], index, "mask")
@@ -219,6 +227,9 @@ class PointwiseScheduler:
                 values[out] = value
         for i, tensor in enumerate(plan.outputs):
             value = values[tensor]
+            if tiled:  # an output computed from broadcast inputs alone is narrower than a tile
+                full = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
+                value = Value(emit.assign(full), value.dtype)
             if tensor.dtype is not float4_e2m1:
                 emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
             elif tiled:
@@ -265,8 +276,9 @@ class PointwiseScheduler:
         return {"BLOCK": params.block, "BLOCK_ROWS": rows, "BLOCK_COLUMNS": params.block_columns}
 
     def kernels(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False):
-        """``(name, source)`` of each kernel a launch runs (one)."""
-        return [("pointwise_kernel", self.source(plan, params, aligned))]
+        """``(name, source, constants)`` of each kernel a launch runs (one)."""
+        return [("pointwise_kernel", self.source(plan, params, aligned),
+                 self.constants(plan, params))]  # fmt: skip
 
     def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
         """A flat fp4 input read as whole bytes, both values of each at once."""

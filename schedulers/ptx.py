@@ -130,9 +130,8 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
     pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
     if hasattr(plan, "accumulator"):
         pointers["partial"] = memory_type(plan.accumulator)
-    constants = scheduler.constants(plan, params)
     result = {}
-    for name, source in scheduler.kernels(plan, params, aligned):
+    for name, source, constants in scheduler.kernels(plan, params, aligned):
         ptx = compile_ptx(source, name, pointers, constants, params.num_warps, arch)
         opcodes = instructions(ptx)
         result[name] = {

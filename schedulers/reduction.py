@@ -41,6 +41,8 @@ from schedulers.pointwise import as_bytes, triton_cdiv
 
 _COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
 TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
+COMBINE_COLUMNS = 32  # outer, deterministic: kept positions per program of the combine
+COMBINE_PARTS = 64  # and partial rows it combines per step
 
 
 @dataclass(frozen=True)
@@ -199,16 +201,25 @@ class ReductionScheduler:
         ]
 
     def constants(self, plan: ReductionPlan, params: ReductionParams) -> dict[str, int]:
-        """The kernels' ``tl.constexpr`` arguments: tile sizes, never an extent."""
+        """The first kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""
         if plan.layout == "inner":
             return {"BLOCK_KEPT": params.block_rows, "BLOCK_REDUCED": params.block_reduce}
         return {"BLOCK_KEPT": params.block_reduce, "BLOCK_REDUCED": params.block_rows}
 
+    def combine_constants(self, params: ReductionParams) -> dict[str, int]:
+        """``combine_kernel``'s tile: ``COMBINE_COLUMNS`` kept positions (narrower than
+        the first kernel's, so narrow outputs still spread over several programs) by
+        ``COMBINE_PARTS`` partial rows per step, combined in a fixed tree order."""
+        return {"BLOCK_KEPT": min(params.block_reduce, COMBINE_COLUMNS),
+                "BLOCK_REDUCED": COMBINE_PARTS}  # fmt: skip
+
     def kernels(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False):
-        """``(name, source)`` of each kernel a launch runs, first to last."""
-        kernels = [("reduction_kernel", self.source(plan, params, aligned))]
+        """``(name, source, constants)`` of each kernel a launch runs, first to last."""
+        kernels = [("reduction_kernel", self.source(plan, params, aligned),
+                    self.constants(plan, params))]  # fmt: skip
         if plan.layout == "outer":
-            kernels.append(("combine_kernel", self.combine_source(plan, params, aligned)))
+            kernels.append(("combine_kernel", self.combine_source(plan, params, aligned),
+                            self.combine_constants(params)))  # fmt: skip
         return kernels
 
     def _aligned_prologue(
@@ -331,13 +342,19 @@ class ReductionScheduler:
         emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
         emit.line("kept_mask = kept_index < kept_count")
         self._coordinates(emit, "kept_index", plan.kept, "k")
-        emit.line(f"reduced = tl.full((BLOCK_KEPT,), {identity}, partial.dtype.element_ty)")
-        emit.line("for part in range(0, split):")
+        # A tile of parts per step, not one part: a loop of single loads would wait on
+        # memory once per part (one program per 32 kept positions reads all of them).
         emit.line(
-            "    reduced = "
-            f"{combine}(reduced, tl.load(partial + part * kept_count + kept_index, "
-            f"mask=kept_mask, other={identity}))"
+            f"acc = tl.full((BLOCK_REDUCED, BLOCK_KEPT), {identity}, partial.dtype.element_ty)"
         )
+        emit.line("for first in range(0, split, BLOCK_REDUCED):")
+        emit.line("    parts = first + tl.arange(0, BLOCK_REDUCED)")
+        emit.line(
+            f"    acc = {combine}(acc, tl.load(partial + parts[:, None] * kept_count "
+            "+ kept_index[None, :], mask=(parts < split)[:, None] & kept_mask[None, :], "
+            f"other={identity}))"
+        )
+        emit.line(f"reduced = tl.reduce(acc, 0, {combine})")
         self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
         return self._wrap(emit, "combine_kernel", ["partial", *ins, *outs], runtime, "")
 
@@ -372,6 +389,7 @@ class ReductionScheduler:
         rank = plan.reduction.inputs[0].ndim
         known = self.aligned_arguments(plan)
         constants = self.constants(plan, params)
+        combine_constants = self.combine_constants(params)
         names = ["kept_count", "reduced_count", "split"] + [f"size{axis}" for axis in range(rank)]
         names += [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
 
@@ -412,16 +430,22 @@ class ReductionScheduler:
             tiles = triton_cdiv(kept_count, params.block_reduce)
             most = max(1, triton_cdiv(reduced_count, params.block_rows))
             split = min(most, max(1, params.waves * hardware.sm_count // tiles))
-            rows = split if params.deterministic else 1
-            partial = torch.zeros(
-                (rows, kept_count), dtype=plan.accumulator.torch_dtype, device=inputs[0].device
-            )
+            # Deterministic: every part writes its row of partial results (no fill needed);
+            # atomics add into one zeroed row, and the float32 sum is the result.
+            allocate = torch.empty if params.deterministic else torch.zeros
+            partial = allocate(
+                (split if params.deterministic else 1, kept_count),
+                dtype=plan.accumulator.torch_dtype, device=inputs[0].device,
+            )  # fmt: skip
             kernel, arguments = bind(main, split)
             kernel[(tiles, split)](partial, *pointers, *arguments, **constants,
                                    num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
-            kernel, arguments = bind(combine, rows)
-            kernel[(tiles,)](partial, *pointers, *targets, *arguments, **constants,
-                             num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+            kernel, arguments = bind(combine, split if params.deterministic else 1)
+            columns = combine_constants["BLOCK_KEPT"]
+            kernel[(triton_cdiv(kept_count, columns),)](
+                partial, *pointers, *targets, *arguments, **combine_constants,
+                num_warps=4, **COMPILE_OPTIONS,
+            )
 
         launch.forms = lambda: forms_used([main, combine])
         return launch

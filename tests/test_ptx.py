@@ -57,9 +57,12 @@ def test_every_benchmark_kernel_is_compiled_in_both_forms(widths):
 @pytest.mark.parametrize(
     ("case", "kernel", "loads", "stores"),
     [
-        ("pointwise", "pointwise_kernel", {128}, {128}),
+        # x in 128-bit vectors; scale and bias once per tile column: 1024 bf16 over 256
+        # threads, 64 bits each (not a tile-sized load per broadcast input)
+        ("pointwise", "pointwise_kernel", {64, 128}, {128}),
         ("row_sum", "reduction_kernel", {128}, None),
         ("column_sum", "reduction_kernel", {128}, None),
+        ("column_sum", "combine_kernel", {128}, None),  # a tile of parts per step
         ("fp32_to_fp4", "pointwise_kernel", {128}, {64}),  # 16 values per thread: 8 bytes
         ("fp4_to_bf16", "pointwise_kernel", {64}, {128}),  # 32 values per thread: 16 bytes
     ],
@@ -69,6 +72,14 @@ def test_aligned_kernels_move_data_in_wide_accesses(widths, case, kernel, loads,
         assert _bits(row, "loads") == loads, row
         if stores is not None:
             assert _bits(row, "stores") == stores, row
+
+
+def test_broadcast_inputs_are_read_once_per_tile_column(widths):
+    """x * scale[None, :] + bias[None, :]: four 128-bit loads of x per thread (32 bf16),
+    one 64-bit load each of scale and bias; a tile-shaped load of a broadcast input
+    would be four more 128-bit loads for each."""
+    for row in _rows(widths, "pointwise", "pointwise_kernel"):
+        assert {int(bits): n for bits, n in row["loads"].items()} == {64: 2, 128: 4}, row
 
 
 def test_the_general_form_is_the_narrow_one(widths):
