@@ -40,5 +40,6 @@ def test_kernels_benchmark_smoke_run_with_a_sweep():
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if " ms " in line]
     providers = {row.split("]", 1)[1].split()[0] for row in rows}  # after the shape
-    assert {"ours", "eager", "ours[k0.warps=8,unroll=1]", "ours[k0.atomics]"} <= providers, providers
+    wanted = {"ours", "eager", "ours[k0.warps=8,unroll=1]", "ours[k0.atomics]"}
+    assert wanted <= providers, providers
     assert "form: aligned" in result.stdout
