@@ -442,10 +442,8 @@ class ReductionScheduler:
                                    num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
             kernel, arguments = bind(combine, split if params.deterministic else 1)
             columns = combine_constants["BLOCK_KEPT"]
-            kernel[(triton_cdiv(kept_count, columns),)](
-                partial, *pointers, *targets, *arguments, **combine_constants,
-                num_warps=4, **COMPILE_OPTIONS,
-            )
+            kernel[(triton_cdiv(kept_count, columns),)](partial, *pointers, *targets, *arguments,
+                **combine_constants, num_warps=4, **COMPILE_OPTIONS)  # fmt: skip
 
         launch.forms = lambda: forms_used([main, combine])
         return launch
