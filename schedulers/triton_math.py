@@ -40,11 +40,16 @@ def round_to_f16(x):
 @triton.jit
 def div(x, y):
     """IEEE division (Triton's ``/`` on float32 may be approximate on GPU; on float64 it
-    is exact). Either operand may be a Python number."""
-    zero = x * 0 + y * 0  # a tensor of the operands' type
-    if zero.dtype == tl.float32:
-        return tl.math.div_rn(x + zero, y + zero)
+    is exact) of two tensors, either of them a scalar (0-d) one."""
+    x, y = tl.broadcast(x, y)
+    if x.dtype == tl.float32:
+        return tl.math.div_rn(x, y)
     return x / y
+
+
+@triton.jit
+def reciprocal(x):
+    return div(tl.full(x.shape, 1.0, x.dtype), x)
 
 
 @triton.jit
@@ -54,7 +59,25 @@ def sqrt(x):
 
 @triton.jit
 def sigmoid(x):
-    return div(1.0, 1.0 + tl.exp(-x))
+    return reciprocal(1.0 + tl.exp(-x))
+
+
+@triton.jit
+def sigmoid_narrow(x):
+    """sigmoid of a float32 whose result is rounded to 16 bits or fewer: hardware
+    approximations of 2**x and 1/x (within 2 float32 ulps each, 2**-22, far below a
+    bf16 or f16 ulp) instead of IEEE division; subnormal results flush to zero."""
+    if _INTERPRETED:
+        return sigmoid(x)
+    else:
+        e = tl.inline_asm_elementwise(
+            "ex2.approx.ftz.f32 $0, $1;", "=f,f", [x * -1.4426950408889634],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
+        return tl.inline_asm_elementwise(
+            "rcp.approx.ftz.f32 $0, $1;", "=f,f", [1.0 + e],
+            dtype=tl.float32, is_pure=True, pack=1,
+        )  # fmt: skip
 
 
 @triton.jit
