@@ -133,9 +133,13 @@ def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
                     other = replace(params, block_rows=rows, block_reduce=columns)
                     variants[f"{name}.tile={rows}x{columns}"] = {name: other}
             else:
-                other = replace(params, block_rows=2, block_reduce=params.block_reduce // 2)
-                variants[f"{name}.tile=2x{other.block_reduce}"] = {name: other}
-            for warps in (8, 16):
+                tiles = [(params.block_rows * 2, params.block_reduce // 2)]
+                if params.block_rows > 1:
+                    tiles.append((params.block_rows // 2, params.block_reduce * 2))
+                for rows, reduce in tiles:
+                    other = replace(params, block_rows=rows, block_reduce=reduce)
+                    variants[f"{name}.tile={rows}x{reduce}"] = {name: other}
+            for warps in (4, 8, 16):
                 if warps != params.num_warps:
                     variants[f"{name}.warps={warps}"] = {name: replace(params, num_warps=warps)}
     return variants
@@ -187,8 +191,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iterations", type=int, default=40)
     parser.add_argument(
         "--sweep", action="store_true",
         help="also time other launch configurations of each kernel (providers ours[...])",
