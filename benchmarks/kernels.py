@@ -193,6 +193,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=40)
+    parser.add_argument("--case", action="append", help="only these cases (repeatable)")
     parser.add_argument(
         "--sweep", action="store_true",
         help="also time other launch configurations of each kernel (providers ours[...])",
@@ -203,6 +204,8 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     rows = []
     for case, (fd, eager, shapes, dtypes, nbytes) in cases(args.smoke):
+        if args.case and case not in args.case:
+            continue
         inputs = [make_input(s, d, device, generator) for s, d in zip(shapes, dtypes, strict=True)]
         executor = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=device.type == "cuda")
         outputs = executor.run(inputs)

@@ -277,9 +277,9 @@ class PointwiseScheduler:
         return {"BLOCK": params.block, "BLOCK_ROWS": rows, "BLOCK_COLUMNS": params.block_columns}
 
     def kernels(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False):
-        """``(name, source, constants)`` of each kernel a launch runs (one)."""
+        """``(name, source, constants, num_warps)`` of each kernel a launch runs (one)."""
         return [("pointwise_kernel", self.source(plan, params, aligned),
-                 self.constants(plan, params))]  # fmt: skip
+                 self.constants(plan, params), params.num_warps)]  # fmt: skip
 
     def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
         """A flat fp4 input read as whole bytes, both values of each at once."""

@@ -131,8 +131,8 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
     if hasattr(plan, "accumulator"):
         pointers["partial"] = memory_type(plan.accumulator)
     result = {}
-    for name, source, constants in scheduler.kernels(plan, params, aligned):
-        ptx = compile_ptx(source, name, pointers, constants, params.num_warps, arch)
+    for name, source, constants, num_warps in scheduler.kernels(plan, params, aligned):
+        ptx = compile_ptx(source, name, pointers, constants, num_warps, arch)
         opcodes = instructions(ptx)
         result[name] = {
             **access_widths(ptx),

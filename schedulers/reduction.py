@@ -42,7 +42,8 @@ from schedulers.pointwise import as_bytes, triton_cdiv
 _COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
 TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
 COMBINE_COLUMNS = 32  # outer, deterministic: kept positions per program of the combine
-COMBINE_PARTS = 64  # and partial rows it combines per step
+COMBINE_PARTS = 256  # and partial rows it combines per step (few steps: each waits on memory)
+COMBINE_WARPS = 8
 
 
 @dataclass(frozen=True)
@@ -218,12 +219,12 @@ class ReductionScheduler:
                 "BLOCK_REDUCED": COMBINE_PARTS}  # fmt: skip
 
     def kernels(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False):
-        """``(name, source, constants)`` of each kernel a launch runs, first to last."""
+        """``(name, source, constants, num_warps)`` of each kernel a launch runs, in order."""
         kernels = [("reduction_kernel", self.source(plan, params, aligned),
-                    self.constants(plan, params))]  # fmt: skip
+                    self.constants(plan, params), params.num_warps)]  # fmt: skip
         if plan.layout == "outer":
             kernels.append(("combine_kernel", self.combine_source(plan, params, aligned),
-                            self.combine_constants(params)))  # fmt: skip
+                            self.combine_constants(params), COMBINE_WARPS))  # fmt: skip
         return kernels
 
     def _aligned_prologue(
@@ -447,7 +448,7 @@ class ReductionScheduler:
             kernel, arguments = bind(combine, split if params.deterministic else 1)
             columns = combine_constants["BLOCK_KEPT"]
             kernel[(triton_cdiv(kept_count, columns),)](partial, *pointers, *targets, *arguments,
-                **combine_constants, num_warps=4, **COMPILE_OPTIONS)  # fmt: skip
+                **combine_constants, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS)  # fmt: skip
 
         launch.forms = lambda: forms_used([main, combine])
         return launch
