@@ -129,6 +129,9 @@ def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
                     variants[f"{name}.waves={waves}"] = {name: replace(params, waves=waves)}
                 atomics = replace(params, deterministic=False)
                 variants[f"{name}.atomics"] = {name: atomics}
+                for stages in (2, 3, 4):
+                    other = replace(params, stages=stages)
+                    variants[f"{name}.stages={stages}"] = {name: other}
                 for rows, columns in ((16, 256), (8, 512), (64, 64)):
                     other = replace(params, block_rows=rows, block_reduce=columns)
                     variants[f"{name}.tile={rows}x{columns}"] = {name: other}

@@ -56,12 +56,15 @@ class ReductionParams:
     num_warps: int
     waves: int = 4  # outer: how many waves of programs the grid split aims for
     deterministic: bool = True
+    stages: int = 1  # tiles in flight in the reduction loop (>1: Triton's async-copy pipeline)
 
     def __str__(self) -> str:
         fields = (
             f"layout={self.layout}, block_rows={self.block_rows}, "
             f"block_reduce={self.block_reduce}, num_warps={self.num_warps}"
         )
+        if self.stages != 1:
+            fields += f", stages={self.stages}"
         if self.layout == "outer":
             fields += f", waves={self.waves}, deterministic={self.deterministic}"
         return f"ReductionParams({fields})"
@@ -262,7 +265,11 @@ class ReductionScheduler:
             emit.line("end = tl.minimum(begin + rows_each, reduced_count)")
         shape = "(BLOCK_KEPT, BLOCK_REDUCED)" if inner else "(BLOCK_REDUCED, BLOCK_KEPT)"
         emit.line(f"acc = tl.full({shape}, {identity}, {acc_type})")
-        emit.line("for start in range(begin, end, BLOCK_REDUCED):")
+        if params.stages > 1:  # the next tiles' loads go out while this one is summed
+            stages = f"num_stages={params.stages}"
+            emit.line(f"for start in tl.range(begin, end, BLOCK_REDUCED, {stages}):")
+        else:
+            emit.line("for start in range(begin, end, BLOCK_REDUCED):")
         body = Emitter()
         body.count = 1000
         body.line("reduced_index = start + tl.arange(0, BLOCK_REDUCED)")

@@ -201,6 +201,27 @@ def test_an_outer_sum_with_atomics_is_an_option(rng):
     assert "deterministic=False" in executor.kernel_report()
 
 
+@pytest.mark.parametrize("layout", ["inner", "outer"])
+def test_a_pipelined_reduction_loop_matches_the_reference(rng, layout):
+    """``stages=3``: Triton's async-copy pipeline over the reduction loop (on GPU); the
+    sums must not change, at extents that leave a partial last tile."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([1000, 77], "bfloat16")
+        total = fd.ops.sum(fd.ops.cast(x, "float32"), dims=[1 if layout == "inner" else 0])
+        fd.add_output(total)
+    if layout == "inner":
+        options = ReductionParams("inner", 4, 16, 4, stages=3)
+    else:
+        options = ReductionParams("outer", 16, 32, 4, waves=1, stages=3)
+    KERNEL_CACHE.clear()
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": options})
+    inputs = [torch.randn(1000, 77, generator=rng).to(torch.bfloat16)]
+    (out,) = executor.run(inputs)
+    assert_close(out, fd.execute(inputs)[0], reduction_extent=77 if layout == "inner" else 1000)
+    assert "stages=3" in executor.kernel_report()
+    assert any("num_stages=3" in source for source in KERNEL_CACHE.sources())
+
+
 def test_what_no_scheduler_takes_falls_back_and_says_so(rng):
     with FusionDefinition() as fd:
         x = fd.define_tensor([7, 64])
