@@ -129,7 +129,9 @@ def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
                     variants[f"{name}.waves={waves}"] = {name: replace(params, waves=waves)}
                 atomics = replace(params, deterministic=False)
                 variants[f"{name}.atomics"] = {name: atomics}
-                for stages in (2, 3, 4):
+                for stages in (1, 2, 3):
+                    if stages == params.stages:
+                        continue
                     other = replace(params, stages=stages)
                     variants[f"{name}.stages={stages}"] = {name: other}
                 for rows, columns in ((16, 256), (8, 512), (64, 64)):
