@@ -35,6 +35,9 @@ _POINTERS = {
     "tl.int1": "*i1",
 }
 _ACCESS = re.compile(r"\b(ld|st)\.global((?:\.[\w:]+)*)")
+# An asynchronous copy from global to shared memory (a pipelined loop's loads): its size
+# in bytes is the third operand.
+_ASYNC_COPY = re.compile(r"\bcp\.async\.\w+\.shared\.global\s*\[[^\]]*\],\s*\[[^\]]*\],\s*(\w+)")
 
 
 def _require_compiler() -> None:
@@ -95,13 +98,16 @@ def compile_ptx(
 
 
 def access_widths(ptx: str) -> dict[str, dict[int, int]]:
-    """Global loads and stores of ``ptx`` by width in bits: ``{"loads": {128: 16}, ...}``."""
+    """Global loads (asynchronous copies to shared memory included) and stores of ``ptx``
+    by width in bits: ``{"loads": {128: 16}, ...}``."""
     counts = {"loads": Counter(), "stores": Counter()}
     for kind, modifiers in _ACCESS.findall(ptx):
         parts = modifiers.split(".")
         lanes = next((int(p[1:]) for p in parts if re.fullmatch(r"v\d", p)), 1)
         bits = next(int(p[1:]) for p in reversed(parts) if re.fullmatch(r"[bsuf]\d+", p))
         counts["loads" if kind == "ld" else "stores"][lanes * bits] += 1
+    for size in _ASYNC_COPY.findall(ptx):
+        counts["loads"][8 * int(size, 0)] += 1
     return {kind: dict(sorted(c.items())) for kind, c in counts.items()}
 
 
@@ -125,7 +131,8 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
     ``access_widths``, its instruction count (``"instructions"``), how many of them
     convert to bf16 rounding to nearest (``"bf16_conversions"``) and how many are fused
     multiply-adds (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``) or flush
-    subnormals to zero (``"flush_to_zero"``: the fp4 decoder needs them kept)."""
+    subnormals to zero (``"flush_to_zero"``: the fp4 decoder needs them kept), and its
+    asynchronous copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
     pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
     pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
     if hasattr(plan, "accumulator"):
@@ -140,5 +147,6 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
             "bf16_conversions": sum(n for op, n in opcodes.items() if op.startswith("cvt.rn.bf16")),
             "fused_multiply_adds": sum(n for op, n in opcodes.items() if op.startswith("fma")),
             "flush_to_zero": sum(n for op, n in opcodes.items() if ".ftz" in op),
+            "async_copies": len(_ASYNC_COPY.findall(ptx)),
         }
     return result

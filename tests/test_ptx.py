@@ -105,3 +105,12 @@ def test_the_fp4_decoder_keeps_subnormals(widths):
     """fp4_decode scales a float32 subnormal (0.5 is 2**-127 * 2**126): no .ftz."""
     for row in _rows(widths, "fp4_to_bf16", "pointwise_kernel"):
         assert row["flush_to_zero"] == 0, row
+
+
+def test_outer_reductions_pipeline_their_loads(widths):
+    """Two stages on Hopper: the next tile's loads are asynchronous copies issued before
+    this tile is summed (1 stage measured 0.78-0.86 of copy, 2 stages 0.82-0.89)."""
+    for row in _rows(widths, "column_sum", "reduction_kernel"):
+        assert row["async_copies"] > 0, row
+    for row in _rows(widths, "row_sum", "reduction_kernel"):
+        assert row["async_copies"] == 0, row  # one step a row: nothing to overlap
