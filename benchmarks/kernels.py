@@ -134,7 +134,7 @@ def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
                         continue
                     other = replace(params, stages=stages)
                     variants[f"{name}.stages={stages}"] = {name: other}
-                for rows, columns in ((16, 256), (8, 512), (64, 64)):
+                for rows, columns in ((32, 128), (16, 256), (128, 32)):
                     other = replace(params, block_rows=rows, block_reduce=columns)
                     variants[f"{name}.tile={rows}x{columns}"] = {name: other}
             else:

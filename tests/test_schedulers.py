@@ -348,6 +348,23 @@ def test_reduction_params_follow_the_reduced_extent_not_the_batch():
     assert large.block_rows == 2  # two rows a program even when rows are long
 
 
+@pytest.mark.parametrize(
+    ("dtype", "columns"), [("bfloat16", 64), ("float32", 32), ("float8_e4m3fn", 128)]
+)
+def test_outer_reduction_tiles_read_a_cache_line_a_row(dtype, columns):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["batch", "hidden"], dtype)
+        fd.add_output(fd.ops.sum(fd.ops.cast(x, "float32"), dims=[0]))
+    scheduler = ReductionScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+    params = scheduler.heuristics(plan, H200, 1 << 20)
+    assert params.block_reduce == columns  # outer: columns a program
+    assert params.block_reduce * as_dtype(dtype).bits == 128 * 8
+    assert params.block_rows * params.block_reduce * 32 == 16 * 1024 * 8  # float32 tile
+    assert params.stages == 2 and params.waves == 8
+    assert scheduler.heuristics(plan, INTERPRETER, 1 << 20).stages == 1  # no async copies
+
+
 def test_hardware_profiles_count_in_bits():
     assert H200.smem_per_block_bits == 227 * 1024 * 8
     assert B200.sm_count == 148 and H100.arch == 90
