@@ -64,6 +64,7 @@ from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
 from schedulers.hardware import current_hardware
+from schedulers.normalization import NormalizationScheduler
 from schedulers.reduction import ReductionScheduler
 from sharding.communication import LocalShard
 from sharding.errors import ShardingError
@@ -520,6 +521,9 @@ class _Compiled:
             extents = [source[axis] for axis in plan.reduced]
             params = override or scheduler.heuristics(plan, hardware, math.prod(extents))
             launch = scheduler.build(plan, params, hardware, extents)
+        elif isinstance(scheduler, NormalizationScheduler):
+            params = override or scheduler.heuristics(plan, hardware, self.local_shape(plan.space))
+            launch = scheduler.build(plan, params)
         else:
             shape = self.local_shape(plan.outputs[0])
             params = override or scheduler.heuristics(plan, hardware, shape)

@@ -19,8 +19,10 @@ from fusion.exprs import (
     CastOp,
     ExpandOp,
     Expr,
+    ReductionOp,
     SetOp,
     UnaryOp,
+    VarMeanOp,
     WhereOp,
 )
 from fusion.ir import Extent, TensorView
@@ -40,12 +42,17 @@ def _broadcasts(source: Extent, target: Extent) -> bool:
 
 
 def map_into_space(
-    exprs: list[Expr], roots: dict[TensorView, Mapping]
+    exprs: list[Expr],
+    roots: dict[TensorView, Mapping],
+    reduced_axes: tuple[int, ...] | None = None,
 ) -> dict[TensorView, Mapping]:
     """Map every tensor the pointwise ``exprs`` touch into the space of the ``roots``.
 
     ``roots`` gives the mapping of the tensors the walk starts from (the outputs, or a
-    reduction's input). Raises ``NotSchedulable`` when a tensor would need two mappings.
+    reduction's input). With ``reduced_axes`` (the innermost axes of S), reductions over
+    their input's innermost axes are walked through too: the input runs along the
+    output's axes and then ``reduced_axes``. Raises ``NotSchedulable`` when a tensor
+    would need two mappings.
     """
     mapping = dict(roots)
 
@@ -82,6 +89,12 @@ def map_into_space(
                     for d, (a, b) in enumerate(zip(source.shape, out.shape, strict=True))
                 ),
             )
+        elif reduced_axes is not None and isinstance(expr, (ReductionOp, VarMeanOp)):
+            (source,) = expr.inputs
+            count = len(reduced_axes)
+            if tuple(expr.dims) != tuple(range(source.ndim - count, source.ndim)):
+                raise NotSchedulable(f"{expr.op_name} does not reduce the innermost axes")
+            assign(source, tuple(target) + tuple(reduced_axes))
         else:
             raise NotSchedulable(f"{expr.op_name} is not a pointwise op")
     return mapping

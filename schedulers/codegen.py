@@ -304,3 +304,15 @@ def _power(a: str, exponent: object, ctype: DataType) -> str:
     if exponent == -2:
         return f"reciprocal({a} * {a})" if ctype is float32 else f"1.0 / ({a} * {a})"
     raise NotSchedulable(f"pow with exponent {exponent!r}")
+
+
+def reduce_call(value: str, axis: int, combine: str, keep_dims: bool = False) -> str:
+    """Triton source reducing ``value`` along ``axis`` with ``combine`` ("add",
+    "maximum", "minimum"). Sums use ``tl.sum``: the same tree on a GPU as ``tl.reduce``
+    with an add, and vectorised in the interpreter, which runs a ``tl.reduce`` with a
+    combine function one element at a time. Max and min keep the NaN-propagating
+    combine functions."""
+    keep = ", keep_dims=True" if keep_dims else ""
+    if combine == "add":
+        return f"tl.sum({value}, {axis}{keep})"
+    return f"tl.reduce({value}, {axis}, {combine}{keep})"

@@ -35,6 +35,7 @@ from schedulers.codegen import (
     Emitter,
     Value,
     check_supported,
+    reduce_call,
 )
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
@@ -309,7 +310,7 @@ class ReductionScheduler:
         body.line(f"acc = {combine}(acc, tl.where(mask, {term}, {identity}))")
         emit.lines.extend(f"    {line}" for line in body.lines)
         axis = 1 if inner else 0
-        emit.line(f"reduced = tl.reduce(acc, {axis}, {combine})")
+        emit.line(f"reduced = {reduce_call('acc', axis, combine)}")
         if not inner and not params.deterministic:
             # Outer, atomics: add this part's partial sums into one row, in any order.
             emit.line("tl.atomic_add(partial + kept_index, reduced, mask=kept_mask)")
@@ -375,7 +376,7 @@ class ReductionScheduler:
             "+ kept_index[None, :], mask=(parts < split)[:, None] & kept_mask[None, :], "
             f"other={identity}))"
         )
-        emit.line(f"reduced = tl.reduce(acc, 0, {combine})")
+        emit.line(f"reduced = {reduce_call('acc', 0, combine)}")
         self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
         return self._wrap(emit, "combine_kernel", ["partial", *ins, *outs], runtime, "")
 

@@ -1,7 +1,8 @@
 """The scheduler registry: which scheduler takes which exprs, tried in priority order.
 
 ``split_into_kernels`` cuts a run of compute exprs into kernels: from each position it
-takes the longest run that some scheduler accepts (reduction first, then pointwise); an
+takes the longest run that some scheduler accepts (normalization, reduction, then
+pointwise); an
 expr no scheduler takes is evaluated by the reference evaluator, and the reason is kept
 so the host program can say why.
 """
@@ -13,10 +14,11 @@ from dataclasses import dataclass
 from fusion.exprs import Expr
 from fusion.ir import Fusion, TensorView
 from schedulers.analysis import NotSchedulable
+from schedulers.normalization import NormalizationScheduler
 from schedulers.pointwise import PointwiseScheduler
 from schedulers.reduction import ReductionScheduler
 
-SCHEDULERS = (ReductionScheduler(), PointwiseScheduler())
+SCHEDULERS = (NormalizationScheduler(), ReductionScheduler(), PointwiseScheduler())
 
 
 @dataclass

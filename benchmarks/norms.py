@@ -1,0 +1,140 @@
+"""RMSNorm and LayerNorm, forward and backward: generated kernels against eager PyTorch
+and torch.compile, as a fraction of a device-to-device copy.
+
+    python benchmarks/norms.py            # on one GPU; figures to results/norms.json
+    python benchmarks/norms.py --smoke    # tiny shapes on CPU (Triton's interpreter)
+
+The fusions are those of ``examples/norms.py``. Bytes = every input read once and every
+output written once (x, dy, dx and y dominate; weights and saved statistics count too).
+Ours runs through the executor, replayed from a CUDA graph, and is checked against the
+reference evaluator first. Eager: ``F.rms_norm`` and ``F.layer_norm`` forward,
+``aten.native_layer_norm_backward`` and the RMSNorm backward's formula in torch ops;
+compile: ``torch.compile`` of the same functions. Median of interleaved rounds (CUDA
+events), as ``benchmarks/kernels.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+if "--smoke" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.kernels import copy_gbps, time_ms  # noqa: E402
+from examples.norms import BUILDERS, make_inputs  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+
+SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
+OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
+
+
+def eager_function(op: str, n: int):
+    """PyTorch's way to compute what the fusion computes, on the same inputs."""
+    if op == "rmsnorm_fwd":
+
+        def rmsnorm_fwd(x, w):
+            xf = x.float()
+            rstd = torch.rsqrt(xf.pow(2).mean(dim=1) + 1e-6)
+            return F.rms_norm(x, (n,), w, 1e-6), rstd
+
+        return rmsnorm_fwd
+    if op == "layernorm_fwd":
+        return lambda x, w, b: F.layer_norm(x, (n,), w, b, 1e-5)
+    if op == "rmsnorm_bwd":
+
+        def rmsnorm_bwd(x, dy, w, rstd):
+            xf, dyf, r = x.float(), dy.float(), rstd[:, None]
+            xhat, g = xf * r, dyf * w.float()
+            dx = r * (g - xhat * (g * xhat).mean(dim=1, keepdim=True))
+            return dx.to(x.dtype), (dyf * xhat).sum(dim=0)
+
+        return rmsnorm_bwd
+    if op == "layernorm_bwd":
+
+        def layernorm_bwd(x, dy, w, mean, rstd):
+            return torch.ops.aten.native_layer_norm_backward(
+                dy, x, [n], mean[:, None], rstd[:, None], w, None, [True, True, False]
+            )[:2]
+
+        return layernorm_bwd
+    raise KeyError(op)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "norms.json"))
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--iterations", type=int, default=20)
+    parser.add_argument("--op", action="append", help="only these ops (repeatable)")
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.smoke else "cuda")
+    shapes = [(5, 96), (3, 1000)] if args.smoke else SHAPES
+    copy = copy_gbps(device)
+    generator = torch.Generator().manual_seed(0)
+    rows = []
+    for op in OPS:
+        if args.op and op not in args.op:
+            continue
+        for m, n in shapes:
+            fd = BUILDERS[op](n, "bfloat16")
+            inputs = make_inputs(op, m, n, torch.bfloat16, device, generator)
+            executor = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke)
+            outputs = executor.run(inputs)
+            for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
+                assert_close(actual, expected, reduction_extent=max(m, n))
+            nbytes = sum(t.numel() * t.element_size() for t in [*inputs, *outputs])
+            eager = eager_function(op, n)
+            functions = {
+                "ours_auto": lambda e=executor, i=inputs: e.run(i),
+                "eager": lambda f=eager, i=inputs: f(*i),
+            }
+            if not args.smoke:
+                compiled = torch.compile(eager)
+                functions["compile"] = lambda f=compiled, i=inputs: f(*i)
+                source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+                target = torch.empty_like(source)
+                functions["copy"] = lambda s=source, t=target: t.copy_(s)
+            times = time_ms(functions, device, args.rounds, args.iterations)
+            for provider, ms in times.items():
+                gbps = nbytes / (ms * 1e6)
+                rows.append({"op": op, "M": m, "N": n, "dtype": "bfloat16", "bytes": nbytes,
+                             "provider": provider, "ms": ms, "gbps": gbps,
+                             "frac_copy": gbps / copy})  # fmt: skip
+                print(f"{op:<14} {m:>6}x{n:<6} {provider:<10} {ms:8.3f} ms {gbps:8.1f} GB/s "
+                      f"{gbps / copy:6.2f} of copy", flush=True)  # fmt: skip
+            print("  " + executor.kernel_report().replace("\n", "\n  "), flush=True)
+    print(f"device copy: {copy:.1f} GB/s")
+    if not args.smoke:
+        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+            cwd=ROOT,
+        ).stdout.strip()  # fmt: skip
+        result = {
+            "device": torch.cuda.get_device_name(device),
+            "date": datetime.date.today().isoformat(),
+            "commit": commit or "unknown",
+            "command": " ".join(["python", *sys.argv]),
+            "torch": torch.__version__,
+            "copy_gbps": copy,
+            "rows": rows,
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,575 @@
+"""The inner persistent (normalization) scheduler: softmax, LayerNorm and RMSNorm forward.
+
+It takes a group of exprs with one or more reductions over the same innermost axes
+whose results are used back along the rows: ``x - max(x)``, ``x * rsqrt(mean(x*x))``.
+Every tensor of the group is one of four kinds, by the axes of the space S (the
+reductions' input shape) it runs along:
+
+- *full*: rows and reduced columns (``x``, the output ``y``);
+- *row*: the kept axes only (``mean``, ``rstd``; row outputs such as a saved mean);
+- *column*: the reduced axes only (a LayerNorm ``weight``);
+- *scalar*: neither.
+
+Each program takes ``block_rows`` rows. When the row fits in registers
+(``persistent``) the kernel loads every input once and runs straight through: each
+reduction, the row values that follow from it, then the outputs. When it does not, the
+kernel walks the row in steps of ``block_columns`` once per level of reductions (a
+reduction whose input needs another's result is one level deeper) and once more for
+the outputs, re-reading its inputs (from L2, mostly): Triton has no explicit
+shared-memory buffer to stage a row in.
+
+The reduced extent is a ``tl.constexpr`` (``COLUMNS``): a kernel is specialised on it
+(a symbolic reduced extent cost 32 % in a measured Triton RMSNorm), never on the
+number of rows, so a new batch size reuses it. Reductions accumulate in float32
+(float64 for float64) and round once to their dtype, as the reference does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fusion.dtypes import DataType, float4_e2m1, float32, float64
+from fusion.exprs import Expr, ReductionOp, VarMeanOp
+from fusion.ir import TensorView
+from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
+from schedulers.cache import KERNEL_CACHE
+from schedulers.codegen import (
+    COMPILE_OPTIONS,
+    PRELUDE,
+    TRITON_TYPES,
+    Emitter,
+    Value,
+    check_supported,
+    reduce_call,
+)
+from schedulers.hardware import HardwareProfile
+from schedulers.pointwise import as_bytes, triton_cdiv
+
+_COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
+OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-bound rows
+MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
+OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
+CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
+
+
+@dataclass(frozen=True)
+class NormalizationParams:
+    """Launch configuration of a normalization kernel (override any field to tune it)."""
+
+    block_rows: int  # rows a program
+    block_columns: int  # columns a step (a power of two); >= the row when persistent
+    num_warps: int
+    persistent: bool  # the whole row in registers, inputs loaded once
+    programs: int = 0  # >0: a grid of this many programs walking the rows (chunked rows)
+    why: str = field(default="", compare=False)  # the heuristic's reasons
+
+    def __str__(self) -> str:
+        text = (
+            f"NormalizationParams(block_rows={self.block_rows}, "
+            f"block_columns={self.block_columns}, num_warps={self.num_warps}, "
+            f"persistent={self.persistent}"
+        )
+        text += f", programs={self.programs})" if self.programs else ")"
+        return f"{text} [{self.why}]" if self.why else text
+
+
+@dataclass
+class NormalizationPlan:
+    """What the kernel computes; independent of extents."""
+
+    exprs: list[Expr]
+    inputs: list[TensorView]
+    outputs: list[TensorView]
+    rank: int  # of S
+    reduced: int  # how many innermost axes of S are reduced
+    kinds: dict[TensorView, str]  # "full", "row", "column" or "scalar"
+    reductions: list[Expr]  # ReductionOp and VarMeanOp, in order
+    levels: dict[TensorView, int]  # reduction outputs: passes over the row they need
+    producers: dict[TensorView, Expr]
+    space: TensorView  # a tensor of shape S (the first reduction's input)
+
+    @property
+    def widest_bits(self) -> int:
+        return max(t.dtype.bits for t in self.inputs + self.outputs)
+
+    @property
+    def depth(self) -> int:
+        """Passes over the row the reductions need (1: independent reductions only)."""
+        return max(self.levels.values())
+
+    @property
+    def buffers(self) -> int:
+        """Full-row inputs a persistent kernel keeps in registers."""
+        return max(1, sum(1 for t in self.inputs if self.kinds[t] == "full"))
+
+
+class NormalizationScheduler:
+    name = "normalization"
+
+    # -- analysis --------------------------------------------------------------------
+
+    def plan(
+        self, exprs: list[Expr], inputs: list[TensorView], outputs: list[TensorView]
+    ) -> NormalizationPlan:
+        reductions = [e for e in exprs if isinstance(e, (ReductionOp, VarMeanOp))]
+        if not reductions:
+            raise NotSchedulable("no reduction")
+        for expr in exprs:
+            if not isinstance(expr, (*POINTWISE, ReductionOp, VarMeanOp)):
+                raise NotSchedulable(f"{expr.op_name} is not pointwise or a reduction")
+        check_supported([e for e in exprs if isinstance(e, POINTWISE)])
+        space = reductions[0].inputs[0]
+        rank = space.ndim
+        reduced = len(reductions[0].dims)
+        if reduced == 0 or rank == reduced:
+            raise NotSchedulable("a normalization keeps some axes and reduces the innermost")
+        trailing = tuple(range(rank - reduced, rank))
+        for expr in reductions:
+            (source,) = expr.inputs
+            if source.ndim != rank or tuple(expr.dims) != trailing:
+                raise NotSchedulable(f"{expr.op_name} does not reduce the innermost axes of S")
+            if source.shape != space.shape:
+                raise NotSchedulable(f"{source} and {space} have different shapes")
+            if not all(o.dtype.is_floating and not o.dtype.storage_only for o in expr.outputs):
+                raise NotSchedulable(f"{expr.op_name} of {source.dtype}: floats only")
+        roots = {out: self._root(out, space, reduced) for out in outputs}
+        mappings = map_into_space(exprs, roots, reduced_axes=trailing)
+        for tensor in inputs:
+            if tensor not in mappings:
+                raise NotSchedulable(f"{tensor} is not read by the kernel")
+        row_axes, column_axes = set(range(rank - reduced)), set(trailing)
+        kinds = {}
+        for tensor, mapping in mappings.items():
+            present = [a for a in mapping if a is not None]
+            if present != sorted(present):
+                raise NotSchedulable(f"{tensor} runs along S's axes out of order")
+            covered = set(present)
+            if covered == row_axes | column_axes:
+                kinds[tensor] = "full"
+            elif covered == row_axes:
+                kinds[tensor] = "row"
+            elif covered == column_axes:
+                kinds[tensor] = "column"
+            elif not covered:
+                kinds[tensor] = "scalar"
+            else:
+                raise NotSchedulable(f"{tensor} runs along only some of the kept or reduced axes")
+        for out in outputs:
+            if kinds[out] not in ("full", "row"):
+                raise NotSchedulable(f"{out} is an output along the reduced axes only")
+            if out.dtype is float4_e2m1:
+                raise NotSchedulable("fp4 outputs of a normalization")
+        if not any(kinds[t] == "full" for t in [*inputs, *outputs]):
+            raise NotSchedulable("no input or output of the full shape")
+        producers = {t: e for e in exprs for t in e.outputs}
+        levels = _levels(exprs)
+        used_back = any(
+            kinds.get(out) == "full" and any(levels.get(t, 0) > 0 for t in e.inputs)
+            for e in exprs
+            if isinstance(e, POINTWISE)
+            for out in e.outputs
+        )
+        if not used_back:
+            raise NotSchedulable("no reduction result is used back along the rows")
+        reduction_outputs = {t for e in reductions for t in e.outputs}
+        return NormalizationPlan(
+            exprs,
+            inputs,
+            outputs,
+            rank,
+            reduced,
+            kinds,
+            reductions,
+            {t: levels[t] for t in reduction_outputs},
+            producers,
+            space,
+        )
+
+    @staticmethod
+    def _root(out: TensorView, space: TensorView, reduced: int) -> tuple[int | None, ...]:
+        rank = space.ndim
+        if out.ndim == rank - reduced and out.shape == space.shape[: rank - reduced]:
+            return tuple(range(rank - reduced))
+        if out.ndim == rank and all(
+            a == b or (a == 1 and d >= rank - reduced)
+            for d, (a, b) in enumerate(zip(out.shape, space.shape, strict=True))
+        ):
+            return tuple(
+                None if a == 1 and b != 1 else d
+                for d, (a, b) in enumerate(zip(out.shape, space.shape, strict=True))
+            )
+        raise NotSchedulable(f"{out} has neither the shape of {space} nor of its rows")
+
+    # -- heuristics ------------------------------------------------------------------
+
+    def heuristics(
+        self, plan: NormalizationPlan, hardware: HardwareProfile, shape: list[int]
+    ) -> NormalizationParams:
+        """Enumerate persistent batch sizes (values a thread holds per buffered row) and
+        rank them by, in order: reaching the occupancy target, the row dividing evenly
+        into the threads' vectors, registers left for other values, fewer waves, higher
+        occupancy. ``shape`` is S's; the number of rows only ranks waves."""
+        rank = len(shape)
+        columns = math.prod(shape[rank - plan.reduced :])
+        rows = math.prod(shape[: rank - plan.reduced])
+        width = _next_power_of_two(max(columns, 1))
+        vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
+        candidates = []
+        for warps in (1, 2, 4, 8, 16):
+            threads = warps * hardware.warp_size
+            for block_rows in (1, 2, 4, 8, 16, 32, 64):
+                # per thread, per buffered row (a tile smaller than a warp: one value)
+                values = max(1, block_rows * width // threads)
+                if (block_rows * width < threads and warps > 1) or block_rows * width > 65536:
+                    continue
+                if block_rows > 1 and block_rows > _next_power_of_two(rows):
+                    continue
+                registers = plan.buffers * values + OTHER_REGISTERS
+                if registers > MAX_REGISTERS:
+                    continue
+                candidate = _Candidate.of(hardware, warps, block_rows, width, columns, rows,
+                                          vector, registers)  # fmt: skip
+                if candidate.occupancy > 0:  # a block whose registers fit an SM at all
+                    candidates.append(candidate)
+        if not candidates:
+            return self._chunked(plan, hardware, columns, vector)
+        best = min(candidates, key=_Candidate.rank)
+        why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
+        return NormalizationParams(best.block_rows, width, best.warps, True, why=why)
+
+    @staticmethod
+    def _chunked(plan, hardware, columns: int, vector: int) -> NormalizationParams:
+        """Rows re-read once per pass: a grid small enough that the rows in flight stay
+        in half the L2, so the passes after the first read from L2, not memory."""
+        warps = 16
+        step = min(_next_power_of_two(columns), CHUNK_VALUES * warps * hardware.warp_size)
+        row_bits = columns * sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
+        fitting = hardware.l2_bits // 2 // max(row_bits, 1)
+        programs = max(hardware.sm_count, min(4 * hardware.sm_count, fitting))
+        why = (
+            f"a row of {columns} does not fit in registers ({plan.buffers} buffered "
+            f"inputs, at most {MAX_REGISTERS} registers a thread): {plan.depth + 1} passes "
+            f"of {step} columns; {programs} programs walk the rows so those in flight "
+            f"({programs * row_bits // 8 // 2**20} MiB) stay in half the L2"
+        )
+        return NormalizationParams(1, step, warps, False, programs, why)
+
+    # -- code ------------------------------------------------------------------------
+
+    def source(self, plan: NormalizationPlan, params: NormalizationParams) -> str:
+        """The kernel's Triton source: no extent in it (``COLUMNS`` is a constexpr)."""
+        pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
+        targets = [f"out{i}" for i in range(len(plan.outputs))]
+        outer = Emitter()
+        outer.line("pid = tl.cast(row_block, tl.int64)")
+        outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+        outer.line("row_mask = rows < row_count")
+        row_cache: dict[TensorView, Value] = {}
+        generator = _Generator(plan, pointers, outer, row_cache)
+        persistent = params.persistent
+        if persistent:
+            generator.columns(outer, "0")
+            step = _Step(outer, row_cache)  # one step: everything shares one cache
+        for level in range(1, plan.depth + 1):
+            group = [t for t, v in plan.levels.items() if v == level]
+            if persistent:
+                for tensor in group:
+                    generator.reduce_persistent(step, tensor)
+                continue
+            accumulators = {t: generator.accumulator(t) for t in group}
+            body = generator.loop()
+            for tensor in group:
+                generator.accumulate(body, tensor, accumulators[tensor])
+            generator.close(body)
+            for tensor in group:
+                generator.finish(tensor, accumulators[tensor])
+        full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
+        if full:
+            body = step if persistent else generator.loop()
+            for i, tensor in full:
+                value = generator.value(body, tensor)
+                shaped = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
+                body.emit.line(
+                    f"tl.store({targets[i]} + offs, "
+                    f"{body.emit.stored(Value(shaped, value.dtype))}, mask=mask)"
+                )
+            if not persistent:
+                generator.close(body)
+        for i, tensor in enumerate(plan.outputs):
+            if plan.kinds[tensor] != "row":
+                continue
+            value = generator.value(_Step(outer, row_cache), tensor)
+            outer.line(
+                f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, "
+                "mask=row_mask[:, None])"
+            )
+        runtime = ["row_count"]
+        header = (
+            f"@triton.jit(do_not_specialize={runtime!r})\n"
+            f"def normalization_kernel({', '.join([*pointers.values(), *targets, *runtime])}, "
+            "COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):\n"
+        )
+        comment = (
+            f"# normalization: {len(plan.reductions)} reductions in {plan.depth} levels, "
+            f"{'persistent' if persistent else 'chunked'}"
+        )
+        if params.programs:  # a fixed grid walks the row blocks
+            walk = ("for row_block in range(tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), "
+                    "tl.num_programs(0)):")  # fmt: skip
+            lines = [walk, *(f"    {line}" for line in outer.lines)]
+        else:
+            lines = ["row_block = tl.program_id(0)", *outer.lines]
+        body = "".join(f"    {line}\n" for line in lines)
+        return f"{PRELUDE}\n{comment}\n{header}{body}"
+
+    def constants(
+        self, plan: NormalizationPlan, params: NormalizationParams, columns: int
+    ) -> dict[str, int]:
+        return {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
+                "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
+
+    def kernels(self, plan: NormalizationPlan, params: NormalizationParams, columns: int):
+        """``(name, source, constants, num_warps)`` of the one kernel a launch runs."""
+        return [("normalization_kernel", self.source(plan, params),
+                 self.constants(plan, params, columns), params.num_warps)]  # fmt: skip
+
+    def build(self, plan: NormalizationPlan, params: NormalizationParams):
+        """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
+        if params.block_columns & (params.block_columns - 1) or params.block_rows < 1:
+            raise ValueError(f"{params}: block_columns must be a power of two")
+        source = self.source(plan, params)
+        kernel = KERNEL_CACHE.get(source, "normalization_kernel")
+
+        def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
+            shape = _space_shape(plan, shapes)
+            columns = math.prod(shape[plan.rank - plan.reduced :])
+            rows = math.prod(shape[: plan.rank - plan.reduced])
+            if rows == 0:
+                return
+            if columns == 0:
+                raise NotSchedulable("a normalization over an empty row")
+            if params.persistent and columns > params.block_columns:
+                raise ValueError(
+                    f"{params} holds {params.block_columns} columns; the row has {columns}"
+                )
+            pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            grid = (triton_cdiv(rows, params.block_rows),)
+            if params.programs:
+                grid = (min(grid[0], params.programs),)
+            kernel[grid](*pointers, rows, COLUMNS=columns, BLOCK_ROWS=params.block_rows,
+                         BLOCK_COLUMNS=params.block_columns, num_warps=params.num_warps,
+                         **COMPILE_OPTIONS)  # fmt: skip
+
+        launch.forms = lambda: []
+        return launch
+
+
+# -- helpers -------------------------------------------------------------------------
+
+
+def _levels(exprs: list[Expr]) -> dict[TensorView, int]:
+    """How many reductions deep each tensor is (0: it needs no reduction's result)."""
+    levels: dict[TensorView, int] = {}
+    for expr in exprs:
+        below = max((levels.get(t, 0) for t in expr.inputs), default=0)
+        if isinstance(expr, VarMeanOp):
+            var, mean = expr.outputs
+            levels[mean] = below + 1
+            levels[var] = below + 2  # the variance sums squares about the mean
+        elif isinstance(expr, ReductionOp):
+            levels[expr.outputs[0]] = below + 1
+        else:
+            for out in expr.outputs:
+                levels[out] = below
+    return levels
+
+
+def _space_shape(plan: NormalizationPlan, shapes) -> list[int]:
+    for tensor, shape in shapes.items():
+        if plan.kinds.get(tensor) == "full" and len(shape) == plan.rank:
+            return list(shape)
+    raise ValueError("no tensor of the normalization's full shape")
+
+
+def _next_power_of_two(value: int) -> int:
+    return 1 << max(0, (value - 1).bit_length())
+
+
+def _identity(op: str) -> str:
+    if op in ("sum", "mean"):
+        return "0.0"
+    return 'float("-inf")' if op == "max" else 'float("inf")'
+
+
+@dataclass
+class _Candidate:
+    warps: int
+    block_rows: int
+    values: int  # per thread, per buffered row
+    registers: int
+    occupancy: float
+    reaches: bool
+    even: bool
+    waves: int
+
+    @classmethod
+    def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
+        threads = warps * hardware.warp_size
+        by_registers = hardware.registers_per_sm // (registers * threads)
+        blocks = max(0, min(32, hardware.max_warps_per_sm // warps, by_registers))
+        occupancy = blocks * warps / hardware.max_warps_per_sm
+        lanes = threads // block_rows  # threads along one row
+        even = lanes * vector <= width and columns % (lanes * vector) == 0
+        programs = triton_cdiv(max(rows, 1), block_rows)
+        waves = triton_cdiv(programs, max(1, blocks) * hardware.sm_count)
+        values = max(1, block_rows * width // threads)
+        return cls(warps, block_rows, values, registers, occupancy,
+                   occupancy >= OCCUPANCY_TARGET, even, waves)  # fmt: skip
+
+    def rank(self) -> tuple:
+        left = MAX_REGISTERS - self.registers
+        return (not self.reaches, not self.even, -left, self.waves, -self.occupancy)
+
+    def describe(self) -> str:
+        return (
+            f"{self.warps} warps x {self.block_rows} rows: {self.values} values a thread "
+            f"a buffer, about {self.registers} registers, occupancy {self.occupancy:.2f} "
+            f"({'reaches' if self.reaches else 'below'} {OCCUPANCY_TARGET}), the row "
+            f"{'divides' if self.even else 'does not divide'} evenly, {self.waves} waves"
+        )
+
+
+@dataclass
+class _Step:
+    """Where values of one walk over the columns are emitted, and those already there."""
+
+    emit: Emitter
+    cache: dict[TensorView, Value]
+
+
+class _Generator:
+    """Emits a normalization kernel's values: full and column values in a step, row
+    values (reductions and what follows from them) once, outside any loop."""
+
+    def __init__(self, plan, pointers, outer: Emitter, row_cache) -> None:
+        self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
+        self.loops = 0
+        self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
+
+    # Columns of a step: offsets, masks.
+    @staticmethod
+    def columns(emit: Emitter, start: str) -> None:
+        emit.line(f"cols = {start} + tl.arange(0, BLOCK_COLUMNS)")
+        emit.line("col_mask = cols < COLUMNS")
+        emit.line("mask = row_mask[:, None] & col_mask[None, :]")
+        emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
+
+    def loop(self) -> _Step:
+        body = Emitter()
+        body.count = 1000 * (self.loops + 1) + self.outer.count
+        self.loops += 1
+        self.columns(body, "start")
+        return _Step(body, {})
+
+    def close(self, step: _Step) -> None:
+        self.outer.line("for start in range(0, COLUMNS, BLOCK_COLUMNS):")
+        self.outer.lines.extend(f"    {line}" for line in step.emit.lines)
+        self.outer.count = max(self.outer.count, step.emit.count)
+
+    # Values.
+    def value(self, step: _Step, tensor: TensorView) -> Value:
+        kind = self.plan.kinds[tensor]
+        if kind in ("row", "scalar") and step.cache is not self.row_cache:
+            return self.value(_Step(self.outer, self.row_cache), tensor)
+        if tensor in step.cache:
+            return step.cache[tensor]
+        emit = step.emit
+        if tensor in self.pointers:
+            pointer = self.pointers[tensor]
+            if kind == "full":
+                value = emit.load(tensor, pointer, "offs", "mask")
+            elif kind == "column":
+                loaded = emit.load(tensor, pointer, "cols", "col_mask")
+                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype)
+            elif kind == "row":
+                loaded = emit.load(tensor, pointer, "rows", "row_mask")
+                value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
+            else:
+                loaded = emit.load(tensor, pointer, "rows * 0", "row_mask")
+                value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
+            step.cache[tensor] = value
+            return value
+        producer = self.plan.producers[tensor]
+        if isinstance(producer, (ReductionOp, VarMeanOp)):
+            raise AssertionError(f"{tensor} is used before its reduction finished")
+        operands = [
+            self.value(step, o) if isinstance(o, TensorView) else o for o in producer.operands
+        ]
+        for out, value in zip(producer.outputs, emit.expr(producer, operands), strict=True):
+            step.cache[out] = value
+        return step.cache[tensor]
+
+    # Reductions.
+    def _term(self, step: _Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
+        """The masked term a reduction output sums (or maxes) in a step."""
+        producer = self.plan.producers[tensor]
+        (source,) = producer.inputs
+        accumulator = _accumulator(tensor.dtype)
+        value = step.emit.as_compute(self.value(step, source), accumulator)
+        if isinstance(producer, VarMeanOp) and tensor is producer.outputs[0]:
+            mean = self.means[producer]
+            centred = step.emit.assign(f"{value} - {mean}")
+            value = step.emit.assign(f"{centred} * {centred}")
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        term = step.emit.assign(f"tl.where(mask, {value}, {_identity(op)})")
+        return producer, op, term, accumulator
+
+    def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
+        producer, op, term, accumulator = self._term(step, tensor)
+        reduced = step.emit.assign(reduce_call(term, 1, _COMBINE[op], keep_dims=True))
+        self._finish(producer, tensor, op, reduced, accumulator)
+
+    def accumulator(self, tensor: TensorView) -> str:
+        producer = self.plan.producers[tensor]
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        kind = TRITON_TYPES[_accumulator(tensor.dtype).name]
+        return self.outer.assign(
+            f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {_identity(op)}, {kind})", "acc"
+        )
+
+    def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
+        _, op, term, _ = self._term(step, tensor)
+        step.emit.line(f"{accumulator} = {_COMBINE[op]}({accumulator}, {term})")
+
+    def finish(self, tensor: TensorView, accumulator: str) -> None:
+        producer = self.plan.producers[tensor]
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        reduced = self.outer.assign(reduce_call(accumulator, 1, _COMBINE[op], keep_dims=True))
+        self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
+
+    def _finish(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
+        emit = self.outer
+        count = f"tl.full((), COLUMNS, {TRITON_TYPES[accumulator.name]})"
+        if isinstance(producer, VarMeanOp):
+            var, mean = producer.outputs
+            if tensor is mean:
+                result = emit.assign(f"div({reduced}, {count})")
+                self.means[producer] = result
+            else:
+                divisor = f"tl.full((), COLUMNS - {producer.correction}, tl.float32)"
+                if accumulator is float64:
+                    divisor = divisor.replace("tl.float32", "tl.float64")
+                result = emit.assign(f"div({reduced}, {divisor})")
+        elif op == "mean":
+            result = emit.assign(f"div({reduced}, {count})")
+        else:
+            result = reduced
+        self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
+
+
+def _accumulator(dtype: DataType) -> DataType:
+    """Reductions of floats accumulate in float32 (float64 for float64)."""
+    return float64 if dtype is float64 else float32

@@ -1,0 +1,185 @@
+"""The normalization scheduler in Triton's interpreter against the reference evaluator:
+softmax, RMSNorm and LayerNorm forward and backward (examples/norms.py), heuristics on
+recorded hardware profiles, and kernel reuse across batch sizes."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from examples.norms import BUILDERS, make_inputs  # noqa: E402
+from fusion import FusionDefinition  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from schedulers.cache import KERNEL_CACHE  # noqa: E402
+from schedulers.hardware import H100, H200, INTERPRETER  # noqa: E402
+from schedulers.normalization import NormalizationParams, NormalizationScheduler  # noqa: E402
+from schedulers.reduction import ReductionParams  # noqa: E402
+from schedulers.registry import split_into_kernels  # noqa: E402
+
+HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# The column sums of a backward (kernels after k0) in wide tiles: the interpreter pays
+# per program, and the reduction scheduler's own tests cover its heuristics' tiles.
+WIDE_COLUMN_SUMS = {k: ReductionParams("outer", 8, 4096, 4, waves=1) for k in ("k1", "k2")}
+
+
+def _run(name: str, n: int, dtype: str, rows: int = 3, params=None, seed: int = 0):
+    fd = BUILDERS[name](n, dtype)
+    generator = torch.Generator().manual_seed(seed + n)
+    inputs = make_inputs(name, rows, n, DTYPES[dtype], "cpu", generator)
+    overrides = dict(WIDE_COLUMN_SUMS)
+    if params is not None:
+        overrides["k0"] = params
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params=overrides)
+    outputs = executor.run(inputs)
+    return fd, inputs, outputs, executor
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("name", ["softmax_fwd", "rmsnorm_fwd", "layernorm_fwd"])
+def test_forward_matches_the_reference(name, n, dtype):
+    fd, inputs, outputs, executor = _run(name, n, dtype)
+    for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
+        assert_close(actual, expected, reduction_extent=n)
+    report = executor.kernel_report()
+    assert report.startswith("k0 [normalization]") and "\n" not in report, report
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("n", HIDDEN)
+@pytest.mark.parametrize("name", ["softmax_bwd", "rmsnorm_bwd", "layernorm_bwd"])
+def test_backward_matches_the_reference(name, n, dtype):
+    rows = 5
+    fd, inputs, outputs, executor = _run(name, n, dtype, rows=rows)
+    expected = fd.execute(inputs)
+    assert_close(outputs[0], expected[0], reduction_extent=n)  # dx
+    assert "k0 [normalization]" in executor.kernel_report()
+    # dweight and dbias (float32 sums over the rows) against float64 arithmetic
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
+
+
+def _weight_gradients_in_float64(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    if name == "softmax_bwd":
+        return []
+    x, dy = inputs[0].double(), inputs[1].double()
+    if name == "rmsnorm_bwd":
+        xhat = x * inputs[3].double()[:, None]
+        return [(dy * xhat).sum(dim=0)]
+    mean, rstd = inputs[3].double(), inputs[4].double()
+    xhat = (x - mean[:, None]) * rstd[:, None]
+    return [(dy * xhat).sum(dim=0), dy.sum(dim=0)]
+
+
+@pytest.mark.parametrize("name", ["softmax_fwd", "layernorm_fwd", "rmsnorm_bwd"])
+@pytest.mark.parametrize("n", [7, 1000])
+def test_the_chunked_form_matches_the_reference(name, n):
+    """Rows walked in steps of 256 (4) columns, once per reduction level and once for
+    the outputs, by a grid of 2 programs that walk 9 row blocks."""
+    params = NormalizationParams(2, 256 if n > 7 else 4, 4, persistent=False, programs=2)
+    fd, inputs, outputs, executor = _run(name, n, "bfloat16", rows=17, params=params)
+    expected = fd.execute(inputs)
+    assert_close(outputs[0], expected[0], reduction_extent=n)
+    assert "persistent=False, programs=2" in executor.kernel_report()
+    source = next(s for s in KERNEL_CACHE.sources() if "chunked" in s)
+    assert "for start in range(0, COLUMNS, BLOCK_COLUMNS)" in source
+    assert "tl.num_programs(0)" in source
+
+
+def test_a_persistent_kernel_refuses_a_longer_row_before_launching():
+    params = NormalizationParams(1, 512, 4, persistent=True)
+    with pytest.raises(ValueError, match="holds 512 columns; the row has 1000"):
+        _run("rmsnorm_fwd", 1000, "float32", params=params)
+
+
+def test_a_batch_size_change_reuses_the_kernel():
+    fd = BUILDERS["rmsnorm_fwd"](1024, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    generator = torch.Generator().manual_seed(1)
+    KERNEL_CACHE.clear()
+    for rows in (1, 3, 8, 17, 64):
+        inputs = make_inputs("rmsnorm_fwd", rows, 1024, torch.bfloat16, "cpu", generator)
+        for actual, expected in zip(executor.run(inputs), fd.execute(inputs), strict=True):
+            assert_close(actual, expected, reduction_extent=1024)
+    assert KERNEL_CACHE.compilations == 1
+    assert "COLUMNS: tl.constexpr" in KERNEL_CACHE.sources()[0]
+    assert "row_count" in KERNEL_CACHE.sources()[0]  # rows: a runtime argument
+
+
+def _plan(name: str, n: int, dtype: str = "bfloat16"):
+    fd = BUILDERS[name](n, dtype)
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    assert isinstance(group.scheduler, NormalizationScheduler)
+    return group.scheduler, group.plan
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "persistent", "warps", "values"),
+    [
+        ("rmsnorm_fwd", 1024, True, 4, 8),  # 8 bf16 a thread: one 128-bit vector
+        ("rmsnorm_fwd", 4096, True, 16, 8),
+        ("layernorm_fwd", 8192, True, 16, 16),
+        ("softmax_fwd", 16384, True, 16, 32),
+        ("rmsnorm_fwd", 24576, True, 16, 64),  # padded to 32768 columns
+        ("rmsnorm_fwd", 65536, False, 16, None),  # 128 values a thread: too many registers
+        ("rmsnorm_bwd", 65536, False, 16, None),
+    ],
+)
+def test_heuristics_on_h200(name, n, persistent, warps, values):
+    scheduler, plan = _plan(name, n)
+    params = scheduler.heuristics(plan, H200, [32768, n])
+    assert params.persistent is persistent and params.num_warps == warps, params
+    if persistent:
+        assert params.block_columns >= n and params.programs == 0
+        assert f"{values} values a thread" in params.why and "reaches 0.25" in params.why
+    else:
+        assert params.block_columns == 8192 and "does not fit in registers" in params.why
+        assert H200.sm_count <= params.programs <= 4 * H200.sm_count
+        # the rows in flight stay within half the L2
+        assert params.programs * n * 16 <= H200.l2_bits // 2 or params.programs == 132
+
+
+def test_more_buffered_inputs_leave_the_registers_sooner():
+    """The backward keeps x and dy: at 24576 the forward is persistent, the backward
+    too but with fewer registers left; the ranking says why."""
+    forward = _plan("rmsnorm_fwd", 24576)
+    backward = _plan("rmsnorm_bwd", 24576)
+    assert forward[1].buffers == 1 and backward[1].buffers == 2
+    f = forward[0].heuristics(forward[1], H100, [4096, 24576])
+    b = backward[0].heuristics(backward[1], H100, [4096, 24576])
+    registers = [int(p.why.split("about ")[1].split()[0]) for p in (f, b)]
+    assert registers[1] > registers[0], (f, b)
+
+
+def test_the_interpreter_profile_gives_runnable_params():
+    scheduler, plan = _plan("softmax_fwd", 1000)
+    params = scheduler.heuristics(plan, INTERPRETER, [3, 1000])
+    assert params.persistent and params.block_columns == 1024
+    assert "best of" in str(params)  # the reasons print
+
+
+def test_a_plain_row_sum_stays_with_the_reduction_scheduler():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 64])
+        fd.add_output(fd.ops.sum(x, dims=[1]))
+    (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    assert group.scheduler.name == "reduction"
+
+
+def test_outer_reductions_are_not_normalizations():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 64])
+        total = fd.ops.sum(x, dims=[0], keepdim=True)
+        fd.add_output(x - total)
+    scheduler = NormalizationScheduler()
+    with pytest.raises(Exception, match="innermost"):
+        scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
