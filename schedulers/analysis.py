@@ -50,9 +50,10 @@ def map_into_space(
 
     ``roots`` gives the mapping of the tensors the walk starts from (the outputs, or a
     reduction's input). With ``reduced_axes`` (the innermost axes of S), reductions over
-    their input's innermost axes are walked through too: the input runs along the
-    output's axes and then ``reduced_axes``. Raises ``NotSchedulable`` when a tensor
-    would need two mappings.
+    their input's innermost axes are walked through too (the input runs along the
+    output's axes and then ``reduced_axes``), and so are sums over all the other axes
+    (column sums: the input runs along S's kept axes, then the output's). Raises
+    ``NotSchedulable`` when a tensor would need two mappings.
     """
     mapping = dict(roots)
 
@@ -91,10 +92,15 @@ def map_into_space(
             )
         elif reduced_axes is not None and isinstance(expr, (ReductionOp, VarMeanOp)):
             (source,) = expr.inputs
-            count = len(reduced_axes)
-            if tuple(expr.dims) != tuple(range(source.ndim - count, source.ndim)):
-                raise NotSchedulable(f"{expr.op_name} does not reduce the innermost axes")
-            assign(source, tuple(target) + tuple(reduced_axes))
+            count, rank = len(reduced_axes), source.ndim
+            if tuple(expr.dims) == tuple(range(rank - count, rank)):
+                assign(source, tuple(target) + tuple(reduced_axes))
+            elif isinstance(expr, ReductionOp) and tuple(expr.dims) == tuple(range(rank - count)):
+                # a column reduction (over S's kept axes): its result runs along the
+                # reduced axes, its input along all of them
+                assign(source, tuple(range(rank - count)) + tuple(target))
+            else:
+                raise NotSchedulable(f"{expr.op_name} reduces neither the inner axes nor the rest")
         else:
             raise NotSchedulable(f"{expr.op_name} is not a pointwise op")
     return mapping

@@ -53,6 +53,8 @@ OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
 OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
 CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
+COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
+COMBINE_PARTS = 256  # and partial rows it adds per step
 
 
 @dataclass(frozen=True)
@@ -80,6 +82,7 @@ class NormalizationParams:
 class NormalizationPlan:
     """What the kernel computes; independent of extents."""
 
+    column_sums: list[Expr]  # sums over the rows (a backward's dweight): partials per program
     exprs: list[Expr]
     inputs: list[TensorView]
     outputs: list[TensorView]
@@ -114,9 +117,14 @@ class NormalizationScheduler:
     def plan(
         self, exprs: list[Expr], inputs: list[TensorView], outputs: list[TensorView]
     ) -> NormalizationPlan:
-        reductions = [e for e in exprs if isinstance(e, (ReductionOp, VarMeanOp))]
-        if not reductions:
+        all_reductions = [e for e in exprs if isinstance(e, (ReductionOp, VarMeanOp))]
+        if not all_reductions:
             raise NotSchedulable("no reduction")
+        last = all_reductions[0].inputs[0].ndim
+        reductions = [e for e in all_reductions if last - 1 in e.dims]  # row reductions
+        columns = [e for e in all_reductions if e not in reductions]  # sums over the rows
+        if not reductions:
+            raise NotSchedulable("no reduction along the rows")
         for expr in exprs:
             if not isinstance(expr, (*POINTWISE, ReductionOp, VarMeanOp)):
                 raise NotSchedulable(f"{expr.op_name} is not pointwise or a reduction")
@@ -135,6 +143,14 @@ class NormalizationScheduler:
                 raise NotSchedulable(f"{source} and {space} have different shapes")
             if not all(o.dtype.is_floating and not o.dtype.storage_only for o in expr.outputs):
                 raise NotSchedulable(f"{expr.op_name} of {source.dtype}: floats only")
+        for expr in columns:
+            (source,) = expr.inputs
+            if expr.op_name != "sum" or tuple(expr.dims) != tuple(range(rank - reduced)):
+                raise NotSchedulable(f"{expr.op_name} over {list(expr.dims)}: column sums only")
+            if source.shape != space.shape or not expr.output.dtype.is_floating:
+                raise NotSchedulable(f"{expr.op_name} of {source}: a float column sum of S")
+            if expr.output not in outputs or any(u in exprs for u in expr.output.uses):
+                raise NotSchedulable(f"{expr.output}: a column sum must be an output, unused")
         roots = {out: self._root(out, space, reduced) for out in outputs}
         mappings = map_into_space(exprs, roots, reduced_axes=trailing)
         for tensor in inputs:
@@ -157,8 +173,9 @@ class NormalizationScheduler:
                 kinds[tensor] = "scalar"
             else:
                 raise NotSchedulable(f"{tensor} runs along only some of the kept or reduced axes")
+        column_outputs = {e.output for e in columns}
         for out in outputs:
-            if kinds[out] not in ("full", "row"):
+            if kinds[out] not in ("full", "row") and out not in column_outputs:
                 raise NotSchedulable(f"{out} is an output along the reduced axes only")
             if out.dtype is float4_e2m1:
                 raise NotSchedulable("fp4 outputs of a normalization")
@@ -176,6 +193,7 @@ class NormalizationScheduler:
             raise NotSchedulable("no reduction result is used back along the rows")
         reduction_outputs = {t for e in reductions for t in e.outputs}
         return NormalizationPlan(
+            columns,
             exprs,
             inputs,
             outputs,
@@ -193,6 +211,8 @@ class NormalizationScheduler:
         rank = space.ndim
         if out.ndim == rank - reduced and out.shape == space.shape[: rank - reduced]:
             return tuple(range(rank - reduced))
+        if out.ndim == reduced and out.shape == space.shape[rank - reduced :]:
+            return tuple(range(rank - reduced, rank))  # a column sum
         if out.ndim == rank and all(
             a == b or (a == 1 and d >= rank - reduced)
             for d, (a, b) in enumerate(zip(out.shape, space.shape, strict=True))
@@ -227,7 +247,9 @@ class NormalizationScheduler:
                     continue
                 if block_rows > 1 and block_rows > _next_power_of_two(rows):
                     continue
-                registers = plan.buffers * values + OTHER_REGISTERS
+                # buffered rows, plus a program's partial column sums when it keeps any
+                sums = len(plan.column_sums) * max(1, width // threads)
+                registers = plan.buffers * values + sums + OTHER_REGISTERS
                 if registers > MAX_REGISTERS:
                     continue
                 candidate = _Candidate.of(hardware, warps, block_rows, width, columns, rows,
@@ -238,7 +260,11 @@ class NormalizationScheduler:
             return self._chunked(plan, hardware, columns, vector)
         best = min(candidates, key=_Candidate.rank)
         why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
-        return NormalizationParams(best.block_rows, width, best.warps, True, why=why)
+        programs = 0
+        if plan.column_sums:  # one wave of programs, each summing its rows' columns
+            programs = best.blocks * hardware.sm_count
+            why += f"; {programs} programs keep column partial sums (one wave)"
+        return NormalizationParams(best.block_rows, width, best.warps, True, programs, why)
 
     @staticmethod
     def _chunked(plan, hardware, columns: int, vector: int) -> NormalizationParams:
@@ -287,7 +313,10 @@ class NormalizationScheduler:
             for tensor in group:
                 generator.finish(tensor, accumulators[tensor])
         full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
-        if full:
+        sums = [(i, e) for i, e in enumerate(plan.column_sums)]
+        partials = [f"part{i}" for i, _ in sums]
+        before, after = [], []  # around the walk over the rows (column sums)
+        if full or sums:
             body = step if persistent else generator.loop()
             for i, tensor in full:
                 value = generator.value(body, tensor)
@@ -296,6 +325,26 @@ class NormalizationScheduler:
                     f"tl.store({targets[i]} + offs, "
                     f"{body.emit.stored(Value(shaped, value.dtype))}, mask=mask)"
                 )
+            for i, expr in sums:
+                (source,) = expr.inputs
+                term = body.emit.as_compute(generator.value(body, source), float32)
+                column = body.emit.assign(f"tl.sum(tl.where(mask, {term}, 0.0), 0)")
+                if persistent:  # this program's partial sums stay in registers
+                    before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
+                    body.emit.line(f"colsum{i} = colsum{i} + {column}")
+                    after.append(
+                        f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
+                        "+ tl.arange(0, BLOCK_COLUMNS), "
+                        f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
+                    )
+                else:  # its row of partial sums, in memory (zeroed before the launch)
+                    row = body.emit.assign(
+                        f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p"
+                    )
+                    body.emit.line(
+                        f"tl.store({row}, tl.load({row}, mask=col_mask, other=0.0) + {column}, "
+                        "mask=col_mask)"
+                    )
             if not persistent:
                 generator.close(body)
         for i, tensor in enumerate(plan.outputs):
@@ -309,7 +358,8 @@ class NormalizationScheduler:
         runtime = ["row_count"]
         header = (
             f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def normalization_kernel({', '.join([*pointers.values(), *targets, *runtime])}, "
+            f"def normalization_kernel("
+            f"{', '.join([*pointers.values(), *targets, *partials, *runtime])}, "
             "COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):\n"
         )
         comment = (
@@ -319,11 +369,37 @@ class NormalizationScheduler:
         if params.programs:  # a fixed grid walks the row blocks
             walk = ("for row_block in range(tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), "
                     "tl.num_programs(0)):")  # fmt: skip
-            lines = [walk, *(f"    {line}" for line in outer.lines)]
+            lines = [*before, walk, *(f"    {line}" for line in outer.lines), *after]
         else:
+            if sums:
+                raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
             lines = ["row_block = tl.program_id(0)", *outer.lines]
         body = "".join(f"    {line}\n" for line in lines)
         return f"{PRELUDE}\n{comment}\n{header}{body}"
+
+    def combine_source(self, plan: NormalizationPlan, index: int) -> str:
+        """The column sums' second kernel: each program's partial row added in a fixed
+        order (deterministic), rounded once to the output's dtype."""
+        expr = plan.column_sums[index]
+        emit = Emitter()
+        emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
+        emit.line("col_mask = cols < COLUMNS")
+        emit.line("acc = tl.zeros((PARTS, BLOCK_COLUMNS), tl.float32)")
+        emit.line("for first in range(0, programs, PARTS):")
+        emit.line("    parts = first + tl.arange(0, PARTS)")
+        emit.line(
+            "    acc += tl.load(partial + parts[:, None] * COLUMNS + cols[None, :], "
+            "mask=(parts < programs)[:, None] & col_mask[None, :], other=0.0)"
+        )
+        value = emit.rounded("tl.sum(acc, 0)", float32, expr.output.dtype)
+        emit.line(f"tl.store(out + cols, {emit.stored(value)}, mask=col_mask)")
+        header = (
+            "@triton.jit(do_not_specialize=['programs'])\n"
+            "def combine_kernel(partial, out, programs, COLUMNS: tl.constexpr, "
+            "BLOCK_COLUMNS: tl.constexpr, PARTS: tl.constexpr):\n"
+        )
+        body = "".join(f"    {line}\n" for line in emit.lines)
+        return f"{PRELUDE}\n{header}{body}"
 
     def constants(
         self, plan: NormalizationPlan, params: NormalizationParams, columns: int
@@ -332,9 +408,14 @@ class NormalizationScheduler:
                 "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
 
     def kernels(self, plan: NormalizationPlan, params: NormalizationParams, columns: int):
-        """``(name, source, constants, num_warps)`` of the one kernel a launch runs."""
-        return [("normalization_kernel", self.source(plan, params),
-                 self.constants(plan, params, columns), params.num_warps)]  # fmt: skip
+        """``(name, source, constants, num_warps)`` of each kernel a launch runs."""
+        kernels = [("normalization_kernel", self.source(plan, params),
+                    self.constants(plan, params, columns), params.num_warps)]  # fmt: skip
+        for i in range(len(plan.column_sums)):
+            constants = {"COLUMNS": columns, "BLOCK_COLUMNS": COMBINE_COLUMNS,
+                         "PARTS": COMBINE_PARTS}  # fmt: skip
+            kernels.append(("combine_kernel", self.combine_source(plan, i), constants, 8))
+        return kernels
 
     def build(self, plan: NormalizationPlan, params: NormalizationParams):
         """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
@@ -342,6 +423,11 @@ class NormalizationScheduler:
             raise ValueError(f"{params}: block_columns must be a power of two")
         source = self.source(plan, params)
         kernel = KERNEL_CACHE.get(source, "normalization_kernel")
+        combines = [
+            KERNEL_CACHE.get(self.combine_source(plan, i), "combine_kernel")
+            for i in range(len(plan.column_sums))
+        ]
+        sum_outputs = [plan.outputs.index(e.output) for e in plan.column_sums]
 
         def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
             shape = _space_shape(plan, shapes)
@@ -359,9 +445,22 @@ class NormalizationScheduler:
             grid = (triton_cdiv(rows, params.block_rows),)
             if params.programs:
                 grid = (min(grid[0], params.programs),)
-            kernel[grid](*pointers, rows, COLUMNS=columns, BLOCK_ROWS=params.block_rows,
-                         BLOCK_COLUMNS=params.block_columns, num_warps=params.num_warps,
-                         **COMPILE_OPTIONS)  # fmt: skip
+            # one row of float32 partial column sums per program (zeroed when the row is
+            # walked in chunks: each chunk adds into it)
+            allocate = torch.empty if params.persistent else torch.zeros
+            partials = [
+                allocate((grid[0], columns), dtype=torch.float32, device=inputs[0].device)
+                for _ in plan.column_sums
+            ]
+            kernel[grid](*pointers, *partials, rows, COLUMNS=columns,
+                         BLOCK_ROWS=params.block_rows, BLOCK_COLUMNS=params.block_columns,
+                         num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+            for combine, partial, index in zip(combines, partials, sum_outputs, strict=True):
+                combine[(triton_cdiv(columns, COMBINE_COLUMNS),)](
+                    partial, outputs[index], grid[0], COLUMNS=columns,
+                    BLOCK_COLUMNS=COMBINE_COLUMNS, PARTS=COMBINE_PARTS, num_warps=8,
+                    **COMPILE_OPTIONS,
+                )
 
         launch.forms = lambda: []
         return launch
@@ -379,8 +478,10 @@ def _levels(exprs: list[Expr]) -> dict[TensorView, int]:
             var, mean = expr.outputs
             levels[mean] = below + 1
             levels[var] = below + 2  # the variance sums squares about the mean
-        elif isinstance(expr, ReductionOp):
+        elif isinstance(expr, ReductionOp) and expr.inputs[0].ndim - 1 in expr.dims:
             levels[expr.outputs[0]] = below + 1
+        elif isinstance(expr, ReductionOp):  # a column sum: no pass of its own
+            levels[expr.outputs[0]] = below
         else:
             for out in expr.outputs:
                 levels[out] = below
@@ -414,6 +515,7 @@ class _Candidate:
     reaches: bool
     even: bool
     waves: int
+    blocks: int  # programs an SM holds at once
 
     @classmethod
     def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
@@ -427,7 +529,7 @@ class _Candidate:
         waves = triton_cdiv(programs, max(1, blocks) * hardware.sm_count)
         values = max(1, block_rows * width // threads)
         return cls(warps, block_rows, values, registers, occupancy,
-                   occupancy >= OCCUPANCY_TARGET, even, waves)  # fmt: skip
+                   occupancy >= OCCUPANCY_TARGET, even, waves, blocks)  # fmt: skip
 
     def rank(self) -> tuple:
         left = MAX_REGISTERS - self.registers
