@@ -456,11 +456,9 @@ class NormalizationScheduler:
                          BLOCK_ROWS=params.block_rows, BLOCK_COLUMNS=params.block_columns,
                          num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
             for combine, partial, index in zip(combines, partials, sum_outputs, strict=True):
-                combine[(triton_cdiv(columns, COMBINE_COLUMNS),)](
-                    partial, outputs[index], grid[0], COLUMNS=columns,
-                    BLOCK_COLUMNS=COMBINE_COLUMNS, PARTS=COMBINE_PARTS, num_warps=8,
-                    **COMPILE_OPTIONS,
-                )
+                combine[(triton_cdiv(columns, COMBINE_COLUMNS),)](partial, outputs[index],
+                    grid[0], COLUMNS=columns, BLOCK_COLUMNS=COMBINE_COLUMNS, PARTS=COMBINE_PARTS,
+                    num_warps=8, **COMPILE_OPTIONS)  # fmt: skip
 
         launch.forms = lambda: []
         return launch
