@@ -43,3 +43,20 @@ def test_kernels_benchmark_smoke_run_with_a_sweep():
     wanted = {"ours", "eager", "ours[k0.warps=8,unroll=1]", "ours[k0.atomics]"}
     assert wanted <= providers, providers
     assert "form: aligned" in result.stdout
+
+
+def test_norms_benchmark_smoke_run():
+    """RMSNorm and LayerNorm forward and backward at tiny shapes in the interpreter: every
+    output is checked against the reference before it is timed."""
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "norms.py"), "--smoke",
+        "--rounds", "1", "--iterations", "1",
+    ]  # fmt: skip
+    environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=400, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ops = {line.split()[0] for line in result.stdout.splitlines() if " ours_auto " in line}
+    assert ops == {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}, ops
+    assert "[normalization]" in result.stdout
