@@ -21,6 +21,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -35,6 +36,7 @@ from benchmarks.kernels import copy_gbps, time_ms  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from schedulers.normalization import NormalizationParams  # noqa: E402
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
@@ -76,6 +78,28 @@ def eager_function(op: str, n: int):
     raise KeyError(op)
 
 
+def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict]:
+    """Other launch configurations of the normalization kernel to time beside the
+    heuristics' choice (``--sweep``): a label -> ``kernel_params``."""
+    params = executor.chosen_params.get("k0")
+    if not isinstance(params, NormalizationParams):
+        return {}
+    variants = {}
+    if params.persistent:
+        programs = params.programs or 2 * sm_count
+        for stages in (2, 3):
+            if stages != params.stages:
+                variants[f"stages={stages}"] = replace(params, programs=programs, stages=stages)
+        if not params.programs:
+            variants[f"programs={programs}"] = replace(params, programs=programs)
+        if params.block_rows * params.block_columns * 2 <= 65536:
+            variants["rows*2"] = replace(params, block_rows=params.block_rows * 2)
+    for warps in (params.num_warps // 2, params.num_warps * 2):
+        if 1 <= warps <= 16:
+            variants[f"warps={warps}"] = replace(params, num_warps=warps)
+    return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -83,6 +107,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
+    parser.add_argument(
+        "--sweep", action="store_true",
+        help="also time other launch configurations (providers ours[...])",
+    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = [(5, 96), (3, 1000)] if args.smoke else SHAPES
@@ -105,6 +133,17 @@ def main() -> None:
                 "ours_auto": lambda e=executor, i=inputs: e.run(i),
                 "eager": lambda f=eager, i=inputs: f(*i),
             }
+            if args.sweep:
+                sm_count = torch.cuda.get_device_properties(device).multi_processor_count if (
+                    device.type == "cuda") else 1  # fmt: skip
+                for label, overrides in alternatives(executor, sm_count).items():
+                    variant = MultiDeviceExecutor(fd, kernels="generated",
+                                                  cuda_graph=not args.smoke,
+                                                  kernel_params=overrides)  # fmt: skip
+                    for actual, expected in zip(variant.run(inputs), fd.execute(inputs),
+                                                strict=True):  # fmt: skip
+                        assert_close(actual, expected, reduction_extent=max(m, n))
+                    functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
             if not args.smoke:
                 compiled = torch.compile(eager)
                 functions["compile"] = lambda f=compiled, i=inputs: f(*i)
@@ -117,7 +156,7 @@ def main() -> None:
                 rows.append({"op": op, "M": m, "N": n, "dtype": "bfloat16", "bytes": nbytes,
                              "provider": provider, "ms": ms, "gbps": gbps,
                              "frac_copy": gbps / copy})  # fmt: skip
-                print(f"{op:<14} {m:>6}x{n:<6} {provider:<10} {ms:8.3f} ms {gbps:8.1f} GB/s "
+                print(f"{op:<14} {m:>6}x{n:<6} {provider:<16} {ms:8.3f} ms {gbps:8.1f} GB/s "
                       f"{gbps / copy:6.2f} of copy", flush=True)  # fmt: skip
             print("  " + executor.kernel_report().replace("\n", "\n  "), flush=True)
     print(f"device copy: {copy:.1f} GB/s")

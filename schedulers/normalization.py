@@ -65,7 +65,9 @@ class NormalizationParams:
     block_columns: int  # columns a step (a power of two); >= the row when persistent
     num_warps: int
     persistent: bool  # the whole row in registers, inputs loaded once
-    programs: int = 0  # >0: a grid of this many programs walking the rows (chunked rows)
+    programs: int = 0  # >0: a grid of this many programs walking the rows
+    stages: int = 1  # >1 (a persistent row, programs > 0): the next rows' loads go out
+    # while this one is computed (Triton's async-copy pipeline over the walk)
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -74,7 +76,8 @@ class NormalizationParams:
             f"block_columns={self.block_columns}, num_warps={self.num_warps}, "
             f"persistent={self.persistent}"
         )
-        text += f", programs={self.programs})" if self.programs else ")"
+        text += f", programs={self.programs}" if self.programs else ""
+        text += f", stages={self.stages})" if self.stages != 1 else ")"
         return f"{text} [{self.why}]" if self.why else text
 
 
@@ -264,7 +267,7 @@ class NormalizationScheduler:
         if plan.column_sums:  # one wave of programs, each summing its rows' columns
             programs = best.blocks * hardware.sm_count
             why += f"; {programs} programs keep column partial sums (one wave)"
-        return NormalizationParams(best.block_rows, width, best.warps, True, programs, why)
+        return NormalizationParams(best.block_rows, width, best.warps, True, programs, why=why)
 
     @staticmethod
     def _chunked(plan, hardware, columns: int, vector: int) -> NormalizationParams:
@@ -281,7 +284,7 @@ class NormalizationScheduler:
             f"of {step} columns; {programs} programs walk the rows so those in flight "
             f"({programs * row_bits // 8 // 2**20} MiB) stay in half the L2"
         )
-        return NormalizationParams(1, step, warps, False, programs, why)
+        return NormalizationParams(1, step, warps, False, programs, why=why)
 
     # -- code ------------------------------------------------------------------------
 
@@ -369,6 +372,10 @@ class NormalizationScheduler:
         if params.programs:  # a fixed grid walks the row blocks
             walk = ("for row_block in range(tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), "
                     "tl.num_programs(0)):")  # fmt: skip
+            if params.stages > 1 and persistent:
+                walk = walk.replace(" range(", " tl.range(").replace(
+                    "):", f", num_stages={params.stages}):"
+                )
             lines = [*before, walk, *(f"    {line}" for line in outer.lines), *after]
         else:
             if sums:

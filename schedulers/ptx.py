@@ -137,6 +137,11 @@ def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dic
     pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
     if hasattr(plan, "accumulator"):
         pointers["partial"] = memory_type(plan.accumulator)
+    for i in range(len(getattr(plan, "column_sums", []))):  # normalization: partial sums
+        pointers[f"part{i}"] = "tl.float32"
+    if getattr(plan, "column_sums", None):
+        pointers["partial"] = "tl.float32"  # its combining kernel's
+        pointers["out"] = memory_type(plan.column_sums[0].output.dtype)
     result = {}
     for name, source, constants, num_warps in scheduler.kernels(plan, params, aligned):
         ptx = compile_ptx(source, name, pointers, constants, num_warps, arch)
