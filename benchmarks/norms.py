@@ -94,6 +94,11 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants[f"programs={programs}"] = replace(params, programs=programs)
         if params.block_rows * params.block_columns * 2 <= 65536:
             variants["rows*2"] = replace(params, block_rows=params.block_rows * 2)
+    if params.persistent and params.programs and params.stages != 1:
+        variants["stages=1"] = replace(params, stages=1)
+    for rows in (4, 8):  # a warp per row: reductions without shared memory
+        if params.persistent and rows * params.block_columns <= 16384 and rows != params.block_rows:
+            variants[f"rows={rows},warps={rows}"] = replace(params, block_rows=rows, num_warps=rows)
     for warps in (params.num_warps // 2, params.num_warps * 2):
         if 1 <= warps <= 16:
             variants[f"warps={warps}"] = replace(params, num_warps=warps)

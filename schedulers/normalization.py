@@ -53,6 +53,7 @@ OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
 OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
 CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
+PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined loads
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
 COMBINE_PARTS = 256  # and partial rows it adds per step
 
@@ -232,9 +233,13 @@ class NormalizationScheduler:
         self, plan: NormalizationPlan, hardware: HardwareProfile, shape: list[int]
     ) -> NormalizationParams:
         """Enumerate persistent batch sizes (values a thread holds per buffered row) and
-        rank them by, in order: reaching the occupancy target, the row dividing evenly
-        into the threads' vectors, registers left for other values, fewer waves, higher
-        occupancy. ``shape`` is S's; the number of rows only ranks waves."""
+        rank them by, in order: reaching the occupancy target, at least two 128-bit
+        vectors a thread (measured on H200: RMSNorm forward at 4096 columns 0.95 of copy
+        with 16 bf16 a thread, 0.84 with 8), the row dividing evenly into the threads'
+        vectors, registers left for other values, fewer waves, higher occupancy.
+        ``shape`` is S's; the number of rows only ranks waves. With column sums, a wave
+        of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
+        copy for RMSNorm backward at 4096) unless registers are short."""
         rank = len(shape)
         columns = math.prod(shape[rank - plan.reduced :])
         rows = math.prod(shape[: rank - plan.reduced])
@@ -263,11 +268,15 @@ class NormalizationScheduler:
             return self._chunked(plan, hardware, columns, vector)
         best = min(candidates, key=_Candidate.rank)
         why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
-        programs = 0
+        programs, stages = 0, 1
         if plan.column_sums:  # one wave of programs, each summing its rows' columns
             programs = best.blocks * hardware.sm_count
             why += f"; {programs} programs keep column partial sums (one wave)"
-        return NormalizationParams(best.block_rows, width, best.warps, True, programs, why=why)
+            if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS:
+                stages = 3
+                why += ", the next rows' loads pipelined 3 deep"
+        return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
+                                   why=why)  # fmt: skip
 
     @staticmethod
     def _chunked(plan, hardware, columns: int, vector: int) -> NormalizationParams:
@@ -521,6 +530,7 @@ class _Candidate:
     even: bool
     waves: int
     blocks: int  # programs an SM holds at once
+    busy: bool  # at least two 128-bit vectors a thread per buffered row
 
     @classmethod
     def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
@@ -534,11 +544,13 @@ class _Candidate:
         waves = triton_cdiv(programs, max(1, blocks) * hardware.sm_count)
         values = max(1, block_rows * width // threads)
         return cls(warps, block_rows, values, registers, occupancy,
-                   occupancy >= OCCUPANCY_TARGET, even, waves, blocks)  # fmt: skip
+                   occupancy >= OCCUPANCY_TARGET, even, waves, blocks,
+                   values >= 2 * vector)  # fmt: skip
 
     def rank(self) -> tuple:
         left = MAX_REGISTERS - self.registers
-        return (not self.reaches, not self.even, -left, self.waves, -self.occupancy)
+        return (not self.reaches, not self.busy, not self.even, -left, self.waves,
+                -self.occupancy)  # fmt: skip
 
     def describe(self) -> str:
         return (

@@ -132,8 +132,8 @@ def _plan(name: str, n: int, dtype: str = "bfloat16"):
 @pytest.mark.parametrize(
     ("name", "n", "persistent", "warps", "values"),
     [
-        ("rmsnorm_fwd", 1024, True, 4, 8),  # 8 bf16 a thread: one 128-bit vector
-        ("rmsnorm_fwd", 4096, True, 16, 8),
+        ("rmsnorm_fwd", 1024, True, 2, 16),  # 16 bf16 a thread: two 128-bit vectors
+        ("rmsnorm_fwd", 4096, True, 8, 16),
         ("layernorm_fwd", 8192, True, 16, 16),
         ("softmax_fwd", 16384, True, 16, 32),
         ("rmsnorm_fwd", 24576, True, 16, 64),  # padded to 32768 columns
@@ -196,3 +196,11 @@ def test_outer_reductions_are_not_normalizations():
     scheduler = NormalizationScheduler()
     with pytest.raises(Exception, match="no reduction along the rows"):
         scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
+
+
+def test_column_sums_pipeline_the_walk_when_registers_allow():
+    scheduler, plan = _plan("rmsnorm_bwd", 4096)
+    params = scheduler.heuristics(plan, H200, [32768, 4096])
+    assert params.persistent and params.programs > 0 and params.stages == 3, params
+    assert "pipelined 3 deep" in params.why
+    assert scheduler.heuristics(plan, INTERPRETER, [32768, 4096]).stages == 1
