@@ -282,9 +282,14 @@ class NormalizationScheduler:
         if plan.column_sums:  # one wave of programs, each summing its rows' columns
             programs = best.blocks * hardware.sm_count
             why += f"; {programs} programs keep column partial sums (one wave)"
-            if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS:
-                stages = 3
-                why += ", the next rows' loads pipelined 3 deep"
+            # the pipeline keeps its stages' tiles in shared memory: half the block's
+            # budget at most (the rest for the reductions' scratch)
+            tile_bits = sum(best.block_rows * width * t.dtype.bits
+                            for t in plan.inputs if plan.kinds[t] == "full")  # fmt: skip
+            fitting = [k for k in (3, 2) if k * tile_bits <= hardware.smem_per_block_bits // 2]
+            if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS and fitting:
+                stages = fitting[0]
+                why += f", the next rows' loads pipelined {stages} deep"
         return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
                                    why=why)  # fmt: skip
 
