@@ -192,6 +192,27 @@ def copy_gbps(device) -> float:
     return 2 * source.numel() / (ms * 1e6)
 
 
+def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
+    """The figures as ``benchmarks/results/*.json`` hold them: device, date, commit (or
+    ``BENCH_COMMIT`` where the tree has no git), the exact command, copy bandwidth, rows."""
+    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
+        cwd=ROOT,
+    ).stdout.strip()  # fmt: skip
+    result = {
+        "device": torch.cuda.get_device_name(device),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit or "unknown",
+        "command": " ".join(["python", *sys.argv]),
+        "torch": torch.__version__,
+        "copy_gbps": copy,
+        "rows": rows,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -256,22 +277,7 @@ def main() -> None:
         print(f"  {executor.kernel_report()}", flush=True)
     print(f"device copy: {copy:.1f} GB/s")
     if not args.smoke:
-        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-            cwd=ROOT,
-        ).stdout.strip()  # fmt: skip
-        result = {
-            "device": torch.cuda.get_device_name(device),
-            "date": datetime.date.today().isoformat(),
-            "commit": commit or "unknown",
-            "command": " ".join(["python", *sys.argv]),
-            "torch": torch.__version__,
-            "copy_gbps": copy,
-            "rows": rows,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_results(args.out, device, copy, rows)
 
 
 if __name__ == "__main__":

@@ -16,10 +16,7 @@ events), as ``benchmarks/kernels.py``.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -33,7 +30,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from benchmarks.kernels import copy_gbps, time_ms  # noqa: E402
+from benchmarks.kernels import copy_gbps, time_ms, write_results  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
@@ -171,22 +168,7 @@ def main() -> None:
             print("  " + executor.kernel_report().replace("\n", "\n  "), flush=True)
     print(f"device copy: {copy:.1f} GB/s")
     if not args.smoke:
-        commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-            ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-            cwd=ROOT,
-        ).stdout.strip()  # fmt: skip
-        result = {
-            "device": torch.cuda.get_device_name(device),
-            "date": datetime.date.today().isoformat(),
-            "commit": commit or "unknown",
-            "command": " ".join(["python", *sys.argv]),
-            "torch": torch.__version__,
-            "copy_gbps": copy,
-            "rows": rows,
-        }
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.out}")
+        write_results(args.out, device, copy, rows)
 
 
 if __name__ == "__main__":

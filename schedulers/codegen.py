@@ -57,6 +57,8 @@ _DECODE = {
 # reference rounds a product before adding to it, and so must the kernel (an fma
 # rounds once; in bf16 that can differ by an ulp from torch).
 COMPILE_OPTIONS = {"enable_fp_fusion": False}
+# A reduction's combine function (``schedulers.triton_math``), by op.
+COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
 
 PRELUDE = """\
 import triton

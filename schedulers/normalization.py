@@ -37,6 +37,7 @@ from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
 from schedulers.cache import KERNEL_CACHE
 from schedulers.codegen import (
+    COMBINE,
     COMPILE_OPTIONS,
     PRELUDE,
     TRITON_TYPES,
@@ -48,7 +49,6 @@ from schedulers.codegen import (
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
 
-_COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
 OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-bound rows
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
 OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
@@ -664,7 +664,7 @@ class _Generator:
 
     def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
         producer, op, term, accumulator = self._term(step, tensor)
-        reduced = step.emit.assign(reduce_call(term, 1, _COMBINE[op], keep_dims=True))
+        reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
@@ -677,12 +677,12 @@ class _Generator:
 
     def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
         _, op, term, _ = self._term(step, tensor)
-        step.emit.line(f"{accumulator} = {_COMBINE[op]}({accumulator}, {term})")
+        step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
 
     def finish(self, tensor: TensorView, accumulator: str) -> None:
         producer = self.plan.producers[tensor]
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
-        reduced = self.outer.assign(reduce_call(accumulator, 1, _COMBINE[op], keep_dims=True))
+        reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
 
     def _finish(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:

@@ -29,6 +29,7 @@ from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import (
+    COMBINE,
     COMPILE_OPTIONS,
     PRELUDE,
     TRITON_TYPES,
@@ -40,7 +41,6 @@ from schedulers.codegen import (
 from schedulers.hardware import HardwareProfile
 from schedulers.pointwise import as_bytes, triton_cdiv
 
-_COMBINE = {"sum": "add", "mean": "add", "max": "maximum", "min": "minimum"}
 TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
 LINE_BITS = 128 * 8  # a cache line
 COMBINE_COLUMNS = 32  # outer, deterministic: kept positions per program of the combine
@@ -256,7 +256,7 @@ class ReductionScheduler:
         ins, outs, runtime = _parameters(plan, rank)
         if aligned:
             runtime = self._aligned_prologue(emit, plan, runtime)
-        combine = _COMBINE[plan.reduction.op_name]
+        combine = COMBINE[plan.reduction.op_name]
         accumulator = plan.accumulator
         acc_type = TRITON_TYPES[accumulator.name]
         identity = _identity(plan.reduction.op_name, accumulator)
@@ -358,7 +358,7 @@ class ReductionScheduler:
         ins, outs, runtime = _parameters(plan, rank)
         if aligned:
             runtime = self._aligned_prologue(emit, plan, runtime)
-        combine = _COMBINE[plan.reduction.op_name]
+        combine = COMBINE[plan.reduction.op_name]
         identity = _identity(plan.reduction.op_name, plan.accumulator)
         emit.line("pid = tl.program_id(0).to(tl.int64)")
         emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
