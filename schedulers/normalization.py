@@ -467,7 +467,10 @@ class NormalizationScheduler:
             if rows == 0:
                 return
             if columns == 0:
-                raise NotSchedulable("a normalization over an empty row")
+                raise ValueError(
+                    "a normalization over rows of 0 columns: generated kernels do not run "
+                    "it; use kernels='reference'"
+                )
             if params.persistent and columns > params.block_columns:
                 raise ValueError(
                     f"{params} holds {params.block_columns} columns; the row has {columns}"
