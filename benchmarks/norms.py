@@ -97,6 +97,13 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     for rows in (4, 8):  # a warp per row: reductions without shared memory
         if params.persistent and rows * params.block_columns <= 16384 and rows != params.block_rows:
             variants[f"rows={rows},warps={rows}"] = replace(params, block_rows=rows, num_warps=rows)
+    if not params.persistent:  # chunked: how many rows in flight, how long a step
+        for programs in (sm_count, 2 * sm_count, 4 * sm_count):
+            if programs != params.programs:
+                variants[f"programs={programs}"] = replace(params, programs=programs)
+        for step in (params.block_columns // 2, params.block_columns * 2):
+            if 1024 <= step <= 16384:
+                variants[f"step={step}"] = replace(params, block_columns=step)
     for warps in (params.num_warps // 2, params.num_warps * 2):
         if 1 <= warps <= 16:
             variants[f"warps={warps}"] = replace(params, num_warps=warps)
@@ -110,6 +117,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
+    parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
     parser.add_argument(
         "--sweep", action="store_true",
         help="also time other launch configurations (providers ours[...])",
@@ -124,6 +132,8 @@ def main() -> None:
         if args.op and op not in args.op:
             continue
         for m, n in shapes:
+            if args.hidden and n not in args.hidden:
+                continue
             fd = BUILDERS[op](n, "bfloat16")
             inputs = make_inputs(op, m, n, torch.bfloat16, device, generator)
             executor = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke)
