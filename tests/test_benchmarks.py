@@ -46,10 +46,11 @@ def test_kernels_benchmark_smoke_run_with_a_sweep():
 
 
 def test_norms_benchmark_smoke_run():
-    """RMSNorm and LayerNorm forward and backward at tiny shapes in the interpreter: every
-    output is checked against the reference before it is timed."""
+    """RMSNorm and LayerNorm forward and backward at tiny shapes in the interpreter, with
+    the sweep's variants: every output is checked against the reference before it is
+    timed."""
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "norms.py"), "--smoke",
+        sys.executable, str(ROOT / "benchmarks" / "norms.py"), "--smoke", "--sweep",
         "--rounds", "1", "--iterations", "1",
     ]  # fmt: skip
     environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
@@ -60,3 +61,4 @@ def test_norms_benchmark_smoke_run():
     ops = {line.split()[0] for line in result.stdout.splitlines() if " ours_auto " in line}
     assert ops == {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}, ops
     assert "[normalization]" in result.stdout
+    assert "ours[stages=3]" in result.stdout and "ours[warps=" in result.stdout
