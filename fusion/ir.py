@@ -344,6 +344,20 @@ class Fusion:
         live.reverse()
         return live
 
+    def boundary(self, exprs: list[Expr]) -> tuple[list[TensorView], list[TensorView]]:
+        """What a group of ``exprs`` reads from outside it, and what it produces that the
+        rest of the fusion (or its outputs) reads."""
+        inside = set(exprs)
+        produced = {t for e in exprs for t in e.outputs}
+        inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
+        outputs = [
+            t
+            for e in exprs
+            for t in e.outputs
+            if t in self.outputs or any(use not in inside for use in t.uses)
+        ]
+        return inputs, outputs
+
     def __str__(self) -> str:
         from fusion.printer import fusion_to_text
 

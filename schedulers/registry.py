@@ -33,22 +33,8 @@ class KernelGroup:
     reason: str = ""  # why no scheduler took it
 
 
-def boundary(exprs: list[Expr], fusion: Fusion) -> tuple[list[TensorView], list[TensorView]]:
-    """The tensors ``exprs`` read from outside and those they produce for the outside."""
-    inside = set(exprs)
-    produced = {t for e in exprs for t in e.outputs}
-    inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
-    outputs = [
-        t
-        for e in exprs
-        for t in e.outputs
-        if t in fusion.outputs or any(use not in inside for use in t.uses)
-    ]
-    return inputs, outputs
-
-
 def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[object, object] | str:
-    inputs, outputs = boundary(exprs, fusion)
+    inputs, outputs = fusion.boundary(exprs)
     reasons = []
     for scheduler in SCHEDULERS:
         try:
@@ -76,10 +62,10 @@ def split_into_kernels(exprs: list[Expr], fusion: Fusion) -> list[KernelGroup]:
                 groups.append(KernelGroup([exprs[start]], [], [], None, None, reason))
         else:
             scheduler, plan = taken
-            inputs, outputs = boundary(exprs[start:end], fusion)
+            inputs, outputs = fusion.boundary(exprs[start:end])
             groups.append(KernelGroup(exprs[start:end], inputs, outputs, scheduler, plan))
         start = end
     for group in groups:
         if group.scheduler is None:
-            group.inputs, group.outputs = boundary(group.exprs, fusion)
+            group.inputs, group.outputs = fusion.boundary(group.exprs)
     return groups

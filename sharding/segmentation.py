@@ -59,14 +59,6 @@ def segment_fusion(fusion: Fusion, exprs: list[Expr] | None = None) -> list[Segm
         groups.append(([expr], mesh))
     segments = []
     for index, (members, mesh) in enumerate(groups):
-        inside = set(members)
-        produced = {t for e in members for t in e.outputs}
-        inputs = list(dict.fromkeys(t for e in members for t in e.inputs if t not in produced))
-        outputs = [
-            t
-            for e in members
-            for t in e.outputs
-            if t in fusion.outputs or any(use not in inside for use in t.uses)
-        ]
+        inputs, outputs = fusion.boundary(members)
         segments.append(Segment(index, members, mesh, inputs, outputs))
     return segments
