@@ -222,7 +222,6 @@ class Emitter:
 
     def _unary(self, expr: UnaryOp, a: str, ctype: DataType, narrow: bool = False) -> str:
         name = expr.op_name
-        exact32 = ctype is float32
         if name == "neg":
             return f"-{a}"
         if name == "abs":
@@ -236,11 +235,11 @@ class Emitter:
         if name == "log":
             return f"tl.log({a})"
         if name == "sqrt":
-            return f"sqrt({a})" if exact32 else f"tl.sqrt({a})"
+            return _sqrt(a, ctype)
         if name == "rsqrt":
-            return f"reciprocal(sqrt({a}))" if exact32 else f"1.0 / tl.sqrt({a})"
+            return _reciprocal(_sqrt(a, ctype), ctype)
         if name == "reciprocal":
-            return f"reciprocal({a})" if exact32 else f"1.0 / {a}"
+            return _reciprocal(a, ctype)
         if name == "tanh":
             return f"tanh({a})"
         sigmoid = "sigmoid_narrow" if narrow else "sigmoid"
@@ -298,14 +297,24 @@ def _power(a: str, exponent: object, ctype: DataType) -> str:
     if exponent == 3:
         return f"{a} * {a} * {a}"
     if exponent == 0.5:
-        return f"sqrt({a})" if ctype is float32 else f"tl.sqrt({a})"
+        return _sqrt(a, ctype)
     if exponent == -0.5:
-        return f"reciprocal(sqrt({a}))" if ctype is float32 else f"1.0 / tl.sqrt({a})"
+        return _reciprocal(_sqrt(a, ctype), ctype)
     if exponent == -1:
-        return f"reciprocal({a})" if ctype is float32 else f"1.0 / {a}"
+        return _reciprocal(a, ctype)
     if exponent == -2:
-        return f"reciprocal({a} * {a})" if ctype is float32 else f"1.0 / ({a} * {a})"
+        return _reciprocal(f"{a} * {a}", ctype)
     raise NotSchedulable(f"pow with exponent {exponent!r}")
+
+
+def _sqrt(a: str, ctype: DataType) -> str:
+    """IEEE square root for float32 (Triton's may be approximate); float64's is exact."""
+    return f"sqrt({a})" if ctype is float32 else f"tl.sqrt({a})"
+
+
+def _reciprocal(a: str, ctype: DataType) -> str:
+    """IEEE reciprocal for float32 (see ``triton_math.div``)."""
+    return f"reciprocal({a})" if ctype is float32 else f"1.0 / ({a})"
 
 
 def reduce_call(value: str, axis: int, combine: str, keep_dims: bool = False) -> str:
