@@ -101,16 +101,37 @@ def fp8e4m3_encode(x):
 
 
 @triton.jit
+def _fp8_decode(
+    code,
+    MANTISSA_BITS: tl.constexpr,
+    BIAS: tl.constexpr,
+    STEPS_PER_UNIT: tl.constexpr,
+    HAS_INF: tl.constexpr,
+):
+    """Codes (uint8) of an fp8 format with ``MANTISSA_BITS`` and exponent ``BIAS`` to
+    float32, exact. Subnormals count steps of 1 / ``STEPS_PER_UNIT``. With ``HAS_INF``
+    the all-ones exponent is inf (mantissa 0) or NaN; without, only magnitude 0x7F is
+    NaN (e4m3fn has no inf)."""
+    code = code.to(tl.int32)
+    exponent = (code >> MANTISSA_BITS) & (0x7F >> MANTISSA_BITS)
+    mantissa = code & ((1 << MANTISSA_BITS) - 1)
+    normal_bits = ((exponent + (127 - BIAS)) << 23) | (mantissa << (23 - MANTISSA_BITS))
+    subnormal = mantissa.to(tl.float32) * (1.0 / STEPS_PER_UNIT)
+    magnitude_bits = tl.where(exponent == 0, subnormal.to(tl.int32, bitcast=True), normal_bits)
+    if HAS_INF:
+        special_bits = tl.where(mantissa == 0, _FLOAT32_INF_BITS, _FLOAT32_QUIET_NAN_BITS)
+        magnitude_bits = tl.where(exponent == (0x7F >> MANTISSA_BITS), special_bits,
+                                  magnitude_bits)  # fmt: skip
+    else:
+        magnitude_bits = tl.where((code & 0x7F) == 0x7F, _FLOAT32_QUIET_NAN_BITS,
+                                  magnitude_bits)  # fmt: skip
+    return (magnitude_bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def fp8e4m3_decode(code):
     """Float8_e4m3fn codes (uint8) to float32, exact; 0x7F and 0xFF are NaN."""
-    code = code.to(tl.int32)
-    exponent = (code >> 3) & 0xF
-    mantissa = code & 0x7
-    normal_bits = ((exponent + 120) << 23) | (mantissa << 20)
-    subnormal_bits = (mantissa.to(tl.float32) * (1.0 / 512.0)).to(tl.int32, bitcast=True)
-    magnitude_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
-    magnitude_bits = tl.where((code & 0x7F) == 0x7F, _FLOAT32_QUIET_NAN_BITS, magnitude_bits)
-    return (magnitude_bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return _fp8_decode(code, 3, 7, 512.0, False)
 
 
 @triton.jit
@@ -122,15 +143,7 @@ def fp8e5m2_encode(x):
 @triton.jit
 def fp8e5m2_decode(code):
     """Float8_e5m2 codes (uint8) to float32, exact; exponent 31 is inf or NaN."""
-    code = code.to(tl.int32)
-    exponent = (code >> 2) & 0x1F
-    mantissa = code & 0x3
-    normal_bits = ((exponent + 112) << 23) | (mantissa << 21)
-    subnormal_bits = (mantissa.to(tl.float32) * (1.0 / 65536.0)).to(tl.int32, bitcast=True)
-    special_bits = tl.where(mantissa == 0, _FLOAT32_INF_BITS, _FLOAT32_QUIET_NAN_BITS)
-    magnitude_bits = tl.where(exponent == 0, subnormal_bits, normal_bits)
-    magnitude_bits = tl.where(exponent == 0x1F, special_bits, magnitude_bits)
-    return (magnitude_bits | ((code & 0x80) << 24)).to(tl.float32, bitcast=True)
+    return _fp8_decode(code, 2, 15, 65536.0, True)
 
 
 @triton.jit
