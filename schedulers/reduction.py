@@ -249,22 +249,27 @@ class ReductionScheduler:
             emit.line(f"{name} = {name}_{ALIGN_ELEMENTS} * {ALIGN_ELEMENTS}")
         return [f"{name}_{ALIGN_ELEMENTS}" if name in known else name for name in runtime]
 
-    def source(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False) -> str:
-        """The first (or only) kernel; ``aligned`` as in ``PointwiseScheduler.source``."""
+    def _start(self, plan: ReductionPlan, aligned: bool):
+        """Both kernels' opening: parameters, the aligned prologue, this program's kept
+        positions (``kept_index``, ``kept_mask``) and their coordinates."""
         emit = Emitter()
-        rank = plan.reduction.inputs[0].ndim
-        ins, outs, runtime = _parameters(plan, rank)
+        ins, outs, runtime = _parameters(plan, plan.reduction.inputs[0].ndim)
         if aligned:
             runtime = self._aligned_prologue(emit, plan, runtime)
+        emit.line("pid = tl.program_id(0).to(tl.int64)")
+        emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
+        emit.line("kept_mask = kept_index < kept_count")
+        self._coordinates(emit, "kept_index", plan.kept, "k")
+        return emit, ins, outs, runtime
+
+    def source(self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False) -> str:
+        """The first (or only) kernel; ``aligned`` as in ``PointwiseScheduler.source``."""
+        emit, ins, outs, runtime = self._start(plan, aligned)
         combine = COMBINE[plan.reduction.op_name]
         accumulator = plan.accumulator
         acc_type = TRITON_TYPES[accumulator.name]
         identity = _identity(plan.reduction.op_name, accumulator)
         inner = plan.layout == "inner"
-        emit.line("pid = tl.program_id(0).to(tl.int64)")
-        emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
-        emit.line("kept_mask = kept_index < kept_count")
-        self._coordinates(emit, "kept_index", plan.kept, "k")
         if inner:
             emit.line("begin = 0")
             emit.line("end = reduced_count")
@@ -353,17 +358,9 @@ class ReductionScheduler:
         self, plan: ReductionPlan, params: ReductionParams, aligned: bool = False
     ) -> str:
         """The outer reduction's second kernel: combine the parts in order, then finish."""
-        emit = Emitter()
-        rank = plan.reduction.inputs[0].ndim
-        ins, outs, runtime = _parameters(plan, rank)
-        if aligned:
-            runtime = self._aligned_prologue(emit, plan, runtime)
+        emit, ins, outs, runtime = self._start(plan, aligned)
         combine = COMBINE[plan.reduction.op_name]
         identity = _identity(plan.reduction.op_name, plan.accumulator)
-        emit.line("pid = tl.program_id(0).to(tl.int64)")
-        emit.line("kept_index = pid * BLOCK_KEPT + tl.arange(0, BLOCK_KEPT)")
-        emit.line("kept_mask = kept_index < kept_count")
-        self._coordinates(emit, "kept_index", plan.kept, "k")
         # A tile of parts per step, not one part: a loop of single loads would wait on
         # memory once per part (one program per 32 kept positions reads all of them).
         emit.line(
