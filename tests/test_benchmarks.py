@@ -27,38 +27,37 @@ def test_ag_matmul_benchmark_smoke_run(tmp_path):
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json"] * 4 + [".png"] * 4
 
 
-def test_kernels_benchmark_smoke_run_with_a_sweep():
-    """Tiny shapes in Triton's interpreter; every provider's output is checked first."""
+def _smoke(script: str, timeout: int) -> str:
+    """``benchmarks/<script> --smoke --sweep`` in Triton's interpreter, one call a
+    provider; fails with the run's output unless it exits 0. Returns its stdout."""
     command = [
-        sys.executable, str(ROOT / "benchmarks" / "kernels.py"), "--smoke", "--sweep",
+        sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--sweep",
         "--rounds", "1", "--iterations", "1",
     ]  # fmt: skip
     environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environment
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    rows = [line for line in result.stdout.splitlines() if " ms " in line]
+    return result.stdout
+
+
+def test_kernels_benchmark_smoke_run_with_a_sweep():
+    """Tiny shapes in Triton's interpreter; every provider's output is checked first."""
+    stdout = _smoke("kernels.py", timeout=300)
+    rows = [line for line in stdout.splitlines() if " ms " in line]
     providers = {row.split("]", 1)[1].split()[0] for row in rows}  # after the shape
     wanted = {"ours", "eager", "ours[k0.warps=8,unroll=1]", "ours[k0.atomics]"}
     assert wanted <= providers, providers
-    assert "form: aligned" in result.stdout
+    assert "form: aligned" in stdout
 
 
 def test_norms_benchmark_smoke_run():
     """RMSNorm and LayerNorm forward and backward at tiny shapes in the interpreter, with
     the sweep's variants: every output is checked against the reference before it is
     timed."""
-    command = [
-        sys.executable, str(ROOT / "benchmarks" / "norms.py"), "--smoke", "--sweep",
-        "--rounds", "1", "--iterations", "1",
-    ]  # fmt: skip
-    environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=400, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    ops = {line.split()[0] for line in result.stdout.splitlines() if " ours_auto " in line}
+    stdout = _smoke("norms.py", timeout=400)
+    ops = {line.split()[0] for line in stdout.splitlines() if " ours_auto " in line}
     assert ops == {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}, ops
-    assert "[normalization]" in result.stdout
-    assert "ours[stages=3]" in result.stdout and "ours[warps=" in result.stdout
+    assert "[normalization]" in stdout
+    assert "ours[stages=3]" in stdout and "ours[warps=" in stdout

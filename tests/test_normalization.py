@@ -15,6 +15,7 @@ from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.hardware import H100, H200, INTERPRETER  # noqa: E402
 from schedulers.normalization import NormalizationParams, NormalizationScheduler  # noqa: E402
@@ -93,6 +94,7 @@ def test_the_chunked_form_matches_the_reference(name, n):
     """Rows walked in steps of 256 (4) columns, once per reduction level and once for
     the outputs, by a grid of 2 programs that walk 9 row blocks."""
     params = NormalizationParams(2, 256 if n > 7 else 4, 4, persistent=False, programs=2)
+    KERNEL_CACHE.clear()  # the source checked below is this run's
     fd, inputs, outputs, executor = _run(name, n, "bfloat16", rows=17, params=params)
     expected = fd.execute(inputs)
     assert_close(outputs[0], expected[0], reduction_extent=n)
@@ -151,8 +153,10 @@ def test_heuristics_on_h200(name, n, persistent, warps, values):
     else:
         assert params.block_columns == 8192 and "does not fit in registers" in params.why
         assert H200.sm_count <= params.programs <= 4 * H200.sm_count
-        # the rows in flight stay within half the L2
-        assert params.programs * n * 16 <= H200.l2_bits // 2 or params.programs == 132
+        # the rows in flight stay within half the L2, unless one program an SM is already
+        # more (the grid never goes below that)
+        in_flight = params.programs * n * 16 * plan.buffers
+        assert in_flight <= H200.l2_bits // 2 or params.programs == H200.sm_count
 
 
 def test_more_buffered_inputs_leave_the_registers_sooner():
@@ -194,7 +198,7 @@ def test_outer_reductions_are_not_normalizations():
         total = fd.ops.sum(x, dims=[0], keepdim=True)
         fd.add_output(x - total)
     scheduler = NormalizationScheduler()
-    with pytest.raises(Exception, match="no reduction along the rows"):
+    with pytest.raises(NotSchedulable, match="no reduction along the rows"):
         scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
 
 
