@@ -21,7 +21,6 @@ Example (on every rank)::
 from __future__ import annotations
 
 import gc
-import math
 import os
 from collections.abc import Sequence
 
@@ -64,8 +63,6 @@ from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
 from schedulers.hardware import current_hardware
-from schedulers.normalization import NormalizationScheduler
-from schedulers.reduction import ReductionScheduler
 from sharding.communication import LocalShard
 from sharding.errors import ShardingError
 from sharding.layout import Layout, Shard, layout_of, local_shape, split_range
@@ -516,18 +513,8 @@ class _Compiled:
         scheduler, plan = kernel.scheduler, kernel.plan
         hardware = executor.hardware_profile
         override = executor.kernel_params.get(kernel.name)
-        if isinstance(scheduler, ReductionScheduler):
-            source = self.local_shape(plan.reduction.inputs[0])
-            extents = [source[axis] for axis in plan.reduced]
-            params = override or scheduler.heuristics(plan, hardware, math.prod(extents))
-            launch = scheduler.build(plan, params, hardware, extents)
-        elif isinstance(scheduler, NormalizationScheduler):
-            params = override or scheduler.heuristics(plan, hardware, self.local_shape(plan.space))
-            launch = scheduler.build(plan, params)
-        else:
-            shape = self.local_shape(plan.outputs[0])
-            params = override or scheduler.heuristics(plan, hardware, shape)
-            launch = scheduler.build(plan, params)
+        params = override or scheduler.configure(plan, hardware, self.local_shape)
+        launch = scheduler.launcher(plan, params, hardware, self.local_shape)
         executor.chosen_params[kernel.name] = params
         executor.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = self.ctx.device

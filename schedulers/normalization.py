@@ -229,6 +229,13 @@ class NormalizationScheduler:
 
     # -- heuristics ------------------------------------------------------------------
 
+    def configure(self, plan: NormalizationPlan, hardware: HardwareProfile, shape_of):
+        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
+        return self.heuristics(plan, hardware, shape_of(plan.space))
+
+    def launcher(self, plan: NormalizationPlan, params, hardware: HardwareProfile, shape_of):
+        return self.build(plan, params)
+
     def heuristics(
         self, plan: NormalizationPlan, hardware: HardwareProfile, shape: list[int]
     ) -> NormalizationParams:

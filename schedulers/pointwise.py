@@ -112,6 +112,13 @@ class PointwiseScheduler:
         collapsed = collapse(len(shape), [mappings[t] for t in inputs])
         return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape))
 
+    def configure(self, plan: PointwisePlan, hardware: HardwareProfile, shape_of):
+        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
+        return self.heuristics(plan, hardware, shape_of(plan.outputs[0]))
+
+    def launcher(self, plan: PointwisePlan, params, hardware: HardwareProfile, shape_of):
+        return self.build(plan, params)
+
     def heuristics(
         self, plan: PointwisePlan, hardware: HardwareProfile, shape: list[int] | None = None
     ) -> PointwiseParams:

@@ -152,6 +152,19 @@ class ReductionScheduler:
             exprs, inputs, outputs, reduction, prologue, epilogue, mappings, layout, kept, reduced
         )
 
+    def configure(self, plan: ReductionPlan, hardware: HardwareProfile, shape_of):
+        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
+        return self.heuristics(plan, hardware, math.prod(self._reduced_extents(plan, shape_of)))
+
+    def launcher(self, plan: ReductionPlan, params, hardware: HardwareProfile, shape_of):
+        """``build`` for the local shapes ``shape_of(tensor)`` gives."""
+        return self.build(plan, params, hardware, self._reduced_extents(plan, shape_of))
+
+    @staticmethod
+    def _reduced_extents(plan: ReductionPlan, shape_of) -> list[int]:
+        source = shape_of(plan.reduction.inputs[0])
+        return [source[axis] for axis in plan.reduced]
+
     def heuristics(
         self, plan: ReductionPlan, hardware: HardwareProfile, reduced_extent: int
     ) -> ReductionParams:
