@@ -99,10 +99,6 @@ class NormalizationPlan:
     space: TensorView  # a tensor of shape S (the first reduction's input)
 
     @property
-    def widest_bits(self) -> int:
-        return max(t.dtype.bits for t in self.inputs + self.outputs)
-
-    @property
     def depth(self) -> int:
         """Passes over the row the reductions need (1: independent reductions only)."""
         return max(self.levels.values())
@@ -272,18 +268,14 @@ class NormalizationScheduler:
                 if candidate.occupancy > 0:  # a block whose registers fit an SM at all
                     candidates.append(candidate)
         if not candidates:
-            return self._chunked(plan, hardware, columns, vector)
-        for candidate in candidates:
-            if plan.column_sums:
-                # A wave of programs walks the rows, a reduction or two a row each step:
-                # a row within one warp reduces without shared memory (RMSNorm backward
-                # at 1024 on H200: 0.55 of copy with 8 warps of a row each, 0.34 with 16
-                # warps over 2 rows, 0.14 with 2 warps over 1); the two-vector criterion
-                # does not apply there.
-                candidate.busy = True
-            else:
-                candidate.in_warp = True  # neutral
-        best = min(candidates, key=_Candidate.rank)
+            return self._chunked(plan, hardware, columns)
+        # With column sums a wave of programs walks the rows, a reduction or two a row
+        # each step: there a row within one warp (no shared memory in its reductions)
+        # ranks second instead of the two-vector criterion (RMSNorm backward at 1024 on
+        # H200: 0.55 of copy with 8 warps of a row each, 0.34 with 16 warps over 2 rows,
+        # 0.14 with 2 warps over 1).
+        walks = bool(plan.column_sums)
+        best = min(candidates, key=lambda candidate: candidate.rank(walks))
         why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
         programs, stages = 0, 1
         if plan.column_sums:  # one wave of programs, each summing its rows' columns
@@ -301,7 +293,7 @@ class NormalizationScheduler:
                                    why=why)  # fmt: skip
 
     @staticmethod
-    def _chunked(plan, hardware, columns: int, vector: int) -> NormalizationParams:
+    def _chunked(plan, hardware, columns: int) -> NormalizationParams:
         """Rows re-read once per pass: a grid small enough that the rows in flight stay
         in half the L2, so the passes after the first read from L2, not memory."""
         warps = 16
@@ -573,10 +565,12 @@ class _Candidate:
                    occupancy >= OCCUPANCY_TARGET, even, waves, blocks,
                    values >= 2 * vector, lanes <= 32 and values <= 32)  # fmt: skip
 
-    def rank(self) -> tuple:
+    def rank(self, walks: bool) -> tuple:
+        """Sort key, best first; ``walks``: a fixed grid walks the rows (column sums)."""
         left = MAX_REGISTERS - self.registers
-        return (not self.reaches, not self.in_warp, not self.busy, not self.even, -left,
-                self.waves, -self.occupancy)  # fmt: skip
+        second = self.in_warp if walks else self.busy
+        return (not self.reaches, not second, not self.even, -left, self.waves,
+                -self.occupancy)  # fmt: skip
 
     def describe(self) -> str:
         return (
