@@ -28,13 +28,20 @@ if "--smoke" in sys.argv:
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
 from benchmarks.kernels import copy_gbps, time_ms, write_results  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from schedulers.normalization import NormalizationParams  # noqa: E402
+from schedulers.analysis import NotSchedulable  # noqa: E402
+from schedulers.cache import KERNEL_CACHE  # noqa: E402
+from schedulers.normalization import (  # noqa: E402
+    MULTIWAVE,
+    WARP_SPECIALIZED,
+    NormalizationParams,
+)
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
@@ -83,6 +90,26 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     if not isinstance(params, NormalizationParams):
         return {}
     variants = {}
+    if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours
+        for stages in (2, 3, 4):
+            if stages != params.stages:
+                variants[f"ws,stages={stages}"] = replace(params, stages=stages)
+        for warps in (params.num_warps // 2, params.num_warps * 2):
+            if 4 <= warps <= 16:
+                variants[f"ws,warps={warps}"] = replace(params, num_warps=warps)
+        for rows in (params.block_rows // 2, params.block_rows * 2):
+            if 1 <= rows and rows * params.block_columns * params.stages <= 65536:
+                variants[f"ws,rows={rows}"] = replace(params, block_rows=rows)
+        variants[f"ws,programs={params.programs * 2}"] = replace(
+            params, programs=params.programs * 2
+        )
+        if params.num_warps > 4:  # two programs an SM, each with fewer consumer warps
+            variants[f"ws,programs={params.programs * 2},warps={params.num_warps // 2}"] = replace(
+                params, programs=params.programs * 2, num_warps=params.num_warps // 2
+            )
+        if params.column_registers:
+            variants["ws,weights in walk"] = replace(params, column_registers=False)
+        return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.persistent:
         programs = params.programs or 2 * sm_count
         for stages in (2, 3):
@@ -110,6 +137,25 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
 
 
+def print_resources() -> None:
+    """Registers, spills and shared memory of every normalization kernel compiled."""
+    for source in KERNEL_CACHE.sources():
+        if "def normalization_kernel" not in source:
+            continue
+        kernel = KERNEL_CACHE.get(source, "normalization_kernel")
+        comment = next(line for line in source.splitlines() if line.startswith("# normalization"))
+        for caches in kernel.device_caches.values():
+            for compiled in caches[0].values():
+                constants = ", ".join(
+                    f"{kernel.arg_names[path[0]]}={value}"
+                    for path, value in compiled.src.constants.items()
+                    if isinstance(value, int) and kernel.arg_names[path[0]].isupper()
+                )
+                print(f"{comment[2:]} [{constants}] warps={compiled.metadata.num_warps}: "
+                      f"{compiled.n_regs} registers, {compiled.n_spills} spilled, "
+                      f"{compiled.metadata.shared} bytes shared")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
@@ -118,6 +164,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=20)
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
+    parser.add_argument("--shape", action="append", help="MxN instead of the issue's shapes")
     parser.add_argument(
         "--sweep", action="store_true",
         help="also time other launch configurations (providers ours[...])",
@@ -125,6 +172,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = [(5, 96), (3, 1000)] if args.smoke else SHAPES
+    if args.shape:
+        shapes = [tuple(int(v) for v in shape.split("x")) for shape in args.shape]
     copy = copy_gbps(device)
     generator = torch.Generator().manual_seed(0)
     rows = []
@@ -146,16 +195,36 @@ def main() -> None:
                 "ours_auto": lambda e=executor, i=inputs: e.run(i),
                 "eager": lambda f=eager, i=inputs: f(*i),
             }
+            forced = {}  # each strategy forced, no fallback
+            for provider, strategy in (
+                ("ours_ws", WARP_SPECIALIZED),
+                ("ours_multiwave", MULTIWAVE),
+            ):
+                variant = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke,
+                                              kernel_params={"k0": strategy})  # fmt: skip
+                try:
+                    results = variant.run(inputs)
+                except (NotSchedulable, OutOfResources, CompilationError, RuntimeError) as error:
+                    print(f"{op:<14} {m:>6}x{n:<6} {provider} skipped: {error}")
+                    continue
+                for actual, expected in zip(results, fd.execute(inputs), strict=True):
+                    assert_close(actual, expected, reduction_extent=max(m, n))
+                functions[provider] = lambda e=variant, i=inputs: e.run(i)
+                forced[provider] = variant
             if args.sweep:
                 sm_count = torch.cuda.get_device_properties(device).multi_processor_count if (
                     device.type == "cuda") else 1  # fmt: skip
-                for label, overrides in alternatives(executor, sm_count).items():
+                swept = {}
+                for source in (executor, *forced.values()):
+                    for label, overrides in alternatives(source, sm_count).items():
+                        swept.setdefault(label, overrides)
+                for label, overrides in swept.items():
                     variant = MultiDeviceExecutor(fd, kernels="generated",
                                                   cuda_graph=not args.smoke,
                                                   kernel_params=overrides)  # fmt: skip
                     try:
                         results = variant.run(inputs)
-                    except OutOfResources as error:  # a variant the device cannot launch
+                    except (OutOfResources, CompilationError, RuntimeError) as error:  # cannot run
                         print(f"{op:<14} {m:>6}x{n:<6} ours[{label}] skipped: {error}")
                         continue
                     for actual, expected in zip(results, fd.execute(inputs), strict=True):
@@ -175,10 +244,12 @@ def main() -> None:
                              "frac_copy": gbps / copy})  # fmt: skip
                 print(f"{op:<14} {m:>6}x{n:<6} {provider:<16} {ms:8.3f} ms {gbps:8.1f} GB/s "
                       f"{gbps / copy:6.2f} of copy", flush=True)  # fmt: skip
-            print("  " + executor.kernel_report().replace("\n", "\n  "), flush=True)
+            for label, source in (("auto", executor), *forced.items()):
+                print(f"  {label}: " + source.kernel_report().replace("\n", "\n  "), flush=True)
     print(f"device copy: {copy:.1f} GB/s")
     if not args.smoke:
         write_results(args.out, device, copy, rows)
+        print_resources()
 
 
 if __name__ == "__main__":

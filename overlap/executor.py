@@ -83,7 +83,10 @@ class MultiDeviceExecutor:
     the schedulers wherever one takes the segment; on CPU this needs Triton's
     interpreter, ``TRITON_INTERPRET=1``), ``"reference"`` (the reference evaluator) or
     ``"auto"`` (generated on CUDA, reference elsewhere). ``kernel_params`` overrides the
-    heuristics' launch configuration of a kernel by its name (``{"k0": params}``);
+    heuristics' launch configuration of a kernel by its name (``{"k0": params}``), or
+    forces one of its scheduler's strategies, the rest still chosen by the heuristics
+    (``{"k0": "warp_specialized"}``; the normalization scheduler has ``"multiwave"`` and
+    ``"warp_specialized"``; no fallback: a strategy that cannot run raises);
     ``kernel_report()`` says what each kernel got.
 
     ``cuda_graph=True`` (CUDA only) captures a run in a CUDA graph the first time it
@@ -138,6 +141,7 @@ class MultiDeviceExecutor:
         self.kernel_forms: dict[str, list] = {}
         self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
+        self._check_strategies()
         if communicator is not None:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
         self._symmetric: SymmetricBuffers | None = None
@@ -156,6 +160,26 @@ class MultiDeviceExecutor:
                 raise ShardingError(
                     f"{tensor} is placed on {tensor.mesh}, but the world has {world} ranks "
                     f"(0..{world - 1}); rank {too_large[0]} does not exist"
+                )
+
+    def _check_strategies(self) -> None:
+        """A strategy named in ``kernel_params`` must be one its kernel's scheduler has."""
+        kernels = {i.name: i for i in walk(self.program.instructions)
+                   if isinstance(i, LaunchKernel)}  # fmt: skip
+        for name, override in self.kernel_params.items():
+            if not isinstance(override, str):
+                continue
+            kernel = kernels.get(name)
+            if kernel is None or kernel.scheduler is None:
+                raise ValueError(
+                    f"kernel_params[{name!r}] = {override!r}: there is no generated kernel "
+                    f"{name!r} (generated: {sorted(k for k, i in kernels.items() if i.scheduler)})"
+                )
+            strategies = getattr(kernel.scheduler, "strategies", ())
+            if override not in strategies:
+                raise ValueError(
+                    f"kernel_params[{name!r}] = {override!r}: the {kernel.scheduler.name} "
+                    f"scheduler's strategies are {list(strategies)}"
                 )
 
     def _check_transports(self) -> None:
@@ -513,7 +537,10 @@ class _Compiled:
         scheduler, plan = kernel.scheduler, kernel.plan
         hardware = executor.hardware_profile
         override = executor.kernel_params.get(kernel.name)
-        params = override or scheduler.configure(plan, hardware, self.local_shape)
+        if isinstance(override, str):  # a strategy, forced
+            params = scheduler.configure(plan, hardware, self.local_shape, strategy=override)
+        else:
+            params = override or scheduler.configure(plan, hardware, self.local_shape)
         launch = scheduler.launcher(plan, params, hardware, self.local_shape)
         executor.chosen_params[kernel.name] = params
         executor.kernel_forms.setdefault(kernel.name, []).append(launch.forms)

@@ -137,6 +137,16 @@ class Emitter:
             return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
         return Value(raw, dtype)
 
+    def load_tile(self, tensor: TensorView, descriptor: str, offsets: str) -> Value:
+        """A tile through a TMA tensor descriptor (rows past the end read as zeros)."""
+        dtype = tensor.dtype
+        if dtype.storage_only:
+            raise ValueError(f"{tensor}: {dtype} codes are not loaded through descriptors")
+        raw = self.assign(f"{descriptor}.load([{offsets}])")
+        if dtype.is_floating and dtype is not float64:
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+        return Value(raw, dtype)
+
     def stored(self, value: Value) -> str:
         """The expression to store for ``value`` (exact: it already has the dtype's value)."""
         if value.dtype.storage_only or value.dtype is bool_:

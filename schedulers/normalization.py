@@ -27,9 +27,10 @@ number of rows, so a new batch size reuses it. Reductions accumulate in float32
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusion.dtypes import DataType, float4_e2m1, float32, float64
 from fusion.exprs import Expr, ReductionOp, VarMeanOp
@@ -57,6 +58,27 @@ PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined 
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
 COMBINE_PARTS = 256  # and partial rows it adds per step
 
+MULTIWAVE, WARP_SPECIALIZED = "multiwave", "warp_specialized"
+STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED)
+# Warp-specialized parameters (measured on H200, RMSNorm/LayerNorm backward, bf16):
+# three stages as fast as four (0.92-0.95 against 0.84-0.89 of copy at 4096-8192
+# columns), two slower (0.58-0.65); two consumer warp groups (8 warps) as fast as or
+# faster than one or four at every hidden size from 1024 to 8192.
+WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at most
+WS_WARPS = 8  # consumer warps (two warp groups) to start from
+WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
+WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
+WS_UNROLL_REGISTERS = PIPELINE_REGISTERS  # the unroll keeps a thread's estimate under this
+WS_REGISTERS = 160  # above this estimate, the fallbacks that lower register pressure
+# (RMSNorm backward at 16384 columns: 0.54 of copy with its weights in registers, about
+# 168 estimated, 0.73 reading them inside the walk)
+WS_MIN_LEFT = 24  # registers a thread must keep for other values, or it is degenerate
+# Where the warp-specialized strategy gains (measured, see ``heuristics``): by compute
+# capability, then by the number of column sums (1: RMSNorm backward, 2: LayerNorm
+# backward), the fewest row blocks each program must walk to amortize its weights'
+# loads and its partial sums. No entry: the multi-wave strategy.
+WS_GAINS: dict[int, dict[int, int]] = {}
+
 
 @dataclass(frozen=True)
 class NormalizationParams:
@@ -68,7 +90,12 @@ class NormalizationParams:
     persistent: bool  # the whole row in registers, inputs loaded once
     programs: int = 0  # >0: a grid of this many programs walking the rows
     stages: int = 1  # >1 (a persistent row, programs > 0): the next rows' loads go out
-    # while this one is computed (Triton's async-copy pipeline over the walk)
+    # while this one is computed (Triton's async-copy pipeline over the walk); with the
+    # warp-specialized strategy, the tiles of its circular buffer
+    strategy: str = MULTIWAVE  # or WARP_SPECIALIZED: a persistent grid whose producer
+    # warps load the full-shape inputs' tiles with TMA for the consumer warps
+    column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
+    # before the walk, and kept in registers
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -78,7 +105,9 @@ class NormalizationParams:
             f"persistent={self.persistent}"
         )
         text += f", programs={self.programs}" if self.programs else ""
-        text += f", stages={self.stages})" if self.stages != 1 else ")"
+        text += f", stages={self.stages}" if self.stages != 1 else ""
+        text += f", strategy={self.strategy!r}" if self.strategy != MULTIWAVE else ""
+        text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 
 
@@ -225,15 +254,146 @@ class NormalizationScheduler:
 
     # -- heuristics ------------------------------------------------------------------
 
-    def configure(self, plan: NormalizationPlan, hardware: HardwareProfile, shape_of):
+    strategies = STRATEGIES
+
+    def configure(
+        self, plan: NormalizationPlan, hardware: HardwareProfile, shape_of, strategy="auto"
+    ):
         """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
-        return self.heuristics(plan, hardware, shape_of(plan.space))
+        return self.heuristics(plan, hardware, shape_of(plan.space), strategy)
 
     def launcher(self, plan: NormalizationPlan, params, hardware: HardwareProfile, shape_of):
         return self.build(plan, params)
 
     def heuristics(
-        self, plan: NormalizationPlan, hardware: HardwareProfile, shape: list[int]
+        self,
+        plan: NormalizationPlan,
+        hardware: HardwareProfile,
+        shape: list[int],
+        strategy: str = "auto",
+    ) -> NormalizationParams:
+        """The launch configuration for S's ``shape``. ``strategy`` forces one strategy
+        (``MULTIWAVE`` or ``WARP_SPECIALIZED``, no fallback: a warp-specialized kernel
+        that cannot be built raises ``NotSchedulable`` saying why); ``"auto"`` takes the
+        warp-specialized one where ``WS_GAINS`` records a gain for this architecture
+        and number of column sums and each program walks enough row blocks, and falls
+        back to the multi-wave one when the warp-specialized parameters are degenerate
+        (one stage, or too few registers left)."""
+        if strategy not in ("auto", *STRATEGIES):
+            raise ValueError(f"strategy {strategy!r}: one of 'auto', {', '.join(STRATEGIES)}")
+        rank = len(shape)
+        columns = math.prod(shape[rank - plan.reduced :])
+        rows = math.prod(shape[: rank - plan.reduced])
+        if strategy == WARP_SPECIALIZED:
+            chosen = self._warp_specialized(plan, hardware, columns, rows)
+            if isinstance(chosen, str):
+                raise NotSchedulable(f"the warp-specialized strategy (forced): {chosen}")
+            return chosen
+        multiwave = self._multiwave(plan, hardware, columns, rows)
+        if strategy == MULTIWAVE:
+            return multiwave
+        gains = WS_GAINS.get(hardware.arch, {})
+        if len(plan.column_sums) not in gains:
+            why = (f"no warp-specialized gain recorded for sm_{hardware.arch} with "
+                   f"{len(plan.column_sums)} column sums")  # fmt: skip
+            return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
+        chosen = self._warp_specialized(plan, hardware, columns, rows)
+        if isinstance(chosen, str):
+            return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
+                                          f"{chosen}): {multiwave.why}")  # fmt: skip
+        walked = triton_cdiv(rows, chosen.block_rows * chosen.programs)
+        threshold = gains[len(plan.column_sums)]
+        if walked < threshold:
+            why = (f"{walked} row blocks a program, fewer than the {threshold} that amortize "
+                   "a warp-specialized program's weights and partial sums")  # fmt: skip
+            return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
+        return replace(chosen, why=f"warp-specialized ({walked} row blocks a program, at "
+                                   f"least {threshold}): {chosen.why}")  # fmt: skip
+
+    def _warp_specialized(
+        self, plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
+    ) -> NormalizationParams | str:
+        """The warp-specialized parameters, or why there are none. A loop grows, while
+        shared memory and registers allow: the circular buffer's stages, then the
+        consumer warps (from two warp groups, while each thread keeps four 128-bit vectors
+        of a row), then the
+        rows a tile (until ``WS_INFLIGHT_BITS`` are in flight); the block width is the
+        whole row (a persistent row). Short of registers it first reads the weights
+        inside the walk, then adds warps, then takes fewer rows a tile."""
+        if hardware.arch and hardware.arch < 90:
+            return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
+        full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+        if not full:
+            return "no input of the full shape to load through TMA"
+        for tensor in full:
+            if tensor.dtype.storage_only or tensor.dtype.bits < 8:
+                return f"{tensor}: {tensor.dtype} codes are not loaded through descriptors"
+            if columns * tensor.dtype.bits % 128:
+                return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
+                        "16 bytes (TMA strides)")  # fmt: skip
+        width = _next_power_of_two(columns)
+        if width * min(t.dtype.bits for t in full) < 128:
+            return f"a tile {width} wide is narrower than 16 bytes"
+        row_bits = width * sum(t.dtype.bits for t in full)  # a tile row, every buffered input
+        budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
+        vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
+        weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
+        most_rows = min(64, _next_power_of_two(max(rows, 1)))
+
+        def registers(warps: int, block_rows: int, hoist: bool) -> int:
+            threads = warps * hardware.warp_size
+            values = max(1, block_rows * width // threads)
+            per_row = max(1, width // threads)  # a column vector's values a thread
+            sums = len(plan.column_sums) * per_row
+            return plan.buffers * values + sums + hoist * weights * per_row + OTHER_REGISTERS
+
+        stages, warps, block_rows, hoist = 1, WS_WARPS, 1, True
+        while stages < WS_MAX_STAGES and (stages + 1) * row_bits <= budget:
+            stages += 1
+        while warps < 16 and width // (2 * warps * hardware.warp_size) >= 4 * vector:
+            warps *= 2
+        while (
+            block_rows * 2 <= most_rows
+            and stages * 2 * block_rows * row_bits <= budget
+            and (stages - 1) * block_rows * row_bits < WS_INFLIGHT_BITS
+            and registers(warps, 2 * block_rows, hoist) <= WS_UNROLL_REGISTERS
+        ):
+            block_rows *= 2
+        fallbacks = []
+        if registers(warps, block_rows, hoist) > WS_REGISTERS and weights:
+            hoist = False
+            fallbacks.append("weights read inside the walk")
+        while registers(warps, block_rows, hoist) > WS_REGISTERS and warps < 16:
+            warps *= 2
+            fallbacks.append(f"{warps} warps")
+        while registers(warps, block_rows, hoist) > WS_REGISTERS and block_rows > 1:
+            block_rows //= 2
+            fallbacks.append(f"{block_rows} rows a tile")
+        used = registers(warps, block_rows, hoist)
+        tile = block_rows * row_bits
+        if stages < 2:
+            return (f"degenerate: one stage (a tile of {tile // 8 // 1024} KiB, "
+                    f"{budget // 8 // 1024} KiB of shared memory for the buffer)")  # fmt: skip
+        if MAX_REGISTERS - used < WS_MIN_LEFT:
+            return (f"degenerate: about {used} registers a thread leave fewer than "
+                    f"{WS_MIN_LEFT} for other values")  # fmt: skip
+        # programs an SM holds: each its buffer (and a producer warp group: 4 warps)
+        by_smem = hardware.smem_per_block_bits // (stages * tile + WS_SCRATCH_BITS)
+        by_warps = hardware.max_warps_per_sm // (warps + 4)
+        by_registers = hardware.registers_per_sm // (used * (warps + 4) * hardware.warp_size)
+        blocks = max(1, min(by_smem, by_warps, by_registers))
+        programs = blocks * hardware.sm_count
+        why = (f"{stages} stages of {block_rows}x{width} tiles ({stages * tile // 8 // 1024} "
+               f"KiB), {warps} consumer warps, about {used} registers a thread, "
+               f"{programs} programs ({blocks} an SM)"
+               + (", weights in registers" if hoist and weights else ""))  # fmt: skip
+        if fallbacks:
+            why += f"; short of registers: {', '.join(fallbacks)}"
+        return NormalizationParams(block_rows, width, warps, True, programs, stages,
+                                   WARP_SPECIALIZED, hoist and bool(weights), why=why)  # fmt: skip
+
+    def _multiwave(
+        self, plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
     ) -> NormalizationParams:
         """Enumerate persistent batch sizes (values a thread holds per buffered row) and
         rank them by, in order: reaching the occupancy target, at least two 128-bit
@@ -243,9 +403,6 @@ class NormalizationScheduler:
         ``shape`` is S's; the number of rows only ranks waves. With column sums, a wave
         of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
         copy for RMSNorm backward at 4096) unless registers are short."""
-        rank = len(shape)
-        columns = math.prod(shape[rank - plan.reduced :])
-        rows = math.prod(shape[: rank - plan.reduced])
         width = _next_power_of_two(max(columns, 1))
         vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
         candidates = []
@@ -315,13 +472,29 @@ class NormalizationScheduler:
         """The kernel's Triton source: no extent in it (``COLUMNS`` is a constexpr)."""
         pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
         targets = [f"out{i}" for i in range(len(plan.outputs))]
+        persistent = params.persistent
+        walking = persistent and params.programs > 0  # a fixed grid walks persistent rows
+        specialized = params.strategy == WARP_SPECIALIZED
+        if specialized and not walking:
+            raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
+        if params.column_registers and not walking:
+            raise ValueError(f"{params}: weights in registers need persistent rows and programs")
+        # full-shape inputs arrive as TMA descriptors of (rows, COLUMNS) in the
+        # warp-specialized kernel
+        tiles = {t for t in plan.inputs if specialized and plan.kinds[t] == "full"}
         outer = Emitter()
         outer.line("pid = tl.cast(row_block, tl.int64)")
         outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
         outer.line("row_mask = rows < row_count")
         row_cache: dict[TensorView, Value] = {}
-        generator = _Generator(plan, pointers, outer, row_cache)
-        persistent = params.persistent
+        generator = _Generator(plan, pointers, outer, row_cache, tiles)
+        early = Emitter()  # before the walk: weights kept in registers
+        if params.column_registers:
+            generator.columns(early, "0", rows=False)
+            for tensor in plan.inputs:
+                if plan.kinds[tensor] == "column":
+                    generator.value(_Step(early, row_cache), tensor)
+            outer.count = early.count
         if persistent:
             generator.columns(outer, "0")
             step = _Step(outer, row_cache)  # one step: everything shares one cache
@@ -391,15 +564,17 @@ class NormalizationScheduler:
         comment = (
             f"# normalization: {len(plan.reductions)} reductions in {plan.depth} levels, "
             f"{'persistent' if persistent else 'chunked'}"
+            + (", warp-specialized (TMA tiles)" if specialized else "")
         )
         if params.programs:  # a fixed grid walks the row blocks
             walk = ("for row_block in range(tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), "
                     "tl.num_programs(0)):")  # fmt: skip
-            if params.stages > 1 and persistent:
-                walk = walk.replace(" range(", " tl.range(").replace(
-                    "):", f", num_stages={params.stages}):"
-                )
-            lines = [*before, walk, *(f"    {line}" for line in outer.lines), *after]
+            if (params.stages > 1 or specialized) and persistent:
+                options = f", num_stages={params.stages}"
+                options += ", warp_specialize=True" if specialized else ""
+                walk = walk.replace(" range(", " tl.range(").replace("):", f"{options}):")
+            lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
+                     *after]  # fmt: skip
         else:
             if sums:
                 raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
@@ -458,6 +633,8 @@ class NormalizationScheduler:
             for i in range(len(plan.column_sums))
         ]
         sum_outputs = [plan.outputs.index(e.output) for e in plan.column_sums]
+        tiles = [i for i, t in enumerate(plan.inputs)
+                 if params.strategy == WARP_SPECIALIZED and plan.kinds[t] == "full"]  # fmt: skip
 
         def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
             shape = _space_shape(plan, shapes)
@@ -475,6 +652,18 @@ class NormalizationScheduler:
                     f"{params} holds {params.block_columns} columns; the row has {columns}"
                 )
             pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            for i in tiles:  # TMA: a 16-byte aligned base, rows a multiple of 16 bytes
+                tensor = pointers[i]
+                if columns * tensor.element_size() % 16:
+                    raise ValueError(
+                        f"{params}: rows of {columns} {tensor.dtype} are not a multiple of "
+                        "16 bytes, which TMA descriptors need; use the multi-wave strategy"
+                    )
+                if tensor.data_ptr() % 16:
+                    tensor = tensor.clone()
+                pointers[i] = TensorDescriptor(
+                    tensor, [rows, columns], [columns, 1], [params.block_rows, params.block_columns]
+                )
             grid = (triton_cdiv(rows, params.block_rows),)
             if params.programs:
                 grid = (min(grid[0], params.programs),)
@@ -593,18 +782,20 @@ class _Generator:
     """Emits a normalization kernel's values: full and column values in a step, row
     values (reductions and what follows from them) once, outside any loop."""
 
-    def __init__(self, plan, pointers, outer: Emitter, row_cache) -> None:
+    def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset()) -> None:
         self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
+        self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.loops = 0
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
 
     # Columns of a step: offsets, masks.
     @staticmethod
-    def columns(emit: Emitter, start: str) -> None:
+    def columns(emit: Emitter, start: str, rows: bool = True) -> None:
         emit.line(f"cols = {start} + tl.arange(0, BLOCK_COLUMNS)")
         emit.line("col_mask = cols < COLUMNS")
-        emit.line("mask = row_mask[:, None] & col_mask[None, :]")
-        emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
+        if rows:
+            emit.line("mask = row_mask[:, None] & col_mask[None, :]")
+            emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
 
     def loop(self) -> _Step:
         body = Emitter()
@@ -628,7 +819,9 @@ class _Generator:
         emit = step.emit
         if tensor in self.pointers:
             pointer = self.pointers[tensor]
-            if kind == "full":
+            if tensor in self.tiles:
+                value = emit.load_tile(tensor, pointer, "row_block * BLOCK_ROWS, 0")
+            elif kind == "full":
                 value = emit.load(tensor, pointer, "offs", "mask")
             elif kind == "column":
                 loaded = emit.load(tensor, pointer, "cols", "col_mask")
