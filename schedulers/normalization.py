@@ -60,24 +60,28 @@ COMBINE_PARTS = 256  # and partial rows it adds per step
 
 MULTIWAVE, WARP_SPECIALIZED = "multiwave", "warp_specialized"
 STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED)
-# Warp-specialized parameters (measured on H200, RMSNorm/LayerNorm backward, bf16):
-# three stages as fast as four (0.92-0.95 against 0.84-0.89 of copy at 4096-8192
-# columns), two slower (0.58-0.65); two consumer warp groups (8 warps) as fast as or
-# faster than one or four at every hidden size from 1024 to 8192.
+# Warp-specialized parameters, from sweeps on H200 (RMSNorm/LayerNorm backward, bf16,
+# 1024-16384 columns; benchmarks/results/norms_ws_sweep.json): three stages as fast as
+# four and much faster than two (0.50-0.65 of copy); a tile of about 32 KiB (8 rows of
+# 1024, 2 of 4096, 1 of 8192: two tiles in flight); the fewest consumer warps that leave
+# a thread at most two 128-bit vectors of a row (1024: 4 warps, two programs an SM,
+# 0.57/0.49 of copy against 0.49/0.33 with 8 warps and one).
 WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at most
-WS_WARPS = 8  # consumer warps (two warp groups) to start from
+WS_MAX_BLOCKS = 2  # programs an SM, at most
 WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
 WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
-WS_UNROLL_REGISTERS = PIPELINE_REGISTERS  # the unroll keeps a thread's estimate under this
-WS_REGISTERS = 160  # above this estimate, the fallbacks that lower register pressure
-# (RMSNorm backward at 16384 columns: 0.54 of copy with its weights in registers, about
-# 168 estimated, 0.73 reading them inside the walk)
-WS_MIN_LEFT = 24  # registers a thread must keep for other values, or it is degenerate
-# Where the warp-specialized strategy gains (measured, see ``heuristics``): by compute
-# capability, then by the number of column sums (1: RMSNorm backward, 2: LayerNorm
-# backward), the fewest row blocks each program must walk to amortize its weights'
-# loads and its partial sums. No entry: the multi-wave strategy.
-WS_GAINS: dict[int, dict[int, int]] = {}
+WS_OVERSHOOT = 1.5  # degenerate when the register estimate passes this times the
+# registers a thread may have (LayerNorm backward at 16384 columns, estimated 1.3 times
+# over, spills a little and still beats the multi-wave kernel: 0.36 against 0.26)
+# Where the warp-specialized strategy gains: by compute capability, then by the number of
+# column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
+# must walk to amortize loading its weights and writing its partial sums. Measured on
+# H200 (benchmarks/results/norms_threshold.json): both lose at 31 rows a program (4096
+# columns: 0.35 against 0.43, 0.29 against 0.32) and at 8 (1024 and 8192 columns), tie at
+# 62 rows of 1024 and win from 62 rows of 16384 and 124 of 1024-8192; the two norms did
+# not need different thresholds there. No entry (the forward, other architectures): the
+# multi-wave strategy.
+WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 48}}
 
 
 @dataclass(frozen=True)
@@ -276,7 +280,7 @@ class NormalizationScheduler:
         (``MULTIWAVE`` or ``WARP_SPECIALIZED``, no fallback: a warp-specialized kernel
         that cannot be built raises ``NotSchedulable`` saying why); ``"auto"`` takes the
         warp-specialized one where ``WS_GAINS`` records a gain for this architecture
-        and number of column sums and each program walks enough row blocks, and falls
+        and number of column sums and each program walks enough rows, and falls
         back to the multi-wave one when the warp-specialized parameters are degenerate
         (one stage, or too few registers left)."""
         if strategy not in ("auto", *STRATEGIES):
@@ -301,25 +305,26 @@ class NormalizationScheduler:
         if isinstance(chosen, str):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
                                           f"{chosen}): {multiwave.why}")  # fmt: skip
-        walked = triton_cdiv(rows, chosen.block_rows * chosen.programs)
+        walked = triton_cdiv(rows, chosen.programs)
         threshold = gains[len(plan.column_sums)]
         if walked < threshold:
-            why = (f"{walked} row blocks a program, fewer than the {threshold} that amortize "
-                   "a warp-specialized program's weights and partial sums")  # fmt: skip
+            why = (f"{walked} rows a program, fewer than the {threshold} that amortize a "
+                   "warp-specialized program's weights and partial sums")  # fmt: skip
             return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
-        return replace(chosen, why=f"warp-specialized ({walked} row blocks a program, at "
-                                   f"least {threshold}): {chosen.why}")  # fmt: skip
+        return replace(chosen, why=f"warp-specialized ({walked} rows a program, at least "
+                                   f"{threshold}): {chosen.why}")  # fmt: skip
 
     def _warp_specialized(
         self, plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
     ) -> NormalizationParams | str:
         """The warp-specialized parameters, or why there are none. A loop grows, while
-        shared memory and registers allow: the circular buffer's stages, then the
-        consumer warps (from two warp groups, while each thread keeps four 128-bit vectors
-        of a row), then the
-        rows a tile (until ``WS_INFLIGHT_BITS`` are in flight); the block width is the
-        whole row (a persistent row). Short of registers it first reads the weights
-        inside the walk, then adds warps, then takes fewer rows a tile."""
+        shared memory and registers allow: the circular buffer's stages (up to
+        ``WS_MAX_STAGES``), then the consumer warp groups (4 to 16 warps, until a thread
+        holds at most two 128-bit vectors of a row), then the rows a tile (until
+        ``WS_INFLIGHT_BITS`` are in flight, without passing the registers a thread may
+        have); the block width is the whole row (a persistent row). Short of registers
+        it first reads the weights inside the walk, then takes fewer rows a tile. The
+        number of rows plays no part: one compiled kernel serves every batch size."""
         if hardware.arch and hardware.arch < 90:
             return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
         full = [t for t in plan.inputs if plan.kinds[t] == "full"]
@@ -336,9 +341,8 @@ class NormalizationScheduler:
             return f"a tile {width} wide is narrower than 16 bytes"
         row_bits = width * sum(t.dtype.bits for t in full)  # a tile row, every buffered input
         budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
-        vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
+        vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
         weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
-        most_rows = min(64, _next_power_of_two(max(rows, 1)))
 
         def registers(warps: int, block_rows: int, hoist: bool) -> int:
             threads = warps * hardware.warp_size
@@ -347,26 +351,26 @@ class NormalizationScheduler:
             sums = len(plan.column_sums) * per_row
             return plan.buffers * values + sums + hoist * weights * per_row + OTHER_REGISTERS
 
-        stages, warps, block_rows, hoist = 1, WS_WARPS, 1, True
+        def limit(warps: int) -> int:  # registers a thread may have
+            return min(MAX_REGISTERS, hardware.registers_per_sm // (warps * hardware.warp_size))
+
+        stages, warps, block_rows, hoist = 1, 4, 1, True
         while stages < WS_MAX_STAGES and (stages + 1) * row_bits <= budget:
             stages += 1
-        while warps < 16 and width // (2 * warps * hardware.warp_size) >= 4 * vector:
+        while warps < 16 and width > 2 * vector * warps * hardware.warp_size:
             warps *= 2
         while (
-            block_rows * 2 <= most_rows
+            block_rows * 2 <= 64
             and stages * 2 * block_rows * row_bits <= budget
             and (stages - 1) * block_rows * row_bits < WS_INFLIGHT_BITS
-            and registers(warps, 2 * block_rows, hoist) <= WS_UNROLL_REGISTERS
+            and registers(warps, 2 * block_rows, hoist) <= limit(warps)
         ):
             block_rows *= 2
         fallbacks = []
-        if registers(warps, block_rows, hoist) > WS_REGISTERS and weights:
+        if registers(warps, block_rows, hoist) > limit(warps) and weights:
             hoist = False
             fallbacks.append("weights read inside the walk")
-        while registers(warps, block_rows, hoist) > WS_REGISTERS and warps < 16:
-            warps *= 2
-            fallbacks.append(f"{warps} warps")
-        while registers(warps, block_rows, hoist) > WS_REGISTERS and block_rows > 1:
+        while registers(warps, block_rows, hoist) > limit(warps) and block_rows > 1:
             block_rows //= 2
             fallbacks.append(f"{block_rows} rows a tile")
         used = registers(warps, block_rows, hoist)
@@ -374,14 +378,15 @@ class NormalizationScheduler:
         if stages < 2:
             return (f"degenerate: one stage (a tile of {tile // 8 // 1024} KiB, "
                     f"{budget // 8 // 1024} KiB of shared memory for the buffer)")  # fmt: skip
-        if MAX_REGISTERS - used < WS_MIN_LEFT:
-            return (f"degenerate: about {used} registers a thread leave fewer than "
-                    f"{WS_MIN_LEFT} for other values")  # fmt: skip
-        # programs an SM holds: each its buffer (and a producer warp group: 4 warps)
+        if used > WS_OVERSHOOT * limit(warps):
+            return (f"degenerate: about {used} registers a thread, over {WS_OVERSHOOT} times "
+                    f"the {limit(warps)} a thread of {warps} warps may have")  # fmt: skip
+        # programs an SM holds: each its buffer and its consumer warps' registers (the
+        # producer warps give theirs back), and a producer warp group: 4 warps
         by_smem = hardware.smem_per_block_bits // (stages * tile + WS_SCRATCH_BITS)
         by_warps = hardware.max_warps_per_sm // (warps + 4)
-        by_registers = hardware.registers_per_sm // (used * (warps + 4) * hardware.warp_size)
-        blocks = max(1, min(by_smem, by_warps, by_registers))
+        by_registers = hardware.registers_per_sm // (used * warps * hardware.warp_size)
+        blocks = max(1, min(WS_MAX_BLOCKS, by_smem, by_warps, by_registers))
         programs = blocks * hardware.sm_count
         why = (f"{stages} stages of {block_rows}x{width} tiles ({stages * tile // 8 // 1024} "
                f"KiB), {warps} consumer warps, about {used} registers a thread, "

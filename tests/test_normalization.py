@@ -4,6 +4,7 @@ recorded hardware profiles, and kernel reuse across batch sizes."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -17,8 +18,14 @@ from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
-from schedulers.hardware import H100, H200, INTERPRETER  # noqa: E402
-from schedulers.normalization import NormalizationParams, NormalizationScheduler  # noqa: E402
+from schedulers.hardware import B200, H100, H200, INTERPRETER  # noqa: E402
+from schedulers.normalization import (  # noqa: E402
+    MULTIWAVE,
+    WARP_SPECIALIZED,
+    WS_GAINS,
+    NormalizationParams,
+    NormalizationScheduler,
+)
 from schedulers.registry import split_into_kernels  # noqa: E402
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
@@ -204,7 +211,180 @@ def test_outer_reductions_are_not_normalizations():
 
 def test_column_sums_pipeline_the_walk_when_registers_allow():
     scheduler, plan = _plan("rmsnorm_bwd", 4096)
-    params = scheduler.heuristics(plan, H200, [32768, 4096])
+    params = scheduler.heuristics(plan, H200, [32768, 4096], MULTIWAVE)
     assert params.persistent and params.programs > 0 and params.stages == 3, params
     assert "pipelined 3 deep" in params.why
     assert scheduler.heuristics(plan, INTERPRETER, [32768, 4096]).stages == 1
+
+
+# -- the warp-specialized strategy ------------------------------------------------------
+
+
+def replace_arch(profile, arch):
+    return dataclasses.replace(profile, arch=arch)
+
+
+def replace_registers(profile, registers):
+    return dataclasses.replace(profile, registers_per_sm=registers)
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "dtype", "rows"),
+    [
+        ("rmsnorm_bwd", 1024, "bfloat16", 37),  # rows past the last tile: TMA pads zeros
+        ("rmsnorm_bwd", 1000, "float32", 5),  # a row narrower than the tile
+        ("layernorm_bwd", 96, "float16", 9),
+        ("layernorm_bwd", 4096, "bfloat16", 3),
+        ("softmax_bwd", 1000, "float16", 4),
+        ("layernorm_fwd", 1000, "bfloat16", 6),
+        ("softmax_fwd", 96, "float32", 33),  # a max: the padding must not win it
+    ],
+)
+def test_the_warp_specialized_kernel_matches_the_reference(name, n, dtype, rows):
+    """Forced: its full-shape inputs arrive as TMA tensor descriptors, its walk is a
+    tl.range with warp_specialize (the interpreter runs it as a plain loop)."""
+    fd = BUILDERS[name](n, dtype)
+    generator = torch.Generator().manual_seed(rows + n)
+    inputs = make_inputs(name, rows, n, DTYPES[dtype], "cpu", generator)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": WARP_SPECIALIZED})
+    outputs = executor.run(inputs)
+    expected = fd.execute(inputs)
+    assert_close(outputs[0], expected[0], reduction_extent=n)
+    if name.endswith("_bwd") and name != "softmax_bwd":
+        exact = _weight_gradients_in_float64(name, inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
+    params = executor.chosen_params["k0"]
+    assert params.strategy == WARP_SPECIALIZED and params.stages >= 2, params
+    source = _source_of(params)
+    assert ".load([row_block * BLOCK_ROWS, 0])" in source
+    assert "warp_specialize=True" in source and f"num_stages={params.stages}" in source
+
+
+def _source_of(params) -> str:
+    return next(s for s in reversed(KERNEL_CACHE.sources()) if "warp-specialized" in s)
+
+
+def test_a_misaligned_input_is_copied_for_its_descriptor():
+    """TMA needs a 16-byte aligned base: an input starting 2 bytes into its storage is
+    copied first, and the result stays exact."""
+    n, rows = 64, 6
+    fd = BUILDERS["rmsnorm_bwd"](n, "bfloat16")
+    generator = torch.Generator().manual_seed(5)
+    inputs = make_inputs("rmsnorm_bwd", rows, n, torch.bfloat16, "cpu", generator)
+    storage = torch.empty(rows * n + 1, dtype=torch.bfloat16)
+    storage[1:] = inputs[0].flatten()
+    inputs[0] = storage[1:].view(rows, n)
+    assert inputs[0].data_ptr() % 16 and inputs[0].is_contiguous()
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": WARP_SPECIALIZED})
+    outputs = executor.run(inputs)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=n)
+
+
+def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
+    fd = BUILDERS["layernorm_bwd"](256, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": WARP_SPECIALIZED})
+    generator = torch.Generator().manual_seed(2)
+    KERNEL_CACHE.clear()
+    chosen = set()
+    for rows in (1, 5, 16, 40):
+        inputs = make_inputs("layernorm_bwd", rows, 256, torch.bfloat16, "cpu", generator)
+        outputs = executor.run(inputs)
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=256)
+        chosen.add(executor.chosen_params["k0"])
+    # the normalization kernel and the combining kernel (dweight's and dbias's are the
+    # same source): built once each; the same params (constexprs) for every batch size,
+    # so the GPU compiles it once too
+    assert KERNEL_CACHE.compilations == 2, KERNEL_CACHE.sources()
+    assert sum("warp-specialized" in s for s in KERNEL_CACHE.sources()) == 1
+    assert len(chosen) == 1, chosen
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "rows", "strategy", "reason"),
+    [
+        ("rmsnorm_bwd", 1024, 32768, WARP_SPECIALIZED, "125 rows a program, at least 48"),
+        ("layernorm_bwd", 4096, 32768, WARP_SPECIALIZED, "249 rows a program"),
+        ("layernorm_bwd", 8192, 16384, WARP_SPECIALIZED, "16 consumer warps"),
+        ("rmsnorm_bwd", 16384, 8192, WARP_SPECIALIZED, "weights read inside the walk"),
+        ("rmsnorm_bwd", 4096, 4096, MULTIWAVE, "32 rows a program, fewer than the 48"),
+        ("layernorm_bwd", 1024, 8192, MULTIWAVE, "fewer than the 48"),
+        ("layernorm_bwd", 65536, 4096, MULTIWAVE, "fell back: degenerate: one stage"),
+        ("rmsnorm_fwd", 4096, 32768, MULTIWAVE, "no warp-specialized gain recorded"),
+    ],
+)
+def test_the_automatic_choice_on_h200(name, n, rows, strategy, reason):
+    scheduler, plan = _plan(name, n)
+    params = scheduler.heuristics(plan, H200, [rows, n])
+    assert params.strategy == strategy and reason in params.why, params
+    assert params.why.startswith("warp-specialized" if strategy == WARP_SPECIALIZED else "multi")
+
+
+def test_the_warp_specialized_parameter_loop():
+    """Stages first (three fit), consumer warps until a thread holds at most two 16-byte
+    vectors of a row, then rows a tile until two tiles (64 KiB) are in flight."""
+    cases = {1024: (3, 4, 8, 2), 4096: (3, 8, 2, 1), 8192: (3, 16, 1, 1)}
+    for n, (stages, warps, rows, blocks) in cases.items():
+        scheduler, plan = _plan("rmsnorm_bwd", n)
+        params = scheduler.heuristics(plan, H200, [32768, n], WARP_SPECIALIZED)
+        assert (params.stages, params.num_warps, params.block_rows) == (stages, warps, rows)
+        assert params.programs == blocks * H200.sm_count, params
+        assert params.persistent and params.block_columns == n and params.column_registers
+
+
+def test_the_forced_strategies_ignore_the_recorded_gains():
+    scheduler, plan = _plan("rmsnorm_fwd", 4096)
+    assert 0 not in WS_GAINS[90]  # the forward has no gain recorded: auto is multi-wave
+    forced = scheduler.heuristics(plan, H200, [32768, 4096], WARP_SPECIALIZED)
+    assert forced.strategy == WARP_SPECIALIZED and "rows a program" not in forced.why
+    scheduler, plan = _plan("rmsnorm_bwd", 1024)
+    multiwave = scheduler.heuristics(plan, H200, [32768, 1024], MULTIWAVE)
+    assert multiwave.strategy == MULTIWAVE and multiwave.programs > 0
+    with pytest.raises(ValueError, match="strategy 'fast'"):
+        scheduler.heuristics(plan, H200, [32768, 1024], "fast")
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "profile", "reason"),
+    [
+        ("rmsnorm_bwd", 65536, H200, "degenerate: one stage"),
+        ("rmsnorm_bwd", 1000 + 4, H100, "not a multiple of 16 bytes"),  # 1004 bf16
+        ("rmsnorm_bwd", 1024, replace_arch(H100, 80), "need sm_90 or later"),
+        ("rmsnorm_bwd", 16384, replace_registers(H200, 16384), "degenerate: about"),
+    ],
+)
+def test_a_forced_warp_specialized_kernel_says_why_it_cannot_be(name, n, profile, reason):
+    """No fallback when forced: NotSchedulable with the reason, before any launch."""
+    scheduler, plan = _plan(name, n)
+    with pytest.raises(NotSchedulable, match=reason):
+        scheduler.heuristics(plan, profile, [8192, n], WARP_SPECIALIZED)
+    # automatically, the same case falls back to the multi-wave kernel and says why
+    params = scheduler.heuristics(plan, profile, [8192, n])
+    assert params.strategy == MULTIWAVE
+    if profile.arch == 90 and reason.startswith("degenerate"):
+        assert f"fell back: {reason}" in params.why, params.why
+
+
+def test_other_architectures_keep_the_multi_wave_kernel():
+    scheduler, plan = _plan("layernorm_bwd", 4096)
+    params = scheduler.heuristics(plan, B200, [32768, 4096])
+    assert params.strategy == MULTIWAVE and "sm_100" in params.why
+
+
+def test_the_executor_checks_strategy_names_before_running():
+    fd = BUILDERS["rmsnorm_bwd"](64, "bfloat16")
+    with pytest.raises(ValueError, match="strategies are \\['multiwave', 'warp_specialized'\\]"):
+        MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": "fastest"})
+    with pytest.raises(ValueError, match="no generated kernel 'k9'"):
+        MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k9": MULTIWAVE})
+    with FusionDefinition() as pointwise:
+        x = pointwise.define_tensor(["rows", 64])
+        pointwise.add_output(x * 2.0)
+    with pytest.raises(ValueError, match="pointwise scheduler's strategies are \\[\\]"):
+        MultiDeviceExecutor(pointwise, kernels="generated", kernel_params={"k0": MULTIWAVE})
+    # forced where it cannot be built: the first run raises before launching anything
+    odd = BUILDERS["rmsnorm_bwd"](7, "bfloat16")
+    executor = MultiDeviceExecutor(odd, kernels="generated", kernel_params={"k0": WARP_SPECIALIZED})
+    inputs = make_inputs("rmsnorm_bwd", 3, 7, torch.bfloat16, "cpu", torch.Generator())
+    with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
+        executor.run(inputs)
