@@ -76,12 +76,13 @@ WS_OVERSHOOT = 1.5  # degenerate when the register estimate passes this times th
 # Where the warp-specialized strategy gains: by compute capability, then by the number of
 # column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
 # must walk to amortize loading its weights and writing its partial sums. Measured on
-# H200 (benchmarks/results/norms_threshold.json): both lose at 31 rows a program (4096
-# columns: 0.35 against 0.43, 0.29 against 0.32) and at 8 (1024 and 8192 columns), tie at
-# 62 rows of 1024 and win from 62 rows of 16384 and 124 of 1024-8192; the two norms did
-# not need different thresholds there. No entry (the forward, other architectures): the
-# multi-wave strategy.
-WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 48}}
+# H200 with these parameters (benchmarks/results/norms_threshold.json, fraction of copy,
+# warp-specialized against multi-wave): RMSNorm loses at 31 rows a program of 4096
+# columns (0.62 against 0.66) and 15 of 8192 (0.61, 0.66), wins from 124 (0.51 against
+# 0.32 at 16384x1024); LayerNorm, whose multi-wave kernel is slower, wins from 31 rows a
+# program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at 8192x1024) and ties at
+# 8-15. No entry (the forward, other architectures): the multi-wave strategy.
+WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
 
 
 @dataclass(frozen=True)
