@@ -77,11 +77,12 @@ WS_OVERSHOOT = 1.5  # degenerate when the register estimate passes this times th
 # column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
 # must walk to amortize loading its weights and writing its partial sums. Measured on
 # H200 with these parameters (benchmarks/results/norms_threshold.json, fraction of copy,
-# warp-specialized against multi-wave): RMSNorm loses at 31 rows a program of 4096
-# columns (0.62 against 0.66) and 15 of 8192 (0.61, 0.66), wins from 124 (0.51 against
-# 0.32 at 16384x1024); LayerNorm, whose multi-wave kernel is slower, wins from 31 rows a
-# program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at 8192x1024) and ties at
-# 8-15. No entry (the forward, other architectures): the multi-wave strategy.
+# warp-specialized against multi-wave): RMSNorm at 31 rows a program loses with 4096
+# columns (0.62 against 0.66) but wins with 1024 (0.34 against 0.27), loses at 15 rows
+# of 8192 (0.61, 0.66), wins from 62 rows (0.51 against 0.32 at 16384x1024): 48 gives
+# up the small win to avoid the loss; LayerNorm, whose multi-wave kernel is slower,
+# wins from 31 rows a program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at
+# 8192x1024) and ties at 8-15. No entry (the forward, other architectures): the multi-wave strategy.
 WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
 
 
