@@ -30,7 +30,6 @@ import math
 from dataclasses import dataclass, field, replace
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusion.dtypes import DataType, float4_e2m1, float32, float64
 from fusion.exprs import Expr, ReductionOp, VarMeanOp
@@ -659,6 +658,9 @@ class NormalizationScheduler:
                     f"{params} holds {params.block_columns} columns; the row has {columns}"
                 )
             pointers = [as_bytes(t) for t in (*inputs, *outputs)]
+            if tiles:  # imported here: importing Triton before TRITON_INTERPRET is set
+                # (tests set it at collection) leaves the interpreter unable to run tl.sum
+                from triton.tools.tensor_descriptor import TensorDescriptor
             for i in tiles:  # TMA: a 16-byte aligned base, rows a multiple of 16 bytes
                 tensor = pointers[i]
                 if columns * tensor.element_size() % 16:

@@ -87,3 +87,17 @@ def test_ruff_is_clean():
     for args in (["check", "."], ["format", "--check", "."]):
         result = subprocess.run([ruff, *args], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_importing_the_framework_leaves_triton_unimported():
+    """Triton decides at its import whether its own jit functions (tl.sum...) run in
+    the interpreter: a library import that pulled Triton in before a CPU user (or the
+    tests) set TRITON_INTERPRET=1 would break every generated kernel on CPU."""
+    code = (
+        "import sys\n"
+        "import fusion, sharding, schedulers.registry, overlap.executor\n"
+        "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
