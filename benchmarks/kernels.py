@@ -75,6 +75,28 @@ def column_sum_case(m: int, n: int):
     return fd, eager, [(m, n)], [torch.bfloat16], 2 * m * n + 4 * n
 
 
+def multi_column_sum_case(m: int, n: int, k: int):
+    """A column sum over the product of ``k`` full inputs and a broadcast weight (the
+    shape of a weight gradient): the multi-input outer reduction TMA tiles are for."""
+    with FusionDefinition(f"column_sum_of_{k}") as fd:
+        xs = [fd.define_tensor([m, n], "bf16") for _ in range(k)]
+        w = fd.define_tensor([n], "bf16")
+        product = fd.ops.cast(xs[0], "f32")
+        for x in xs[1:]:
+            product = product * fd.ops.cast(x, "f32")
+        product = product * fd.ops.broadcast(fd.ops.cast(w, "f32"), [True, False])
+        fd.add_output(fd.ops.sum(product, dims=[0]))
+
+    def eager(*inputs):
+        *xs, w = inputs
+        product = xs[0].float()
+        for x in xs[1:]:
+            product = product * x.float()
+        return (product * w.float()).sum(dim=0)
+
+    return fd, eager, [(m, n)] * k + [(n,)], [torch.bfloat16] * (k + 1), 2 * (k * m + 1) * n + 4 * n
+
+
 def fp32_to_fp4_case(m: int, n: int):
     with FusionDefinition("fp32_to_fp4") as fd:
         x = fd.define_tensor([m, n], "f32")
@@ -98,6 +120,7 @@ def cases(smoke: bool):
         yield "pointwise", pointwise_case(7, 96)
         yield "row_sum", row_sum_case(7, 300)
         yield "column_sum", column_sum_case(300, 33)
+        yield "multi_column_sum", multi_column_sum_case(300, 40, 2)
         yield "fp32_to_fp4", fp32_to_fp4_case(5, 64)
         yield "fp4_to_bf16", fp4_to_bf16_case(5, 64)
         return
@@ -107,6 +130,9 @@ def cases(smoke: bool):
         yield "column_sum", column_sum_case(128 * 2**20 // n, n)
     yield "fp32_to_fp4", fp32_to_fp4_case(16384, 8192)
     yield "fp4_to_bf16", fp4_to_bf16_case(16384, 16384)
+    for k in (1, 2, 3, 5):  # the reduction scheduler's outer kernel, tiled and TMA
+        for n in (1024, 4096):
+            yield "multi_column_sum", multi_column_sum_case(64 * 2**20 // n, n, k)
 
 
 def alternatives(executor: MultiDeviceExecutor) -> dict[str, dict]:
@@ -236,13 +262,21 @@ def main() -> None:
         executor = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=device.type == "cuda")
         outputs = executor.run(inputs)
         expected = fd.execute(inputs)
-        extent = max(s[0] for s in shapes) if case == "column_sum" else shapes[0][-1]
+        extent = max(s[0] for s in shapes) if "column_sum" in case else shapes[0][-1]
         for actual, wanted in zip(outputs, expected, strict=True):
             assert_close(actual, wanted, reduction_extent=extent)
         functions = {
             "ours": lambda e=executor, i=inputs: e.run(i),
             "eager": lambda f=eager, i=inputs: f(*i),
         }
+        if case == "multi_column_sum":  # the outer reduction through TMA tiles, forced
+            variant = MultiDeviceExecutor(fd, kernels="generated",
+                                          cuda_graph=device.type == "cuda",
+                                          kernel_params={"k0": "tma"})  # fmt: skip
+            for actual, wanted in zip(variant.run(inputs), expected, strict=True):
+                assert_close(actual, wanted, reduction_extent=extent)
+            functions["ours_tma"] = lambda e=variant, i=inputs: e.run(i)
+            print(f"  tma: {variant.kernel_report()}")
         if args.sweep:
             for label, overrides in alternatives(executor).items():
                 variant = MultiDeviceExecutor(

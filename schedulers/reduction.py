@@ -46,6 +46,15 @@ LINE_BITS = 128 * 8  # a cache line
 COMBINE_COLUMNS = 32  # outer, deterministic: kept positions per program of the combine
 COMBINE_PARTS = 256  # and partial rows it combines per step (few steps: each waits on memory)
 COMBINE_WARPS = 8
+# Outer reductions through TMA tiles (tensor descriptors): the tile starts at the
+# largest box a descriptor takes and shrinks, the reduced side first, until the stages
+# of every input's tile fit in shared memory beside the room kept for the accumulators'
+# cross-warp scratch and the outputs.
+TMA_BOX = 256  # a descriptor's box: at most 256 elements along each axis
+TMA_STAGES = 3  # tiles of each input in flight
+TMA_MIN_REDUCED = 8  # the reduced side shrinks no further
+TMA_SCRATCH_WARPS = 4  # warps along the reduced side whose partials meet in shared memory
+TMA_BARRIER_BITS = 1024 * 8  # the stages' barriers and alignment
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class ReductionParams:
     waves: int = 4  # outer: how many waves of programs the grid split aims for
     deterministic: bool = True
     stages: int = 1  # tiles in flight in the reduction loop (>1: Triton's async-copy pipeline)
+    tma: bool = False  # outer: full-shape inputs loaded as TMA tiles (tensor descriptors)
 
     def __str__(self) -> str:
         fields = (
@@ -67,6 +77,8 @@ class ReductionParams:
         )
         if self.stages != 1:
             fields += f", stages={self.stages}"
+        if self.tma:
+            fields += ", tma=True"
         if self.layout == "outer":
             fields += f", waves={self.waves}, deterministic={self.deterministic}"
         return f"ReductionParams({fields})"
@@ -152,9 +164,59 @@ class ReductionScheduler:
             exprs, inputs, outputs, reduction, prologue, epilogue, mappings, layout, kept, reduced
         )
 
-    def configure(self, plan: ReductionPlan, hardware: HardwareProfile, shape_of):
-        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
-        return self.heuristics(plan, hardware, math.prod(self._reduced_extents(plan, shape_of)))
+    strategies = ("tiled", "tma")
+
+    def configure(self, plan: ReductionPlan, hardware: HardwareProfile, shape_of, strategy="auto"):
+        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives;
+        ``strategy="tma"`` forces an outer reduction through TMA tiles (no fallback),
+        ``"tiled"`` the ordinary loads."""
+        source = shape_of(plan.reduction.inputs[0])
+        reduced = math.prod(self._reduced_extents(plan, shape_of))
+        kept = math.prod(source[axis] for axis in plan.kept)
+        if strategy not in ("auto", *self.strategies):
+            raise ValueError(f"strategy {strategy!r}: one of 'auto', 'tiled', 'tma'")
+        params = self.heuristics(plan, hardware, reduced)
+        if strategy != "tma":
+            return params
+        return self.tma_params(plan, hardware, reduced, kept)
+
+    def tma_inputs(self, plan: ReductionPlan) -> list[int]:
+        """Inputs an outer reduction reads as TMA tiles: those of S's full shape read
+        before the reduction (the rest are loaded as before)."""
+        source = plan.reduction.inputs[0]
+        before = {t for e in plan.prologue for t in e.inputs} | {source}
+        everything = tuple(range(source.ndim))
+        return [i for i, t in enumerate(plan.inputs)
+                if t in before and plan.mappings[t] == everything]  # fmt: skip
+
+    def tma_params(
+        self, plan: ReductionPlan, hardware: HardwareProfile, reduced: int, kept: int
+    ) -> ReductionParams:
+        """An outer reduction's params with TMA tiles (``tma_outer_tile``), or
+        ``NotSchedulable`` saying why it cannot have them."""
+        if plan.layout != "outer":
+            raise NotSchedulable("TMA tiles are for outer (column) reductions")
+        if hardware.arch and hardware.arch < 90:
+            raise NotSchedulable(f"TMA needs sm_90 or later (sm_{hardware.arch})")
+        tiled = [plan.inputs[i] for i in self.tma_inputs(plan)]
+        if not tiled:
+            raise NotSchedulable("no input of the reduction's full shape to read as TMA tiles")
+        for tensor in tiled:
+            if tensor.dtype.storage_only:
+                raise NotSchedulable(f"{tensor}: {tensor.dtype} codes are not read through TMA")
+            if kept * tensor.dtype.bits % 128:
+                raise NotSchedulable(
+                    f"{tensor}: rows of {kept} {tensor.dtype} are not a multiple of 16 bytes"
+                )
+        tile = tma_outer_tile(
+            [t.dtype.bits for t in tiled], plan.accumulator.bits,
+            [t.dtype.bits for t in plan.outputs], hardware, reduced, kept,
+            plan.reduction.op_name,
+        )  # fmt: skip
+        # about 64 values of a tile a thread (the loaded tile and the accumulator)
+        warps = min(16, max(4, tile.block_reduced * tile.block_kept // (64 * hardware.warp_size)))
+        return ReductionParams("outer", tile.block_reduced, tile.block_kept, warps, waves=8,
+                               stages=tile.stages, tma=True)  # fmt: skip
 
     def launcher(self, plan: ReductionPlan, params, hardware: HardwareProfile, shape_of):
         """``build`` for the local shapes ``shape_of(tensor)`` gives."""
@@ -310,8 +372,15 @@ class ReductionScheduler:
         values: dict[TensorView, Value] = {}
         source = plan.reduction.inputs[0]
         needed_before = {t for e in plan.prologue for t in e.inputs} | {source}
+        tiles = self.tma_inputs(plan) if params.tma else []
+        if params.tma and (inner or not tiles):
+            raise ValueError(f"{params}: TMA tiles need an outer reduction of a full input")
         for i, tensor in enumerate(plan.inputs):
             if tensor not in needed_before:
+                continue
+            if i in tiles:  # a descriptor of (reduced_count, kept_count)
+                at = "tl.cast(start, tl.int32), tl.cast(pid * BLOCK_KEPT, tl.int32)"
+                values[tensor] = body.load_tile(tensor, ins[i], at)
                 continue
             kept = self._offset(plan, i, plan.kept, "k")
             reduced = self._offset(plan, i, plan.reduced, "r")
@@ -414,6 +483,7 @@ class ReductionScheduler:
         ):  # fmt: skip
             raise NotSchedulable("atomics are for float32 outer sums and means only")
         inner = plan.layout == "inner"
+        described = self.tma_inputs(plan) if params.tma else []  # inputs as descriptors
         main = AlignedVariants(lambda aligned: self.source(plan, params, aligned),
                                "reduction_kernel")  # fmt: skip
         combine = AlignedVariants(lambda aligned: self.combine_source(plan, params, aligned),
@@ -448,6 +518,20 @@ class ReductionScheduler:
                         strides.append(0)
             pointers = [as_bytes(t) for t in inputs]
             targets = [as_bytes(t) for t in outputs]
+            if described:  # imported here, as in schedulers.normalization
+                from triton.tools.tensor_descriptor import TensorDescriptor
+            for i in described:
+                tensor = pointers[i]
+                if kept_count * tensor.element_size() % 16:
+                    raise ValueError(
+                        f"{params}: rows of {kept_count} {tensor.dtype} are not a multiple of "
+                        "16 bytes, which TMA descriptors need"
+                    )
+                if tensor.data_ptr() % 16:  # TMA needs a 16-byte aligned base
+                    tensor = tensor.clone()
+                box = [params.block_rows, params.block_reduce]
+                pointers[i] = TensorDescriptor(tensor, [reduced_count, kept_count],
+                                               [kept_count, 1], box)  # fmt: skip
 
             def bind(variants: AlignedVariants, split: int) -> tuple[object, list[int]]:
                 values = [kept_count, reduced_count, split, *shape, *strides]
@@ -479,6 +563,78 @@ class ReductionScheduler:
 
         launch.forms = lambda: forms_used([main, combine])
         return launch
+
+
+@dataclass(frozen=True)
+class TmaTile:
+    """An outer reduction's tile through TMA: rows along the reduced axes, columns along
+    the kept ones, and the shared memory its stages take."""
+
+    block_reduced: int
+    block_kept: int
+    stages: int
+    buffer_bits: int  # every input's tiles, all stages
+    reserved_bits: int  # accumulator scratch, outputs, barriers
+    why: str
+
+
+def tma_outer_tile(
+    input_bits: list[int],
+    accumulator_bits: int,
+    output_bits: list[int],
+    hardware: HardwareProfile,
+    reduced_extent: int,
+    kept_extent: int,
+    op: str = "sum",
+    stages: int = TMA_STAGES,
+) -> TmaTile:
+    """The tile of an outer reduction over inputs of ``input_bits`` (each read as TMA
+    tiles of one shape). The shared memory is split between the inputs in proportion to
+    their widths, after keeping back the accumulators' cross-warp scratch, a tile row of
+    each output and the barriers. The tile starts at the descriptor's largest box (or
+    the extents, rounded up to powers of two) and halves, the reduced side first (down
+    to ``TMA_MIN_REDUCED`` rows), then the kept side (down to one 16-byte vector of the
+    narrowest input: never a vector width of 1). Raises ``NotSchedulable`` when even the
+    smallest tile does not fit, and for Welford (var_mean), whose three running values
+    a column this path does not carry."""
+    if op in ("var_mean", "welford"):
+        raise NotSchedulable("Welford (var_mean) is not reduced through TMA tiles")
+    if not input_bits:
+        raise NotSchedulable("no input to load through TMA")
+    if min(input_bits) < 8:
+        raise NotSchedulable("sub-byte inputs are not loaded through TMA descriptors")
+    smallest_kept = max(2, 128 // min(input_bits))  # one 16-byte vector of the narrowest
+    kept = max(smallest_kept, min(TMA_BOX, _next_power_of_two(kept_extent)))
+    reduced = max(TMA_MIN_REDUCED, min(TMA_BOX, _next_power_of_two(reduced_extent)))
+    per_element = sum(input_bits)  # a tile element of every input
+
+    def reserved(kept: int) -> int:
+        return TMA_BARRIER_BITS + kept * (TMA_SCRATCH_WARPS * accumulator_bits + sum(output_bits))
+
+    def fits(reduced: int, kept: int) -> bool:
+        return (
+            stages * reduced * kept * per_element + reserved(kept) <= hardware.smem_per_block_bits
+        )
+
+    start = (reduced, kept)
+    while not fits(reduced, kept) and reduced > TMA_MIN_REDUCED:
+        reduced //= 2
+    while not fits(reduced, kept) and kept > smallest_kept:
+        kept //= 2
+    if not fits(reduced, kept):
+        need = (stages * reduced * kept * per_element + reserved(kept)) // 8
+        raise NotSchedulable(
+            f"the smallest TMA tile ({reduced}x{kept}, {len(input_bits)} inputs, {stages} "
+            f"stages) needs {need} bytes of shared memory; the block has "
+            f"{hardware.smem_per_block_bits // 8}"
+        )
+    buffer = stages * reduced * kept * per_element
+    why = (
+        f"{reduced}x{kept} tiles of {len(input_bits)} inputs, {stages} stages: "
+        f"{buffer // 8 // 1024} KiB of {hardware.smem_per_block_bits // 8 // 1024} KiB "
+        f"(from {start[0]}x{start[1]}; {reserved(kept) // 8} bytes kept back)"
+    )
+    return TmaTile(reduced, kept, stages, buffer, reserved(kept), why)
 
 
 def _identity(op: str, accumulator: DataType) -> str:

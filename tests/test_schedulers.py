@@ -9,6 +9,7 @@ evaluator cannot pass for a generated kernel.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton decorates any kernel
@@ -22,10 +23,12 @@ from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4  # noqa: 
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.host_ir import LaunchKernel, walk  # noqa: E402
+from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware  # noqa: E402
 from schedulers.pointwise import PointwiseParams, PointwiseScheduler  # noqa: E402
-from schedulers.reduction import ReductionParams, ReductionScheduler  # noqa: E402
+from schedulers.reduction import ReductionParams, ReductionScheduler, tma_outer_tile  # noqa: E402
+from schedulers.registry import split_into_kernels  # noqa: E402
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]
@@ -389,3 +392,121 @@ def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):
         fd.add_output(fd.ops.exp(fd.define_tensor([4])))
     with pytest.raises(ValueError, match="TRITON_INTERPRET=1"):
         MultiDeviceExecutor(fd, kernels="generated")
+
+
+# -- outer reductions through TMA tiles ---------------------------------------------------
+
+TMA_TILES = {  # (bits, inputs) -> (reduced rows, kept columns) at 4096x1024 on H200
+    (32, 1): (64, 256),
+    (32, 2): (32, 256),
+    (32, 3): (16, 256),
+    (32, 5): (8, 256),
+    (16, 1): (128, 256),
+    (16, 2): (64, 256),
+    (16, 3): (32, 256),
+    (16, 5): (16, 256),
+}
+
+
+@pytest.mark.parametrize(("bits", "inputs"), list(TMA_TILES))
+def test_tma_tile_sizes_for_several_inputs(bits, inputs):
+    """Three stages of every input's tile beside the accumulators' scratch and the
+    outputs: the reduced side halves from the descriptor's 256 until they fit."""
+    tile = tma_outer_tile([bits] * inputs, 32, [32], H200, 4096, 1024)
+    assert (tile.block_reduced, tile.block_kept) == TMA_TILES[bits, inputs], tile
+    used = tile.stages * tile.block_reduced * tile.block_kept * bits * inputs
+    assert used == tile.buffer_bits
+    assert used + tile.reserved_bits <= H200.smem_per_block_bits
+    # the next larger reduced side would not have fit
+    assert 2 * used + tile.reserved_bits > H200.smem_per_block_bits
+
+
+def test_a_tma_tile_shrinks_the_reduced_side_first_then_the_kept_side():
+    small = dataclasses.replace(H200, smem_per_block_bits=48 * 1024 * 8)
+    tile = tma_outer_tile([16] * 5, 32, [32], small, 4096, 1024)
+    # 8 rows (the floor), then 256 -> 128 columns: 3 x 8 x 128 x 10 bytes (30 KiB) and
+    # the scratch fit in 48 KiB; 256 columns (60 KiB) do not
+    assert (tile.block_reduced, tile.block_kept) == (8, 128), tile
+    assert "from 256x256" in tile.why
+
+
+@pytest.mark.parametrize("bits", [32, 16, 8])
+def test_a_tma_tile_never_has_a_vector_width_of_one(bits):
+    """Short of shared memory the kept side stops at one 16-byte vector of the input."""
+    for kib in (227, 64, 16, 8, 4):
+        profile = dataclasses.replace(H200, smem_per_block_bits=kib * 1024 * 8)
+        try:
+            tile = tma_outer_tile([bits] * 3, 32, [32], profile, 4096, 1024)
+        except NotSchedulable:
+            continue
+        assert tile.block_kept * bits >= 128 and tile.block_kept >= 2, (kib, tile)
+
+
+def test_a_tma_tile_that_cannot_fit_is_refused():
+    # 3 stages of 8x4 float32 tiles of 2 inputs (768 bytes), 1 KiB of barriers and 4
+    # columns of scratch and output (80 bytes): 1872 bytes, more than 1.5 KiB
+    tiny = dataclasses.replace(H200, smem_per_block_bits=1536 * 8)
+    match = "smallest TMA tile \\(8x4, 2 inputs, 3 stages\\) needs 1872 bytes"
+    with pytest.raises(NotSchedulable, match=match):
+        tma_outer_tile([32, 32], 32, [32], tiny, 4096, 1024)
+
+
+def test_welford_is_refused_on_the_tma_path():
+    with pytest.raises(NotSchedulable, match="Welford"):
+        tma_outer_tile([32], 32, [32], H200, 4096, 1024, op="var_mean")
+
+
+def _product_column_sum(k: int, rows: int, columns: int, dtype: str):
+    with FusionDefinition() as fd:
+        xs = [fd.define_tensor([rows, columns], dtype=dtype) for _ in range(k)]
+        w = fd.define_tensor([columns], dtype=dtype)
+        product = xs[0]
+        for x in xs[1:]:
+            product = product * x
+        fd.add_output(fd.ops.sum(product * fd.ops.broadcast(w, [True, False]), dims=[0]))
+    return fd
+
+
+@pytest.mark.parametrize(
+    ("k", "rows", "columns", "dtype"),
+    [(1, 37, 64, "bfloat16"), (2, 300, 40, "float32"), (3, 65, 24, "float16"),
+     (5, 100, 48, "float16")],
+)  # fmt: skip
+def test_an_outer_reduction_through_tma_tiles_matches_the_reference(k, rows, columns, dtype):
+    """Forced (``kernel_params={"k0": "tma"}``): the full inputs arrive as tensor
+    descriptors, the broadcast weight is loaded as before; parts of the reduced axis
+    that end inside a tile are masked."""
+    fd = _product_column_sum(k, rows, columns, dtype)
+    generator = torch.Generator().manual_seed(k * rows)
+    inputs = [_random([rows, columns], dtype, generator) for _ in range(k)]
+    inputs.append(_random([columns], dtype, generator))
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": "tma"})
+    (actual,) = executor.run(inputs)
+    assert_close(actual, fd.execute(inputs)[0], reduction_extent=rows)
+    params = executor.chosen_params["k0"]
+    assert params.tma and params.layout == "outer" and params.stages == 3, params
+    source = next(s for s in reversed(KERNEL_CACHE.sources()) if ".load([tl.cast(start" in s)
+    assert source.count(".load([tl.cast(start") == k  # the weight is not a TMA tile
+
+
+def test_tma_tiles_are_refused_where_they_cannot_be():
+    scheduler = ReductionScheduler()
+    odd = _product_column_sum(2, 64, 12, "float16")  # 24-byte rows
+    (group,) = split_into_kernels(odd.fusion.exprs, odd.fusion)
+    with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
+        scheduler.tma_params(group.plan, H200, 64, 12)
+    with pytest.raises(NotSchedulable, match="sm_90"):
+        scheduler.tma_params(group.plan, dataclasses.replace(H200, arch=80), 64, 16)
+    with FusionDefinition() as rows_fd:
+        x = rows_fd.define_tensor(["rows", 64])
+        rows_fd.add_output(rows_fd.ops.sum(x, dims=[1]))
+    (group,) = split_into_kernels(rows_fd.fusion.exprs, rows_fd.fusion)
+    with pytest.raises(NotSchedulable, match="outer"):
+        scheduler.tma_params(group.plan, H200, 64, 16)
+    # through the executor: refused at the first run, before anything launches
+    executor = MultiDeviceExecutor(odd, kernels="generated", kernel_params={"k0": "tma"})
+    generator = torch.Generator().manual_seed(0)
+    inputs = [_random([64, 12], "float16", generator) for _ in range(2)]
+    inputs.append(_random([12], "float16", generator))
+    with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
+        executor.run(inputs)
