@@ -52,6 +52,8 @@ COMBINE_WARPS = 8
 # cross-warp scratch and the outputs.
 TMA_BOX = 256  # a descriptor's box: at most 256 elements along each axis
 TMA_STAGES = 3  # tiles of each input in flight
+TMA_EXTRA_TILES = 1  # Triton 3.6 asks for one tile more than its stages (measured on
+# H200: 262160 bytes of shared memory for three stages of a 64 KiB bf16 tile)
 TMA_MIN_REDUCED = 8  # the reduced side shrinks no further
 TMA_SCRATCH_WARPS = 4  # warps along the reduced side whose partials meet in shared memory
 TMA_BARRIER_BITS = 1024 * 8  # the stages' barriers and alignment
@@ -573,7 +575,7 @@ class TmaTile:
     block_reduced: int
     block_kept: int
     stages: int
-    buffer_bits: int  # every input's tiles, all stages
+    buffer_bits: int  # every input's tiles, all stages (and the one Triton adds)
     reserved_bits: int  # accumulator scratch, outputs, barriers
     why: str
 
@@ -589,8 +591,9 @@ def tma_outer_tile(
     stages: int = TMA_STAGES,
 ) -> TmaTile:
     """The tile of an outer reduction over inputs of ``input_bits`` (each read as TMA
-    tiles of one shape). The shared memory is split between the inputs in proportion to
-    their widths, after keeping back the accumulators' cross-warp scratch, a tile row of
+    tiles of one shape). The shared memory (``stages`` tiles of each input, and the one
+    more Triton allocates) is split between the inputs in proportion to their widths,
+    after keeping back the accumulators' cross-warp scratch, a tile row of
     each output and the barriers. The tile starts at the descriptor's largest box (or
     the extents, rounded up to powers of two) and halves, the reduced side first (down
     to ``TMA_MIN_REDUCED`` rows), then the kept side (down to one 16-byte vector of the
@@ -611,9 +614,11 @@ def tma_outer_tile(
     def reserved(kept: int) -> int:
         return TMA_BARRIER_BITS + kept * (TMA_SCRATCH_WARPS * accumulator_bits + sum(output_bits))
 
+    copies = stages + TMA_EXTRA_TILES
+
     def fits(reduced: int, kept: int) -> bool:
         return (
-            stages * reduced * kept * per_element + reserved(kept) <= hardware.smem_per_block_bits
+            copies * reduced * kept * per_element + reserved(kept) <= hardware.smem_per_block_bits
         )
 
     start = (reduced, kept)
@@ -622,13 +627,13 @@ def tma_outer_tile(
     while not fits(reduced, kept) and kept > smallest_kept:
         kept //= 2
     if not fits(reduced, kept):
-        need = (stages * reduced * kept * per_element + reserved(kept)) // 8
+        need = (copies * reduced * kept * per_element + reserved(kept)) // 8
         raise NotSchedulable(
             f"the smallest TMA tile ({reduced}x{kept}, {len(input_bits)} inputs, {stages} "
             f"stages) needs {need} bytes of shared memory; the block has "
             f"{hardware.smem_per_block_bits // 8}"
         )
-    buffer = stages * reduced * kept * per_element
+    buffer = copies * reduced * kept * per_element
     why = (
         f"{reduced}x{kept} tiles of {len(input_bits)} inputs, {stages} stages: "
         f"{buffer // 8 // 1024} KiB of {hardware.smem_per_block_bits // 8 // 1024} KiB "
