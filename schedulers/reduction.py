@@ -357,6 +357,9 @@ class ReductionScheduler:
             emit.line("end = tl.minimum(begin + rows_each, reduced_count)")
         shape = "(BLOCK_KEPT, BLOCK_REDUCED)" if inner else "(BLOCK_REDUCED, BLOCK_KEPT)"
         emit.line(f"acc = tl.full({shape}, {identity}, {acc_type})")
+        loop_at = len(emit.lines)  # inputs along the kept axes alone are loaded before it
+        early = Emitter()
+        early.count = 2000
         if params.stages > 1:  # the next tiles' loads go out while this one is summed
             stages = f"num_stages={params.stages}"
             emit.line(f"for start in tl.range(begin, end, BLOCK_REDUCED, {stages}):")
@@ -385,6 +388,12 @@ class ReductionScheduler:
                 values[tensor] = body.load_tile(tensor, ins[i], at)
                 continue
             kept = self._offset(plan, i, plan.kept, "k")
+            if not any(axis in plan.reduced for axis in plan.mappings[tensor]):
+                # a weight along the kept axes: once, before the loop, not once a row
+                loaded = early.load(tensor, ins[i], early.assign(kept, "idx"), "kept_mask")
+                spread = f"{loaded.name}[:, None]" if inner else f"{loaded.name}[None, :]"
+                values[tensor] = Value(early.assign(spread), tensor.dtype)
+                continue
             reduced = self._offset(plan, i, plan.reduced, "r")
             if inner:
                 index = f"({kept})[:, None] + ({reduced})[None, :]"
@@ -398,6 +407,7 @@ class ReductionScheduler:
         term = body.as_compute(values[source], accumulator)
         body.line(f"acc = {combine}(acc, tl.where(mask, {term}, {identity}))")
         emit.lines.extend(f"    {line}" for line in body.lines)
+        emit.lines[loop_at:loop_at] = early.lines
         axis = 1 if inner else 0
         emit.line(f"reduced = {reduce_call('acc', axis, combine)}")
         if not inner and not params.deterministic:
