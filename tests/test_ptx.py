@@ -48,7 +48,8 @@ def _rows(widths: list[dict], case: str, kernel: str, aligned: bool = True) -> l
 
 def test_every_benchmark_kernel_is_compiled_in_both_forms(widths):
     cases = {r["case"] for r in widths}
-    assert cases == {"pointwise", "row_sum", "column_sum", "fp32_to_fp4", "fp4_to_bf16"}
+    assert cases == {"pointwise", "row_sum", "column_sum", "multi_column_sum", "fp32_to_fp4",
+                     "fp4_to_bf16"}  # fmt: skip
     for case in cases:
         forms = {r["aligned"] for r in widths if r["case"] == case}
         assert forms == {False, True}
@@ -61,6 +62,7 @@ def test_every_benchmark_kernel_is_compiled_in_both_forms(widths):
         ("row_sum", "reduction_kernel", {128}, None),
         ("column_sum", "reduction_kernel", {128}, None),
         ("column_sum", "combine_kernel", {128}, None),  # a tile of parts per step
+        ("multi_column_sum", "reduction_kernel", {128}, None),
         ("fp32_to_fp4", "pointwise_kernel", {128}, {64}),  # 16 values per thread: 8 bytes
         ("fp4_to_bf16", "pointwise_kernel", {64}, {128}),  # 32 values per thread: 16 bytes
     ],
@@ -114,3 +116,11 @@ def test_outer_reductions_pipeline_their_loads(widths):
         assert row["async_copies"] > 0, row
     for row in _rows(widths, "row_sum", "reduction_kernel"):
         assert row["async_copies"] == 0, row  # one step a row: nothing to overlap
+
+
+def test_a_weight_of_an_outer_reduction_is_read_once_before_its_loop(widths):
+    """sum(x1 * x2 * w[None, :], 0) over 64x64 bf16 tiles and 128 threads: four 128-bit
+    loads of each x a thread, and one of w before the loop (a tile-shaped load of w in
+    the loop would be four more)."""
+    for row in _rows(widths, "multi_column_sum", "reduction_kernel"):
+        assert {int(bits): n for bits, n in row["loads"].items()} == {128: 9}, row
