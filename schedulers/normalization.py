@@ -761,7 +761,7 @@ class _Candidate:
         values = max(1, block_rows * width // threads)
         return cls(warps, block_rows, values, registers, occupancy,
                    occupancy >= OCCUPANCY_TARGET, even, waves, blocks,
-                   values >= 2 * vector, lanes <= 32 and values <= 32)  # fmt: skip
+                   values >= 4 * vector, lanes <= 32 and values <= 32)  # fmt: skip
 
     def rank(self, walks: bool) -> tuple:
         """Sort key, best first; ``walks``: a fixed grid walks the rows (column sums)."""
