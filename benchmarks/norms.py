@@ -146,7 +146,11 @@ def print_resources() -> None:
         comment = next(line for line in source.splitlines() if line.startswith("# normalization"))
         for caches in kernel.device_caches.values():
             for compiled in caches[0].values():
-                compiled._init_handles()  # registers and spills are read when it loads
+                try:
+                    compiled._init_handles()  # registers and spills are read when it loads
+                except OutOfResources as error:  # a sweep variant the device refused
+                    print(f"{comment[2:]}: not loaded ({error})")
+                    continue
                 constants = ", ".join(
                     f"{kernel.arg_names[path[0]]}={value}"
                     for path, value in compiled.src.constants.items()

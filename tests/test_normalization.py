@@ -141,9 +141,9 @@ def _plan(name: str, n: int, dtype: str = "bfloat16"):
 @pytest.mark.parametrize(
     ("name", "n", "persistent", "warps", "values"),
     [
-        ("rmsnorm_fwd", 1024, True, 2, 16),  # 16 bf16 a thread: two 128-bit vectors
-        ("rmsnorm_fwd", 4096, True, 8, 16),
-        ("layernorm_fwd", 8192, True, 16, 16),
+        ("rmsnorm_fwd", 1024, True, 1, 32),  # 32 bf16 a thread: four 128-bit vectors
+        ("rmsnorm_fwd", 4096, True, 4, 32),
+        ("layernorm_fwd", 8192, True, 8, 32),
         ("softmax_fwd", 16384, True, 16, 32),
         ("rmsnorm_fwd", 24576, True, 16, 64),  # padded to 32768 columns
         ("rmsnorm_fwd", 65536, False, 16, None),  # 128 values a thread: too many registers
