@@ -69,9 +69,12 @@ WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at mo
 WS_MAX_BLOCKS = 2  # programs an SM, at most
 WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
 WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
-WS_OVERSHOOT = 1.5  # degenerate when the register estimate passes this times the
-# registers a thread may have (LayerNorm backward at 16384 columns, estimated 1.3 times
-# over, spills a little and still beats the multi-wave kernel: 0.36 against 0.26)
+WS_OVERSHOOT = 1.25  # degenerate when the register estimate passes this times the
+# registers a thread may have. RMSNorm backward at 16384 columns (1.06 times over)
+# spills a little and beats the multi-wave kernel in every run (0.71-0.72 against
+# 0.67 of copy on H200); LayerNorm backward there (1.31 times over) spills more and its
+# time was bimodal across runs, the same kernel 0.50 or 1.25 ms on H200 (0.60 or 1.69 on
+# H100), against a steady 0.71 ms for the multi-wave one: it falls back.
 # Where the warp-specialized strategy gains: by compute capability, then by the number of
 # column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
 # must walk to amortize loading its weights and writing its partial sums. Measured on

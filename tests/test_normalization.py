@@ -311,6 +311,7 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
         ("layernorm_bwd", 1024, 2048, MULTIWAVE, "8 rows a program, fewer than the 16"),
         ("layernorm_bwd", 4096, 4096, WARP_SPECIALIZED, "32 rows a program, at least 16"),
         ("layernorm_bwd", 65536, 4096, MULTIWAVE, "fell back: degenerate: one stage"),
+        ("layernorm_bwd", 16384, 8192, MULTIWAVE, "fell back: degenerate: about 168 registers"),
         ("rmsnorm_fwd", 4096, 32768, MULTIWAVE, "no warp-specialized gain recorded"),
     ],
 )
