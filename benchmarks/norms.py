@@ -94,9 +94,6 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         for stages in (2, 3, 4):
             if stages != params.stages:
                 variants[f"ws,stages={stages}"] = replace(params, stages=stages)
-        for warps in (params.num_warps // 2, params.num_warps * 2):
-            if 4 <= warps <= 16:
-                variants[f"ws,warps={warps}"] = replace(params, num_warps=warps)
         for rows in (params.block_rows // 2, params.block_rows * 2):
             if 1 <= rows and rows * params.block_columns * params.stages <= 65536:
                 variants[f"ws,rows={rows}"] = replace(params, block_rows=rows)
@@ -109,8 +106,7 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             )
         if params.column_registers:
             variants["ws,weights in walk"] = replace(params, column_registers=False)
-        return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
-    if params.persistent:
+    elif params.persistent:
         programs = params.programs or 2 * sm_count
         for stages in (2, 3):
             if stages != params.stages:
@@ -119,10 +115,12 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants[f"programs={programs}"] = replace(params, programs=programs)
         if params.block_rows * params.block_columns * 2 <= 65536:
             variants["rows*2"] = replace(params, block_rows=params.block_rows * 2)
-    if params.persistent and params.programs and params.stages != 1:
+    multiwave = params.strategy != WARP_SPECIALIZED
+    if multiwave and params.persistent and params.programs and params.stages != 1:
         variants["stages=1"] = replace(params, stages=1)
     for rows in (4, 8):  # a warp per row: reductions without shared memory
-        if params.persistent and rows * params.block_columns <= 16384 and rows != params.block_rows:
+        if (multiwave and params.persistent and rows * params.block_columns <= 16384
+                and rows != params.block_rows):  # fmt: skip
             variants[f"rows={rows},warps={rows}"] = replace(params, block_rows=rows, num_warps=rows)
     if not params.persistent:  # chunked: how many rows in flight, how long a step
         for programs in (sm_count, 2 * sm_count, 4 * sm_count):
@@ -131,9 +129,10 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         for step in (params.block_columns // 2, params.block_columns * 2):
             if 1024 <= step <= 16384:
                 variants[f"step={step}"] = replace(params, block_columns=step)
+    prefix, fewest = ("", 1) if multiwave else ("ws,", 4)  # consumer warp groups: 4 warps
     for warps in (params.num_warps // 2, params.num_warps * 2):
-        if 1 <= warps <= 16:
-            variants[f"warps={warps}"] = replace(params, num_warps=warps)
+        if fewest <= warps <= 16:
+            variants[f"{prefix}warps={warps}"] = replace(params, num_warps=warps)
     return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
 
 
