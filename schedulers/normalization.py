@@ -47,7 +47,7 @@ from schedulers.codegen import (
     reduce_call,
 )
 from schedulers.hardware import HardwareProfile
-from schedulers.pointwise import as_bytes, triton_cdiv
+from schedulers.pointwise import as_bytes, tma_descriptor, triton_cdiv
 
 OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-bound rows
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
@@ -411,7 +411,7 @@ class NormalizationScheduler:
         RMSNorm 0.92-0.94 either way; earlier, 16 against 8: 0.95 against 0.84), the
         row dividing evenly into the threads'
         vectors, registers left for other values, fewer waves, higher occupancy.
-        ``shape`` is S's; the number of rows only ranks waves. With column sums, a wave
+        The number of rows only ranks waves. With column sums, a wave
         of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
         copy for RMSNorm backward at 4096) unless registers are short."""
         width = _next_power_of_two(max(columns, 1))
@@ -663,21 +663,9 @@ class NormalizationScheduler:
                     f"{params} holds {params.block_columns} columns; the row has {columns}"
                 )
             pointers = [as_bytes(t) for t in (*inputs, *outputs)]
-            if tiles:  # imported here: importing Triton before TRITON_INTERPRET is set
-                # (tests set it at collection) leaves the interpreter unable to run tl.sum
-                from triton.tools.tensor_descriptor import TensorDescriptor
-            for i in tiles:  # TMA: a 16-byte aligned base, rows a multiple of 16 bytes
-                tensor = pointers[i]
-                if columns * tensor.element_size() % 16:
-                    raise ValueError(
-                        f"{params}: rows of {columns} {tensor.dtype} are not a multiple of "
-                        "16 bytes, which TMA descriptors need; use the multi-wave strategy"
-                    )
-                if tensor.data_ptr() % 16:
-                    tensor = tensor.clone()
-                pointers[i] = TensorDescriptor(
-                    tensor, [rows, columns], [columns, 1], [params.block_rows, params.block_columns]
-                )
+            box = [params.block_rows, params.block_columns]
+            for i in tiles:
+                pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
             grid = (triton_cdiv(rows, params.block_rows),)
             if params.programs:
                 grid = (min(grid[0], params.programs),)

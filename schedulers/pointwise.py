@@ -351,3 +351,21 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
         return tensor.view(torch.uint8)
     return tensor
+
+
+def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):
+    """A TMA tensor descriptor of contiguous ``tensor`` seen as (rows, columns), read in
+    ``box`` tiles. TMA needs rows of a multiple of 16 bytes (``ValueError`` naming
+    ``params`` otherwise) and a 16-byte aligned base (a misaligned tensor is copied)."""
+    # imported here: importing Triton before TRITON_INTERPRET is set (the tests set it at
+    # collection) would leave the interpreter unable to run Triton's own jit functions
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    if columns * tensor.element_size() % 16:
+        raise ValueError(
+            f"{params}: rows of {columns} {tensor.dtype} are not a multiple of 16 bytes, "
+            "which TMA descriptors need"
+        )
+    if tensor.data_ptr() % 16:
+        tensor = tensor.clone()
+    return TensorDescriptor(tensor, [rows, columns], [columns, 1], box)

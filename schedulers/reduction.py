@@ -39,7 +39,7 @@ from schedulers.codegen import (
     reduce_call,
 )
 from schedulers.hardware import HardwareProfile
-from schedulers.pointwise import as_bytes, triton_cdiv
+from schedulers.pointwise import as_bytes, tma_descriptor, triton_cdiv
 
 TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
 LINE_BITS = 128 * 8  # a cache line
@@ -530,20 +530,9 @@ class ReductionScheduler:
                         strides.append(0)
             pointers = [as_bytes(t) for t in inputs]
             targets = [as_bytes(t) for t in outputs]
-            if described:  # imported here, as in schedulers.normalization
-                from triton.tools.tensor_descriptor import TensorDescriptor
+            box = [params.block_rows, params.block_reduce]
             for i in described:
-                tensor = pointers[i]
-                if kept_count * tensor.element_size() % 16:
-                    raise ValueError(
-                        f"{params}: rows of {kept_count} {tensor.dtype} are not a multiple of "
-                        "16 bytes, which TMA descriptors need"
-                    )
-                if tensor.data_ptr() % 16:  # TMA needs a 16-byte aligned base
-                    tensor = tensor.clone()
-                box = [params.block_rows, params.block_reduce]
-                pointers[i] = TensorDescriptor(tensor, [reduced_count, kept_count],
-                                               [kept_count, 1], box)  # fmt: skip
+                pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
 
             def bind(variants: AlignedVariants, split: int) -> tuple[object, list[int]]:
                 values = [kept_count, reduced_count, split, *shape, *strides]
