@@ -1,6 +1,13 @@
 """The ``overlap`` command line.
 
-overlap demo     build, print, run and check the example fusion
+overlap demo                      the README's main job: a tensor-parallel MLP block,
+                                  sequential against overlapped, on the local devices
+overlap run [--launcher L] [--nproc N] script.py [args]
+                                  run script.py's main(communicator) on N ranks
+                                  (L: local, torchrun or ray)
+overlap dump [--world N] script.py
+                                  print the host program of script.py's fusion(world)
+                                  for every rank, without running it
 """
 
 from __future__ import annotations
@@ -10,19 +17,93 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overlap", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="overlap", description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
+    )  # fmt: skip
     commands = parser.add_subparsers(dest="command", required=True)
-    demo = commands.add_parser("demo", help="build, print, run and check the example fusion")
-    demo.add_argument("--tokens", type=int, default=256)
-    demo.add_argument("--hidden", type=int, default=1024)
-    demo.add_argument("--ffn", type=int, default=4096)
+    demo = commands.add_parser("demo", help="the tensor-parallel MLP demo on local devices")
+    demo.add_argument("--tokens", type=int, default=None)
+    demo.add_argument("--hidden", type=int, default=None)
+    demo.add_argument("--ffn", type=int, default=None)
+    demo.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
+    run = commands.add_parser("run", help="run a script's main(communicator) on N ranks")
+    run.add_argument("--launcher", choices=["local", "torchrun", "ray"], default="local")
+    run.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
+    run.add_argument("--address", default=None, help="ray: an existing cluster's address")
+    run.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
+    run.add_argument("script")
+    run.add_argument("args", nargs=argparse.REMAINDER)
+    dump = commands.add_parser("dump", help="print a script's host program without running")
+    dump.add_argument("--world", type=int, default=2, help="ranks to plan for (default 2)")
+    dump.add_argument("script")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        from launch.demo import run_demo
+    from launch.env import LaunchError
 
-        return 0 if run_demo(args.tokens, args.hidden, args.ffn) else 1
-    parser.error(f"unknown command {args.command}")
-    return 2
+    try:
+        if args.command == "demo":
+            from launch.demo import run_demo
+
+            return 0 if run_demo(args.tokens, args.hidden, args.ffn, args.nproc) else 1
+        if args.command == "run":
+            return _run(args)
+        return _dump(args)
+    except LaunchError as error:
+        print(f"overlap {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
+    from launch.local import default_nproc, run_script
+    from launch.script import load_script
+
+    load_script(args.script)  # a missing script or main() fails here, before any rank starts
+    nproc = args.nproc or default_nproc()
+    if args.launcher == "local":
+        return run_script(args.script, args.args, nproc, args.timeout)
+    if args.launcher == "torchrun":
+        import subprocess
+
+        from launch.local import free_port
+
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                   str(nproc), "--master-port", str(free_port()), "-m", "launch.entry",
+                   args.script, *args.args]  # fmt: skip
+        try:
+            return subprocess.run(command, timeout=args.timeout).returncode
+        except subprocess.TimeoutExpired:
+            print(f"overlap run: torchrun still running after {args.timeout} s", file=sys.stderr)
+            return 124
+    from launch.ray_pool import RayPool
+
+    with RayPool(nproc, address=args.address, timeout_s=args.timeout or 600.0) as pool:
+        pool.call(_script_main, args.script, args.args)
+    return 0
+
+
+def _script_main(communicator, script: str, argv: list[str]) -> None:
+    """A Ray actor's part of ``overlap run --launcher ray``."""
+    from launch.script import load_script
+
+    sys.argv = [script, *argv]
+    load_script(script).main(communicator)
+
+
+def _dump(args) -> int:
+    from launch.script import load_script
+    from overlap.communicator import PlanningCommunicator
+    from overlap.executor import MultiDeviceExecutor
+
+    module = load_script(args.script, need="fusion")
+    for rank in range(args.world):
+        executor = MultiDeviceExecutor(
+            module.fusion(args.world), PlanningCommunicator(rank, args.world), kernels="reference"
+        )
+        print(f"=== rank {rank} of {args.world} ===")
+        print(executor.program)
+        print(executor.explain_overlap())
+        print()
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""``python -m launch.entry script.py [args]``: one rank of a launched script.
+
+What ``overlap run`` starts in every process (directly for ``--launcher local``, through
+``torch.distributed.run`` for ``--launcher torchrun``): join the process group, then call
+the script's ``main(communicator)`` with ``sys.argv`` set to the script and its args.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from launch.env import init
+from launch.script import load_script
+
+
+def main() -> int:
+    if len(sys.argv) < 2:
+        print("usage: python -m launch.entry script.py [args]", file=sys.stderr)
+        return 2
+    script, *argv = sys.argv[1:]
+    module = load_script(script)  # before the process group: a bad script fails alone
+    sys.argv = [script, *argv]
+    communicator = init()
+    try:
+        module.main(communicator)
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

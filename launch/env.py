@@ -1,0 +1,113 @@
+"""Where this process runs: under torchrun, under ``overlap run --launcher local``, or
+alone; and the process group and ``Communicator`` for it.
+
+torchrun is detected with ``torch.distributed.is_torchelastic_launched()`` (Ray Train and
+others set ``RANK`` too, so ``RANK`` alone proves nothing); its ``LOCAL_RANK`` comes from
+the environment. The local launcher marks its processes with ``OVERLAP_LAUNCHER=local``.
+NCCL on GPUs (each process on the GPU of its local rank), gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from overlap.communicator import Communicator
+
+REQUIRED = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+class LaunchError(RuntimeError):
+    """A launch that cannot go on: raised before any collective starts."""
+
+
+@dataclass(frozen=True)
+class RankEnvironment:
+    """What a launcher told this process."""
+
+    launcher: str  # "torchrun", "local" or "none"
+    rank: int
+    local_rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    run_id: str = ""  # TORCHELASTIC_RUN_ID under torchrun
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchrun
+
+
+def launcher() -> str:
+    """``"torchrun"``, ``"local"`` (``overlap run --launcher local``) or ``"none"``."""
+    if dist.is_torchelastic_launched():
+        return "torchrun"
+    if os.environ.get("OVERLAP_LAUNCHER") == "local":
+        return "local"
+    return "none"
+
+
+def rank_environment() -> RankEnvironment:
+    """This process's rank, world and rendezvous, read from its launcher's environment;
+    ``LaunchError`` naming what is missing or wrong."""
+    kind = launcher()
+    if kind == "none":
+        return RankEnvironment("none", 0, 0, 1, "127.0.0.1", 0)
+    missing = [name for name in REQUIRED if not os.environ.get(name)]
+    if missing:
+        raise LaunchError(f"launched by {kind}, but {', '.join(missing)} not set")
+    try:
+        values = {name: int(os.environ[name]) for name in REQUIRED if name != "MASTER_ADDR"}
+    except ValueError as error:
+        raise LaunchError(f"launched by {kind} with a non-integer rank variable: {error}") from None
+    rank, world = values["RANK"], values["WORLD_SIZE"]
+    if not 0 <= rank < world:
+        raise LaunchError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    return RankEnvironment(
+        kind, rank, values["LOCAL_RANK"], world, os.environ["MASTER_ADDR"], values["MASTER_PORT"],
+        os.environ.get("TORCHELASTIC_RUN_ID", ""),
+        int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+    )  # fmt: skip
+
+
+def device_for(local_rank: int, backend: str | None = None) -> torch.device:
+    """The device of a process: the GPU of its local rank with NCCL, else the CPU."""
+    if (backend or ("nccl" if torch.cuda.is_available() else "gloo")) != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise LaunchError(
+            f"local rank {local_rank} has no GPU: this node has {count}; start at most "
+            f"{count} processes a node, or use gloo (backend='gloo') on CPUs"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
+    """Join the process group the launcher set up (NCCL on GPUs, gloo on CPUs), on the
+    GPU of this process's local rank, and return the ``Communicator``. A process no
+    launcher started gets a world of one (gloo, a local rendezvous)."""
+    env = rank_environment()
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend not in ("nccl", "gloo"):
+        raise LaunchError(f"backend {backend!r}: 'nccl' (GPUs) or 'gloo' (CPUs)")
+    device = device_for(env.local_rank, backend)
+    if dist.is_initialized():
+        return Communicator(device)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if env.launcher == "none":
+        from launch.local import free_port
+
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        dist.init_process_group(backend, rank=0, world_size=1, timeout=timeout)
+        return Communicator(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout, device_id=device)  # fmt: skip
+    else:
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
+                                timeout=timeout)  # fmt: skip
+    return Communicator(device)

@@ -1,0 +1,165 @@
+"""The local launcher: N processes on this machine (one per GPU, or gloo ranks on CPUs).
+
+``run_function`` runs ``function(communicator, *args)`` on every rank and returns the
+results in rank order; ``run_script`` runs a script's ``main(communicator)`` in N
+processes (``overlap run --launcher local``). Both fail fast: the first rank that fails
+or dies stops the others, and the error names it; a run past its time limit is stopped
+and says which ranks had not finished.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from launch.env import LaunchError
+
+
+class RankFailure(LaunchError):
+    """Some rank raised or died; ``failures`` maps each such rank to what it said."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        text = "\n".join(f"--- rank {rank} ---\n{message}" for rank, message in failures.items())
+        super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n{text}")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def default_nproc() -> int:
+    """One process per local GPU; two CPU processes when there is none."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 2
+
+
+def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    return {
+        "OVERLAP_LAUNCHER": "local", "RANK": str(rank), "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    }  # fmt: skip
+
+
+def _function_worker(rank, world_size, port, function, args, results, timeout_s) -> None:
+    os.environ.update(rank_env(rank, world_size, port))
+    try:
+        from launch.env import init
+
+        communicator = init(timeout_s=timeout_s)
+        value = function(communicator, *args)
+        results.put((rank, "ok", value))
+    except BaseException:  # every failure goes back to the parent, with its traceback
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def run_function(
+    function: Callable, args: tuple = (), nproc: int | None = None, timeout_s: float = 120.0
+) -> list:
+    """``function(communicator, *args)`` on ``nproc`` local ranks (a module-level
+    function: it travels by pickle); the return values in rank order."""
+    nproc = nproc or default_nproc()
+    if nproc < 1:
+        raise LaunchError(f"nproc={nproc}: at least one process")
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_function_worker,
+                        args=(rank, nproc, port, function, args, results, timeout_s))
+        for rank in range(nproc)
+    ]  # fmt: skip
+    for process in processes:
+        process.start()
+    values: dict[int, object] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(values) + len(failures) < nproc:
+            try:
+                rank, status, value = results.get(timeout=0.2)
+            except queue.Empty:
+                for rank, process in enumerate(processes):
+                    if process.exitcode not in (None, 0) and rank not in values:
+                        failures.setdefault(rank, f"died with exit code {process.exitcode}")
+                if failures:
+                    break
+                if time.monotonic() > deadline:
+                    waiting = [r for r in range(nproc) if r not in values]
+                    raise LaunchError(
+                        f"ranks {waiting} did not finish within {timeout_s} s"
+                    ) from None
+                continue
+            if status == "ok":
+                values[rank] = value
+            else:
+                failures[rank] = value
+                break  # the others may now wait forever on the failed rank: stop them
+        if failures:
+            raise RankFailure(failures)
+        return [values[rank] for rank in range(nproc)]
+    finally:
+        for process in processes:
+            process.join(timeout=5 if not failures else 0.5)
+            if process.is_alive():
+                process.terminate()
+                process.join(timeout=5)
+
+
+def run_script(script: str, argv: list[str], nproc: int | None = None,
+               timeout_s: float | None = None) -> int:  # fmt: skip
+    """Run ``script``'s ``main(communicator)`` in ``nproc`` processes; the first that
+    fails stops the others. Returns the exit code (0 when every rank succeeded)."""
+    nproc = nproc or default_nproc()
+    port = free_port()
+    processes = []
+    for rank in range(nproc):
+        env = {**os.environ, **rank_env(rank, nproc, port)}
+        command = [sys.executable, "-m", "launch.entry", script, *argv]
+        processes.append(subprocess.Popen(command, env=env))
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # a rank's peers fail right after it (their collectives break): give
+                # them a moment, then name every rank that failed
+                time.sleep(1.0)
+                codes = [p.poll() for p in processes]
+                failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
+                said = ", ".join(f"rank {rank} exited with {codes[rank]}" for rank in failed)
+                print(f"overlap run: {said}; stopping the others (each rank's error is above)",
+                      file=sys.stderr)  # fmt: skip
+                return codes[failed[0]]
+            if all(code == 0 for code in codes):
+                return 0
+            if deadline is not None and time.monotonic() > deadline:
+                waiting = [rank for rank, code in enumerate(codes) if code is None]
+                print(f"overlap run: ranks {waiting} still running after {timeout_s} s; "
+                      "stopping them", file=sys.stderr)  # fmt: skip
+                return 124
+            time.sleep(0.1)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.terminate()
+        for process in processes:
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()

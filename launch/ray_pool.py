@@ -1,0 +1,297 @@
+"""A pool of Ray actors, one per rank, that run fusions together.
+
+    pool = RayPool(world_size=2)                  # a local Ray instance, or address=...
+    outputs = pool.run(fd, [x, w])                # whole inputs: the pool shards them
+    pool.shutdown()
+
+The actors sit in one placement group (a GPU bundle per rank on GPUs, a CPU bundle
+otherwise), set up the process group among themselves (NCCL on GPUs, gloo on CPUs;
+the rendezvous at rank 0's node), build a ``MultiDeviceExecutor`` for each fusion they
+are sent (the definition travels by pickle) and run its host program; the driver
+assembles the whole outputs from their pieces.
+
+Every call is watched: when any actor raises or dies, the call fails at once with that
+rank's error, the pool is torn down (its peers may be blocked in a collective that
+will never finish), and ``RayPool`` can be built again. On GPUs actors see every GPU
+of their node (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: hiding all but one has
+slowed and hung NCCL on NVSwitch hosts) and take the one of their local rank; a bounded
+process-group timeout keeps NCCL from waiting forever on a dead peer.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from launch.env import LaunchError
+
+
+class PoolError(LaunchError):
+    """A pool call failed: ``rank`` is the first rank that raised or died."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        self.rank = rank
+        super().__init__(f"rank {rank} failed: {message}")
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:
+        raise LaunchError(
+            "the Ray pool needs Ray: pip install 'overlap[ray]' (or pip install ray)"
+        ) from None
+    return ray
+
+
+class _Rank:
+    """One rank: an actor's state (created remotely through ``ray.remote``)."""
+
+    def __init__(self, rank: int, world_size: int, use_gpu: bool) -> None:
+        # before any CUDA call: see every GPU of the node, pick one by local rank
+        os.environ["RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"] = "1"
+        self.rank, self.world_size, self.use_gpu = rank, world_size, use_gpu
+        self.communicator = None
+        self.executors: dict[bytes, object] = {}
+
+    def address(self) -> tuple[str, str, int]:
+        """This node's IP, id and a free port on it (rank 0's are the rendezvous)."""
+        ray = _ray()
+        with socket.socket() as sock:
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
+
+    def setup(self, master: str, port: int, local_rank: int, timeout_s: float) -> str:
+        import datetime
+
+        import torch.distributed as dist
+
+        from overlap.communicator import Communicator
+
+        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if self.use_gpu:
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout, device_id=device)  # fmt: skip
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
+                                    timeout=timeout)  # fmt: skip
+        self.communicator = Communicator(device)
+        return str(device)
+
+    def call(self, function: Callable, args: tuple) -> object:
+        return function(self.communicator, *args)
+
+    def run(self, definition: bytes, inputs: list, whole: bool, options: dict) -> list:
+        from overlap.executor import MultiDeviceExecutor
+
+        key = definition + pickle.dumps(sorted(options.items()))
+        executor = self.executors.get(key)
+        if executor is None:
+            executor = MultiDeviceExecutor(pickle.loads(definition), self.communicator, **options)
+            self.executors[key] = executor
+        device = self.communicator.device
+        if whole:
+            inputs = executor.shard_inputs([t.to(device) for t in inputs])
+        else:
+            inputs = [None if t is None else t.to(device) for t in inputs]
+        outputs = executor.run(inputs)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        pieces = [None if t is None else t.cpu() for t in outputs]
+        # rank 0 also sends the outputs as placed (their layouts): the driver assembles
+        return pieces, (executor.fusion.outputs if self.rank == 0 else None)
+
+
+class RayPool:
+    """``world_size`` actors, one per rank; see the module's text."""
+
+    def __init__(
+        self,
+        world_size: int,
+        address: str | None = None,
+        use_gpus: bool | None = None,
+        timeout_s: float = 120.0,
+        init_options: dict | None = None,
+    ) -> None:
+        ray = _ray()
+        if world_size < 1:
+            raise LaunchError(f"world_size={world_size}: at least one rank")
+        if not ray.is_initialized():
+            options = {"include_dashboard": False, "log_to_driver": True, **(init_options or {})}
+            ray.init(address=address, **options)
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0))
+        self.use_gpus = gpus >= world_size if use_gpus is None else use_gpus
+        if self.use_gpus and gpus < world_size:
+            raise LaunchError(f"{world_size} GPU ranks asked for; the cluster has {gpus} GPUs")
+        cpus = int(resources.get("CPU", 0))
+        if not self.use_gpus and cpus < world_size:
+            raise LaunchError(f"{world_size} CPU ranks asked for; the cluster has {cpus} CPUs")
+        self.world_size, self.timeout_s = world_size, timeout_s
+        self._ray = ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {"GPU": 1} if self.use_gpus else {"CPU": 1}
+        self._group = placement_group([bundle] * world_size, strategy="PACK")
+        ready, _ = ray.wait([self._group.ready()], timeout=timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self._group)
+            raise LaunchError(f"the placement group of {world_size} {bundle} bundles was not "
+                              f"ready within {timeout_s} s")  # fmt: skip
+        actor = ray.remote(_Rank)
+        self.actors = [
+            actor.options(
+                num_gpus=1 if self.use_gpus else 0,
+                num_cpus=0 if self.use_gpus else 1,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=self._group, placement_group_bundle_index=rank
+                ),
+                runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
+            ).remote(rank, world_size, self.use_gpus)
+            for rank in range(world_size)
+        ]
+        try:
+            places = self._gather([a.address.remote() for a in self.actors])
+            master, _, port = places[0]
+            nodes = [node for _, node, _ in places]
+            local_ranks = [nodes[:rank].count(nodes[rank]) for rank in range(world_size)]
+            self.devices = self._gather([
+                a.setup.remote(master, port, local_ranks[rank], timeout_s)
+                for rank, a in enumerate(self.actors)
+            ])  # fmt: skip
+        except BaseException:
+            self.shutdown()
+            raise
+
+    # -- calls -----------------------------------------------------------------------
+
+    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
+        """Every rank's result, in rank order; the first failure ends the call (and the
+        pool) at once with its rank, never a hang."""
+        ray = self._ray
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        results: dict[int, object] = {}
+        pending = list(refs)
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                ranks = sorted(rank_of[ref] for ref in pending)
+                self.shutdown()
+                raise PoolError(ranks[0], f"ranks {ranks} did not answer within {timeout_s} s")
+            done, pending = ray.wait(pending, num_returns=1, timeout=min(left, 1.0))
+            for ref in done:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except Exception as error:  # a raise in the actor, or the actor died
+                    self._fail(rank, error, pending, rank_of)
+        return [results[rank] for rank in range(len(refs))]
+
+    def _fail(self, rank: int, error: Exception, pending: list, rank_of: dict) -> None:
+        """End the pool and raise for the rank that caused the failure: a rank that
+        died rather than its peers, whose collectives then fail (wait briefly for them:
+        the death may be reported after the peers' errors)."""
+        ray = self._ray
+        failures = {rank: error}
+        done, _ = ray.wait(pending, num_returns=len(pending), timeout=2.0) if pending else ([], [])
+        for ref in done:
+            try:
+                ray.get(ref)
+            except Exception as other:
+                failures[rank_of[ref]] = other
+        dead = [r for r, e in sorted(failures.items())
+                if isinstance(e, ray.exceptions.RayActorError)]  # fmt: skip
+        cause = dead[0] if dead else rank
+        self.shutdown()
+        others = {r: e for r, e in failures.items() if r != cause}
+        message = f"{type(failures[cause]).__name__}: {failures[cause]}"
+        if others:
+            message += "; then " + "; ".join(
+                f"rank {r}: {type(e).__name__}" for r, e in sorted(others.items())
+            )
+        raise PoolError(cause, message) from failures[cause]
+
+    def call(self, function: Callable, *args, timeout_s: float | None = None) -> list:
+        """``function(communicator, *args)`` on every rank (a picklable function); the
+        results in rank order."""
+        self._check_alive()
+        return self._gather([a.call.remote(function, args) for a in self.actors], timeout_s)
+
+    def run(
+        self,
+        definition,
+        inputs: Sequence[torch.Tensor] | Sequence[Sequence[torch.Tensor | None]],
+        per_rank: bool = False,
+        timeout_s: float | None = None,
+        **executor_options,
+    ) -> list[torch.Tensor]:
+        """Run a ``FusionDefinition`` on every rank; the whole outputs.
+
+        ``inputs``: the whole tensors (every actor gets them and keeps its pieces), or
+        with ``per_rank=True`` one list of local pieces per rank. ``executor_options`` go
+        to each rank's ``MultiDeviceExecutor`` (``options``, ``kernels``...)."""
+        self._check_alive()
+        try:
+            blob = pickle.dumps(definition)
+        except Exception as error:
+            raise LaunchError(f"the fusion definition does not pickle: {error}") from error
+        if per_rank and len(inputs) != self.world_size:
+            raise LaunchError(f"per_rank inputs: {len(inputs)} lists for {self.world_size} ranks")
+        if per_rank:
+            pieces = [[None if t is None else t.cpu() for t in rank] for rank in inputs]
+            refs = [a.run.remote(blob, pieces[r], False, executor_options)
+                    for r, a in enumerate(self.actors)]  # fmt: skip
+        else:
+            shared = self._ray.put([t.cpu() for t in inputs])  # one copy in the object store
+            refs = [a.run.remote(blob, shared, True, executor_options) for a in self.actors]
+        answers = self._gather(refs, timeout_s)
+        from overlap.executor import assemble
+
+        placed = answers[0][1]
+        return [
+            assemble({rank: answer[0][position] for rank, answer in enumerate(answers)}, tensor)
+            for position, tensor in enumerate(placed)
+        ]
+
+    # -- life ------------------------------------------------------------------------
+
+    def _check_alive(self) -> None:
+        if not self.actors:
+            raise LaunchError("this pool was shut down (after a failure, or by shutdown()); "
+                              "build a new RayPool")  # fmt: skip
+
+    def shutdown(self) -> None:
+        """Kill the actors and free their placement group (safe to call twice)."""
+        ray = self._ray
+        for actor in getattr(self, "actors", []):
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self.actors = []
+        group = getattr(self, "_group", None)
+        if group is not None:
+            try:
+                ray.util.remove_placement_group(group)
+            except Exception:
+                pass
+            self._group = None
+
+    def __enter__(self) -> RayPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()

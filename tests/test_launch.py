@@ -1,0 +1,207 @@
+"""Launchers on CPU: local processes and torchrun (gloo), the Ray pool (a local Ray
+instance), the ``overlap`` command (run, dump), and the launch environment."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from fusion.testing import assert_close
+from launch.demo import build_tp_mlp, whole_inputs
+from launch.env import LaunchError, launcher, rank_environment
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = (64, 32, 128)  # tokens, hidden, ffn
+
+SCRIPT = """
+import sys
+
+import torch
+
+from fusion.testing import assert_close
+from launch.demo import build_tp_mlp, whole_inputs
+from overlap.executor import MultiDeviceExecutor
+
+
+def fusion(world):
+    return build_tp_mlp(64, 32, 128, world)
+
+
+def main(communicator):
+    if sys.argv[2:] == ["fail"] and communicator.rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    fd = fusion(communicator.world_size)
+    whole = whole_inputs(64, 32, 128)
+    executor = MultiDeviceExecutor(fd, communicator)
+    (piece,) = executor.run(executor.shard_inputs(whole))
+    (expected,) = executor.shard_outputs(fd.execute(whole))
+    assert_close(piece, expected, reduction_extent=128, partial_sums=communicator.world_size)
+    torch.save(piece, f"{sys.argv[1]}/rank{communicator.rank}.pt")
+"""
+
+
+@pytest.fixture
+def script(tmp_path) -> Path:
+    path = tmp_path / "tp_mlp_script.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def _overlap(*args, timeout=180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER", "TORCHELASTIC_RUN_ID"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "launch.cli", *map(str, args)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def _whole_output() -> torch.Tensor:
+    fd = build_tp_mlp(*SIZES, 2)
+    return fd.execute(whole_inputs(*SIZES))[0]
+
+
+def _check_pieces(folder: Path) -> None:
+    pieces = [torch.load(folder / f"rank{rank}.pt") for rank in range(2)]
+    assert_close(torch.cat(pieces), _whole_output(), reduction_extent=SIZES[2], partial_sums=2)
+
+
+@pytest.mark.parametrize("kind", ["local", "torchrun"])
+def test_overlap_run_matches_the_reference(kind, script, tmp_path):
+    """Two gloo ranks run the tensor-parallel MLP; their pieces make the whole output."""
+    result = _overlap("run", "--launcher", kind, "--nproc", 2, script, tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_pieces(tmp_path)
+
+
+def test_a_failing_rank_stops_a_local_run_promptly(script, tmp_path):
+    start = time.monotonic()
+    result = _overlap("run", "--nproc", 2, script, tmp_path, "fail", timeout=120)
+    assert result.returncode != 0
+    assert "rank 1 fails on purpose" in result.stderr
+    assert "rank 1 exited" in result.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
+    empty = tmp_path / "empty.py"
+    empty.write_text("x = 1\n")
+    result = _overlap("run", "--nproc", 2, empty, timeout=60)
+    assert result.returncode == 2
+    assert "defines no main()" in result.stderr
+    missing = _overlap("run", tmp_path / "nothing.py", timeout=60)
+    assert missing.returncode == 2 and "no such script" in missing.stderr
+
+
+def test_overlap_dump_prints_every_ranks_host_program(script):
+    result = _overlap("dump", "--world", 2, script, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in range(2):
+        assert f"=== rank {rank} of 2 ===" in result.stdout
+    assert result.stdout.count("Allgather(") == 2 and result.stdout.count("ReduceScatter(") == 2
+    assert "allgather+matmul" in result.stdout  # the planner's decision and its reasons
+
+
+# -- the environment -------------------------------------------------------------------
+
+
+def test_torchrun_is_detected_by_torchelastic_not_by_rank(monkeypatch):
+    for name in ("TORCHELASTIC_RUN_ID", "OVERLAP_LAUNCHER"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RANK", "1")  # Ray Train and others set RANK too
+    assert launcher() == "none" and rank_environment().world_size == 1
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "abc")
+    assert launcher() == "torchrun"
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    env = rank_environment()
+    assert (env.launcher, env.rank, env.local_rank, env.world_size, env.run_id) == (
+        "torchrun", 1, 1, 2, "abc")  # fmt: skip
+
+
+def test_a_broken_launch_environment_is_refused(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("OVERLAP_LAUNCHER", "local")
+    for name, value in (("RANK", "3"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "2"),
+                        ("MASTER_ADDR", "127.0.0.1")):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(LaunchError, match="MASTER_PORT not set"):
+        rank_environment()
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(LaunchError, match="RANK=3 is outside WORLD_SIZE=2"):
+        rank_environment()
+
+
+# -- the Ray pool ----------------------------------------------------------------------
+
+ray = pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=150 * 2**20,
+             log_to_driver=False)  # fmt: skip
+    # the actors cannot import this test module: its functions travel by value
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    yield
+    ray.shutdown()
+
+
+def test_the_ray_pool_runs_a_fusion_like_the_reference(ray_instance):
+    from launch.ray_pool import RayPool
+
+    fd = build_tp_mlp(*SIZES, 2)
+    whole = whole_inputs(*SIZES)
+    with RayPool(2) as pool:
+        assert pool.devices == ["cpu", "cpu"]
+        (y,) = pool.run(fd, whole)
+        assert_close(y, fd.execute(whole)[0], reduction_extent=SIZES[2], partial_sums=2)
+        # per-rank pieces instead of whole tensors
+        tokens = SIZES[0] // 2
+        x, w1, w2 = whole
+        pieces = [[x[r * tokens:(r + 1) * tokens], w1[:, r * 64:(r + 1) * 64],
+                   w2[r * 64:(r + 1) * 64]] for r in range(2)]  # fmt: skip
+        (again,) = pool.run(fd, pieces, per_rank=True)
+        assert torch.equal(again, y)
+
+
+def _wait_or_die(communicator):
+    """Rank 1 dies mid-run; rank 0 waits for it in a collective."""
+    import torch.distributed as dist
+
+    if communicator.rank == 1:
+        time.sleep(1.0)
+        os._exit(3)
+    dist.barrier()
+
+
+def test_a_dead_actor_fails_the_call_promptly_and_names_its_rank(ray_instance):
+    from launch.ray_pool import PoolError, RayPool
+
+    pool = RayPool(2, timeout_s=60)
+    start = time.monotonic()
+    with pytest.raises(PoolError) as failure:
+        pool.call(_wait_or_die)
+    assert time.monotonic() - start < 60
+    assert failure.value.rank == 1, str(failure.value)
+    assert "rank 1" in str(failure.value)
+    with pytest.raises(LaunchError, match="shut down"):
+        pool.call(_wait_or_die)
+    # the pool can be built again on the same Ray instance
+    with RayPool(2) as fresh:
+        assert fresh.call(lambda communicator: communicator.rank) == [0, 1]
+
+
+def test_overlap_run_through_a_ray_pool(script, tmp_path):
+    result = _overlap("run", "--launcher", "ray", "--nproc", 2, script, tmp_path, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    _check_pieces(tmp_path)
