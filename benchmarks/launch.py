@@ -180,7 +180,7 @@ def main() -> None:
                 for name, results in (("torchrun", by_torchrun), ("ray", by_ray))]  # fmt: skip
         rows.append({"outputs_bitwise_equal": equal, "max_abs_diff": diff,
                      "kernels": by_ray[0]["kernels"], "overlap": by_ray[0]["overlap"]})  # fmt: skip
-        write_results(args.out, torch.device("cuda"), float("nan"), rows)
+        write_results(args.out, torch.device("cuda"), None, rows)  # no copy figure here
 
 
 if __name__ == "__main__":
