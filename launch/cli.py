@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     dump.add_argument("script")
     args = parser.parse_args(argv)
     from launch.env import LaunchError
+    from overlap import progress
+
+    progress.enable()  # long steps (compiling kernels) say so, in every rank started
 
     try:
         if args.command == "demo":

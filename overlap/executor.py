@@ -33,6 +33,7 @@ from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.fp4 import pack_fp4, unpack_fp4
 from fusion.ir import ExtentConstraint, Fusion, Symbol, TensorView
 from fusion.reference import Bindings, bind_inputs, evaluate_expr, resolve
+from overlap import progress
 from overlap.communications import Pending, RankContext, start
 from overlap.communicator import Communicator
 from overlap.host_ir import (
@@ -545,6 +546,7 @@ class _Compiled:
         executor.chosen_params[kernel.name] = params
         executor.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = self.ctx.device
+        first = [True]  # the first launch compiles the kernel (Triton's JIT): say so
 
         def run() -> None:
             inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
@@ -560,7 +562,15 @@ class _Compiled:
             shapes.update(
                 {t: _logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
             )
-            launch(inputs, targets, shapes)
+            if first[0]:
+                first[0] = False
+                with progress.step(f"rank {executor.rank}: compiling {kernel.name} "
+                                   f"[{scheduler.name}]"):  # fmt: skip
+                    launch(inputs, targets, shapes)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+            else:
+                launch(inputs, targets, shapes)
             for tensor, target in zip(plan.outputs, targets, strict=True):
                 key = aliases.get(tensor, tensor)
                 destination = self.values.get(key) if tensor in aliases else None

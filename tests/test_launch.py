@@ -205,3 +205,27 @@ def test_overlap_run_through_a_ray_pool(script, tmp_path):
     result = _overlap("run", "--launcher", "ray", "--nproc", 2, script, tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     _check_pieces(tmp_path)
+
+
+def test_long_steps_say_what_they_do_when_progress_is_on():
+    code = (
+        "import os, sys\n"
+        "os.environ['TRITON_INTERPRET'] = '1'\n"
+        "from overlap import progress\n"
+        "progress.enable()\n"
+        "import torch\n"
+        "from examples.norms import BUILDERS, make_inputs\n"
+        "from overlap.executor import MultiDeviceExecutor\n"
+        "fd = BUILDERS['rmsnorm_fwd'](64, 'float32')\n"
+        "executor = MultiDeviceExecutor(fd, kernels='generated')\n"
+        "for _ in range(2):\n"
+        "    executor.run(make_inputs('rmsnorm_fwd', 3, 64, torch.float32, 'cpu',\n"
+        "                             torch.Generator()))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.startswith("[overlap]")]
+    # once, when the kernel is first launched (compiled), not on the second run
+    assert lines[0] == "[overlap] rank 0: compiling k0 [normalization] ...", lines
+    assert len(lines) == 2 and lines[1].endswith(" s"), lines
