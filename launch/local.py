@@ -10,6 +10,7 @@ and says which ranks had not finished.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import subprocess
@@ -57,11 +58,18 @@ def _function_worker(rank, world_size, port, function, args, results, timeout_s)
         from launch.env import init
 
         communicator = init(timeout_s=timeout_s)
-        value = function(communicator, *args)
+        # by value: a tensor put as is travels as a shared-memory handle that the parent
+        # can only open while this process lives
+        value = pickle.dumps(function(communicator, *args))
         results.put((rank, "ok", value))
     except BaseException:  # every failure goes back to the parent, with its traceback
         results.put((rank, "error", traceback.format_exc()))
+        results.close()
+        results.join_thread()
         return
+    # the result is written out before anything is torn down
+    results.close()
+    results.join_thread()
     import torch.distributed as dist
 
     dist.destroy_process_group()
@@ -105,7 +113,7 @@ def run_function(
                     ) from None
                 continue
             if status == "ok":
-                values[rank] = value
+                values[rank] = pickle.loads(value)
             else:
                 failures[rank] = value
                 break  # the others may now wait forever on the failed rank: stop them
