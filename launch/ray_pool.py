@@ -120,7 +120,7 @@ class RayPool:
         world_size: int,
         address: str | None = None,
         use_gpus: bool | None = None,
-        timeout_s: float = 120.0,
+        timeout_s: float = 120.0,  # for starting: placement group, actors, process group
         init_options: dict | None = None,
     ) -> None:
         ray = _ray()
@@ -162,31 +162,31 @@ class RayPool:
             for rank in range(world_size)
         ]
         try:
-            places = self._gather([a.address.remote() for a in self.actors])
+            places = self._gather([a.address.remote() for a in self.actors], timeout_s)
             master, _, port = places[0]
             nodes = [node for _, node, _ in places]
             local_ranks = [nodes[:rank].count(nodes[rank]) for rank in range(world_size)]
             self.devices = self._gather([
                 a.setup.remote(master, port, local_ranks[rank], timeout_s)
                 for rank, a in enumerate(self.actors)
-            ])  # fmt: skip
+            ], timeout_s)  # fmt: skip
         except BaseException:
             self.shutdown()
             raise
 
     # -- calls -----------------------------------------------------------------------
 
-    def _gather(self, refs: list, timeout_s: float | None = None) -> list:
+    def _gather(self, refs: list, timeout_s: float | None) -> list:
         """Every rank's result, in rank order; the first failure ends the call (and the
-        pool) at once with its rank, never a hang."""
+        pool) at once with its rank (a dead actor's result fails as soon as it dies, so
+        no deadline is needed for that); ``timeout_s`` (None: none) bounds the call."""
         ray = self._ray
-        timeout_s = self.timeout_s if timeout_s is None else timeout_s
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         results: dict[int, object] = {}
         pending = list(refs)
-        deadline = time.monotonic() + timeout_s
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while pending:
-            left = deadline - time.monotonic()
+            left = 1.0 if deadline is None else deadline - time.monotonic()
             if left <= 0:
                 ranks = sorted(rank_of[ref] for ref in pending)
                 self.shutdown()
@@ -226,7 +226,8 @@ class RayPool:
 
     def call(self, function: Callable, *args, timeout_s: float | None = None) -> list:
         """``function(communicator, *args)`` on every rank (a picklable function); the
-        results in rank order."""
+        results in rank order. ``timeout_s`` bounds the call (default: no bound; a rank
+        that raises or dies still ends it at once)."""
         self._check_alive()
         return self._gather([a.call.remote(function, args) for a in self.actors], timeout_s)
 
