@@ -1,4 +1,7 @@
 """Host IR, lowering, the stream-lowering planner, the per-rank executor and communicators.
 
-Not built yet: see the multi-device and stream-lowering issues.
+``MultiDeviceExecutor`` (``overlap.executor``) runs a fusion on this rank; the planner
+(``overlap.planner``) decides where communication overlaps compute; ``Communicator``
+(``overlap.communicator``) holds the process groups, ``overlap.ucx`` point-to-point
+transfers over UCX. See docs/multidevice.md.
 """
