@@ -215,13 +215,19 @@ class RayPool:
         dead = [r for r, e in sorted(failures.items())
                 if isinstance(e, ray.exceptions.RayActorError)]  # fmt: skip
         cause = dead[0] if dead else rank
-        self.shutdown()
+        # every rank raised and none died (a bad input, refused on all ranks before any
+        # collective): the actors agree, and the pool stays usable; otherwise some rank
+        # may wait in a collective forever, and the pool goes
+        agreed = len(failures) == len(rank_of) and not dead
+        if not agreed:
+            self.shutdown()
         others = {r: e for r, e in failures.items() if r != cause}
         message = f"{type(failures[cause]).__name__}: {failures[cause]}"
         if others:
             message += "; then " + "; ".join(
                 f"rank {r}: {type(e).__name__}" for r, e in sorted(others.items())
             )
+        message += " (every rank refused it: the pool is still usable)" if agreed else ""
         raise PoolError(cause, message) from failures[cause]
 
     def call(self, function: Callable, *args, timeout_s: float | None = None) -> list:

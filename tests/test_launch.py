@@ -157,7 +157,7 @@ def ray_instance():
 
 
 def test_the_ray_pool_runs_a_fusion_like_the_reference(ray_instance):
-    from launch.ray_pool import RayPool
+    from launch.ray_pool import PoolError, RayPool
 
     fd = build_tp_mlp(*SIZES, 2)
     whole = whole_inputs(*SIZES)
@@ -172,6 +172,15 @@ def test_the_ray_pool_runs_a_fusion_like_the_reference(ray_instance):
                    w2[r * 64:(r + 1) * 64]] for r in range(2)]  # fmt: skip
         (again,) = pool.run(fd, pieces, per_rank=True)
         assert torch.equal(again, y)
+        # a bad input is refused on every rank before any collective: the pool stays
+        with pytest.raises(PoolError, match="still usable") as refused:
+            pool.run(fd, [x[:, :16], w1, w2])
+        assert "InputError" in str(refused.value)
+        assert "expected the local shape [32, 32] (of the whole [64, 32]), got [32, 16]" in str(
+            refused.value
+        )
+        (after,) = pool.run(fd, whole)
+        assert torch.equal(after, y)
 
 
 def _wait_or_die(communicator):
