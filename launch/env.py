@@ -9,7 +9,6 @@ NCCL on GPUs (each process on the GPU of its local rank), gloo on CPUs.
 
 from __future__ import annotations
 
-import datetime
 import os
 from dataclasses import dataclass
 
@@ -93,21 +92,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
     if backend not in ("nccl", "gloo"):
         raise LaunchError(f"backend {backend!r}: 'nccl' (GPUs) or 'gloo' (CPUs)")
     device = device_for(env.local_rank, backend)
-    if dist.is_initialized():
-        return Communicator(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if env.launcher == "none":
+    if env.launcher == "none" and not dist.is_initialized():
         from launch.local import free_port
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        dist.init_process_group(backend, rank=0, world_size=1, timeout=timeout)
-        return Communicator(device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout, device_id=device)  # fmt: skip
-    else:
-        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size,
-                                timeout=timeout)  # fmt: skip
-    return Communicator(device)
+    return Communicator.initialize(backend, timeout_s, device, env.rank, env.world_size)

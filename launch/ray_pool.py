@@ -68,25 +68,13 @@ class _Rank:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
 
     def setup(self, master: str, port: int, local_rank: int, timeout_s: float) -> str:
-        import datetime
-
-        import torch.distributed as dist
-
         from overlap.communicator import Communicator
 
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
-        timeout = datetime.timedelta(seconds=timeout_s)
-        if self.use_gpu:
-            device = torch.device("cuda", local_rank)
-            torch.cuda.set_device(device)
-            dist.init_process_group("nccl", rank=self.rank, world_size=self.world_size,
-                                    timeout=timeout, device_id=device)  # fmt: skip
-        else:
-            device = torch.device("cpu")
-            dist.init_process_group("gloo", rank=self.rank, world_size=self.world_size,
-                                    timeout=timeout)  # fmt: skip
-        self.communicator = Communicator(device)
-        return str(device)
+        backend, device = ("nccl", f"cuda:{local_rank}") if self.use_gpu else ("gloo", "cpu")
+        self.communicator = Communicator.initialize(backend, timeout_s, device, self.rank,
+                                                    self.world_size)  # fmt: skip
+        return str(self.communicator.device)
 
     def call(self, function: Callable, args: tuple) -> object:
         return function(self.communicator, *args)

@@ -38,14 +38,29 @@ class Communicator:
         self._host_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
 
     @classmethod
-    def initialize(cls, backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
-        """Initialize the default process group from the environment (``RANK``,
-        ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) if needed; NCCL when CUDA is
-        available, else gloo."""
+    def initialize(
+        cls,
+        backend: str | None = None,
+        timeout_s: float = 300.0,
+        device: torch.device | str | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ) -> Communicator:
+        """Initialize the default process group if needed and return this rank's
+        Communicator. NCCL when CUDA is available, else gloo; ``rank`` and
+        ``world_size`` default to the environment's (``RANK``, ``WORLD_SIZE``), the
+        rendezvous is ``MASTER_ADDR``/``MASTER_PORT``. On a CUDA ``device`` the process
+        is put on it and the group bound to it."""
         if not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-        return cls()
+            options = {"timeout": datetime.timedelta(seconds=timeout_s)}
+            if rank is not None:
+                options.update(rank=rank, world_size=world_size)
+            if device is not None and torch.device(device).type == "cuda":
+                torch.cuda.set_device(torch.device(device))
+                options["device_id"] = torch.device(device)
+            dist.init_process_group(backend, **options)
+        return cls(device)
 
     def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
         """Create the process groups of ``teams`` (collective: call on every rank alike)."""

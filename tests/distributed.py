@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import os
 import queue
-import socket
 import traceback
 from collections.abc import Callable
 
 import torch.multiprocessing as mp
+
+from launch.local import free_port
 
 
 class RankError(Exception):
@@ -30,24 +31,13 @@ class RankError(Exception):
         return {rank: tb.strip().splitlines()[-1] for rank, (_, tb) in self.failures.items()}
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import datetime
-
     import torch.distributed as dist
 
     from overlap.communicator import Communicator
 
-    dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=60)
-    )
-    communicator = Communicator()
+    communicator = Communicator.initialize("gloo", 60.0, "cpu", rank, world_size)
     while True:
         job = jobs.get()
         if job is None:
@@ -68,7 +58,7 @@ class RankPool:
         context = mp.get_context("spawn")
         self.results = context.Queue()
         self.jobs = [context.Queue() for _ in range(world_size)]
-        port = _free_port()
+        port = free_port()
         self.processes = [
             context.Process(
                 target=_worker, args=(rank, world_size, port, self.jobs[rank], self.results)
