@@ -223,6 +223,20 @@ def copy_gbps(device) -> float:
     return 2 * source.numel() / (ms * 1e6)
 
 
+def benchmark_parser(doc: str, name: str, rounds: int = 7,
+                     iterations: int | None = 10) -> argparse.ArgumentParser:  # fmt: skip
+    """The arguments the benchmark scripts share: ``--smoke``, ``--out`` (by default
+    ``results/NAME.json``), ``--rounds`` and, unless ``iterations`` is None,
+    ``--iterations`` (calls timed together in a round)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{name}.json"))
+    parser.add_argument("--rounds", type=int, default=rounds)
+    if iterations is not None:
+        parser.add_argument("--iterations", type=int, default=iterations)
+    return parser
+
+
 def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
     """The figures as ``benchmarks/results/*.json`` hold them: device, date, commit (or
     ``BENCH_COMMIT`` where the tree has no git), the exact command, copy bandwidth, rows."""
@@ -245,11 +259,7 @@ def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "kernels.json"))
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iterations", type=int, default=40)
+    parser = benchmark_parser(__doc__, "kernels", iterations=40)
     parser.add_argument("--case", action="append", help="only these cases (repeatable)")
     parser.add_argument(
         "--sweep", action="store_true",

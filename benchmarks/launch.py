@@ -123,11 +123,9 @@ def _torchrun_job(out: str, sizes, rounds: int, iterations: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "launch.json"))
+    from benchmarks.kernels import benchmark_parser
+
+    parser = benchmark_parser(__doc__, "launch")
     parser.add_argument("--rank-job", help=argparse.SUPPRESS)  # torchrun's ranks
     args = parser.parse_args()
     sizes = SMOKE_SIZES if args.smoke else GPU_SIZES

@@ -15,7 +15,6 @@ events), as ``benchmarks/kernels.py``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from dataclasses import replace
@@ -31,7 +30,7 @@ import torch.nn.functional as F  # noqa: E402
 from triton.compiler.errors import CompilationError  # noqa: E402
 from triton.runtime.errors import OutOfResources  # noqa: E402
 
-from benchmarks.kernels import copy_gbps, time_ms, write_results  # noqa: E402
+from benchmarks.kernels import benchmark_parser, copy_gbps, time_ms, write_results  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
@@ -161,11 +160,7 @@ def print_resources() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "norms.json"))
-    parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--iterations", type=int, default=20)
+    parser = benchmark_parser(__doc__, "norms", iterations=20)
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
     parser.add_argument("--shape", action="append", help="MxN instead of the issue's shapes")

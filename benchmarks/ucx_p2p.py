@@ -11,7 +11,6 @@ synchronized before it). Figures to ``results/ucx.json`` on GPUs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -72,10 +71,9 @@ def rank_job(communicator, sizes: list[int], rounds: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ucx.json"))
+    from benchmarks.kernels import benchmark_parser
+
+    parser = benchmark_parser(__doc__, "ucx", rounds=9, iterations=None)
     args = parser.parse_args()
     from launch.local import run_function
 
