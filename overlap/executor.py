@@ -546,9 +546,12 @@ class _Compiled:
         executor.chosen_params[kernel.name] = params
         executor.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = self.ctx.device
-        first = [True]  # the first launch compiles the kernel (Triton's JIT): say so
+        # the first launch compiles the kernel (Triton's JIT): with progress on, say so
+        # and wait for it, so the time printed is the compile's
+        unannounced = progress.enabled()
 
         def run() -> None:
+            nonlocal unannounced
             inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
             targets = []
             for tensor in plan.outputs:
@@ -562,8 +565,8 @@ class _Compiled:
             shapes.update(
                 {t: _logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
             )
-            if first[0]:
-                first[0] = False
+            if unannounced:
+                unannounced = False
                 with progress.step(f"rank {executor.rank}: compiling {kernel.name} "
                                    f"[{scheduler.name}]"):  # fmt: skip
                     launch(inputs, targets, shapes)

@@ -177,10 +177,9 @@ class ReductionScheduler:
         kept = math.prod(source[axis] for axis in plan.kept)
         if strategy not in ("auto", *self.strategies):
             raise ValueError(f"strategy {strategy!r}: one of 'auto', 'tiled', 'tma'")
-        params = self.heuristics(plan, hardware, reduced)
-        if strategy != "tma":
-            return params
-        return self.tma_params(plan, hardware, reduced, kept)
+        if strategy == "tma":
+            return self.tma_params(plan, hardware, reduced, kept)
+        return self.heuristics(plan, hardware, reduced)
 
     def tma_inputs(self, plan: ReductionPlan) -> list[int]:
         """Inputs an outer reduction reads as TMA tiles: those of S's full shape read
