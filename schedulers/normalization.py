@@ -132,7 +132,6 @@ class NormalizationPlan:
     kinds: dict[TensorView, str]  # "full", "row", "column" or "scalar"
     reductions: list[Expr]  # ReductionOp and VarMeanOp, in order
     levels: dict[TensorView, int]  # reduction outputs: passes over the row they need
-    producers: dict[TensorView, Expr]
     space: TensorView  # a tensor of shape S (the first reduction's input)
 
     @property
@@ -218,7 +217,6 @@ class NormalizationScheduler:
                 raise NotSchedulable("fp4 outputs of a normalization")
         if not any(kinds[t] == "full" for t in [*inputs, *outputs]):
             raise NotSchedulable("no input or output of the full shape")
-        producers = {t: e for e in exprs for t in e.outputs}
         levels = _levels(exprs)
         used_back = any(
             kinds.get(out) == "full" and any(levels.get(t, 0) > 0 for t in e.inputs)
@@ -239,7 +237,6 @@ class NormalizationScheduler:
             kinds,
             reductions,
             {t: levels[t] for t in reduction_outputs},
-            producers,
             space,
         )
 
@@ -836,7 +833,7 @@ class _Generator:
                 value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
             step.cache[tensor] = value
             return value
-        producer = self.plan.producers[tensor]
+        producer = tensor.definition
         if isinstance(producer, (ReductionOp, VarMeanOp)):
             raise AssertionError(f"{tensor} is used before its reduction finished")
         operands = [
@@ -849,7 +846,7 @@ class _Generator:
     # Reductions.
     def _term(self, step: _Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
         """The masked term a reduction output sums (or maxes) in a step."""
-        producer = self.plan.producers[tensor]
+        producer = tensor.definition
         (source,) = producer.inputs
         accumulator = _accumulator(tensor.dtype)
         value = step.emit.as_compute(self.value(step, source), accumulator)
@@ -867,7 +864,7 @@ class _Generator:
         self._finish(producer, tensor, op, reduced, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
-        producer = self.plan.producers[tensor]
+        producer = tensor.definition
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
         kind = TRITON_TYPES[_accumulator(tensor.dtype).name]
         return self.outer.assign(
@@ -879,7 +876,7 @@ class _Generator:
         step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
 
     def finish(self, tensor: TensorView, accumulator: str) -> None:
-        producer = self.plan.producers[tensor]
+        producer = tensor.definition
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
         reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
