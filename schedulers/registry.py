@@ -2,9 +2,8 @@
 
 ``split_into_kernels`` cuts a run of compute exprs into kernels: from each position it
 takes the longest run that some scheduler accepts (normalization, reduction, then
-pointwise); an
-expr no scheduler takes is evaluated by the reference evaluator, and the reason is kept
-so the host program can say why.
+pointwise); an expr no scheduler takes is evaluated by the reference evaluator, and the
+reason is kept so the host program can say why.
 """
 
 from __future__ import annotations
