@@ -88,10 +88,9 @@ class _Rank:
             executor = MultiDeviceExecutor(pickle.loads(definition), self.communicator, **options)
             self.executors[key] = executor
         device = self.communicator.device
-        if whole:
-            inputs = executor.shard_inputs([t.to(device) for t in inputs])
-        else:
-            inputs = [None if t is None else t.to(device) for t in inputs]
+        if whole:  # this rank's pieces, cut on the host: only they go to the device
+            inputs = executor.shard_inputs(inputs)
+        inputs = [None if t is None else t.to(device) for t in inputs]
         outputs = executor.run(inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
