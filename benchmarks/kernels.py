@@ -223,17 +223,23 @@ def copy_gbps(device) -> float:
     return 2 * source.numel() / (ms * 1e6)
 
 
-def benchmark_parser(doc: str, name: str, rounds: int = 7,
-                     iterations: int | None = 10) -> argparse.ArgumentParser:  # fmt: skip
+def benchmark_parser(doc: str, name: str, rounds: int = 7, iterations: int | None = 10,
+                     sweep: bool = False) -> argparse.ArgumentParser:  # fmt: skip
     """The arguments the benchmark scripts share: ``--smoke``, ``--out`` (by default
-    ``results/NAME.json``), ``--rounds`` and, unless ``iterations`` is None,
-    ``--iterations`` (calls timed together in a round)."""
+    ``results/NAME.json``), ``--rounds``, unless ``iterations`` is None ``--iterations``
+    (calls timed together in a round), and with ``sweep`` ``--sweep``."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / f"{name}.json"))
     parser.add_argument("--rounds", type=int, default=rounds)
     if iterations is not None:
         parser.add_argument("--iterations", type=int, default=iterations)
+    if sweep:
+        parser.add_argument(
+            "--sweep",
+            action="store_true",
+            help="also time other launch configurations (providers ours[...])",
+        )
     return parser
 
 
@@ -259,12 +265,8 @@ def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "kernels", iterations=40)
+    parser = benchmark_parser(__doc__, "kernels", iterations=40, sweep=True)
     parser.add_argument("--case", action="append", help="only these cases (repeatable)")
-    parser.add_argument(
-        "--sweep", action="store_true",
-        help="also time other launch configurations of each kernel (providers ours[...])",
-    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     copy = copy_gbps(device)

@@ -160,14 +160,10 @@ def print_resources() -> None:
 
 
 def main() -> None:
-    parser = benchmark_parser(__doc__, "norms", iterations=20)
+    parser = benchmark_parser(__doc__, "norms", iterations=20, sweep=True)
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
     parser.add_argument("--shape", action="append", help="MxN instead of the issue's shapes")
-    parser.add_argument(
-        "--sweep", action="store_true",
-        help="also time other launch configurations (providers ours[...])",
-    )  # fmt: skip
     args = parser.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = [(5, 96), (3, 1000)] if args.smoke else SHAPES
