@@ -6,7 +6,9 @@ Example::
     shard(x, mesh, [Shard(0)])        # rows split over the mesh
     shard(w, mesh, [Replicate()])     # every rank holds all of w
 
-Annotated tensors keep their layout; propagation fills in the rest.
+Annotated tensors keep their layout; propagation fills in the rest. torch's own
+``torch.distributed.tensor`` placements (``Shard``, ``Replicate``, ``Partial``) and
+``DeviceMesh`` are read as ours; anything else is refused, never reinterpreted.
 """
 
 from __future__ import annotations
@@ -15,7 +17,16 @@ from collections.abc import Sequence
 
 from fusion.ir import TensorView
 from sharding.errors import ShardingError
-from sharding.layout import Layout, Placement, Replicate, apply_layout, layout_of
+from sharding.layout import (
+    Layout,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    apply_layout,
+    layout_of,
+    partial_op,
+)
 from sharding.mesh import DeviceMesh
 
 
@@ -27,12 +38,22 @@ def shard(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement])
     """
     if not isinstance(tensor, TensorView):
         raise ShardingError(f"shard: expected a TensorView, got {type(tensor).__name__}")
-    if not isinstance(mesh, DeviceMesh):
-        raise ShardingError(f"shard: expected a DeviceMesh, got {type(mesh).__name__}")
+    mesh = _our_mesh(mesh)
     try:
-        layout = Layout(mesh, tuple(placements))
+        layout = Layout(mesh, tuple(_our_placement(p) for p in placements))
     except ValueError as error:
         raise ShardingError(f"shard: {tensor}: {error}") from None
+    for placement in layout.placements:
+        if (
+            isinstance(placement, Partial)
+            and tensor.definition is not None
+            and placement.op != partial_op(tensor)
+        ):  # annotations win, but cannot change what the producer computes
+            raise ShardingError(
+                f"shard: {tensor} is computed by {tensor.definition.op_name}, whose partial "
+                f"results combine by {partial_op(tensor)!r}, not {placement.op!r}: annotate "
+                f"Partial({partial_op(tensor)!r})"
+            )
     previous = layout_of(tensor)
     if previous is not None and previous != layout:
         raise ShardingError(
@@ -48,3 +69,42 @@ def shard(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement])
 def replicate(tensor: TensorView, mesh: DeviceMesh) -> TensorView:
     """Place ``tensor`` whole on every rank of ``mesh``."""
     return shard(tensor, mesh, [Replicate()] * mesh.ndim)
+
+
+def _torch_class(value: object) -> str | None:
+    """The class name of a torch.distributed object, or None for anything else."""
+    module = type(value).__module__ or ""
+    return type(value).__name__ if module.startswith("torch.distributed") else None
+
+
+def _our_mesh(mesh: object) -> DeviceMesh:
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if _torch_class(mesh) == "DeviceMesh":
+        # torch's mesh of ranks, with its axis names when it has them
+        return DeviceMesh(mesh.mesh.tolist(), getattr(mesh, "mesh_dim_names", None))
+    raise ShardingError(
+        f"shard: expected a sharding.DeviceMesh (or torch's DeviceMesh), got "
+        f"{type(mesh).__module__}.{type(mesh).__name__}"
+    )
+
+
+def _our_placement(placement: object) -> Placement:
+    """Ours as is; torch's Shard/Replicate/Partial as ours; anything else refused
+    (``ValueError``, which ``shard`` reports with the tensor)."""
+    if isinstance(placement, (Shard, Replicate, Partial)):
+        return placement
+    name = _torch_class(placement)
+    if name == "Shard":  # not _StridedShard: its name differs and it is refused below
+        return Shard(placement.dim)
+    if name == "Replicate":
+        return Replicate()
+    if name == "Partial":
+        try:
+            return Partial(placement.reduce_op)
+        except ValueError as error:
+            raise ValueError(f"torch's {placement}: {error}") from None
+    raise ValueError(
+        f"placements are Shard(dim), Replicate() or Partial(op); got "
+        f"{type(placement).__module__}.{type(placement).__name__} {placement!r}"
+    )

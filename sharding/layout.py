@@ -43,11 +43,21 @@ class Replicate:
         return "R"
 
 
+PARTIAL_OPS = ("sum", "max", "min")
+
+
 @dataclass(frozen=True)
 class Partial:
-    """Each rank holds a partial result; the value is their reduction by ``op``."""
+    """Each rank holds a partial result; the value is their reduction by ``op``
+    (``sum``, ``max`` or ``min``)."""
 
     op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in PARTIAL_OPS:
+            raise ValueError(
+                f"Partial: partial results combine by one of {PARTIAL_OPS}, got {self.op!r}"
+            )
 
     def __str__(self) -> str:
         return "P" if self.op == "sum" else f"P({self.op})"
@@ -64,6 +74,12 @@ class Layout:
     placements: tuple[Placement, ...]
 
     def __post_init__(self) -> None:
+        for placement in self.placements:
+            if not isinstance(placement, (Shard, Replicate, Partial)):
+                raise ValueError(
+                    f"layout: expected sharding.Shard, Replicate or Partial placements, got "
+                    f"{type(placement).__module__}.{type(placement).__name__} {placement}"
+                )
         if len(self.placements) != self.mesh.ndim:
             raise ValueError(
                 f"layout: {self.mesh} has {self.mesh.ndim} axes but got "

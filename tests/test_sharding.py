@@ -127,6 +127,73 @@ def test_conflicting_or_invalid_annotations_are_refused(annotate, message):
         annotate(x, w, y, DeviceMesh(2))
 
 
+def test_a_partial_annotation_must_combine_as_its_producer_does():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        total, largest = fd.ops.sum(x, dims=[1]), fd.ops.max(x, dims=[1])
+        fd.add_output(total)
+        fd.add_output(largest)
+    mesh = DeviceMesh(2)
+    shard(x, mesh, [Shard(1)])
+    with pytest.raises(
+        ShardingError, match="computed by sum, whose partial results combine by 'sum', not 'max'"
+    ):
+        shard(total, mesh, [Partial("max")])
+    with pytest.raises(ShardingError, match="combine by 'max', not 'sum'"):
+        shard(largest, mesh, [Partial()])
+    shard(largest, mesh, [Partial("max")])
+    assert layout_of(largest) == Layout(mesh, (Partial("max"),))
+
+
+@pytest.mark.parametrize("op", ["avg", "prod", "SUM"])
+def test_a_partial_combines_only_by_sum_max_or_min(op):
+    with pytest.raises(ValueError, match="one of \\('sum', 'max', 'min'\\)"):
+        Partial(op)
+
+
+def test_torch_placements_and_mesh_are_read_as_ours_never_as_replicated():
+    from torch.distributed import tensor as dtensor
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    fd, x, w, y = _linear_fusion()
+    shard(x, DeviceMesh(2), [dtensor.Shard(0)])
+    assert layout_of(x) == Layout(DeviceMesh(2), (Shard(0),))
+    shard(w, DeviceMesh(2), [dtensor.Replicate()])
+    assert layout_of(w) == Layout(DeviceMesh(2), (Replicate(),))
+    shard(y, DeviceMesh(2), [dtensor.Partial()])
+    assert layout_of(y) == Layout(DeviceMesh(2), (Partial("sum"),))
+    # built without a process group (torch's private switches): its ranks and names are read
+    torch_mesh = TorchMesh(
+        "cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"), _init_backend=False, _rank=0
+    )
+    fd, x, w, y = _linear_fusion()
+    shard(x, torch_mesh, [dtensor.Shard(0), dtensor.Replicate()])
+    assert layout_of(x) == Layout(
+        DeviceMesh([[0, 1], [2, 3]], ("dp", "tp")), (Shard(0), Replicate())
+    )
+
+
+@pytest.mark.parametrize(
+    ("placement", "message"),
+    [
+        (lambda t: t.Partial("avg"), "got 'avg'"),
+        (
+            lambda t: "S(0)",
+            "placements are Shard\\(dim\\), Replicate\\(\\) or Partial\\(op\\); got builtins.str",
+        ),
+        (lambda t: 0, "got builtins.int"),
+    ],
+    ids=["torch-partial-avg", "a-string", "an-int"],
+)
+def test_placements_that_are_not_ours_nor_torchs_are_refused(placement, message):
+    from torch.distributed import tensor as dtensor
+
+    fd, x, w, y = _linear_fusion()
+    with pytest.raises(ShardingError, match=message):
+        shard(y if "avg" in str(placement(dtensor)) else x, DeviceMesh(2), [placement(dtensor)])
+    assert layout_of(x) is None and layout_of(y) is None
+
+
 def test_annotating_the_same_layout_twice_is_fine():
     fd, x, w, y = _linear_fusion()
     mesh = DeviceMesh(2)
