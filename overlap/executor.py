@@ -142,7 +142,7 @@ class MultiDeviceExecutor:
         self.kernel_forms: dict[str, list] = {}
         self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
-        self._check_strategies()
+        self._check_kernel_params()
         if communicator is not None:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
         self._symmetric: SymmetricBuffers | None = None
@@ -163,19 +163,21 @@ class MultiDeviceExecutor:
                     f"(0..{world - 1}); rank {too_large[0]} does not exist"
                 )
 
-    def _check_strategies(self) -> None:
-        """A strategy named in ``kernel_params`` must be one its kernel's scheduler has."""
+    def _check_kernel_params(self) -> None:
+        """Every kernel named in ``kernel_params`` is a generated kernel of this program,
+        and a strategy named there is one its kernel's scheduler has."""
         kernels = {i.name: i for i in walk(self.program.instructions)
-                   if isinstance(i, LaunchKernel)}  # fmt: skip
+                   if isinstance(i, LaunchKernel) and i.scheduler is not None}  # fmt: skip
         for name, override in self.kernel_params.items():
+            kernel = kernels.get(name)
+            if kernel is None:
+                raise ValueError(
+                    f"kernel_params[{name!r}] = {override!r}: this program has no generated "
+                    f"kernel {name!r} (generated: {sorted(kernels) or 'none'}; see "
+                    "print(executor.program))"
+                )
             if not isinstance(override, str):
                 continue
-            kernel = kernels.get(name)
-            if kernel is None or kernel.scheduler is None:
-                raise ValueError(
-                    f"kernel_params[{name!r}] = {override!r}: there is no generated kernel "
-                    f"{name!r} (generated: {sorted(k for k, i in kernels.items() if i.scheduler)})"
-                )
             strategies = getattr(kernel.scheduler, "strategies", ())
             if override not in strategies:
                 raise ValueError(

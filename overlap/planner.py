@@ -364,8 +364,8 @@ def _candidates(
         return candidates
     for transport in transports:
         for chunks in chunk_counts:
-            if transport == "ring" and chunks != parts:
-                continue  # the ring moves one whole piece per step
+            if transport == "ring" and chunks != parts and options.num_chunks is None:
+                continue  # the model's ring moves one whole piece a step; more when forced
             time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks, replayed)
             candidates.append(Candidate(transport, chunks, _ORDERS[(pattern, transport)], time_ms))
     return candidates

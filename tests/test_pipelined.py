@@ -68,10 +68,13 @@ CASES = [
     ("ag", 16, 2, "collective"),
     ("ag", 13, 3, "collective"),  # rows split 7/6 (or 4/3/3/3), chunks uneven too
     ("ag", 13, 1, "ring"),
+    ("ag", 16, 4, "ring"),  # OverlapOptions(num_chunks=8, transport="ring"), as in the guide
     ("rs", 16, 1, "collective"),
     ("rs", 16, 2, "collective"),
     ("rs", 13, 3, "collective"),
     ("rs", 13, 1, "ring"),
+    ("ag", 13, 3, "ring"),  # several chunks a rank travel the ring one after another
+    ("rs", 16, 4, "ring"),
 ]
 
 

@@ -386,6 +386,18 @@ def test_user_params_override_the_heuristics(rng):
     assert executor.kernel_report() == f"k0 [pointwise] {params} form: general"  # 7000 elements
 
 
+def test_params_for_a_kernel_the_program_does_not_have_are_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([7, 1000])
+        fd.add_output(fd.ops.exp(x))
+    params = PointwiseParams(vector_width=4, unroll=1, num_warps=2)
+    with pytest.raises(ValueError, match="has no generated kernel 'k9' \\(generated: \\['k0'\\]"):
+        MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k9": params})
+    # the reference evaluator runs no generated kernel: params would be ignored
+    with pytest.raises(ValueError, match="no generated kernel 'k0' \\(generated: none"):
+        MultiDeviceExecutor(fd, kernels="reference", kernel_params={"k0": params})
+
+
 def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with FusionDefinition() as fd:
