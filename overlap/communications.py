@@ -9,6 +9,9 @@ gloo cannot move them); fp4 is already held as one byte per value.
 ``start`` posts the transfer (asynchronously) and returns a ``Pending`` whose
 ``wait`` finishes it and returns this rank's output (None on ranks that take
 part but do not keep a result, like the root of a scatter outside the mesh).
+
+A max or min of floats travels as ordered integer keys so that NaN propagates as it
+does on one device (the backends' own float MAX/MIN drop NaN).
 """
 
 from __future__ import annotations
@@ -143,10 +146,50 @@ def _allgather(comm, value, ctx, group, members) -> Pending:
     return Pending([work], finish)
 
 
+# Floats compared as integers: the bits of a float, with all but the sign flipped when
+# it is negative, order as the floats do (-inf < -0.0 < +0.0 < +inf), and a NaN made
+# positive sorts above +inf, made negative below -inf. A MAX/MIN collective over these
+# keys then propagates NaN as torch.amax/amin do on one device; over the floats, NCCL
+# and gloo drop it (their max of NaN and 1.0 is 1.0).
+_KEY_TYPES = {torch.float32: torch.int32, torch.float64: torch.int64}
+
+
+def _to_keys(value: torch.Tensor, op: str) -> torch.Tensor:
+    """Order-preserving integer keys of floats, NaN winning a ``op`` (max or min)."""
+    wide = value if value.dtype in _KEY_TYPES else value.float()  # 16-bit floats: exact
+    nan = torch.tensor(float("nan") if op == "max" else -float("nan"), dtype=wide.dtype)
+    canonical = torch.where(torch.isnan(wide), nan.to(wide.device), wide)
+    bits = canonical.view(_KEY_TYPES[wide.dtype])
+    return torch.where(bits < 0, bits ^ torch.iinfo(bits.dtype).max, bits)
+
+
+def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``_to_keys`` (the flip is its own inverse), in ``dtype``."""
+    bits = torch.where(keys < 0, keys ^ torch.iinfo(keys.dtype).max, keys)
+    wide = {torch.int32: torch.float32, torch.int64: torch.float64}[keys.dtype]
+    return bits.view(wide).to(dtype)
+
+
+def reducible(
+    value: torch.Tensor, op: str, in_place: bool = False
+) -> tuple[torch.Tensor, Callable]:
+    """What a reducing collective moves for ``value``, and how to read its result back.
+
+    Sums move the values (``value`` itself when ``in_place`` and contiguous, else a
+    copy); a max or min of floats moves ordered keys, so that NaN wins.
+    """
+    if op == "sum" or not value.dtype.is_floating_point:
+        if in_place and value.is_contiguous():
+            return value, lambda result: result
+        return value.clone(memory_format=torch.contiguous_format), lambda result: result
+    dtype = value.dtype
+    return _to_keys(value, op).contiguous(), lambda result: _from_keys(result, dtype)
+
+
 def _allreduce(comm, value, ctx, group, members) -> Pending:
-    result = value.clone(memory_format=torch.contiguous_format)
-    work = dist.all_reduce(result, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True)
-    return Pending([work], lambda: result)
+    wire, read = reducible(value, comm.reduce_op)
+    work = dist.all_reduce(wire, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True)
+    return Pending([work], lambda: read(wire))
 
 
 def _reduce_scatter(comm, value, ctx, group, members) -> Pending:
@@ -155,8 +198,9 @@ def _reduce_scatter(comm, value, ctx, group, members) -> Pending:
     extent = value.shape[dim]
     sizes = split_sizes(extent, parts)
     largest = max(sizes)
+    wire, read = reducible(value, comm.reduce_op)
     chunks = [
-        _pad(_piece(value, dim, extent, parts, coord), dim, largest).movedim(dim, 0)
+        _pad(_piece(wire, dim, extent, parts, coord), dim, largest).movedim(dim, 0)
         for _, coord in members
     ]
     send = torch.cat(chunks, 0).contiguous()
@@ -167,7 +211,7 @@ def _reduce_scatter(comm, value, ctx, group, members) -> Pending:
     mine = comm.in_layout.mesh.coords(ctx.rank)[comm.mesh_axis]
 
     def finish() -> torch.Tensor:
-        return receive[: sizes[mine]].movedim(0, dim).contiguous()
+        return read(receive[: sizes[mine]].movedim(0, dim).contiguous())
 
     return Pending([work], finish)
 
@@ -278,21 +322,25 @@ def _gather(comm, value, ctx, group, team) -> Pending:
 
 
 def _reduce(comm, value, ctx, group, team) -> Pending:
-    if ctx.rank in comm.in_layout.mesh:
-        buffer = value.clone(memory_format=torch.contiguous_format)
-    else:  # the root outside the mesh contributes the identity of the reduction
-        buffer = ctx.empty(comm.output)
-        if comm.reduce_op == "sum":
-            buffer.zero_()
-        else:
-            info = torch.finfo if buffer.dtype.is_floating_point else torch.iinfo
-            buffer.fill_(
-                info(buffer.dtype).min if comm.reduce_op == "max" else info(buffer.dtype).max
-            )
+    if ctx.rank not in comm.in_layout.mesh:
+        # the root outside the mesh contributes the identity of the reduction
+        value = identity(ctx.empty(comm.output), comm.reduce_op)
+    wire, read = reducible(value, comm.reduce_op)
     work = dist.reduce(
-        buffer, dst=comm.root, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True
+        wire, dst=comm.root, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True
     )
-    return Pending([work], lambda: buffer if ctx.rank == comm.root else None)
+    return Pending([work], lambda: read(wire) if ctx.rank == comm.root else None)
+
+
+def identity(buffer: torch.Tensor, op: str) -> torch.Tensor:
+    """``buffer`` filled with the identity of ``op``: 0, or -inf/+inf (an integer
+    type's extremes) for max/min."""
+    if op == "sum":
+        return buffer.zero_()
+    if buffer.dtype.is_floating_point:
+        return buffer.fill_(-float("inf") if op == "max" else float("inf"))
+    info = torch.iinfo(buffer.dtype)
+    return buffer.fill_(info.min if op == "max" else info.max)
 
 
 def _send_recv(comm, value, ctx) -> Pending:

@@ -15,6 +15,16 @@ import torch
 import torch.distributed as dist
 
 
+class PeerError(RuntimeError):
+    """Another rank failed a step that every rank must pass together; this rank stops
+    too, before any collective of the step, and says which rank failed and why."""
+
+
+class ProgramMismatch(PeerError):
+    """Ranks built host programs that post different communications: run together,
+    some rank would wait forever in a collective its peers never post."""
+
+
 class Communicator:
     """This rank's view of the world: rank, size, device and process groups by team."""
 
@@ -62,10 +72,18 @@ class Communicator:
             dist.init_process_group(backend, **options)
         return cls(device)
 
-    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
-        """Create the process groups of ``teams`` (collective: call on every rank alike)."""
+    def prepare(self, teams: Iterable[tuple[int, ...]], plan: list[str] | None = None) -> None:
+        """Create the process groups of ``teams`` (collective: call on every rank alike).
+
+        With ``plan`` (a program's ``communication_plan()``), the ranks first check that
+        they all built the same one, and raise ``ProgramMismatch`` on every rank if not:
+        creating groups, and later running, would otherwise hang on the odd rank out.
+        """
+        teams = sorted({tuple(sorted(t)) for t in teams})
+        if plan is not None:
+            self.check_same_plan(plan, "building the program")
         world = tuple(range(self.world_size))
-        for team in sorted({tuple(sorted(t)) for t in teams}):
+        for team in teams:
             if team in self._groups or len(team) < 2:
                 continue
             self._groups[team] = None if team == world else dist.new_group(list(team))
@@ -76,6 +94,43 @@ class Communicator:
         if key not in self._groups:
             raise KeyError(f"team {key} was not prepared; call prepare() on every rank first")
         return self._groups[key]
+
+    def check_same_plan(self, plan: list[str], when: str) -> None:
+        """Every rank compares its communication plan with every other's (collective);
+        ``ProgramMismatch`` on every rank, showing the first difference, if they differ."""
+        everyone = self.all_gather_object(plan)
+        if all(other == plan for other in everyone):
+            return
+        first = everyone[0]
+        odd = next(rank for rank, other in enumerate(everyone) if other != first)
+        other = everyone[odd]
+        line = next(
+            (i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b),
+            min(len(first), len(other)),
+        )
+
+        def at(lines: list[str]) -> str:
+            return lines[line] if line < len(lines) else "(nothing more)"
+
+        raise ProgramMismatch(
+            f"{when}: the ranks built different host programs (from different fusions, "
+            f"layouts or options): rank 0 and rank {odd} first differ at communication step "
+            f"{line}: rank 0 posts {at(first)!r}, rank {odd} posts {at(other)!r}. Every rank "
+            "must build the same fusion with the same layouts and options"
+        )
+
+    def agree(self, failure: BaseException | None, step: str) -> None:
+        """Every rank says whether ``step`` failed on it (collective). If any did, every
+        rank raises: the failing one its own error, the others a ``PeerError`` naming it,
+        so that no rank goes on into a collective its failed peer never posts."""
+        said = None if failure is None else f"{type(failure).__name__}: {failure}"
+        everyone = self.all_gather_object(said)
+        failed = {rank: message for rank, message in enumerate(everyone) if message}
+        if failure is not None:
+            raise failure
+        if failed:
+            rank, message = next(iter(failed.items()))
+            raise PeerError(f"{step} failed on rank {rank}: {message}")
 
     def all_gather_object(self, value: object) -> list[object]:
         """``value`` from every rank of the world, in rank order."""
@@ -95,8 +150,8 @@ class PlanningCommunicator:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
 
-    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
-        del teams  # nothing to create: no process group
+    def prepare(self, teams: Iterable[tuple[int, ...]], plan: list[str] | None = None) -> None:
+        del teams, plan  # nothing to create or compare: no process group
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError("a PlanningCommunicator only plans: it has no process group")

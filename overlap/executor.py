@@ -29,12 +29,12 @@ import torch
 from fusion.definition import FusionDefinition
 from fusion.dtypes import float4_e2m1
 from fusion.errors import InputError
-from fusion.exprs import Expr, LinearOp, MatmulOp
+from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
 from fusion.fp4 import pack_fp4, unpack_fp4
 from fusion.ir import ExtentConstraint, Fusion, Symbol, TensorView
 from fusion.reference import Bindings, bind_inputs, evaluate_expr, resolve
 from overlap import progress
-from overlap.communications import Pending, RankContext, start
+from overlap.communications import Pending, RankContext, identity, start
 from overlap.communicator import Communicator
 from overlap.host_ir import (
     AliasSelect,
@@ -143,8 +143,12 @@ class MultiDeviceExecutor:
         self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
         self._check_kernel_params()
+        self.fingerprint = self.program.fingerprint()
         if communicator is not None:
-            communicator.prepare(team for c in self.program.communications for team in c.teams())
+            communicator.prepare(
+                [team for c in self.program.communications for team in c.teams()],
+                self.program.communication_plan() if self.sharded else None,
+            )
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
         self.hardware_profile = current_hardware(self.device)
@@ -283,6 +287,7 @@ class MultiDeviceExecutor:
         elif self.sharded:
             bindings = self._check_inputs(local_inputs)
         else:
+            _describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
             bindings = bind_inputs(self.fusion, list(local_inputs))
         self._last_bindings = bindings
         if self._uses_copy_engine() and self._symmetric is None:
@@ -291,7 +296,7 @@ class MultiDeviceExecutor:
             self._symmetric.next_run()
         key = tuple(sorted((symbol.name, value) for symbol, value in bindings.items()))
         if key not in self._compiled:
-            self._compiled[key] = _Compiled(self, bindings)
+            self._compiled[key] = self._compile_on_every_rank(bindings)
         compiled = self._compiled[key]
         if self.cuda_graph and timeline is None and self.device.type == "cuda":
             return self._replay(compiled, key, local_inputs)
@@ -321,6 +326,20 @@ class MultiDeviceExecutor:
         graph.replay()
         return list(outputs)
 
+    def _compile_on_every_rank(self, bindings: Bindings) -> _Compiled:
+        """This rank's program for these extents; in a sharded run the ranks agree on the
+        outcome first (a heuristic refusing one rank's local shapes, say), so that a rank
+        that cannot build its program fails with its peers, not alone while they wait."""
+        try:
+            compiled, failure = _Compiled(self, bindings), None
+        except Exception as error:  # reported to the peers, then raised here
+            compiled, failure = None, error
+        if self.sharded:
+            self.communicator.agree(failure, "preparing the run")
+        elif failure is not None:
+            raise failure
+        return compiled
+
     def _uses_copy_engine(self) -> bool:
         return any(
             isinstance(i, Communicate) and i.transport == "copy_engine"
@@ -345,14 +364,17 @@ class MultiDeviceExecutor:
 
     def _check_inputs(self, local_inputs: Sequence[torch.Tensor | None]) -> Bindings:
         try:
-            described = _describe_inputs(local_inputs, len(self.fusion.inputs))
+            described = _describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
         except InputError as error:
             described = str(error)
-        everyone = self.communicator.all_gather_object(described)
-        for rank, description in enumerate(everyone):
+        everyone = self.communicator.all_gather_object((self.fingerprint, described))
+        if any(fingerprint != self.fingerprint for fingerprint, _ in everyone):
+            # the ranks run different programs (rank 0 one executor, rank 1 another)
+            self.communicator.check_same_plan(self.program.communication_plan(), "run")
+        for rank, (_, description) in enumerate(everyone):
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")
-        return check_local_inputs(self.fusion, everyone)
+        return check_local_inputs(self.fusion, [description for _, description in everyone])
 
 
 class _Compiled:
@@ -517,10 +539,13 @@ class _Compiled:
         if not self.executor.holds(kernel.mesh):
             return None
         aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
-        if kernel.scheduler is not None:
-            computes = [self._compile_generated(kernel, aliases)]
+        evaluated = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
+        if kernel.scheduler is None or self._holds_an_empty_piece(kernel.plan):
+            # an empty piece (fewer rows than ranks) has nothing to launch a kernel over;
+            # the evaluator gives its partial results the identity
+            computes = evaluated
         else:
-            computes = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
+            computes = [self._compile_generated(kernel, aliases, evaluated)]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
@@ -534,8 +559,14 @@ class _Compiled:
 
         return launch
 
-    def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object]):
-        """A generated kernel: heuristics (or the user's override) pick its params now."""
+    def _holds_an_empty_piece(self, plan) -> bool:
+        return any(0 in self.local_shape(t) for t in [*plan.inputs, *plan.outputs])
+
+    def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object],
+                           evaluated: list) -> object:  # fmt: skip
+        """A generated kernel: heuristics (or the user's override) pick its params now.
+
+        ``evaluated`` computes the same with the evaluator: taken for an empty chunk."""
         executor = self.executor
         scheduler, plan = kernel.scheduler, kernel.plan
         hardware = executor.hardware_profile
@@ -555,6 +586,10 @@ class _Compiled:
         def run() -> None:
             nonlocal unannounced
             inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
+            if any(value.numel() == 0 for value in inputs):
+                for compute in evaluated:
+                    compute()
+                return
             targets = []
             for tensor in plan.outputs:
                 destination = self.values.get(aliases[tensor]) if tensor in aliases else None
@@ -611,6 +646,32 @@ class _Compiled:
                 values.values[key] = _packed(source, piece)
 
             return shard_locally
+        if _partial_extreme(expr):
+            ((out, key, _),) = outputs
+            dims = expr.dims
+            evaluate_nonempty = self._compile_expr_plain(expr, aliases)
+
+            def extreme() -> None:
+                value = read(expr.inputs[0])
+                if value is not None and all(value.shape[d] > 0 for d in dims):
+                    evaluate_nonempty()
+                    return
+                # this rank's piece of the reduced axis is empty: the identity, which
+                # leaves the other ranks' partial results as they are
+                shape = [e for d, e in enumerate(value.shape) if d not in dims]
+                empty = torch.empty(shape, dtype=_storage_dtype(out), device=self.ctx.device)
+                values.values[key] = identity(empty, expr.op_name)
+
+            return extreme
+        return self._compile_expr_plain(expr, aliases)
+
+    def _compile_expr_plain(self, expr: Expr, aliases: dict[TensorView, object]):
+        values = self
+
+        def read(tensor: TensorView) -> torch.Tensor:
+            return values.values[aliases.get(tensor, tensor)]
+
+        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
         if isinstance(expr, (MatmulOp, LinearOp)):
             ((_, key, into_chunk),) = outputs
 
@@ -739,6 +800,14 @@ class _Compiled:
                 )
 
 
+def _partial_extreme(expr: Expr) -> bool:
+    """A max or min over an axis split across ranks (its result a partial max/min)."""
+    if not isinstance(expr, ReductionOp) or expr.op_name not in ("max", "min"):
+        return False
+    layout = layout_of(expr.output)
+    return layout is not None and layout.is_partial
+
+
 def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
     """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
     if isinstance(expr, MatmulOp):
@@ -787,7 +856,7 @@ def _packed(tensor: TensorView, value: torch.Tensor | None) -> torch.Tensor | No
 
 
 def _describe_inputs(
-    local_inputs: Sequence[torch.Tensor | None], count: int
+    local_inputs: Sequence[torch.Tensor | None], count: int, device: torch.device
 ) -> list[tuple[list[int], str] | None]:
     if not isinstance(local_inputs, (list, tuple)):
         raise InputError(f"local inputs must be a list, got {type(local_inputs).__name__}")
@@ -798,6 +867,13 @@ def _describe_inputs(
         if value is None:
             described.append(None)
         elif isinstance(value, torch.Tensor):
+            if value.device.type != device.type or (
+                device.index is not None and value.device.index != device.index
+            ):
+                raise InputError(
+                    f"input {position}: on {value.device}, but this rank runs on {device}"
+                    + (" (meta tensors hold no values to run on)" if value.is_meta else "")
+                )
             described.append((list(value.shape), str(value.dtype)))
         else:
             raise InputError(

@@ -34,6 +34,7 @@ back to the user's stream. Example (all-gather + linear, 2 chunks)::
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 from fusion.exprs import Expr
@@ -319,13 +320,36 @@ class HostProgram:
                 seen.append(instruction.communication)
         return seen
 
-    def __str__(self) -> str:
-        fusion = self.fusion
+    def communication_plan(self) -> list[str]:
+        """What this program posts, in order: every communication (with its transport),
+        chunk loop and symmetric-memory step, with its meshes. Ranks that run together
+        must agree on it, or some rank waits forever in a collective its peers never
+        post."""
+        labels = self._mesh_labels()
+        lines = [f"{label} = {mesh}" for mesh, label in labels.items()]
+        for instruction in walk(self.instructions):
+            if isinstance(instruction, ForLoop):
+                lines.append(f"FOR {instruction.scheme.describe()}")
+            elif isinstance(instruction, (Communicate, Wait, StageForPeers, CombineStaged)):
+                lines.extend(instruction.text(labels))
+        return lines
+
+    def fingerprint(self) -> str:
+        """A short hash of ``communication_plan()``: equal on ranks that post the same."""
+        text = "\n".join(self.communication_plan())
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def _mesh_labels(self) -> dict[object, str]:
         meshes: list[object] = []
-        for tensor in fusion.tensors:
+        for tensor in self.fusion.tensors:
             if tensor.mesh is not None and tensor.mesh not in meshes:
                 meshes.append(tensor.mesh)
-        labels = {mesh: f"M{index}" for index, mesh in enumerate(meshes)}
+        return {mesh: f"M{index}" for index, mesh in enumerate(meshes)}
+
+    def __str__(self) -> str:
+        fusion = self.fusion
+        labels = self._mesh_labels()
+        meshes = list(labels)
         name = f" {fusion.name}" if fusion.name else ""
         lines = [
             f"HostProgram{name}: {count(len(fusion.inputs), 'input')}, "

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from overlap.communications import _REDUCE_OPS, Pending, RankContext, start
+from overlap.communications import _REDUCE_OPS, Pending, RankContext, reducible, start
 from overlap.host_ir import ChunkScheme, Communicate, stream_dim
 from sharding.communication import Communication, CommunicationKind
 from sharding.layout import split_range
@@ -200,9 +200,9 @@ class PipelinedComms:
             op = _REDUCE_OPS[comm.reduce_op]
 
             def reduce(source, target) -> Pending:
-                buffer = _contiguous(source)
-                work = dist.reduce(buffer, dst=owner, op=op, group=group, async_op=True)
-                return Pending([work], lambda: target.copy_(buffer) if where.owned else None)
+                wire, read = reducible(source, comm.reduce_op, in_place=True)
+                work = dist.reduce(wire, dst=owner, op=op, group=group, async_op=True)
+                return Pending([work], lambda: target.copy_(read(wire)) if where.owned else None)
 
             return reduce
         step = (where.mine - where.owner - 1) % where.parts

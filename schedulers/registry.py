@@ -4,6 +4,10 @@
 takes the longest run that some scheduler accepts (normalization, reduction, then
 pointwise); an expr no scheduler takes is evaluated by the reference evaluator, and the
 reason is kept so the host program can say why.
+
+A local shard (``shard_locally``: each rank keeps its own piece of a replicated tensor)
+never goes into a kernel: its piece starts at a rank-dependent offset, which kernels,
+specialized on local shapes alone, do not know. The executor takes it as a view.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from schedulers.analysis import NotSchedulable
 from schedulers.normalization import NormalizationScheduler
 from schedulers.pointwise import PointwiseScheduler
 from schedulers.reduction import ReductionScheduler
+from sharding.communication import LocalShard
 
 SCHEDULERS = (NormalizationScheduler(), ReductionScheduler(), PointwiseScheduler())
 
@@ -33,6 +38,8 @@ class KernelGroup:
 
 
 def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[object, object] | str:
+    if any(isinstance(expr, LocalShard) for expr in exprs):
+        return "shard_locally: its piece starts at a rank-dependent offset (taken as a view)"
     inputs, outputs = fusion.boundary(exprs)
     reasons = []
     for scheduler in SCHEDULERS:
