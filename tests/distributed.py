@@ -33,6 +33,8 @@ class RankError(Exception):
 
 def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # jobs may run generated kernels: Triton's interpreter, set before Triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
 
     from overlap.communicator import Communicator

@@ -2,7 +2,10 @@
 
 Every scenario runs on 2 and 4 ranks with fresh random inputs, checks every rank's output
 piece against the reference evaluator's whole output (cut to that rank's piece), and
-asserts which communications the framework inserted.
+asserts which communications the framework inserted. Each runs twice: with the compute
+evaluated by the reference evaluator, and with generated Triton kernels (under Triton's
+interpreter here, compiled on GPUs by ``benchmarks/check_gpu.py``), so that a kernel that
+is right only on rank 0's piece fails here.
 """
 
 from __future__ import annotations
@@ -13,9 +16,11 @@ import torch
 from fusion import FusionDefinition, to_fp4
 from fusion.testing import assert_close
 from overlap.executor import MultiDeviceExecutor
+from overlap.host_ir import LaunchKernel, walk
 from sharding import DeviceMesh, Partial, Replicate, Shard, shard
 
 WORLD_SIZES = [2, 4]
+KERNELS = ["reference", "generated"]
 
 
 def _inputs(seed: int, shapes: list[list[int]], dtype=torch.float32, device="cpu"):
@@ -24,9 +29,10 @@ def _inputs(seed: int, shapes: list[list[int]], dtype=torch.float32, device="cpu
     return [torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes]
 
 
-def _check(communicator, fd, full_inputs, reduction_extent: int) -> list[str]:
+def _check(communicator, fd, full_inputs, reduction_extent: int, kernels: str,
+           partial_sums: int = 1) -> list[str]:  # fmt: skip
     """Run ``fd`` on this rank, compare with the reference, return the communications."""
-    executor = MultiDeviceExecutor(fd, communicator)
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
     expected = executor.shard_outputs(fd.execute(full_inputs))
     outputs = executor.run(executor.shard_inputs(full_inputs))
     for position, (actual, wanted) in enumerate(zip(outputs, expected, strict=True)):
@@ -34,10 +40,11 @@ def _check(communicator, fd, full_inputs, reduction_extent: int) -> list[str]:
             assert actual is None, f"output {position} should not be on rank {communicator.rank}"
         else:
             assert_close(actual, wanted, reduction_extent=reduction_extent,
+                         partial_sums=partial_sums,
                          message=f"rank {communicator.rank} output {position}")  # fmt: skip
     whole = executor.gather_outputs(outputs)
     for actual, wanted in zip(whole, fd.execute(full_inputs), strict=True):
-        assert_close(actual, wanted, reduction_extent=reduction_extent)
+        assert_close(actual, wanted, reduction_extent=reduction_extent, partial_sums=partial_sums)
     return [
         f"{c.op_name}({c.in_layout.mesh.axis_names[c.mesh_axis]})"
         if c.mesh_axis is not None
@@ -50,7 +57,9 @@ def _check(communicator, fd, full_inputs, reduction_extent: int) -> list[str]:
 # 1. Tensor-parallel MLP: column-parallel linear, gelu, row-parallel linear
 
 
-def tensor_parallel_mlp(communicator, seed: int, bias: bool) -> list[str]:
+def tensor_parallel_mlp(
+    communicator, seed: int, bias: bool, kernels: str = "reference"
+) -> list[str]:
     world = communicator.world_size
     mesh = DeviceMesh(world)
     tokens, hidden, ffn = 6, 16, 8 * world
@@ -65,13 +74,14 @@ def tensor_parallel_mlp(communicator, seed: int, bias: bool) -> list[str]:
     shard(w2, mesh, [Shard(1)])
     shapes = [[tokens, hidden], [ffn, hidden], [hidden, ffn]] + ([[hidden]] if bias else [])
     full = _inputs(seed, shapes, device=communicator.device)
-    return _check(communicator, fd, full, reduction_extent=ffn)
+    return _check(communicator, fd, full, reduction_extent=ffn, kernels=kernels)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_tensor_parallel_mlp_needs_one_allreduce(rank_pools, world, bias):
-    results = rank_pools(world).run(tensor_parallel_mlp, 11, bias)
+def test_tensor_parallel_mlp_needs_one_allreduce(rank_pools, world, kernels, bias):
+    results = rank_pools(world).run(tensor_parallel_mlp, 11, bias, kernels)
     assert results == [["Allreduce(x)"]] * world
 
 
@@ -79,7 +89,9 @@ def test_tensor_parallel_mlp_needs_one_allreduce(rank_pools, world, bias):
 # 2. Sequence-parallel block, and 5. the same with an uneven sequence
 
 
-def sequence_parallel_block(communicator, seed: int, tokens: int) -> tuple[list[str], str]:
+def sequence_parallel_block(
+    communicator, seed: int, tokens: int, kernels: str = "reference"
+) -> tuple[list[str], str]:
     world = communicator.world_size
     mesh = DeviceMesh(world)
     hidden, ffn = 16, 8 * world
@@ -99,20 +111,22 @@ def sequence_parallel_block(communicator, seed: int, tokens: int) -> tuple[list[
     full = _inputs(
         seed, [[tokens, hidden], [hidden], [ffn, hidden], [hidden, ffn]], device=communicator.device
     )
-    kinds = _check(communicator, fd, full, reduction_extent=ffn)
-    return kinds, MultiDeviceExecutor(fd, communicator).explain()
+    kinds = _check(communicator, fd, full, reduction_extent=ffn, kernels=kernels)
+    return kinds, MultiDeviceExecutor(fd, communicator, kernels=kernels).explain()
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_sequence_parallel_block_gathers_then_reduce_scatters(rank_pools, world):
-    results = rank_pools(world).run(sequence_parallel_block, 12, 4 * world)
+def test_sequence_parallel_block_gathers_then_reduce_scatters(rank_pools, world, kernels):
+    results = rank_pools(world).run(sequence_parallel_block, 12, 4 * world, kernels)
     assert [kinds for kinds, _ in results] == [["Allgather(x)", "ReduceScatter(x)"]] * world
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_uneven_sequence_is_split_unevenly_and_stays_correct(rank_pools, world):
+def test_uneven_sequence_is_split_unevenly_and_stays_correct(rank_pools, world, kernels):
     # 7 rows over 2 ranks: 4 and 3; over 4 ranks: 2, 2, 2 and 1.
-    results = rank_pools(world).run(sequence_parallel_block, 13, 7)
+    results = rank_pools(world).run(sequence_parallel_block, 13, 7, kernels)
     assert [kinds for kinds, _ in results] == [["Allgather(x)", "ReduceScatter(x)"]] * world
 
 
@@ -120,7 +134,7 @@ def test_uneven_sequence_is_split_unevenly_and_stays_correct(rank_pools, world):
 # 3. Two pipeline stages on two meshes of one device each
 
 
-def pipeline_stages(communicator, seed: int) -> list[str]:
+def pipeline_stages(communicator, seed: int, kernels: str = "reference") -> list[str]:
     first, second = DeviceMesh([0]), DeviceMesh([communicator.world_size - 1])
     with FusionDefinition("pipeline") as fd:
         x = fd.define_tensor([5, 12])
@@ -134,12 +148,13 @@ def pipeline_stages(communicator, seed: int) -> list[str]:
     for tensor in (moved, w2):
         shard(tensor, second, [Replicate()])
     full = _inputs(seed, [[5, 12], [20, 12], [6, 20]], device=communicator.device)
-    return _check(communicator, fd, full, reduction_extent=20)
+    return _check(communicator, fd, full, reduction_extent=20, kernels=kernels)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_pipeline_stages_send_the_activation(rank_pools, world):
-    results = rank_pools(world).run(pipeline_stages, 14)
+def test_pipeline_stages_send_the_activation(rank_pools, world, kernels):
+    results = rank_pools(world).run(pipeline_stages, 14, kernels)
     assert results == [["SendRecv"]] * world
 
 
@@ -147,7 +162,9 @@ def test_pipeline_stages_send_the_activation(rank_pools, world):
 # 4. A 2-D mesh: data-parallel x tensor-parallel linear, all-reduce over the data axis
 
 
-def data_and_tensor_parallel(communicator, seed: int, mesh_shape: list[int]) -> list[str]:
+def data_and_tensor_parallel(
+    communicator, seed: int, mesh_shape: list[int], kernels: str = "reference"
+) -> list[str]:
     ranks = torch.arange(communicator.world_size).reshape(mesh_shape).tolist()
     mesh = DeviceMesh(ranks, ("dp", "tp"))
     batch, features, out_features = 8, 12, 16
@@ -160,12 +177,15 @@ def data_and_tensor_parallel(communicator, seed: int, mesh_shape: list[int]) -> 
     shard(x, mesh, [Shard(0), Replicate()])
     shard(w, mesh, [Replicate(), Shard(0)])
     full = _inputs(seed, [[batch, features], [out_features, features]], device=communicator.device)
-    return _check(communicator, fd, full, reduction_extent=batch * features)
+    return _check(communicator, fd, full, reduction_extent=batch * features, kernels=kernels)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize(("world", "mesh_shape"), [(2, [2, 1]), (2, [1, 2]), (4, [2, 2])])
-def test_data_times_tensor_parallel_all_reduces_over_the_data_axis(rank_pools, world, mesh_shape):
-    results = rank_pools(world).run(data_and_tensor_parallel, 15, mesh_shape)
+def test_data_times_tensor_parallel_all_reduces_over_the_data_axis(
+    rank_pools, world, kernels, mesh_shape
+):
+    results = rank_pools(world).run(data_and_tensor_parallel, 15, mesh_shape, kernels)
     assert results == [["Allreduce(dp)"]] * world
 
 
@@ -173,7 +193,7 @@ def test_data_times_tensor_parallel_all_reduces_over_the_data_axis(rank_pools, w
 # 6. All-to-all: the split moves from the sequence axis to the heads axis
 
 
-def sequence_to_heads(communicator, seed: int) -> list[str]:
+def sequence_to_heads(communicator, seed: int, kernels: str = "reference") -> list[str]:
     world = communicator.world_size
     mesh = DeviceMesh(world)
     sequence, heads, head_dim = 4 * world + 1, 2 * world, 3
@@ -186,12 +206,13 @@ def sequence_to_heads(communicator, seed: int) -> list[str]:
     shard(x, mesh, [Shard(0)])
     shard(by_head, mesh, [Shard(1)])
     full = _inputs(seed, [[sequence, heads * head_dim]], device=communicator.device)
-    return _check(communicator, fd, full, reduction_extent=sequence)
+    return _check(communicator, fd, full, reduction_extent=sequence, kernels=kernels)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_moving_the_split_from_sequence_to_heads_is_one_all_to_all(rank_pools, world):
-    results = rank_pools(world).run(sequence_to_heads, 16)
+def test_moving_the_split_from_sequence_to_heads_is_one_all_to_all(rank_pools, world, kernels):
+    results = rank_pools(world).run(sequence_to_heads, 16, kernels)
     assert results == [["AllToAll(x)"]] * world
 
 
@@ -199,7 +220,9 @@ def test_moving_the_split_from_sequence_to_heads_is_one_all_to_all(rank_pools, w
 # Beyond the scenarios: dynamic shapes, storage types on the wire, low precision
 
 
-def symbolic_sequence(communicator, seed: int, tokens: int) -> list[str]:
+def symbolic_sequence(
+    communicator, seed: int, tokens: int, kernels: str = "reference"
+) -> list[str]:
     mesh = DeviceMesh(communicator.world_size)
     with FusionDefinition("symbolic") as fd:
         x = fd.define_tensor(["tokens", 12])
@@ -214,17 +237,19 @@ def symbolic_sequence(communicator, seed: int, tokens: int) -> list[str]:
         fd,
         _inputs(seed, [[tokens, 12], [8, 12]], device=communicator.device),
         reduction_extent=12,
+        kernels=kernels,
     )
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_a_symbolic_split_extent_is_bound_from_the_local_pieces(rank_pools, world):
+def test_a_symbolic_split_extent_is_bound_from_the_local_pieces(rank_pools, world, kernels):
     pool = rank_pools(world)
     for tokens in (world, 7, 50):  # one executor definition, several sequence lengths
-        assert pool.run(symbolic_sequence, 17, tokens) == [["Allreduce(x)"]] * world
+        assert pool.run(symbolic_sequence, 17, tokens, kernels) == [["Allreduce(x)"]] * world
 
 
-def gather_storage_types(communicator, seed: int) -> list[str]:
+def gather_storage_types(communicator, seed: int, kernels: str = "reference") -> list[str]:
     mesh = DeviceMesh(communicator.world_size)
     with FusionDefinition("storage_types") as fd:
         tensors = [
@@ -245,7 +270,7 @@ def gather_storage_types(communicator, seed: int) -> list[str]:
         values > 0,
         values.to(torch.bfloat16),
     ]
-    executor = MultiDeviceExecutor(fd, communicator)
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
     outputs = executor.run(executor.shard_inputs(full))
     for whole, gathered in zip(full, outputs, strict=True):
         assert gathered.dtype == whole.dtype and gathered.shape == whole.shape
@@ -253,12 +278,13 @@ def gather_storage_types(communicator, seed: int) -> list[str]:
     return [c.op_name for c in executor.communications]
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_fp8_fp4_bool_and_bf16_travel_bit_exactly(rank_pools, world):
-    assert rank_pools(world).run(gather_storage_types, 18) == [["Allgather"] * 5] * world
+def test_fp8_fp4_bool_and_bf16_travel_bit_exactly(rank_pools, world, kernels):
+    assert rank_pools(world).run(gather_storage_types, 18, kernels) == [["Allgather"] * 5] * world
 
 
-def bf16_row_parallel(communicator, seed: int) -> None:
+def bf16_row_parallel(communicator, seed: int, kernels: str = "reference") -> None:
     world = communicator.world_size
     mesh = DeviceMesh(world)
     with FusionDefinition("bf16_row_parallel") as fd:
@@ -268,7 +294,7 @@ def bf16_row_parallel(communicator, seed: int) -> None:
     shard(x, mesh, [Shard(1)])
     shard(w, mesh, [Shard(1)])
     full = _inputs(seed, [[16, 64], [32, 64]], torch.bfloat16, communicator.device)
-    executor = MultiDeviceExecutor(fd, communicator)
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
     (out,) = executor.run(executor.shard_inputs(full))
     (expected,) = fd.execute(full)
     # Each rank rounds its partial sum to bf16 before the all-reduce adds the world's
@@ -276,16 +302,21 @@ def bf16_row_parallel(communicator, seed: int) -> None:
     assert_close(out, expected, reduction_extent=64, partial_sums=world)
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_a_bf16_row_parallel_linear_stays_within_bf16_partial_sum_rounding(rank_pools, world):
-    rank_pools(world).run(bf16_row_parallel, 19)
+def test_a_bf16_row_parallel_linear_stays_within_bf16_partial_sum_rounding(
+    rank_pools, world, kernels
+):
+    rank_pools(world).run(bf16_row_parallel, 19, kernels)
 
 
 # ---------------------------------------------------------------------------
 # Between a single rank and a mesh: broadcast, scatter, gather, reduce
 
 
-def one_rank_and_a_mesh(communicator, seed: int, kind: str) -> list[str]:
+def one_rank_and_a_mesh(
+    communicator, seed: int, kind: str, kernels: str = "reference"
+) -> list[str]:
     world = communicator.world_size
     everyone, last = DeviceMesh(world), DeviceMesh([world - 1])
     with FusionDefinition(kind) as fd:
@@ -305,11 +336,152 @@ def one_rank_and_a_mesh(communicator, seed: int, kind: str) -> list[str]:
                 shard(produced, everyone, [Partial()])
             shard(moved, last, [Replicate()])
     return _check(
-        communicator, fd, _inputs(seed, [[7, 6]], device=communicator.device), reduction_extent=7
+        communicator,
+        fd,
+        _inputs(seed, [[7, 6]], device=communicator.device),
+        reduction_extent=7,
+        kernels=kernels,
     )
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("kind", ["Broadcast", "Scatter", "Gather", "Reduce"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_moving_between_one_rank_and_a_mesh(rank_pools, world, kind):
-    assert rank_pools(world).run(one_rank_and_a_mesh, 20, kind) == [[kind]] * world
+def test_moving_between_one_rank_and_a_mesh(rank_pools, world, kernels, kind):
+    assert rank_pools(world).run(one_rank_and_a_mesh, 20, kind, kernels) == [[kind]] * world
+
+
+# ---------------------------------------------------------------------------
+# A Megatron-style sequence-parallel SwiGLU block with its residual: the residual's rows
+# are this rank's piece of a replicated sum (a local shard), added in a generated kernel
+
+
+def swiglu_residual_block(
+    communicator, seed: int, tokens: int, kernels: str = "reference"
+) -> tuple[list[str], list[str]]:
+    world = communicator.world_size
+    mesh = DeviceMesh(world)
+    hidden, ffn = 16, 8 * world
+    with FusionDefinition("swiglu_block") as fd:
+        x = fd.define_tensor([tokens, hidden], "bfloat16")
+        gamma = fd.define_tensor([hidden], "bfloat16")
+        w_gate = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_up = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_down = fd.define_tensor([hidden, ffn], "bfloat16")
+        x32 = fd.ops.cast(x, "float32")
+        mean_square = fd.ops.mean(x32 * x32, dims=[1], keepdim=True)
+        scale = fd.ops.broadcast(fd.ops.cast(gamma, "float32"), [True, False])
+        normed = fd.ops.cast(x32 * fd.ops.rsqrt(mean_square + 1e-6) * scale, "bfloat16")
+        gate = fd.ops.cast(fd.ops.linear(normed, w_gate), "float32")
+        up = fd.ops.cast(fd.ops.linear(normed, w_up), "float32")
+        down = fd.ops.linear(fd.ops.cast(fd.ops.silu(gate) * up, "bfloat16"), w_down)
+        out = fd.ops.cast(fd.ops.cast(down, "float32") + x32, "bfloat16")
+        fd.add_output(out)
+    shard(x, mesh, [Shard(0)])
+    shard(w_gate, mesh, [Shard(0)])
+    shard(w_up, mesh, [Shard(0)])
+    shard(w_down, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    shapes = [[tokens, hidden], [hidden], [ffn, hidden], [ffn, hidden], [hidden, ffn]]
+    full = _inputs(seed, shapes, torch.float32, communicator.device)
+    # weights scaled as a model initializes them, so partial sums stay near the result's
+    # magnitude; the row-parallel down projection rounds each rank's partial sum to bf16
+    full = [full[0], full[1], full[2] / hidden**0.5, full[3] / hidden**0.5, full[4] / ffn**0.5]
+    full = [value.to(torch.bfloat16) for value in full]
+    kinds = _check(communicator, fd, full, ffn, kernels, partial_sums=world)
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
+    local_shards = [
+        f"{k.name} [{k.backend}]"
+        for k in walk(executor.program.instructions)
+        if isinstance(k, LaunchKernel) and any(e.op_name == "shard_locally" for e in k.exprs)
+    ]
+    return kinds, local_shards
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("tokens", [8, 7], ids=["even", "uneven"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_swiglu_block_with_its_residual_is_right_on_every_rank(
+    rank_pools, world, tokens, kernels
+):
+    results = rank_pools(world).run(swiglu_residual_block, 22, tokens * world // 2, kernels)
+    for kinds, local_shards in results:
+        assert kinds == ["Allgather(x)", "Allreduce(x)"]
+        # the piece is taken as a view outside any generated kernel
+        assert len(local_shards) == 1 and local_shards[0].endswith("[reference]"), local_shards
+
+
+# ---------------------------------------------------------------------------
+# Fewer rows than ranks: some ranks hold empty pieces
+
+
+def empty_pieces(communicator, seed: int, symbolic: bool, kernels: str = "reference") -> list[str]:
+    mesh = DeviceMesh(communicator.world_size)
+    with FusionDefinition("empty_pieces") as fd:
+        x = fd.define_tensor(["rows" if symbolic else 1, 8])
+        w = fd.define_tensor([6, 8])
+        y = fd.ops.relu(x) * 2.0
+        fd.add_output(y)  # rows split: empty on every rank but rank 0
+        fd.add_output(fd.ops.max(x, dims=[0]))  # partial max over an empty piece
+        fd.add_output(fd.ops.min(fd.ops.exp(x), dims=[0]))
+        fd.add_output(fd.ops.sum(y, dims=[0]))
+        fd.add_output(fd.ops.linear(x, w))  # a matmul of no rows
+    shard(x, mesh, [Shard(0)])
+    shard(w, mesh, [Replicate()])
+    full = _inputs(seed, [[1, 8], [6, 8]], device=communicator.device)
+    return _check(communicator, fd, full, reduction_extent=8, kernels=kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("symbolic", [False, True], ids=["static", "symbolic"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_ranks_with_empty_pieces_compute_the_identity_and_stay_right(
+    rank_pools, world, symbolic, kernels
+):
+    results = rank_pools(world).run(empty_pieces, 23, symbolic, kernels)
+    assert results == [["Allreduce(x)", "Allreduce(x)", "Allreduce(x)"]] * world
+
+
+# ---------------------------------------------------------------------------
+# NaN and infinities in some rank's piece of an axis reduced across ranks
+
+
+def special_values(
+    communicator, seed: int, op: str, dtype: str, target: str, kernels: str = "reference"
+) -> list[str]:
+    world = communicator.world_size
+    everyone, last = DeviceMesh(world), DeviceMesh([world - 1])
+    rows, columns = 6, 4 * world + 1  # uneven pieces
+    with FusionDefinition("special_values") as fd:
+        x = fd.define_tensor([rows, columns], dtype)
+        reduced = getattr(fd.ops, op)(x, dims=[1])
+        if target == "one rank":
+            moved = fd.ops.set(reduced)
+            fd.add_output(moved)
+            shard(reduced, everyone, [Partial(op)])
+            shard(moved, last, [Replicate()])
+        else:
+            fd.add_output(reduced)
+            shard(reduced, everyone, [Shard(0) if target == "split" else Replicate()])
+    shard(x, everyone, [Shard(1)])
+    (value,) = _inputs(seed, [[rows, columns]], getattr(torch, dtype), communicator.device)
+    first, final = 0, columns - 1  # rank 0's piece and the last rank's
+    value[0, final] = float("nan")  # NaN in the last rank's piece only
+    value[1, first] = float("inf")
+    value[2, final] = -float("inf")
+    value[3, first], value[3, final] = float("inf"), -float("inf")  # on two ranks
+    value[4, first], value[4, final] = float("nan"), float("inf")
+    return _check(communicator, fd, [value], reduction_extent=columns, kernels=kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("target", ["replicated", "split", "one rank"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("op", ["max", "min", "sum"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_nan_and_infinities_in_one_rank_piece_come_out_as_on_one_device(
+    rank_pools, world, op, dtype, target, kernels
+):
+    results = rank_pools(world).run(special_values, 24, op, dtype, target, kernels)
+    kind = {"replicated": "Allreduce(x)", "split": "ReduceScatter(x)", "one rank": "Reduce"}
+    assert results == [[kind[target]]] * world
