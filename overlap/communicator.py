@@ -25,6 +25,28 @@ class ProgramMismatch(PeerError):
     some rank would wait forever in a collective its peers never post."""
 
 
+def _compare_plans(plans: list[list[str]], step: str) -> None:
+    first = plans[0]
+    odd = next((rank for rank, other in enumerate(plans) if other != first), None)
+    if odd is None:
+        return
+    other = plans[odd]
+    line = next(
+        (i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b),
+        min(len(first), len(other)),
+    )
+
+    def at(lines: list[str]) -> str:
+        return repr(lines[line]) if line < len(lines) else "nothing more"
+
+    raise ProgramMismatch(
+        f"{step}: the ranks built different host programs (from different fusions, layouts "
+        f"or options): ranks 0 and {odd} first differ at step {line} of what they post: "
+        f"rank 0 posts {at(first)}, rank {odd} posts {at(other)}. Every rank must build the "
+        "same fusion with the same layouts and options"
+    )
+
+
 class Communicator:
     """This rank's view of the world: rank, size, device and process groups by team."""
 
@@ -72,65 +94,35 @@ class Communicator:
             dist.init_process_group(backend, **options)
         return cls(device)
 
-    def prepare(self, teams: Iterable[tuple[int, ...]], plan: list[str] | None = None) -> None:
-        """Create the process groups of ``teams`` (collective: call on every rank alike).
-
-        With ``plan`` (a program's ``communication_plan()``), the ranks first check that
-        they all built the same one, and raise ``ProgramMismatch`` on every rank if not:
-        creating groups, and later running, would otherwise hang on the odd rank out.
-        """
-        teams = sorted({tuple(sorted(t)) for t in teams})
-        if plan is not None:
-            self.check_same_plan(plan, "building the program")
+    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
+        """Create the process groups of ``teams`` (collective: call on every rank alike)."""
         world = tuple(range(self.world_size))
-        for team in teams:
+        for team in sorted({tuple(sorted(t)) for t in teams}):
             if team in self._groups or len(team) < 2:
                 continue
             self._groups[team] = None if team == world else dist.new_group(list(team))
 
-    def group(self, team: tuple[int, ...]) -> dist.ProcessGroup | None:
-        """The process group of ``team`` (None is the default group of the whole world)."""
-        key = tuple(sorted(team))
-        if key not in self._groups:
-            raise KeyError(f"team {key} was not prepared; call prepare() on every rank first")
-        return self._groups[key]
+    def agree(
+        self, failure: BaseException | None, step: str, plan: list[str] | None = None
+    ) -> None:
+        """Every rank says whether ``step`` failed on it and, with ``plan`` (a program's
+        ``communication_plan()``), what it will post (collective: one exchange).
 
-    def check_same_plan(self, plan: list[str], when: str) -> None:
-        """Every rank compares its communication plan with every other's (collective);
-        ``ProgramMismatch`` on every rank, showing the first difference, if they differ."""
-        everyone = self.all_gather_object(plan)
-        if all(other == plan for other in everyone):
-            return
-        first = everyone[0]
-        odd = next(rank for rank, other in enumerate(everyone) if other != first)
-        other = everyone[odd]
-        line = next(
-            (i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b),
-            min(len(first), len(other)),
-        )
-
-        def at(lines: list[str]) -> str:
-            return lines[line] if line < len(lines) else "(nothing more)"
-
-        raise ProgramMismatch(
-            f"{when}: the ranks built different host programs (from different fusions, "
-            f"layouts or options): rank 0 and rank {odd} first differ at communication step "
-            f"{line}: rank 0 posts {at(first)!r}, rank {odd} posts {at(other)!r}. Every rank "
-            "must build the same fusion with the same layouts and options"
-        )
-
-    def agree(self, failure: BaseException | None, step: str) -> None:
-        """Every rank says whether ``step`` failed on it (collective). If any did, every
-        rank raises: the failing one its own error, the others a ``PeerError`` naming it,
-        so that no rank goes on into a collective its failed peer never posts."""
+        If any rank failed, every rank raises: the failing one its own error, the others
+        a ``PeerError`` naming it. If the plans differ, every rank raises
+        ``ProgramMismatch`` showing the first difference. Either way no rank goes on into
+        a collective that some peer never posts.
+        """
         said = None if failure is None else f"{type(failure).__name__}: {failure}"
-        everyone = self.all_gather_object(said)
-        failed = {rank: message for rank, message in enumerate(everyone) if message}
+        everyone = self.all_gather_object((said, plan))
         if failure is not None:
             raise failure
+        failed = [(rank, message) for rank, (message, _) in enumerate(everyone) if message]
         if failed:
-            rank, message = next(iter(failed.items()))
+            rank, message = failed[0]
             raise PeerError(f"{step} failed on rank {rank}: {message}")
+        if plan is not None:
+            _compare_plans([other for _, other in everyone], step)
 
     def all_gather_object(self, value: object) -> list[object]:
         """``value`` from every rank of the world, in rank order."""
@@ -150,8 +142,15 @@ class PlanningCommunicator:
             raise ValueError(f"rank {rank} is outside a world of {world_size}")
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
 
-    def prepare(self, teams: Iterable[tuple[int, ...]], plan: list[str] | None = None) -> None:
-        del teams, plan  # nothing to create or compare: no process group
+    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
+        del teams  # nothing to create: no process group
+
+    def agree(
+        self, failure: BaseException | None, step: str, plan: list[str] | None = None
+    ) -> None:
+        del step, plan  # one rank alone: nothing to compare with
+        if failure is not None:
+            raise failure
 
     def _refuse(self, *args, **kwargs):
         raise RuntimeError("a PlanningCommunicator only plans: it has no process group")

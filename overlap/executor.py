@@ -108,8 +108,6 @@ class MultiDeviceExecutor:
         kernel_params: dict[str, object] | None = None,
     ) -> None:
         fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
-        if not fusion.finalized:
-            raise ShardingError("finish the fusion definition (leave its `with` block) first")
         self.communicator = communicator
         self.rank = communicator.rank if communicator else 0
         if communicator is not None:
@@ -117,8 +115,35 @@ class MultiDeviceExecutor:
         else:  # one device: the GPU when there is one
             self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.sharded = any(t.mesh is not None for t in fusion.tensors)
+        try:
+            self._build(fusion, options, hardware, cuda_graph, kernels, kernel_params)
+            failure = None
+        except Exception as error:  # told to the peers first, then raised
+            failure = error
+        if self.sharded and communicator is not None:
+            # One exchange before any group is created: a rank that could not build its
+            # program, or built another one, fails with its peers instead of leaving
+            # them waiting in a collective it never posts.
+            plan = None if failure else self.program.communication_plan()
+            communicator.agree(failure, "building the program", plan)
+        elif failure is not None:
+            raise failure
+        if communicator is not None:
+            communicator.prepare(team for c in self.program.communications for team in c.teams())
+        self._symmetric: SymmetricBuffers | None = None
+        self._streams = StreamPool(self.device)
+        self.hardware_profile = current_hardware(self.device)
+        self._last_bindings: Bindings | None = None
+        self._compiled: dict[tuple, _Compiled] = {}
+        self.cuda_graph = cuda_graph
+        self._graphs: dict[tuple, tuple] = {}
+
+    def _build(self, fusion: Fusion, options, hardware, cuda_graph, kernels, kernel_params):
+        """Everything a rank works out alone: layouts, the overlap plan, the program."""
+        if not fusion.finalized:
+            raise ShardingError("finish the fusion definition (leave its `with` block) first")
         if self.sharded:
-            if communicator is None:
+            if self.communicator is None:
                 raise ShardingError("a fusion placed on device meshes needs a Communicator")
             self.fusion, self.decisions = shard_fusion(fusion)
             self._check_meshes_fit_the_world()
@@ -144,18 +169,6 @@ class MultiDeviceExecutor:
         self._check_transports()
         self._check_kernel_params()
         self.fingerprint = self.program.fingerprint()
-        if communicator is not None:
-            communicator.prepare(
-                [team for c in self.program.communications for team in c.teams()],
-                self.program.communication_plan() if self.sharded else None,
-            )
-        self._symmetric: SymmetricBuffers | None = None
-        self._streams = StreamPool(self.device)
-        self.hardware_profile = current_hardware(self.device)
-        self._last_bindings: Bindings | None = None
-        self._compiled: dict[tuple, _Compiled] = {}
-        self.cuda_graph = cuda_graph
-        self._graphs: dict[tuple, tuple] = {}
 
     def _check_meshes_fit_the_world(self) -> None:
         world = self.communicator.world_size
@@ -370,7 +383,7 @@ class MultiDeviceExecutor:
         everyone = self.communicator.all_gather_object((self.fingerprint, described))
         if any(fingerprint != self.fingerprint for fingerprint, _ in everyone):
             # the ranks run different programs (rank 0 one executor, rank 1 another)
-            self.communicator.check_same_plan(self.program.communication_plan(), "run")
+            self.communicator.agree(None, "run", self.program.communication_plan())
         for rank, (_, description) in enumerate(everyone):
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")

@@ -100,3 +100,114 @@ def test_bad_input_fails_on_every_rank_then_the_ranks_carry_on(
         for piece in pieces:
             assert piece in message, (rank, message)
     assert pool.run(good_run, timeout=60) == [True] * world
+
+
+# ---------------------------------------------------------------------------
+# Failures on one rank only: its peers must fail with it, never wait for it
+
+
+def different_fusions_on_the_ranks(communicator) -> None:
+    mesh = DeviceMesh(communicator.world_size)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        if communicator.rank == 1:
+            y = fd.ops.sum(x, dims=[0])  # a partial sum: an all-reduce
+        else:
+            y = fd.ops.set(x)  # gathered: an all-gather
+        fd.add_output(y)
+    shard(x, mesh, [Shard(0)])
+    shard(y, mesh, [Replicate()])
+    MultiDeviceExecutor(fd, communicator)
+
+
+def different_executors_run(communicator) -> None:
+    fd = _row_split_fusion(communicator.world_size)
+    with FusionDefinition() as other:
+        x = other.define_tensor([8, 6])
+        other.add_output(other.ops.sum(x, dims=[0]))
+    shard(x, DeviceMesh(communicator.world_size), [Shard(0)])
+    first, second = MultiDeviceExecutor(fd, communicator), MultiDeviceExecutor(other, communicator)
+    executor = second if communicator.rank == 1 else first
+    executor.run(
+        executor.shard_inputs([torch.ones(8, 6), torch.ones(4, 6)][: len(executor.fusion.inputs)])
+    )
+
+
+def kernel_params_refused_on_one_rank(communicator) -> None:
+    params = {"k9": "multiwave"} if communicator.rank == 1 else {}
+    MultiDeviceExecutor(_row_split_fusion(communicator.world_size), communicator,
+                        kernel_params=params)  # fmt: skip
+
+
+def forced_strategy_refused_on_one_rank(communicator) -> None:
+    mesh = DeviceMesh(communicator.world_size)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 7], "bfloat16")
+        x32 = fd.ops.cast(x, "float32")
+        mean_square = fd.ops.mean(x32 * x32, dims=[1], keepdim=True)
+        fd.add_output(fd.ops.cast(x32 * fd.ops.rsqrt(mean_square + 1e-6), "bfloat16"))
+    shard(x, mesh, [Shard(0)])
+    # the user's params differ by rank; the forced kernel can only be refused at the first
+    # run, on the rank that forced it
+    params = {"k0": "warp_specialized"} if communicator.rank == 1 else {}
+    executor = MultiDeviceExecutor(fd, communicator, kernels="generated", kernel_params=params)
+    executor.run(executor.shard_inputs([torch.randn(8, 7).bfloat16()]))
+
+
+def meta_inputs_on_one_rank(communicator) -> None:
+    fd = _row_split_fusion(communicator.world_size)
+    executor = MultiDeviceExecutor(fd, communicator)
+    local = executor.shard_inputs([torch.ones(8, 6), torch.ones(4, 6)])
+    if communicator.rank == 1:
+        local = [value.to("meta") for value in local]
+    executor.run(local)
+
+
+@pytest.mark.parametrize(
+    ("job", "errors", "pieces"),
+    [
+        (
+            different_fusions_on_the_ranks,
+            {"all": "ProgramMismatch"},
+            ["building the program: the ranks built different host programs",
+             "rank 0 posts \"c0 = Allgather", "rank 1 posts \"c0 = Allreduce"],
+        ),
+        (
+            different_executors_run,
+            {"all": "ProgramMismatch"},
+            ["run: the ranks built different host programs"],
+        ),
+        (
+            kernel_params_refused_on_one_rank,
+            {1: "ValueError", "others": "PeerError"},
+            ["no generated kernel 'k9'"],
+        ),
+        (
+            forced_strategy_refused_on_one_rank,
+            {1: "NotSchedulable", "others": "PeerError"},
+            ["not a multiple of 16 bytes"],
+        ),
+        (
+            meta_inputs_on_one_rank,
+            {"all": "InputError"},
+            ["rank 1: input 0: on meta, but this rank runs on cpu", "meta tensors hold no values"],
+        ),
+    ],
+    ids=lambda v: getattr(v, "__name__", None),
+)  # fmt: skip
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_failure_on_one_rank_fails_every_rank_before_any_collective(
+    rank_pools, world, job, errors, pieces
+):
+    pool = rank_pools(world)
+    with pytest.raises(RankError) as failure:
+        pool.run(job, timeout=60)
+    assert sorted(failure.value.failures) == list(range(world)), "every rank must fail"
+    for rank, message in failure.value.messages().items():
+        expected = errors.get("all") or errors.get(rank) or errors["others"]
+        assert failure.value.failures[rank][0] == expected, (rank, message)
+        if expected == "PeerError":
+            assert "failed on rank 1:" in message, (rank, message)
+        for piece in pieces:
+            assert piece in message, (rank, message)
+    assert pool.run(good_run, timeout=60) == [True] * world
