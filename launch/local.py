@@ -22,6 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.multiprocessing as mp
 
+from fusion.portable import portable, restored
 from launch.env import LaunchError
 
 
@@ -60,7 +61,7 @@ def _function_worker(rank, world_size, port, function, args, results, timeout_s)
         communicator = init(timeout_s=timeout_s)
         # by value: a tensor put as is travels as a shared-memory handle that the parent
         # can only open while this process lives
-        value = pickle.dumps(function(communicator, *args))
+        value = pickle.dumps(portable(function(communicator, *args)))
         results.put((rank, "ok", value))
     except BaseException:  # every failure goes back to the parent, with its traceback
         results.put((rank, "error", traceback.format_exc()))
@@ -113,7 +114,7 @@ def run_function(
                     ) from None
                 continue
             if status == "ok":
-                values[rank] = pickle.loads(value)
+                values[rank] = restored(pickle.loads(value))
             else:
                 failures[rank] = value
                 break  # the others may now wait forever on the failed rank: stop them

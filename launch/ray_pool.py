@@ -80,8 +80,10 @@ class _Rank:
         return function(self.communicator, *args)
 
     def run(self, definition: bytes, inputs: list, whole: bool, options: dict) -> list:
+        from fusion.portable import portable, restored
         from overlap.executor import MultiDeviceExecutor
 
+        inputs = restored(inputs)
         key = definition + pickle.dumps(sorted(options.items()))
         executor = self.executors.get(key)
         if executor is None:
@@ -94,7 +96,7 @@ class _Rank:
         outputs = executor.run(inputs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        pieces = [None if t is None else t.cpu() for t in outputs]
+        pieces = portable([None if t is None else t.cpu() for t in outputs])
         # rank 0 also sends the outputs as placed (their layouts): the driver assembles
         return pieces, (executor.fusion.outputs if self.rank == 0 else None)
 
@@ -244,19 +246,23 @@ class RayPool:
             raise LaunchError(f"the fusion definition does not pickle: {error}") from error
         if per_rank and len(inputs) != self.world_size:
             raise LaunchError(f"per_rank inputs: {len(inputs)} lists for {self.world_size} ranks")
+        from fusion.portable import portable, restored
+        from overlap.executor import assemble
+
+        # fp8 and fp4 travel as bytes (torch cannot unpickle them)
         if per_rank:
-            pieces = [[None if t is None else t.cpu() for t in rank] for rank in inputs]
+            pieces = [portable([None if t is None else t.cpu() for t in rank]) for rank in inputs]
             refs = [a.run.remote(blob, pieces[r], False, executor_options)
                     for r, a in enumerate(self.actors)]  # fmt: skip
         else:
-            shared = self._ray.put([t.cpu() for t in inputs])  # one copy in the object store
+            # one copy in the object store
+            shared = self._ray.put(portable([t.cpu() for t in inputs]))
             refs = [a.run.remote(blob, shared, True, executor_options) for a in self.actors]
         answers = self._gather(refs, timeout_s)
-        from overlap.executor import assemble
-
         placed = answers[0][1]
+        pieces = [restored(answer[0]) for answer in answers]
         return [
-            assemble({rank: answer[0][position] for rank, answer in enumerate(answers)}, tensor)
+            assemble({rank: pieces[rank][position] for rank in range(len(pieces))}, tensor)
             for position, tensor in enumerate(placed)
         ]
 

@@ -102,6 +102,13 @@ class Communicator:
                 continue
             self._groups[team] = None if team == world else dist.new_group(list(team))
 
+    def group(self, team: tuple[int, ...]) -> dist.ProcessGroup | None:
+        """The process group of ``team`` (None is the default group of the whole world)."""
+        key = tuple(sorted(team))
+        if key not in self._groups:
+            raise KeyError(f"team {key} was not prepared; call prepare() on every rank first")
+        return self._groups[key]
+
     def agree(
         self, failure: BaseException | None, step: str, plan: list[str] | None = None
     ) -> None:

@@ -32,6 +32,7 @@ from fusion.errors import InputError
 from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
 from fusion.fp4 import pack_fp4, unpack_fp4
 from fusion.ir import ExtentConstraint, Fusion, Symbol, TensorView
+from fusion.portable import portable, restored
 from fusion.reference import Bindings, bind_inputs, evaluate_expr, resolve
 from overlap import progress
 from overlap.communications import Pending, RankContext, identity, start
@@ -271,7 +272,7 @@ class MultiDeviceExecutor:
         if not self.sharded:
             return list(local_outputs)
         cpu = [None if t is None else t.cpu() for t in local_outputs]
-        everyone = self.communicator.all_gather_object(cpu)
+        everyone = restored(self.communicator.all_gather_object(portable(cpu)))
         return [
             assemble({rank: pieces[position] for rank, pieces in enumerate(everyone)}, tensor).to(
                 self.device

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch.multiprocessing as mp
 
+from fusion.portable import portable, restored
 from launch.local import free_port
 
 
@@ -46,7 +47,7 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
             break
         function, args = job
         try:
-            results.put((rank, "ok", function(communicator, *args)))
+            results.put((rank, "ok", portable(function(communicator, *args))))
         except BaseException as error:  # report every failure to the parent
             results.put((rank, "error", (type(error).__name__, traceback.format_exc())))
     dist.destroy_process_group()
@@ -79,7 +80,7 @@ class RankPool:
         try:
             while len(outcomes) < self.world_size:
                 rank, status, payload = self.results.get(timeout=timeout)
-                outcomes[rank] = (status, payload)
+                outcomes[rank] = (status, restored(payload))
         except queue.Empty:
             self.close()
             missing = sorted(set(range(self.world_size)) - set(outcomes))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from launch.env import LaunchError, launcher, rank_environment
@@ -24,6 +25,7 @@ import sys
 
 import torch
 
+from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from overlap.executor import MultiDeviceExecutor
@@ -181,6 +183,37 @@ def test_the_ray_pool_runs_a_fusion_like_the_reference(ray_instance):
         )
         (after,) = pool.run(fd, whole)
         assert torch.equal(after, y)
+
+
+def _fp8_and_fp4_pieces(world: int):
+    from fusion import FusionDefinition
+    from sharding import DeviceMesh, Shard, shard
+
+    mesh = DeviceMesh(world)
+    with FusionDefinition("storage") as fd:
+        low = fd.define_tensor([6, 8], "float8_e4m3fn")
+        packed = fd.define_tensor([6, 8], "float4_e2m1")
+        fd.add_output(fd.ops.set(low))
+        fd.add_output(fd.ops.set(packed))
+    shard(low, mesh, [Shard(0)])
+    shard(packed, mesh, [Shard(1)])  # split on the packed axis: 4 values (2 bytes) a rank
+    values = 3 * torch.randn(6, 8, generator=torch.Generator().manual_seed(7))
+    return fd, [values.to(torch.float8_e4m3fn), to_fp4(values)]
+
+
+def test_the_ray_pool_moves_and_assembles_fp8_and_fp4(ray_instance):
+    from launch.ray_pool import RayPool
+
+    fd, whole = _fp8_and_fp4_pieces(2)
+    with RayPool(2) as pool:
+        for per_rank in (False, True):
+            low, packed = whole
+            pieces = [[low[r * 3 : (r + 1) * 3], packed[:, r * 2 : (r + 1) * 2]] for r in range(2)]
+            inputs = pieces if per_rank else whole
+            outputs = pool.run(fd, inputs, per_rank=per_rank)
+            for out, value in zip(outputs, whole, strict=True):
+                assert out.dtype == value.dtype and out.shape == value.shape
+                assert torch.equal(out.view(torch.uint8), value.view(torch.uint8))
 
 
 def _wait_or_die(communicator):

@@ -275,6 +275,10 @@ def gather_storage_types(communicator, seed: int, kernels: str = "reference") ->
     for whole, gathered in zip(full, outputs, strict=True):
         assert gathered.dtype == whole.dtype and gathered.shape == whole.shape
         assert torch.equal(gathered.view(torch.uint8), whole.view(torch.uint8))
+    # assembled through the host too (torch cannot unpickle fp8 and fp4 as they are)
+    for whole, assembled in zip(full, executor.gather_outputs(outputs), strict=True):
+        assert assembled.dtype == whole.dtype and assembled.shape == whole.shape
+        assert torch.equal(assembled.view(torch.uint8), whole.view(torch.uint8))
     return [c.op_name for c in executor.communications]
 
 
