@@ -67,7 +67,7 @@ from overlap.timeline import Timeline
 from schedulers.hardware import current_hardware
 from sharding.communication import LocalShard
 from sharding.errors import ShardingError
-from sharding.layout import Layout, Shard, layout_of, local_shape, split_range
+from sharding.layout import Layout, Shard, layout_of, local_shape, split_range, split_sizes
 from sharding.mesh import DeviceMesh
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
@@ -148,6 +148,7 @@ class MultiDeviceExecutor:
                 raise ShardingError("a fusion placed on device meshes needs a Communicator")
             self.fusion, self.decisions = shard_fusion(fusion)
             self._check_meshes_fit_the_world()
+            check_packed_pieces(self.fusion, {}, ShardingError)
         else:
             self.fusion, self.decisions = fusion.clone(), {}
         self.hardware = hardware or default_hardware_figures(self.device)
@@ -927,6 +928,7 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
         _bind_symbols(tensor, layout, shapes, bindings, where)
     for constraint in fusion.constraints:
         _check_constraint(constraint, bindings)
+    check_packed_pieces(fusion, bindings, InputError)
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
         whole = [resolve(e, bindings) for e in tensor.shape]
@@ -941,6 +943,32 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
                     f"local shape {expected} (of the whole {whole}), got {list(shape)}"
                 )
     return bindings
+
+
+def check_packed_pieces(fusion: Fusion, bindings: Bindings, error: type[Exception]) -> None:
+    """Every rank's piece of a packed tensor (fp4, two values a byte) split along its
+    innermost axis must fill whole bytes; else ``error``, the same verdict on every rank.
+    Extents still unbound (symbols before the inputs come) are checked when they are."""
+    for tensor in fusion.tensors:
+        layout = layout_of(tensor)
+        if not tensor.dtype.is_packed or layout is None:
+            continue
+        innermost = tensor.ndim - 1
+        mesh_axis = layout.mesh_axis_of(innermost)
+        extent = tensor.shape[innermost]
+        if mesh_axis is None or (isinstance(extent, Symbol) and extent not in bindings):
+            continue
+        extent = resolve(extent, bindings)
+        pieces = split_sizes(extent, layout.mesh.shape[mesh_axis])
+        per_byte = tensor.dtype.values_per_storage_element
+        if any(piece % per_byte for piece in pieces):
+            raise error(
+                f"{tensor} holds {tensor.dtype} packed {per_byte} values a byte, and its "
+                f"innermost axis ({extent} values) is split over mesh axis "
+                f"{layout.mesh.axis_names[mesh_axis]!r} into pieces of {pieces} values: a piece "
+                f"must fill whole bytes. Make the extent split into multiples of {per_byte} "
+                "or split another axis"
+            )
 
 
 def _bind_symbols(

@@ -76,9 +76,40 @@ def tensor_used_off_its_mesh(communicator) -> None:
     MultiDeviceExecutor(fd, communicator)
 
 
+def _fp4_split_innermost(world: int, columns) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, columns])
+        fd.add_output(fd.ops.cast(fd.ops.relu(x), "float4_e2m1"))  # packed two a byte
+    shard(x, DeviceMesh(world), [Shard(1)])
+    return fd
+
+
+def fp4_pieces_of_odd_width(communicator) -> None:
+    # 10 columns over 2 ranks are 5 and 5; 18 over 4 are 5, 5, 4, 4
+    columns = 10 if communicator.world_size == 2 else 18
+    MultiDeviceExecutor(_fp4_split_innermost(communicator.world_size, columns), communicator)
+
+
+def fp4_symbolic_pieces_of_odd_width(communicator) -> None:
+    world = communicator.world_size
+    executor = MultiDeviceExecutor(_fp4_split_innermost(world, "columns"), communicator)
+    columns = 10 if world == 2 else 18
+    executor.run(executor.shard_inputs([torch.randn(6, columns)]))
+
+
 @pytest.mark.parametrize(
     ("job", "error", "pieces"),
     [
+        (
+            fp4_pieces_of_odd_width,
+            ShardingError,
+            ["packed 2 values a byte", "must fill whole bytes"],
+        ),
+        (
+            fp4_symbolic_pieces_of_odd_width,
+            InputError,
+            ["into pieces of [5, 5", "must fill whole bytes"],
+        ),
         (wrong_shape_on_one_rank, InputError, ["rank 1:", "input 0", "expected the local shape"]),
         (wrong_dtype_on_one_rank, InputError, ["input 1", "expected dtype torch.float32"]),
         (missing_input_on_one_rank, InputError, ["rank 0:", "takes 2 inputs, got 1"]),
