@@ -313,9 +313,12 @@ class MultiDeviceExecutor:
         if key not in self._compiled:
             self._compiled[key] = self._compile_on_every_rank(bindings)
         compiled = self._compiled[key]
-        if self.cuda_graph and timeline is None and self.device.type == "cuda":
-            return self._replay(compiled, key, local_inputs)
-        return compiled.run(local_inputs, timeline)
+        with torch.no_grad():  # no autograd graph: its gradients would be one rank's
+            if self.cuda_graph and timeline is None and self.device.type == "cuda":
+                outputs = self._replay(compiled, key, local_inputs)
+            else:
+                outputs = compiled.run(local_inputs, timeline)
+        return _refusing_backward(outputs, local_inputs)
 
     def _replay(self, compiled: _Compiled, key: tuple, local_inputs) -> list:
         """Run through a CUDA graph captured for these input buffers (one per buffer half)."""
@@ -813,6 +816,40 @@ class _Compiled:
                 self.executor._symmetric.allocate(
                     instruction, loop.scheme, whole, dim, rest, _storage_dtype(moving)
                 )
+
+
+class _NoBackward(torch.autograd.Function):
+    """Stands between a run's outputs and its inputs in autograd: ``backward`` raises."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            "MultiDeviceExecutor.run has no backward yet: gradients through a run (whose "
+            "compute is split over ranks, and partly in generated kernels) are not "
+            "computed, and one rank's partial gradient would be wrong. Differentiate the "
+            "single-device fd.execute, or run the forward under torch.no_grad()"
+        )
+
+
+_DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _refusing_backward(outputs: list, inputs: Sequence) -> list:
+    """``outputs``, tied to the inputs that require a gradient so that a backward raises
+    a clear error instead of giving no gradient or one rank's partial one."""
+    wanting = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not wanting or not torch.is_grad_enabled():
+        return outputs
+    return [
+        _NoBackward.apply(out, *wanting)
+        if out is not None and out.dtype in _DIFFERENTIABLE
+        else out
+        for out in outputs
+    ]
 
 
 def _partial_extreme(expr: Expr) -> bool:

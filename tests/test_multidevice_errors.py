@@ -242,3 +242,49 @@ def test_a_failure_on_one_rank_fails_every_rank_before_any_collective(
         for piece in pieces:
             assert piece in message, (rank, message)
     assert pool.run(good_run, timeout=60) == [True] * world
+
+
+# ---------------------------------------------------------------------------
+# Gradients: not computed yet, so a backward through a run raises on every rank
+
+
+def backward_through_a_run(communicator) -> tuple[bool, str]:
+    mesh = DeviceMesh(communicator.world_size)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        w = fd.define_tensor([3, 6])
+        fd.add_output(fd.ops.sum(fd.ops.linear(x, w), dims=[0]))  # a partial sum, all-reduced
+    shard(x, mesh, [Shard(0)])
+    shard(w, mesh, [Replicate()])
+    executor = MultiDeviceExecutor(fd, communicator)
+    generator = torch.Generator().manual_seed(3)
+    x_value, w_value = (
+        torch.randn(8, 6, generator=generator),
+        torch.randn(3, 6, generator=generator),
+    )
+    w_value.requires_grad_()
+    (y,) = executor.run(executor.shard_inputs([x_value, w_value]))
+    right = torch.allclose(y, fd.execute([x_value, w_value.detach()])[0], atol=1e-5)
+    with pytest.raises(RuntimeError) as refused:
+        y.sum().backward()  # each rank would get only its partial gradient of w
+    assert w_value.grad is None
+    return right, str(refused.value)
+
+
+def test_a_backward_through_a_run_raises_on_every_rank(rank_pools):
+    for right, message in rank_pools(2).run(backward_through_a_run, timeout=60):
+        assert right
+        assert message.startswith("MultiDeviceExecutor.run has no backward yet"), message
+
+
+def test_a_backward_through_a_single_device_run_raises_too():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6])
+        fd.add_output(fd.ops.exp(x))
+    x_value = torch.randn(4, 6, requires_grad=True)
+    (y,) = MultiDeviceExecutor(fd).run([x_value])
+    with pytest.raises(RuntimeError, match="has no backward yet"):
+        y.sum().backward()
+    with torch.no_grad():  # the forward alone is what a run is for
+        (y,) = MultiDeviceExecutor(fd).run([x_value])
+    assert not y.requires_grad and torch.allclose(y, x_value.detach().exp())
