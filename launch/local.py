@@ -27,12 +27,18 @@ from launch.env import LaunchError
 
 
 class RankFailure(LaunchError):
-    """Some rank raised or died; ``failures`` maps each such rank to what it said."""
+    """Some rank raised or died; ``failures`` maps each such rank to what it said, and
+    ``rank`` is the one that caused it: a rank that died rather than its peers, whose
+    collectives then broke."""
 
-    def __init__(self, failures: dict[int, str]) -> None:
+    def __init__(self, failures: dict[int, str], rank: int | None = None) -> None:
         self.failures = failures
-        text = "\n".join(f"--- rank {rank} ---\n{message}" for rank, message in failures.items())
-        super().__init__(f"{len(failures)} rank(s) failed: {sorted(failures)}\n{text}")
+        self.rank = min(failures) if rank is None else rank
+        text = "\n".join(f"--- rank {r} ---\n{message}" for r, message in failures.items())
+        super().__init__(
+            f"rank {self.rank} failed first ({len(failures)} rank(s) failed: "
+            f"{sorted(failures)})\n{text}"
+        )
 
 
 def free_port() -> int:
@@ -96,30 +102,37 @@ def run_function(
         process.start()
     values: dict[int, object] = {}
     failures: dict[int, str] = {}
+    died: list[int] = []
     deadline = time.monotonic() + timeout_s
-    try:
-        while len(values) + len(failures) < nproc:
-            try:
-                rank, status, value = results.get(timeout=0.2)
-            except queue.Empty:
-                for rank, process in enumerate(processes):
-                    if process.exitcode not in (None, 0) and rank not in values:
-                        failures.setdefault(rank, f"died with exit code {process.exitcode}")
-                if failures:
-                    break
-                if time.monotonic() > deadline:
-                    waiting = [r for r in range(nproc) if r not in values]
-                    raise LaunchError(
-                        f"ranks {waiting} did not finish within {timeout_s} s"
-                    ) from None
-                continue
+
+    def collect(wait_s: float) -> None:
+        """Take one report (waiting up to ``wait_s``), then note ranks that died silently."""
+        try:
+            rank, status, value = results.get(timeout=wait_s)
             if status == "ok":
                 values[rank] = restored(pickle.loads(value))
             else:
                 failures[rank] = value
-                break  # the others may now wait forever on the failed rank: stop them
+        except queue.Empty:
+            pass
+        for rank, process in enumerate(processes):
+            if process.exitcode not in (None, 0) and rank not in values and rank not in failures:
+                failures[rank] = f"died with exit code {process.exitcode}"
+                died.append(rank)
+
+    try:
+        while len(values) + len(failures) < nproc and not failures:
+            collect(0.2)
+            if not failures and time.monotonic() > deadline:
+                waiting = [r for r in range(nproc) if r not in values]
+                raise LaunchError(f"ranks {waiting} did not finish within {timeout_s} s")
         if failures:
-            raise RankFailure(failures)
+            # A rank that dies breaks its peers' collectives, and their reports may come
+            # first: wait a moment for the process exits before naming the cause.
+            settle = time.monotonic() + 2.0
+            while time.monotonic() < settle and len(values) + len(failures) < nproc:
+                collect(0.1)
+            raise RankFailure(failures, died[0] if died else next(iter(failures)))
         return [values[rank] for rank in range(nproc)]
     finally:
         for process in processes:

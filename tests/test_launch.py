@@ -90,6 +90,36 @@ def test_a_failing_rank_stops_a_local_run_promptly(script, tmp_path):
     assert time.monotonic() - start < 60
 
 
+def _die_or_wait(communicator):
+    """Rank 1 dies; rank 0 waits for it in a collective, which then breaks."""
+    import torch.distributed as dist
+
+    if communicator.rank == 1:
+        time.sleep(0.5)
+        os._exit(3)
+    dist.barrier()
+
+
+def _fp8_result(communicator):
+    return torch.full((2, 3), communicator.rank + 0.5).to(torch.float8_e4m3fn)
+
+
+def test_run_function_names_the_rank_that_died_not_the_peer_it_broke():
+    from launch.local import RankFailure, run_function
+
+    start = time.monotonic()
+    with pytest.raises(RankFailure) as failure:
+        run_function(_die_or_wait, nproc=2, timeout_s=60)
+    assert time.monotonic() - start < 30
+    assert failure.value.rank == 1, str(failure.value)
+    assert "died with exit code 3" in failure.value.failures[1]
+    assert str(failure.value).startswith("rank 1 failed first")
+    # results of any dtype come back (fp8 does not unpickle as torch pickles it)
+    results = run_function(_fp8_result, nproc=2, timeout_s=60)
+    assert [r.dtype for r in results] == [torch.float8_e4m3fn] * 2
+    assert [r.float()[0, 0].item() for r in results] == [0.5, 1.5]
+
+
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
