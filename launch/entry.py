@@ -3,12 +3,15 @@
 What ``overlap run`` starts in every process (directly for ``--launcher local``, through
 ``torch.distributed.run`` for ``--launcher torchrun``): join the process group, then call
 the script's ``main(communicator)`` with ``sys.argv`` set to the script and its args.
+A rank whose ``main`` raises prints its traceback, aborts its communicators and exits 1
+at once (``launch.failfast``); the launcher then stops the others.
 """
 
 from __future__ import annotations
 
 import sys
 
+from launch import failfast
 from launch.env import init
 from launch.script import load_script
 
@@ -23,11 +26,17 @@ def main() -> int:
     communicator = init()
     try:
         module.main(communicator)
-    finally:
-        import torch.distributed as dist
+    except SystemExit as done:
+        if done.code not in (0, None):
+            failfast.fail(done.code if isinstance(done.code, int) else 1)
+    except BaseException:
+        # never a graceful teardown here: on NCCL it waits for the peers, which wait in
+        # their next collective for this rank
+        failfast.fail(1)
+    import torch.distributed as dist
 
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     return 0
 
 

@@ -86,7 +86,11 @@ def device_for(local_rank: int, backend: str | None = None) -> torch.device:
 def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
     """Join the process group the launcher set up (NCCL on GPUs, gloo on CPUs), on the
     GPU of this process's local rank, and return the ``Communicator``. A process no
-    launcher started gets a world of one (gloo, a local rendezvous)."""
+    launcher started gets a world of one (gloo, a local rendezvous).
+
+    In a launched process an uncaught exception then fails fast (``launch.failfast``):
+    traceback printed, communicators aborted, exit 1, so the launcher stops the other
+    ranks instead of the job hanging in a collective."""
     env = rank_environment()
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend not in ("nccl", "gloo"):
@@ -97,4 +101,8 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
 
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+    else:  # a launched rank: an uncaught exception aborts its communicators and exits
+        from launch import failfast
+
+        failfast.install()
     return Communicator.initialize(backend, timeout_s, device, env.rank, env.world_size)

@@ -73,7 +73,11 @@ def _function_worker(rank, world_size, port, function, args, results, timeout_s)
         results.put((rank, "error", traceback.format_exc()))
         results.close()
         results.join_thread()
-        return
+        # no graceful teardown: on NCCL it would wait for peers stuck in a collective
+        from launch.failfast import abort_process_groups
+
+        abort_process_groups()
+        os._exit(1)
     # the result is written out before anything is torn down
     results.close()
     results.join_thread()
@@ -113,6 +117,8 @@ def run_function(
                 values[rank] = restored(pickle.loads(value))
             else:
                 failures[rank] = value
+                if rank in died:  # its exit was seen before its report: it did not die
+                    died.remove(rank)
         except queue.Empty:
             pass
         for rank, process in enumerate(processes):

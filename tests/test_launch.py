@@ -38,6 +38,10 @@ def fusion(world):
 def main(communicator):
     if sys.argv[2:] == ["fail"] and communicator.rank == 1:
         raise RuntimeError("rank 1 fails on purpose")
+    if sys.argv[2:] == ["die"] and communicator.rank == 1:
+        import os
+
+        os._exit(3)
     fd = fusion(communicator.world_size)
     whole = whole_inputs(64, 32, 128)
     executor = MultiDeviceExecutor(fd, communicator)
@@ -81,12 +85,22 @@ def test_overlap_run_matches_the_reference(kind, script, tmp_path):
     _check_pieces(tmp_path)
 
 
-def test_a_failing_rank_stops_a_local_run_promptly(script, tmp_path):
+@pytest.mark.parametrize("fault", ["fail", "die"])
+@pytest.mark.parametrize("kind", ["local", "torchrun"])
+def test_a_failing_or_dying_rank_stops_the_run_promptly(script, tmp_path, kind, fault):
     start = time.monotonic()
-    result = _overlap("run", "--nproc", 2, script, tmp_path, "fail", timeout=120)
+    result = _overlap("run", "--launcher", kind, "--nproc", 2, script, tmp_path, fault,
+                      timeout=120)  # fmt: skip
     assert result.returncode != 0
-    assert "rank 1 fails on purpose" in result.stderr
-    assert "rank 1 exited" in result.stderr
+    if fault == "fail":  # the failing rank's own traceback, then its abort
+        assert "rank 1 fails on purpose" in result.stderr
+        assert "[overlap] rank 1 failed:\nTraceback" in result.stderr, result.stderr[-2000:]
+    if kind == "local":
+        assert "rank 1 exited with " + ("1" if fault == "fail" else "3") in result.stderr
+    else:  # torchrun's summary names the failed rank
+        assert "rank      : 1" in result.stderr or "local_rank: 1" in result.stderr, result.stderr[
+            -2000:
+        ]
     assert time.monotonic() - start < 60
 
 

@@ -1,0 +1,79 @@
+"""A rank that fails ends at once: its traceback printed, its communicators aborted.
+
+On NCCL a graceful teardown (``destroy_process_group``) of a failing rank waits for its
+peers, which wait in their next collective for the failed rank: the job hangs and the
+traceback is never printed. A failing rank must instead print what went wrong, abort its
+process groups (no waiting for anyone), and exit nonzero; its launcher (torchrun, ``overlap
+run --launcher local``, the Ray pool) then stops the other ranks.
+
+``fail(...)`` does that for an exception in hand; ``install()`` (done by ``launch.init``)
+makes every uncaught exception of a launched process do it. Example::
+
+    try:
+        train(communicator)
+    except BaseException:
+        failfast.fail()  # prints the traceback, aborts, exits 1
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+
+import torch.distributed as dist
+
+ABORT_WAIT_S = 10.0  # an abort that has not returned by then is left behind
+
+
+def abort_process_groups(timeout_s: float = ABORT_WAIT_S) -> bool:
+    """Abort every process group of this process without waiting for peers; True when
+    the abort returned within ``timeout_s`` (it runs in a thread: nothing blocks past)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return True
+
+    def abort() -> None:
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except Exception:  # gloo groups have no abort: the exit closes their sockets
+            pass
+
+    thread = threading.Thread(target=abort, name="overlap-abort", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return not thread.is_alive()
+
+
+def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
+    """Print the current (or given) exception's traceback naming this rank, abort the
+    process groups, and exit with ``exit_code`` at once (no interpreter teardown that
+    could wait on a peer). Never returns."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        if error is None:
+            text = traceback.format_exc()
+        else:
+            text = "".join(traceback.format_exception(error))
+        sys.stderr.write(f"[overlap] rank {rank} failed:\n{text}")
+        sys.stderr.write(
+            f"[overlap] rank {rank}: aborting its communicators and exiting with {exit_code}; "
+            "the launcher stops the other ranks\n"
+        )
+        sys.stderr.flush()
+        sys.stdout.flush()
+        abort_process_groups()
+    finally:
+        os._exit(exit_code)
+
+
+def install() -> None:
+    """Make an uncaught exception in this process fail fast (see ``fail``)."""
+    if getattr(sys.excepthook, "_overlap_fail_fast", False):
+        return
+
+    def hook(kind, value, tb) -> None:
+        fail(1, value.with_traceback(tb))
+
+    hook._overlap_fail_fast = True
+    sys.excepthook = hook
