@@ -24,7 +24,6 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -292,10 +291,9 @@ def print_table(rows: list[dict], figures) -> None:
 
 
 def write_results(path: str, rows: list[dict], figures, communicator) -> None:
-    git = subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    commit = os.environ.get("BENCH_COMMIT") or git or "unknown"
+    from benchmarks.kernels import commit_id
+
+    commit = commit_id()
     result = {
         "device": f"{communicator.world_size}x {torch.cuda.get_device_name()}",
         "date": datetime.date.today().isoformat(),

@@ -1,16 +1,27 @@
-"""Correctness of the multi-device scenarios on GPUs with NCCL (the CPU tests, on GPUs).
+"""Correctness of the multi-device scenarios on GPUs with NCCL, on every rank.
 
-    torchrun --nproc-per-node 2 benchmarks/check_gpu.py
+    torchrun --nproc-per-node 2 benchmarks/check_gpu.py [--out results/check_gpu.json]
 
-Runs the scenarios of ``tests/test_multidevice.py`` and ``tests/test_pipelined.py`` on
-every rank with NCCL and CUDA tensors, each checked against the reference evaluator,
-plus the pipelined patterns with the copy-engine transport. Prints one line per check.
+Runs every scenario of ``tests/test_multidevice.py`` (the examples' normalizations and the
+demo's MLP among them) with the reference evaluator and with generated (compiled Triton)
+kernels, and the pipelines of ``tests/test_pipelined.py`` over every transport, with NCCL
+and CUDA tensors. Each scenario checks **every rank's** output piece against the
+single-device reference (and the communications the framework inserted); every rank
+reports its verdict, and the table shows them side by side. Run it whenever a change
+touches kernels, the executor or the launchers. Exits 1 if any rank failed any check.
+
+Without GPUs it runs the same on gloo ranks, the kernels in Triton's interpreter (the
+copy-engine pipelines, which need CUDA, left out): CI runs it so, to keep it working.
 """
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -26,44 +37,103 @@ import test_pipelined as pipelined  # noqa: E402
 from overlap.communicator import Communicator  # noqa: E402
 
 
-def checks(world: int):
-    yield "tensor-parallel MLP", scenarios.tensor_parallel_mlp, (11, True)
-    yield "sequence-parallel block", scenarios.sequence_parallel_block, (12, 4 * world)
-    yield "uneven sequence (7 rows)", scenarios.sequence_parallel_block, (13, 7)
-    yield "pipeline stages", scenarios.pipeline_stages, (14,)
-    yield "sequence to heads (all-to-all)", scenarios.sequence_to_heads, (16,)
-    yield "symbolic sequence", scenarios.symbolic_sequence, (17, 50)
-    yield "fp8/fp4/bool/bf16 gathers", scenarios.gather_storage_types, (18,)
-    yield "bf16 row-parallel", scenarios.bf16_row_parallel, (19,)
-    for kind in ("Broadcast", "Scatter", "Gather", "Reduce"):
-        yield f"one rank and a mesh: {kind}", scenarios.one_rank_and_a_mesh, (20, kind)
+def checks(world: int, cuda: bool):
+    """``(name, function, args)``: each function takes ``(communicator, *args)``."""
+    for k in ("reference", "generated"):
+        yield "tensor-parallel MLP", scenarios.tensor_parallel_mlp, (11, True, k)
+        yield "sequence-parallel block", scenarios.sequence_parallel_block, (12, 4 * world, k)
+        yield "uneven sequence (7 rows)", scenarios.sequence_parallel_block, (13, 7, k)
+        yield "pipeline stages", scenarios.pipeline_stages, (14, k)
+        if world % 2 == 0:
+            mesh = [2, world // 2]
+            yield f"dp x tp {mesh}", scenarios.data_and_tensor_parallel, (15, mesh, k)
+        yield "sequence to heads (all-to-all)", scenarios.sequence_to_heads, (16, k)
+        for tokens in (world, 7, 50):
+            yield f"symbolic sequence {tokens}", scenarios.symbolic_sequence, (17, tokens, k)
+        yield "fp8/fp4/bool/bf16 gathers", scenarios.gather_storage_types, (18, k)
+        yield "bf16 row-parallel", scenarios.bf16_row_parallel, (19, k)
+        for kind in ("Broadcast", "Scatter", "Gather", "Reduce"):
+            yield f"one rank and a mesh: {kind}", scenarios.one_rank_and_a_mesh, (20, kind, k)
+        for tokens in (4 * world, 7):
+            name = f"SwiGLU block + residual ({tokens} tokens)"
+            yield name, scenarios.swiglu_residual_block, (22, tokens, k)
+        for symbolic in (False, True):
+            name = f"empty pieces ({'symbolic' if symbolic else 'static'})"
+            yield name, scenarios.empty_pieces, (23, symbolic, k)
+        for op in ("max", "min", "sum"):
+            for dtype in ("float32", "bfloat16"):
+                for target in ("replicated", "split", "one rank"):
+                    name = f"NaN/inf {op} {dtype} -> {target}"
+                    yield name, scenarios.special_values, (24, op, dtype, target, k)
+        for norm in scenarios.NORMALIZATIONS:
+            yield f"example {norm}, rows split", scenarios.row_split_normalization, (norm, 25, k)
+        yield "demo MLP", scenarios.demo_mlp, (26, k)
     for pattern in ("ag", "rs"):
-        for transport, per_rank in (("collective", 2), ("ring", 1), ("copy_engine", 1),
-                                    ("copy_engine", 3)):  # fmt: skip
-            yield (
-                f"pipelined {pattern} {transport} {per_rank * world} chunks",
-                pipelined.pipelined,
-                (pattern, 13, per_rank * world, transport, 21),
-            )
+        for transport, per_rank in (
+            ("collective", 2), ("ring", 1), ("ring", 2), ("copy_engine", 1), ("copy_engine", 3)
+        ):  # fmt: skip
+            if transport == "copy_engine" and not cuda:
+                continue
+            chunks = per_rank * world
+            name = f"pipelined {pattern} {transport} {chunks} chunks"
+            yield name, pipelined.pipelined, (pattern, 13, chunks, transport, 21)
+
+
+def _kernels_of(args: tuple) -> str:
+    return next((a for a in args if a in ("reference", "generated")), "-")
 
 
 def main() -> None:
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    communicator = Communicator()
-    failures = 0
-    for name, function, args in checks(communicator.world_size):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", help="write the per-rank verdicts as JSON here")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if cuda:
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        communicator = Communicator.initialize("nccl", 120.0, device)
+    else:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
+        communicator = Communicator.initialize("gloo", 120.0, "cpu")
+    world, rank = communicator.world_size, communicator.rank
+    rows, failures = [], 0
+    for name, function, check_args in checks(world, cuda):
+        start = time.perf_counter()
         try:
-            function(communicator, *args)
-            status = "ok"
+            function(communicator, *check_args)
+            verdict = "ok"
         except Exception:  # report and go on: every rank runs every check
-            failures += 1
-            status = "FAILED\n" + traceback.format_exc()
-        flags = torch.tensor([status != "ok"], device=communicator.device, dtype=torch.int32)
-        dist.all_reduce(flags)
-        if communicator.rank == 0 or status != "ok":
-            print(f"rank {communicator.rank}: {name}: {status}", flush=True)
+            verdict = "FAILED\n" + traceback.format_exc()
+        seconds = time.perf_counter() - start
+        verdicts = communicator.all_gather_object(verdict)
+        failed = [r for r, v in enumerate(verdicts) if v != "ok"]
+        failures += bool(failed)
+        kernels = _kernels_of(check_args)
+        if rank == 0:
+            said = " ".join(f"r{r}:{'ok' if v == 'ok' else 'FAIL'}" for r, v in enumerate(verdicts))
+            print(f"{name:44s} {kernels:9s} {said}  {seconds:6.2f} s", flush=True)
+            for r in failed:
+                print(f"--- rank {r} ---\n{verdicts[r]}", flush=True)
+            rows.append({"check": name, "kernels": kernels, "seconds": round(seconds, 3),
+                         "ranks": ["ok" if v == "ok" else v for v in verdicts]})  # fmt: skip
+    if rank == 0:
+        print(f"\n{len(rows)} checks on {world} ranks: {failures} failed on some rank")
+        if args.out:
+            from benchmarks.kernels import commit_id
+
+            commit = commit_id()
+            record = {
+                "device": torch.cuda.get_device_name() if cuda else "cpu (gloo)",
+                "world": world,
+                "date": datetime.date.today().isoformat(),
+                "commit": commit,
+                "command": "torchrun --nproc-per-node "
+                f"{world} benchmarks/check_gpu.py --out {args.out}",
+                "torch": torch.__version__,
+                "failed": failures,
+                "rows": rows,
+            }
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     dist.destroy_process_group()
     sys.exit(1 if failures else 0)
 

@@ -243,17 +243,25 @@ def benchmark_parser(doc: str, name: str, rounds: int = 7, iterations: int | Non
     return parser
 
 
+def commit_id() -> str:
+    """The commit measured: ``BENCH_COMMIT`` (a GPU machine's copy has no git), else git's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    try:
+        git = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
+                             capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    except OSError:  # no git at all
+        return "unknown"
+    return git.stdout.strip() or "unknown"
+
+
 def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
     """The figures as ``benchmarks/results/*.json`` hold them: device, date, commit (or
     ``BENCH_COMMIT`` where the tree has no git), the exact command, copy bandwidth, rows."""
-    commit = os.environ.get("BENCH_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--verify", "-q", "HEAD"], capture_output=True, text=True,
-        cwd=ROOT,
-    ).stdout.strip()  # fmt: skip
     result = {
         "device": torch.cuda.get_device_name(device),
         "date": datetime.date.today().isoformat(),
-        "commit": commit or "unknown",
+        "commit": commit_id(),
         "command": " ".join(["python", *sys.argv]),
         "torch": torch.__version__,
         "copy_gbps": copy,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -61,3 +62,22 @@ def test_norms_benchmark_smoke_run():
     assert ops == {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}, ops
     assert "[normalization]" in stdout
     assert "ours[stages=3]" in stdout and "ours[warps=" in stdout
+
+
+def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
+    """``benchmarks/check_gpu.py`` on 2 CPU ranks (kernels in the interpreter): every
+    check passes on every rank, and the JSON holds each rank's verdict."""
+    out = tmp_path / "check.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "benchmarks" / "check_gpu.py"), "--out", str(out),
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["failed"] == 0 and len(record["rows"]) > 80
+    assert {row["kernels"] for row in record["rows"]} == {"reference", "generated", "-"}
+    assert all(row["ranks"] == ["ok", "ok"] for row in record["rows"])

@@ -489,3 +489,60 @@ def test_nan_and_infinities_in_one_rank_piece_come_out_as_on_one_device(
     results = rank_pools(world).run(special_values, 24, op, dtype, target, kernels)
     kind = {"replicated": "Allreduce(x)", "split": "ReduceScatter(x)", "one rank": "Reduce"}
     assert results == [[kind[target]]] * world
+
+
+# ---------------------------------------------------------------------------
+# The examples' normalizations with their rows split over the ranks, and the demo's
+# tensor-parallel MLP
+
+
+def row_split_normalization(communicator, name: str, seed: int, kernels: str = "reference"):
+    from examples.norms import BUILDERS, make_inputs
+
+    n, rows = 48, 4 * communicator.world_size + 3  # uneven pieces
+    fd = BUILDERS[name](n, "bfloat16")
+    mesh = DeviceMesh(communicator.world_size)
+    for tensor in fd.fusion.inputs:
+        # activations and saved statistics split by rows; weights whole on every rank
+        rows_first = tensor.ndim == 2 or str(tensor.shape[0]) == "rows"
+        shard(tensor, mesh, [Shard(0) if rows_first else Replicate()])
+    generator = torch.Generator().manual_seed(seed)
+    full = make_inputs(name, rows, n, torch.bfloat16, communicator.device, generator)
+    # weight gradients sum every rank's rows: one more rounding of a partial sum
+    return _check(communicator, fd, full, max(n, rows), kernels, partial_sums=2)
+
+
+NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd",
+                  "layernorm_bwd"]  # fmt: skip
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("name", NORMALIZATIONS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_examples_normalizations_with_rows_split(rank_pools, world, name, kernels):
+    results = rank_pools(world).run(row_split_normalization, name, 25, kernels)
+    # forwards need nothing from other ranks; backwards all-reduce their weight gradients
+    column_sums = {"rmsnorm_bwd": 1, "layernorm_bwd": 2}.get(name, 0)
+    assert results == [["Allreduce(x)"] * column_sums] * world
+
+
+def demo_mlp(communicator, seed: int, kernels: str = "reference") -> list[str]:
+    from launch.demo import build_tp_mlp
+
+    tokens, hidden, ffn = 8 * communicator.world_size + 2, 32, 16 * communicator.world_size
+    fd = build_tp_mlp(tokens, hidden, ffn, communicator.world_size)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [[tokens, hidden], [hidden, ffn], [ffn, hidden]]
+    scales = [1.0, hidden**-0.5, ffn**-0.5]
+    full = [
+        (scale * torch.randn(shape, generator=generator)).to(communicator.device, torch.bfloat16)
+        for shape, scale in zip(shapes, scales, strict=True)
+    ]
+    return _check(communicator, fd, full, ffn, kernels, partial_sums=communicator.world_size)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_the_demo_mlp_gathers_then_reduce_scatters(rank_pools, world, kernels):
+    results = rank_pools(world).run(demo_mlp, 26, kernels)
+    assert results == [["Allgather(x)", "ReduceScatter(x)"]] * world
