@@ -81,3 +81,19 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     assert record["failed"] == 0 and len(record["rows"]) > 80
     assert {row["kernels"] for row in record["rows"]} == {"reference", "generated", "-"}
     assert all(row["ranks"] == ["ok", "ok"] for row in record["rows"])
+
+
+def test_faults_benchmark_ends_a_job_whose_rank_fails(tmp_path):
+    """``benchmarks/faults_gpu.py`` on gloo: rank 1 raises mid-job under torchrun; the job
+    ends within seconds, with its traceback, and the JSON says so."""
+    out = tmp_path / "faults.json"
+    command = [
+        sys.executable, str(ROOT / "benchmarks" / "faults_gpu.py"), "--launchers", "torchrun",
+        "--faults", "raise", "--limit", "90", "--out", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["failing_rank_reached_its_fault"] and not row["hung"], row
+    assert row["exit_code"] != 0 and row["traceback_shown"] and row["failed_rank_named"], row
+    assert row["seconds_to_end"] < 30, row

@@ -1,0 +1,159 @@
+"""A rank that fails mid-job: how long until the whole job ends, under each launcher.
+
+    python benchmarks/faults_gpu.py [--launchers torchrun,local,ray] [--out FILE]
+
+Each case starts a 2-rank job with ``overlap run --launcher L`` running this file's
+``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1 fails, while rank 0
+goes on into its next run and waits in a collective for rank 1 (on NCCL it would wait
+forever): rank 1 either raises (``raise``) or dies (``exit``: ``os._exit(3)``). The
+variants put rank 0's wait in a plain NCCL collective (``collectives``), in a CUDA-graph
+replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory barrier
+(``copy_engine``). Measured: the seconds from rank 1's failure to the job's end, the exit
+code, whether the failing rank's traceback was shown and the failed rank named. A job
+still running after ``--limit`` seconds is killed and counted as hung.
+
+Without GPUs the same runs on gloo processes, only the ``collectives`` variant.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+FAILING_RUN = 5
+SIZES = {"cuda": (8192, 4096, 8192), "cpu": (64, 32, 64)}  # tokens, hidden, ffn
+
+
+# -- the job: each rank runs this (``overlap run ... faults_gpu.py FAULT VARIANT DIR``) --
+
+
+def main(communicator) -> None:
+    import torch
+
+    from launch.demo import build_tp_mlp, whole_inputs
+    from overlap.executor import MultiDeviceExecutor
+    from overlap.planner import OverlapOptions
+
+    fault, variant, folder = sys.argv[1:4]
+    cuda = communicator.device.type == "cuda"
+    sizes = SIZES["cuda" if cuda else "cpu"]
+    fd = build_tp_mlp(*sizes, communicator.world_size)
+    options = {
+        "collectives": {"options": OverlapOptions(overlap=False)},
+        "cuda_graph": {"cuda_graph": True},
+        "copy_engine": {"options": OverlapOptions(transport="copy_engine")},
+    }[variant]
+    executor = MultiDeviceExecutor(fd, communicator, **options)
+    inputs = [t.to(communicator.device) for t in executor.shard_inputs(whole_inputs(*sizes))]
+    for run in range(1000):
+        if run == FAILING_RUN and communicator.rank == 1:
+            Path(folder, "failed_at").write_text(repr(time.time()))
+            if fault == "exit":
+                os._exit(3)
+            raise RuntimeError(f"rank 1 fails on purpose in run {run}")
+        # after the first run, no host-side input check: rank 0 goes straight into the
+        # program's collectives (NCCL, a graph replay or a symmetric-memory barrier)
+        executor.run(inputs, check_inputs=run == 0)
+        if cuda:
+            torch.cuda.synchronize()
+    raise AssertionError("rank 0 ran 1000 times: rank 1 never failed")
+
+
+# -- the driver ----------------------------------------------------------------------
+
+
+def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher,
+                   "--nproc", "2", __file__, fault, variant, folder]  # fmt: skip
+        path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+        env = {**os.environ, "PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0",
+               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+        for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER"):
+            env.pop(name, None)
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   start_new_session=True)  # fmt: skip
+        try:
+            output, _ = process.communicate(timeout=limit_s)
+            ended, code = time.time(), process.returncode
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, 9)
+            output, _ = process.communicate()
+            ended, code = None, None
+        stamp = Path(folder, "failed_at")
+        failed_at = float(stamp.read_text()) if stamp.exists() else None
+    seconds = None if ended is None or failed_at is None else ended - failed_at
+    named = any(text in output for text in (
+        "rank 1 exited", "rank 1 failed", "rank      : 1", "[overlap] rank 1 failed",
+    ))  # fmt: skip
+    return {
+        "launcher": launcher,
+        "fault": fault,
+        "variant": variant,
+        "seconds_to_end": None if seconds is None else round(seconds, 2),
+        "exit_code": code,
+        "hung": ended is None,
+        "failing_rank_reached_its_fault": failed_at is not None,
+        # the failing rank's own frames (Ray relays them without the "Traceback" line)
+        "traceback_shown": "rank 1 fails on purpose" in output and 'in main\n' in output,
+        "failed_rank_named": named,
+        "output_tail": output[-1500:],
+    }
+
+
+def main_driver() -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launchers", default="torchrun,local,ray")
+    parser.add_argument("--faults", default="raise,exit")
+    parser.add_argument("--variants", default=None, help="default: every one this device has")
+    parser.add_argument("--limit", type=float, default=120.0, help="seconds before 'hung'")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults_gpu.json"))
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    variants = args.variants or ("collectives,cuda_graph,copy_engine" if cuda else "collectives")
+    rows = []
+    print(f"{'launcher':9s} {'fault':6s} {'variant':12s} {'s to end':>8s} {'exit':>5s} "
+          f"{'traceback':>9s} {'named':>6s}", flush=True)  # fmt: skip
+    for launcher in args.launchers.split(","):
+        for variant in variants.split(","):
+            for fault in args.faults.split(","):
+                row = run_case(launcher, fault, variant, args.limit)
+                rows.append(row)
+                seconds = "HUNG" if row["hung"] else f"{row['seconds_to_end']:.2f}"
+                print(f"{launcher:9s} {fault:6s} {variant:12s} {seconds:>8s} "
+                      f"{row['exit_code']!s:>5s} {row['traceback_shown']!s:>9s} "
+                      f"{row['failed_rank_named']!s:>6s}", flush=True)  # fmt: skip
+                if row["hung"] or not row["failing_rank_reached_its_fault"]:
+                    print(row["output_tail"], flush=True)
+    from benchmarks.kernels import commit_id
+
+    record = {
+        "device": f"2x {torch.cuda.get_device_name()}" if cuda else "cpu (gloo)",
+        "date": datetime.date.today().isoformat(),
+        "commit": commit_id(),
+        "command": " ".join(["python", *sys.argv]),
+        "torch": torch.__version__,
+        "sizes": SIZES["cuda" if cuda else "cpu"],
+        "rows": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    worst = [r for r in rows if r["hung"] or r["seconds_to_end"] is None]
+    sys.exit(1 if worst else 0)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    main_driver()
