@@ -104,7 +104,7 @@ def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
         "hung": ended is None,
         "failing_rank_reached_its_fault": failed_at is not None,
         # the failing rank's own frames (Ray relays them without the "Traceback" line)
-        "traceback_shown": "rank 1 fails on purpose" in output and 'in main\n' in output,
+        "traceback_shown": "rank 1 fails on purpose" in output and "in main\n" in output,
         "failed_rank_named": named,
         "output_tail": output[-1500:],
     }
