@@ -27,6 +27,18 @@ def _row_split_fusion(world: int) -> FusionDefinition:
     return fd
 
 
+def _failures_on_every_rank(pool, job) -> dict[int, tuple[str, str]]:
+    """Run ``job``, which must fail on every rank (none left waiting): by rank, the
+    error's type name and the last line of its traceback."""
+    with pytest.raises(RankError) as failure:
+        pool.run(job, timeout=60)
+    assert sorted(failure.value.failures) == list(range(pool.world_size)), "every rank must fail"
+    return {
+        rank: (failure.value.failures[rank][0], message)
+        for rank, message in failure.value.messages().items()
+    }
+
+
 def good_run(communicator) -> bool:
     fd = _row_split_fusion(communicator.world_size)
     executor = MultiDeviceExecutor(fd, communicator)
@@ -123,11 +135,8 @@ def test_bad_input_fails_on_every_rank_then_the_ranks_carry_on(
     rank_pools, world, job, error, pieces
 ):
     pool = rank_pools(world)
-    with pytest.raises(RankError) as failure:
-        pool.run(job, timeout=60)
-    assert sorted(failure.value.failures) == list(range(world)), "every rank must fail"
-    for rank, message in failure.value.messages().items():
-        assert failure.value.failures[rank][0] == error.__name__, (rank, message)
+    for rank, (kind, message) in _failures_on_every_rank(pool, job).items():
+        assert kind == error.__name__, (rank, message)
         for piece in pieces:
             assert piece in message, (rank, message)
     assert pool.run(good_run, timeout=60) == [True] * world
@@ -231,12 +240,9 @@ def test_a_failure_on_one_rank_fails_every_rank_before_any_collective(
     rank_pools, world, job, errors, pieces
 ):
     pool = rank_pools(world)
-    with pytest.raises(RankError) as failure:
-        pool.run(job, timeout=60)
-    assert sorted(failure.value.failures) == list(range(world)), "every rank must fail"
-    for rank, message in failure.value.messages().items():
+    for rank, (kind, message) in _failures_on_every_rank(pool, job).items():
         expected = errors.get("all") or errors.get(rank) or errors["others"]
-        assert failure.value.failures[rank][0] == expected, (rank, message)
+        assert kind == expected, (rank, message)
         if expected == "PeerError":
             assert "failed on rank 1:" in message, (rank, message)
         for piece in pieces:
