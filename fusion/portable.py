@@ -48,10 +48,15 @@ def portable(value: object) -> object:
             flat.view(torch.uint8), str(value.dtype).removeprefix("torch."), tuple(value.shape)
         )
     if isinstance(value, (list, tuple)):
-        return type(value)(portable(item) for item in value)
+        return _rebuilt(value, [portable(item) for item in value])
     if isinstance(value, dict):
         return {key: portable(item) for key, item in value.items()}
     return value
+
+
+def _rebuilt(value: list | tuple, items: list) -> list | tuple:
+    """A list or tuple of ``value``'s type (a named tuple's fields by position)."""
+    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
 
 
 def restored(value: object) -> object:
@@ -59,7 +64,7 @@ def restored(value: object) -> object:
     if isinstance(value, PortableTensor):
         return value.tensor()
     if isinstance(value, (list, tuple)):
-        return type(value)(restored(item) for item in value)
+        return _rebuilt(value, [restored(item) for item in value])
     if isinstance(value, dict):
         return {key: restored(item) for key, item in value.items()}
     return value

@@ -147,20 +147,25 @@ def _allgather(comm, value, ctx, group, members) -> Pending:
 
 
 # Floats compared as integers: the bits of a float, with all but the sign flipped when
-# it is negative, order as the floats do (-inf < -0.0 < +0.0 < +inf), and a NaN made
-# positive sorts above +inf, made negative below -inf. A MAX/MIN collective over these
-# keys then propagates NaN as torch.amax/amin do on one device; over the floats, NCCL
-# and gloo drop it (their max of NaN and 1.0 is 1.0).
+# it is negative, order as the floats do (-inf < -0.0 < +0.0 < +inf); a NaN takes the
+# integer type's extreme, above +inf for a max, below -inf for a min. A MAX/MIN
+# collective over these keys then propagates NaN as torch.amax/amin do on one device;
+# over the floats, NCCL and gloo drop it (their max of NaN and 1.0 is 1.0). 16-bit
+# floats travel as float32 keys: twice their bytes, for the (small) results of a max.
 _KEY_TYPES = {torch.float32: torch.int32, torch.float64: torch.int64}
 
 
 def _to_keys(value: torch.Tensor, op: str) -> torch.Tensor:
-    """Order-preserving integer keys of floats, NaN winning a ``op`` (max or min)."""
+    """Order-preserving integer keys of floats, NaN winning a ``op`` (max or min).
+
+    A NaN's key is the largest (max) or smallest (min) integer, which reads back as a
+    NaN; scalars only, so that nothing waits on a host copy (or breaks a graph capture).
+    """
     wide = value if value.dtype in _KEY_TYPES else value.float()  # 16-bit floats: exact
-    nan = torch.tensor(float("nan") if op == "max" else -float("nan"), dtype=wide.dtype)
-    canonical = torch.where(torch.isnan(wide), nan.to(wide.device), wide)
-    bits = canonical.view(_KEY_TYPES[wide.dtype])
-    return torch.where(bits < 0, bits ^ torch.iinfo(bits.dtype).max, bits)
+    bits = wide.view(_KEY_TYPES[wide.dtype])
+    info = torch.iinfo(bits.dtype)
+    keys = torch.where(bits < 0, bits ^ info.max, bits)
+    return torch.where(torch.isnan(wide), info.max if op == "max" else info.min, keys)
 
 
 def _from_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -198,7 +203,7 @@ def _reduce_scatter(comm, value, ctx, group, members) -> Pending:
     extent = value.shape[dim]
     sizes = split_sizes(extent, parts)
     largest = max(sizes)
-    wire, read = reducible(value, comm.reduce_op)
+    wire, read = reducible(value, comm.reduce_op, in_place=True)  # the pieces are copied
     chunks = [
         _pad(_piece(wire, dim, extent, parts, coord), dim, largest).movedim(dim, 0)
         for _, coord in members
@@ -322,10 +327,10 @@ def _gather(comm, value, ctx, group, team) -> Pending:
 
 
 def _reduce(comm, value, ctx, group, team) -> Pending:
-    if ctx.rank not in comm.in_layout.mesh:
-        # the root outside the mesh contributes the identity of the reduction
+    outside = ctx.rank not in comm.in_layout.mesh
+    if outside:  # the root outside the mesh contributes the identity of the reduction
         value = identity(ctx.empty(comm.output), comm.reduce_op)
-    wire, read = reducible(value, comm.reduce_op)
+    wire, read = reducible(value, comm.reduce_op, in_place=outside)
     work = dist.reduce(
         wire, dst=comm.root, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True
     )
@@ -334,11 +339,13 @@ def _reduce(comm, value, ctx, group, team) -> Pending:
 
 def identity(buffer: torch.Tensor, op: str) -> torch.Tensor:
     """``buffer`` filled with the identity of ``op``: 0, or -inf/+inf (an integer
-    type's extremes) for max/min."""
+    type's extremes, False/True) for max/min."""
     if op == "sum":
         return buffer.zero_()
     if buffer.dtype.is_floating_point:
         return buffer.fill_(-float("inf") if op == "max" else float("inf"))
+    if buffer.dtype == torch.bool:
+        return buffer.fill_(op == "min")
     info = torch.iinfo(buffer.dtype)
     return buffer.fill_(info.min if op == "max" else info.max)
 

@@ -135,6 +135,8 @@ class MultiDeviceExecutor:
         self._streams = StreamPool(self.device)
         self.hardware_profile = current_hardware(self.device)
         self._last_bindings: Bindings | None = None
+        self._last_buffers: list[tuple | None] = []  # by rank, at the last checked run
+        self._own_buffers: tuple | None = None
         self._compiled: dict[tuple, _Compiled] = {}
         self.cuda_graph = cuda_graph
         self._graphs: dict[tuple, tuple] = {}
@@ -169,7 +171,13 @@ class MultiDeviceExecutor:
         self.kernel_forms: dict[str, list] = {}
         self.program: HostProgram = lower_to_host_program(self.fusion, schedule=generated)
         self._check_transports()
-        self._check_kernel_params()
+        # kernels="auto" off CUDA evaluates instead of generating: the params a user tuned
+        # for the generated kernels are checked against those, and left unused here
+        self._check_kernel_params(
+            self.program
+            if generated or kernels != "auto" or not self.kernel_params
+            else lower_to_host_program(self.fusion, schedule=True)
+        )
         self.fingerprint = self.program.fingerprint()
 
     def _check_meshes_fit_the_world(self) -> None:
@@ -182,10 +190,10 @@ class MultiDeviceExecutor:
                     f"(0..{world - 1}); rank {too_large[0]} does not exist"
                 )
 
-    def _check_kernel_params(self) -> None:
-        """Every kernel named in ``kernel_params`` is a generated kernel of this program,
+    def _check_kernel_params(self, program: HostProgram) -> None:
+        """Every kernel named in ``kernel_params`` is a generated kernel of ``program``,
         and a strategy named there is one its kernel's scheduler has."""
-        kernels = {i.name: i for i in walk(self.program.instructions)
+        kernels = {i.name: i for i in walk(program.instructions)
                    if isinstance(i, LaunchKernel) and i.scheduler is not None}  # fmt: skip
         for name, override in self.kernel_params.items():
             kernel = kernels.get(name)
@@ -297,14 +305,26 @@ class MultiDeviceExecutor:
         all-gather) so a bad input fails everywhere before any collective; a hot loop
         that has checked its shapes once may turn it off (then the shapes must stay).
         """
+        replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
+        # A graph is captured per set of input buffers, and capturing runs the program
+        # once more: every rank must capture at the same runs, so the graphs are keyed by
+        # every rank's buffers, learnt in the input check.
+        buffers = _addresses(local_inputs) if replay else None
         if not check_inputs and self._last_bindings is not None:
             bindings = self._last_bindings
+            if buffers is not None and buffers != self._own_buffers:
+                raise InputError(
+                    "cuda_graph=True and check_inputs=False: this rank's inputs are not in "
+                    "the buffers of the last checked run. A new graph must be captured on "
+                    "every rank at once, which only the input check can arrange: run with "
+                    "check_inputs=True when the inputs move"
+                )
         elif self.sharded:
-            bindings = self._check_inputs(local_inputs)
+            bindings, self._last_buffers = self._check_inputs(local_inputs, buffers)
         else:
             _describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
-            bindings = bind_inputs(self.fusion, list(local_inputs))
-        self._last_bindings = bindings
+            bindings, self._last_buffers = bind_inputs(self.fusion, list(local_inputs)), [buffers]
+        self._last_bindings, self._own_buffers = bindings, buffers
         if self._uses_copy_engine() and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
@@ -314,17 +334,17 @@ class MultiDeviceExecutor:
             self._compiled[key] = self._compile_on_every_rank(bindings)
         compiled = self._compiled[key]
         with torch.no_grad():  # no autograd graph: its gradients would be one rank's
-            if self.cuda_graph and timeline is None and self.device.type == "cuda":
-                outputs = self._replay(compiled, key, local_inputs)
+            if replay:
+                outputs = self._replay(compiled, (key, tuple(self._last_buffers)), local_inputs)
             else:
                 outputs = compiled.run(local_inputs, timeline)
         return _refusing_backward(outputs, local_inputs)
 
     def _replay(self, compiled: _Compiled, key: tuple, local_inputs) -> list:
-        """Run through a CUDA graph captured for these input buffers (one per buffer half)."""
+        """Run through a CUDA graph captured for these extents and every rank's input
+        buffers (``key``: the same on every rank), one per symmetric buffer half."""
         parity = self._symmetric.parity if self._symmetric is not None else 0
-        addresses = tuple(t.data_ptr() if t is not None else 0 for t in local_inputs)
-        graph_key = (key, parity, addresses)
+        graph_key = (key, parity)
         if graph_key not in self._graphs:
             compiled.run(local_inputs, None)  # warm up: handles, allocations
             graph = torch.cuda.CUDAGraph()
@@ -380,19 +400,24 @@ class MultiDeviceExecutor:
     # -----------------------------------------------------------------------
     # Input checks, the same verdict on every rank
 
-    def _check_inputs(self, local_inputs: Sequence[torch.Tensor | None]) -> Bindings:
+    def _check_inputs(
+        self, local_inputs: Sequence[torch.Tensor | None], buffers: tuple | None
+    ) -> tuple[Bindings, list]:
+        """Bind the extents from every rank's inputs, checked on every rank alike; also
+        every rank's input buffers (for its CUDA graphs)."""
         try:
             described = _describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
         except InputError as error:
             described = str(error)
-        everyone = self.communicator.all_gather_object((self.fingerprint, described))
-        if any(fingerprint != self.fingerprint for fingerprint, _ in everyone):
+        everyone = self.communicator.all_gather_object((self.fingerprint, described, buffers))
+        if any(fingerprint != self.fingerprint for fingerprint, _, _ in everyone):
             # the ranks run different programs (rank 0 one executor, rank 1 another)
             self.communicator.agree(None, "run", self.program.communication_plan())
-        for rank, (_, description) in enumerate(everyone):
+        for rank, (_, description, _) in enumerate(everyone):
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")
-        return check_local_inputs(self.fusion, [description for _, description in everyone])
+        descriptions = [description for _, description, _ in everyone]
+        return check_local_inputs(self.fusion, descriptions), [b for _, _, b in everyone]
 
 
 class _Compiled:
@@ -563,7 +588,7 @@ class _Compiled:
             # the evaluator gives its partial results the identity
             computes = evaluated
         else:
-            computes = [self._compile_generated(kernel, aliases, evaluated)]
+            computes = [self._compile_generated(kernel, aliases, evaluated, loop is None)]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
@@ -581,10 +606,11 @@ class _Compiled:
         return any(0 in self.local_shape(t) for t in [*plan.inputs, *plan.outputs])
 
     def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object],
-                           evaluated: list) -> object:  # fmt: skip
+                           evaluated: list, warm_up: bool) -> object:  # fmt: skip
         """A generated kernel: heuristics (or the user's override) pick its params now.
 
-        ``evaluated`` computes the same with the evaluator: taken for an empty chunk."""
+        ``evaluated`` computes the same with the evaluator: taken for an empty chunk. With
+        ``warm_up`` (a kernel outside chunk loops) a CUDA kernel is compiled now."""
         executor = self.executor
         scheduler, plan = kernel.scheduler, kernel.plan
         hardware = executor.hardware_profile
@@ -600,6 +626,9 @@ class _Compiled:
         # the first launch compiles the kernel (Triton's JIT): with progress on, say so
         # and wait for it, so the time printed is the compile's
         unannounced = progress.enabled()
+        if warm_up and device.type == "cuda":
+            self._warm_up(kernel, launch)
+            unannounced = False
 
         def run() -> None:
             nonlocal unannounced
@@ -639,6 +668,22 @@ class _Compiled:
 
         return run
 
+    def _warm_up(self, kernel: LaunchKernel, launch) -> None:
+        """Launch ``kernel`` once on zeros of this rank's shapes, so that Triton compiles
+        it now, while the ranks can still agree that the run may start: a kernel the
+        device refuses on one rank (its resources at its local shapes) then fails every
+        rank before any collective, not this rank alone in the middle of the run."""
+        plan, device = kernel.plan, self.ctx.device
+        shapes = {t: self.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
+
+        def zeros(tensor: TensorView) -> torch.Tensor:
+            shape = _storage_shape(tensor, shapes[tensor])
+            return torch.zeros(shape, dtype=_storage_dtype(tensor), device=device)
+
+        with progress.step(f"rank {self.rank}: compiling {kernel.name} [{kernel.scheduler.name}]"):
+            launch([zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs], shapes)
+            torch.cuda.synchronize(device)
+
     def _logical_shape_of(self, tensor: TensorView, destination) -> list[int]:
         if destination is not None:
             return _logical_shape(tensor, destination)
@@ -671,7 +716,7 @@ class _Compiled:
 
             def extreme() -> None:
                 value = read(expr.inputs[0])
-                if value is not None and all(value.shape[d] > 0 for d in dims):
+                if all(value.shape[d] > 0 for d in dims):
                     evaluate_nonempty()
                     return
                 # this rank's piece of the reduced axis is empty: the identity, which
@@ -907,6 +952,10 @@ def _packed(tensor: TensorView, value: torch.Tensor | None) -> torch.Tensor | No
     return pack_fp4(value).view(torch.uint8)
 
 
+def _addresses(local_inputs: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
+    return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in local_inputs)
+
+
 def _describe_inputs(
     local_inputs: Sequence[torch.Tensor | None], count: int, device: torch.device
 ) -> list[tuple[list[int], str] | None]:
@@ -966,6 +1015,7 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
     for constraint in fusion.constraints:
         _check_constraint(constraint, bindings)
     check_packed_pieces(fusion, bindings, InputError)
+    _check_extremes_have_values(fusion, bindings)
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
         whole = [resolve(e, bindings) for e in tensor.shape]
@@ -1005,6 +1055,21 @@ def check_packed_pieces(fusion: Fusion, bindings: Bindings, error: type[Exceptio
                 f"{layout.mesh.axis_names[mesh_axis]!r} into pieces of {pieces} values: a piece "
                 f"must fill whole bytes. Make the extent split into multiples of {per_byte} "
                 "or split another axis"
+            )
+
+
+def _check_extremes_have_values(fusion: Fusion, bindings: Bindings) -> None:
+    """A max or min over an axis that is empty on every rank has no value (the reference
+    refuses it too); a piece empty on some ranks only is fine (the identity there)."""
+    for expr in fusion.exprs:
+        if not isinstance(expr, ReductionOp) or expr.op_name not in ("max", "min"):
+            continue
+        source = expr.inputs[0]
+        empty = [d for d in expr.dims if resolve(source.shape[d], bindings) == 0]
+        if empty:
+            raise InputError(
+                f"{expr.op_name} over axis {empty[0]} of {source}, which is empty (extent 0 "
+                f"with these inputs): a {expr.op_name} of no values has none"
             )
 
 

@@ -51,6 +51,28 @@ class Instruction:
         raise NotImplementedError
 
 
+def _moved(tensor: TensorView) -> str:
+    """A tensor as a communication moves it, without names (which shift with any op
+    added elsewhere): dtype and axes, ``bf16[iDIDx{8}, iS{16}]``."""
+    axes = ", ".join(
+        f"{a.iter_type.value}{a.parallel_type.value}{{{a.extent}}}" for a in tensor.axes
+    )
+    return f"{tensor.dtype.short}[{axes}]"
+
+
+def _posted(communicate: Communicate, labels: dict[object, str]) -> str:
+    comm = communicate.communication
+    attrs = ", ".join(f"{key}={value!r}" for key, value in comm.attrs.items())
+    meshes = _at(comm.in_layout.mesh, labels)
+    if not comm.same_mesh:
+        meshes += f" -> {labels[comm.out_layout.mesh]}"
+    transport = f" [{communicate.transport}]" if communicate.transport else ""
+    return (
+        f"{communicate.name} = {comm.op_name}({attrs}){transport}{meshes}: "
+        f"{_moved(communicate.source)} -> {_moved(communicate.target)}"
+    )
+
+
 def _at(mesh: object, labels: dict[object, str]) -> str:
     return f"  @{labels[mesh]}" if mesh in labels else ""
 
@@ -321,8 +343,9 @@ class HostProgram:
         return seen
 
     def communication_plan(self) -> list[str]:
-        """What this program posts, in order: every communication (with its transport),
-        chunk loop and symmetric-memory step, with its meshes. Ranks that run together
+        """What this program posts, in order: every communication (with its transport
+        and the tensors it moves: dtypes, extents), chunk loop and symmetric-memory step,
+        with its meshes. Ranks that run together
         must agree on it, or some rank waits forever in a collective its peers never
         post."""
         labels = self._mesh_labels()
@@ -330,7 +353,9 @@ class HostProgram:
         for instruction in walk(self.instructions):
             if isinstance(instruction, ForLoop):
                 lines.append(f"FOR {instruction.scheme.describe()}")
-            elif isinstance(instruction, (Communicate, Wait, StageForPeers, CombineStaged)):
+            elif isinstance(instruction, Communicate):
+                lines.append(_posted(instruction, labels))
+            elif isinstance(instruction, (Wait, StageForPeers, CombineStaged)):
                 lines.extend(instruction.text(labels))
         return lines
 

@@ -40,7 +40,7 @@ def shard(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement])
         raise ShardingError(f"shard: expected a TensorView, got {type(tensor).__name__}")
     mesh = _our_mesh(mesh)
     try:
-        layout = Layout(mesh, tuple(_our_placement(p) for p in placements))
+        layout = Layout(mesh, tuple(_our_placement(p, tensor.ndim) for p in placements))
     except ValueError as error:
         raise ShardingError(f"shard: {tensor}: {error}") from None
     for placement in layout.placements:
@@ -89,14 +89,17 @@ def _our_mesh(mesh: object) -> DeviceMesh:
     )
 
 
-def _our_placement(placement: object) -> Placement:
+def _our_placement(placement: object, ndim: int) -> Placement:
     """Ours as is; torch's Shard/Replicate/Partial as ours; anything else refused
-    (``ValueError``, which ``shard`` reports with the tensor)."""
-    if isinstance(placement, (Shard, Replicate, Partial)):
-        return placement
+    (``ValueError``, which ``shard`` reports with the tensor). A negative shard axis
+    counts from the last, as in DTensor."""
     name = _torch_class(placement)
     if name == "Shard":  # not _StridedShard: its name differs and it is refused below
-        return Shard(placement.dim)
+        placement = Shard(placement.dim)
+    if isinstance(placement, Shard) and -ndim <= placement.dim < 0:
+        return Shard(placement.dim + ndim)
+    if isinstance(placement, (Shard, Replicate, Partial)):
+        return placement
     if name == "Replicate":
         return Replicate()
     if name == "Partial":

@@ -424,15 +424,19 @@ def empty_pieces(communicator, seed: int, symbolic: bool, kernels: str = "refere
     with FusionDefinition("empty_pieces") as fd:
         x = fd.define_tensor(["rows" if symbolic else 1, 8])
         w = fd.define_tensor([6, 8])
+        flags = fd.define_tensor(["rows" if symbolic else 1, 8], "bool")
         y = fd.ops.relu(x) * 2.0
         fd.add_output(y)  # rows split: empty on every rank but rank 0
         fd.add_output(fd.ops.max(x, dims=[0]))  # partial max over an empty piece
         fd.add_output(fd.ops.min(fd.ops.exp(x), dims=[0]))
         fd.add_output(fd.ops.sum(y, dims=[0]))
         fd.add_output(fd.ops.linear(x, w))  # a matmul of no rows
+        fd.add_output(fd.ops.max(flags, dims=[0]))  # a bool's identity is False
     shard(x, mesh, [Shard(0)])
     shard(w, mesh, [Replicate()])
+    shard(flags, mesh, [Shard(0)])
     full = _inputs(seed, [[1, 8], [6, 8]], device=communicator.device)
+    full.append(full[0] > 0)
     return _check(communicator, fd, full, reduction_extent=8, kernels=kernels)
 
 
@@ -443,7 +447,7 @@ def test_ranks_with_empty_pieces_compute_the_identity_and_stay_right(
     rank_pools, world, symbolic, kernels
 ):
     results = rank_pools(world).run(empty_pieces, 23, symbolic, kernels)
-    assert results == [["Allreduce(x)", "Allreduce(x)", "Allreduce(x)"]] * world
+    assert results == [["Allreduce(x)"] * 4] * world
 
 
 # ---------------------------------------------------------------------------

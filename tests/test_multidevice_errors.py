@@ -160,6 +160,28 @@ def different_fusions_on_the_ranks(communicator) -> None:
     MultiDeviceExecutor(fd, communicator)
 
 
+def different_dtypes_on_the_ranks(communicator) -> None:
+    """The same communications, of tensors of different dtypes: on gloo a rank aborts
+    on the size mismatch, on NCCL the ranks read each other's bytes wrong."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        y = fd.ops.cast(x, "bfloat16") if communicator.rank == 1 else x
+        total = fd.ops.sum(y, dims=[0])
+        fd.add_output(total)
+    shard(x, DeviceMesh(communicator.world_size), [Shard(0)])
+    shard(total, DeviceMesh(communicator.world_size), [Replicate()])
+    MultiDeviceExecutor(fd, communicator)
+
+
+def max_over_an_axis_empty_everywhere(communicator) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 6])
+        fd.add_output(fd.ops.max(x, dims=[0]))
+    shard(x, DeviceMesh(communicator.world_size), [Shard(0)])
+    executor = MultiDeviceExecutor(fd, communicator)
+    executor.run(executor.shard_inputs([torch.ones(0, 6)]))  # the reference raises too
+
+
 def different_executors_run(communicator) -> None:
     fd = _row_split_fusion(communicator.world_size)
     with FusionDefinition() as other:
@@ -211,6 +233,17 @@ def meta_inputs_on_one_rank(communicator) -> None:
             {"all": "ProgramMismatch"},
             ["building the program: the ranks built different host programs",
              "rank 0 posts \"c0 = Allgather", "rank 1 posts \"c0 = Allreduce"],
+        ),
+        (
+            different_dtypes_on_the_ranks,
+            {"all": "ProgramMismatch"},
+            ['rank 0 posts "c0 = Allreduce(axis=\'x\', op=\'sum\')  @M0: f32[',
+             'rank 1 posts "c0 = Allreduce(axis=\'x\', op=\'sum\')  @M0: bf16['],
+        ),
+        (
+            max_over_an_axis_empty_everywhere,
+            {"all": "InputError"},
+            ["max over axis 0 of T0", "is empty (extent 0 with these inputs)"],
         ),
         (
             different_executors_run,

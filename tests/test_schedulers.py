@@ -393,9 +393,15 @@ def test_params_for_a_kernel_the_program_does_not_have_are_refused():
     params = PointwiseParams(vector_width=4, unroll=1, num_warps=2)
     with pytest.raises(ValueError, match="has no generated kernel 'k9' \\(generated: \\['k0'\\]"):
         MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k9": params})
-    # the reference evaluator runs no generated kernel: params would be ignored
+    # the reference evaluator, asked for, runs no generated kernel: params would be ignored
     with pytest.raises(ValueError, match="no generated kernel 'k0' \\(generated: none"):
         MultiDeviceExecutor(fd, kernels="reference", kernel_params={"k0": params})
+    # "auto" evaluates off CUDA: params tuned for the GPU's kernels are checked, not used
+    if not torch.cuda.is_available():
+        executor = MultiDeviceExecutor(fd, kernels="auto", kernel_params={"k0": params})
+        assert "[reference]" in str(executor.program)
+        with pytest.raises(ValueError, match="has no generated kernel 'k9'"):
+            MultiDeviceExecutor(fd, kernels="auto", kernel_params={"k9": params})
 
 
 def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):

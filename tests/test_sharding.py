@@ -162,6 +162,10 @@ def test_torch_placements_and_mesh_are_read_as_ours_never_as_replicated():
     assert layout_of(w) == Layout(DeviceMesh(2), (Replicate(),))
     shard(y, DeviceMesh(2), [dtensor.Partial()])
     assert layout_of(y) == Layout(DeviceMesh(2), (Partial("sum"),))
+    fd, x, w, y = _linear_fusion()
+    shard(x, DeviceMesh(2), [dtensor.Shard(-1)])  # from the last axis, as in DTensor
+    shard(w, DeviceMesh(2), [Shard(-1)])
+    assert layout_of(x) == layout_of(w) == Layout(DeviceMesh(2), (Shard(1),))
     # built without a process group (torch's private switches): its ranks and names are read
     torch_mesh = TorchMesh(
         "cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"), _init_backend=False, _rank=0
