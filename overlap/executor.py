@@ -376,6 +376,8 @@ class MultiDeviceExecutor:
             self.communicator.agree(failure, "preparing the run")
         elif failure is not None:
             raise failure
+        if self._symmetric is not None:  # collective: only once every rank is ready
+            compiled.allocate_symmetric()
         return compiled
 
     def _uses_copy_engine(self) -> bool:
@@ -448,8 +450,6 @@ class _Compiled:
         )
         self.bindings = bindings
         self.pipelined = PipelinedComms(self.ctx, executor._symmetric)
-        if executor._symmetric is not None:
-            self._allocate_symmetric()
         self.steps: list = []
         self._compile(executor.program.instructions, None)
 
@@ -843,7 +843,7 @@ class _Compiled:
         symmetric = self.executor._symmetric
         return lambda: symmetric.combine(communicate, self.values[comm.output])
 
-    def _allocate_symmetric(self) -> None:
+    def allocate_symmetric(self) -> None:
         for loop in self.executor.program.instructions:
             if not isinstance(loop, ForLoop):
                 continue

@@ -103,6 +103,19 @@ class PipelinedComms:
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
         self.outstanding: list[object] = []  # sends nobody waits for yet
 
+    @staticmethod
+    def _later(make: Callable[[], Callable]) -> Callable[[], Callable]:
+        """``make()`` on first use, kept: a copy-engine transfer is prepared before the
+        ranks allocate their symmetric buffers (after they agree the run may start)."""
+        made: list[Callable] = []
+
+        def get() -> Callable:
+            if not made:
+                made.append(make())
+            return made[0]
+
+        return get
+
     def drain(self) -> None:
         """Wait for every outstanding send (after a loop)."""
         for work in self.outstanding:
@@ -143,16 +156,10 @@ class PipelinedComms:
             if where.owned and communicate.alias_owned:
                 # The chunk is used where it is: no copy (its value becomes the source).
                 return lambda source, target: Pending(finish=lambda: source)
-            pull = None if where.owned else self.symmetric.puller(communicate, where)
-
-            def copy_engine(source, target) -> Pending:
-                if pull is None:
-                    target.copy_(source)
-                else:
-                    pull(target)
-                return Pending()
-
-            return copy_engine
+            if where.owned:
+                return lambda source, target: (target.copy_(source), Pending())[1]
+            pull = self._later(lambda: self.symmetric.puller(communicate, where))
+            return lambda source, target: (pull()(target), Pending())[1]
         if transport == "collective":
 
             def broadcast(source, target) -> Pending:
@@ -193,8 +200,8 @@ class PipelinedComms:
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
         if transport == "copy_engine":
-            push = self.symmetric.pusher(communicate, where)
-            return lambda source, target: (push(source), Pending())[1]
+            push = self._later(lambda: self.symmetric.pusher(communicate, where))
+            return lambda source, target: (push()(source), Pending())[1]
         if transport == "collective":
             owner = where.rank_at(where.owner)
             op = _REDUCE_OPS[comm.reduce_op]
