@@ -247,7 +247,7 @@ class RayPool:
         if per_rank and len(inputs) != self.world_size:
             raise LaunchError(f"per_rank inputs: {len(inputs)} lists for {self.world_size} ranks")
         from fusion.portable import portable, restored
-        from overlap.executor import assemble
+        from sharding.pieces import assemble
 
         # fp8 and fp4 travel as bytes (torch cannot unpickle them)
         if per_rank:

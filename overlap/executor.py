@@ -69,6 +69,7 @@ from sharding.communication import LocalShard
 from sharding.errors import ShardingError
 from sharding.layout import Layout, Shard, layout_of, local_shape, split_range, split_sizes
 from sharding.mesh import DeviceMesh
+from sharding.pieces import assemble, local_piece
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
 
@@ -1100,52 +1101,3 @@ def _check_constraint(constraint: ExtentConstraint, bindings: Bindings) -> None:
             f"extents violate {constraint.lhs} {constraint.relation} {constraint.rhs} "
             f"({lhs} vs {rhs}), required by {constraint.reason}"
         )
-
-
-def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Tensor | None:
-    """``rank``'s piece of the whole ``value`` of ``tensor`` (None if not on ``rank``).
-
-    fp4 values (``float4_e2m1fn_x2``) are split on values, not bytes.
-    """
-    layout = layout_of(tensor)
-    if rank not in layout.mesh:
-        return None
-    packed = tensor.dtype is float4_e2m1
-    piece = unpack_fp4(value) if packed else value
-    coords = layout.mesh.coords(rank)
-    for mesh_axis, placement in enumerate(layout.placements):
-        if isinstance(placement, Shard):
-            extent = piece.shape[placement.dim]
-            offset, size = split_range(extent, layout.mesh.shape[mesh_axis], coords[mesh_axis])
-            piece = piece.narrow(placement.dim, offset, size)
-    return pack_fp4(piece) if packed else piece.contiguous()
-
-
-def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torch.Tensor:
-    """The whole value of ``tensor`` from its pieces by rank (the inverse of ``local_piece``).
-
-    Replicated copies must agree; the first rank's copy is kept.
-    """
-    layout = layout_of(tensor)
-    mesh = layout.mesh
-    packed = tensor.dtype is float4_e2m1
-
-    def along(mesh_axis: int, fixed: dict[int, int]) -> torch.Tensor:
-        """Concatenate over mesh axes from ``mesh_axis`` on, the others fixed at ``fixed``."""
-        if mesh_axis == mesh.ndim:
-            rank = mesh.rank_at([fixed[a] for a in range(mesh.ndim)])
-            piece = pieces[rank]
-            if piece is None:
-                raise ValueError(f"rank {rank} holds a piece of {tensor} but gave None")
-            return unpack_fp4(piece) if packed else piece
-        placement = layout.placements[mesh_axis]
-        if not isinstance(placement, Shard):
-            return along(mesh_axis + 1, {**fixed, mesh_axis: 0})
-        parts = [
-            along(mesh_axis + 1, {**fixed, mesh_axis: coordinate})
-            for coordinate in range(mesh.shape[mesh_axis])
-        ]
-        return torch.cat(parts, placement.dim)
-
-    whole = along(0, {})
-    return pack_fp4(whole) if packed else whole

@@ -26,13 +26,15 @@ from sharding.layout import (
     split_sizes,
 )
 from sharding.mesh import DeviceMesh
+from sharding.pieces import assemble, local_piece
 from sharding.propagation import Decision, explain, propagate_shardings
 from sharding.resharding import insert_reshardings, shard_fusion
 from sharding.segmentation import Segment, segment_fusion
 
 __all__ = [
     "Communication", "CommunicationKind", "Decision", "DeviceMesh", "Layout", "LocalShard",
-    "Partial", "Placement", "Replicate", "Segment", "Shard", "ShardingError", "explain",
-    "insert_reshardings", "layout_of", "local_shape", "propagate_shardings", "replicate",
+    "Partial", "Placement", "Replicate", "Segment", "Shard", "ShardingError", "assemble",
+    "explain", "insert_reshardings", "layout_of", "local_piece", "local_shape",
+    "propagate_shardings", "replicate",
     "segment_fusion", "shard", "shard_fusion", "split_range", "split_sizes",
 ]  # fmt: skip

@@ -1,0 +1,68 @@
+"""Pieces of tensors: a rank's piece of a whole value, and the whole from every piece.
+
+``local_piece`` cuts what a rank holds of a tensor placed on a mesh; ``assemble`` is its
+inverse. Packed fp4 is cut on values, not bytes.
+
+Example::
+
+    pieces = {rank: local_piece(whole, tensor, rank) for rank in tensor.mesh.ranks}
+    assert torch.equal(assemble(pieces, tensor), whole)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fusion.dtypes import float4_e2m1
+from fusion.fp4 import pack_fp4, unpack_fp4
+from fusion.ir import TensorView
+from sharding.layout import Shard, layout_of, split_range
+
+
+def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Tensor | None:
+    """``rank``'s piece of the whole ``value`` of ``tensor`` (None if not on ``rank``).
+
+    fp4 values (``float4_e2m1fn_x2``) are split on values, not bytes.
+    """
+    layout = layout_of(tensor)
+    if rank not in layout.mesh:
+        return None
+    packed = tensor.dtype is float4_e2m1
+    piece = unpack_fp4(value) if packed else value
+    coords = layout.mesh.coords(rank)
+    for mesh_axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Shard):
+            extent = piece.shape[placement.dim]
+            offset, size = split_range(extent, layout.mesh.shape[mesh_axis], coords[mesh_axis])
+            piece = piece.narrow(placement.dim, offset, size)
+    return pack_fp4(piece) if packed else piece.contiguous()
+
+
+def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torch.Tensor:
+    """The whole value of ``tensor`` from its pieces by rank (the inverse of ``local_piece``).
+
+    Replicated copies must agree; the first rank's copy is kept.
+    """
+    layout = layout_of(tensor)
+    mesh = layout.mesh
+    packed = tensor.dtype is float4_e2m1
+
+    def along(mesh_axis: int, fixed: dict[int, int]) -> torch.Tensor:
+        """Concatenate over mesh axes from ``mesh_axis`` on, the others fixed at ``fixed``."""
+        if mesh_axis == mesh.ndim:
+            rank = mesh.rank_at([fixed[a] for a in range(mesh.ndim)])
+            piece = pieces[rank]
+            if piece is None:
+                raise ValueError(f"rank {rank} holds a piece of {tensor} but gave None")
+            return unpack_fp4(piece) if packed else piece
+        placement = layout.placements[mesh_axis]
+        if not isinstance(placement, Shard):
+            return along(mesh_axis + 1, {**fixed, mesh_axis: 0})
+        parts = [
+            along(mesh_axis + 1, {**fixed, mesh_axis: coordinate})
+            for coordinate in range(mesh.shape[mesh_axis])
+        ]
+        return torch.cat(parts, placement.dim)
+
+    whole = along(0, {})
+    return pack_fp4(whole) if packed else whole
