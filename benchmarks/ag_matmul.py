@@ -25,6 +25,7 @@ import datetime
 import json
 import os
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -33,10 +34,11 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap.communicator import Communicator  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.planner import OverlapOptions, measure_hardware_figures  # noqa: E402
+from overlap.planner import OverlapOptions  # noqa: E402
 from overlap.timeline import Timeline  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
@@ -302,7 +304,7 @@ def write_results(path: str, rows: list[dict], figures, communicator) -> None:
             ["torchrun --nproc-per-node", str(communicator.world_size), *sys.argv]
         ),  # fmt: skip
         "torch": torch.__version__,
-        "hardware_figures": vars(figures),
+        "hardware_figures": asdict(figures),
         "rows": rows,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
+from fusion.binding import bind_inputs, resolve
 from fusion.dtypes import (
     DataType,
     compute_dtype,
@@ -34,7 +35,6 @@ from fusion.dtypes import (
     float8_e5m2,
     float32,
 )
-from fusion.errors import InputError
 from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
@@ -53,98 +53,14 @@ from fusion.exprs import (
     VarMeanOp,
     WhereOp,
 )
-from fusion.fp4 import decode_fp4, encode_fp4, pack_fp4, unpack_fp4
+from fusion.fp4 import decode_fp4, encode_fp4
 from fusion.fp8 import to_fp8
-from fusion.ir import Extent, Fusion, Scalar, Symbol, TensorView
+from fusion.ir import Fusion, Scalar, TensorView
+from fusion.storage import to_logical, to_storage
 
-Bindings = dict[Symbol, int]
 Values = dict[TensorView, torch.Tensor]
 # The concrete logical shape of a tensor where it is evaluated (per rank, it is the local shape).
 ShapeOf = Callable[[TensorView], list[int]]
-
-
-def resolve(extent: Extent, bindings: Bindings) -> int:
-    """The concrete value of ``extent`` under ``bindings``."""
-    return bindings[extent] if isinstance(extent, Symbol) else extent
-
-
-def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
-    """Check ``inputs`` against the fusion's inputs and bind its symbolic extents.
-
-    Raises ``InputError`` (before anything runs) on a wrong count, type, dtype, rank,
-    shape or device, on a symbol bound to two different values, and on a violated
-    extent constraint.
-    """
-    if not isinstance(inputs, (list, tuple)):
-        raise InputError(f"inputs must be a list of tensors, got {type(inputs).__name__}")
-    if len(inputs) != len(fusion.inputs):
-        expected = ", ".join(str(t) for t in fusion.inputs)
-        raise InputError(
-            f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}"
-        )
-    bindings: Bindings = {}
-    bound_by: dict[Symbol, str] = {}
-    devices = set()
-    for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs, strict=True)):
-        where = f"input {position} ({tensor_view})"
-        if not isinstance(value, torch.Tensor):
-            raise InputError(f"{where}: expected a torch.Tensor, got {type(value).__name__}")
-        dtype = tensor_view.dtype
-        if value.dtype != dtype.torch_dtype:
-            hint = (
-                "; pack fp4 values with fusion.fp4.to_fp4 (two per byte)" if dtype.is_packed else ""
-            )
-            raise InputError(
-                f"{where}: expected dtype {dtype.torch_dtype} ({dtype}), got {value.dtype}{hint}"
-            )
-        if value.dim() != tensor_view.ndim:
-            raise InputError(
-                f"{where}: expected rank {tensor_view.ndim}, got shape {tuple(value.shape)}"
-            )
-        shape = list(value.shape)
-        if dtype.is_packed:
-            shape[-1] *= dtype.values_per_storage_element
-        for axis_index, (extent, actual) in enumerate(zip(tensor_view.shape, shape, strict=True)):
-            if isinstance(extent, Symbol):
-                if extent in bindings and bindings[extent] != actual:
-                    raise InputError(
-                        f"{where}: axis {axis_index} has extent {actual}, but symbol {extent} "
-                        f"is already {bindings[extent]} from {bound_by[extent]}"
-                    )
-                bindings[extent] = actual
-                bound_by[extent] = f"{where} axis {axis_index}"
-            elif extent != actual:
-                raise InputError(
-                    f"{where}: expected shape {list(tensor_view.shape)}"
-                    f"{' (fp4 values)' if dtype.is_packed else ''}, got {shape}: "
-                    f"axis {axis_index} is {actual}, not {extent}"
-                )
-        devices.add(value.device)
-    if len(devices) > 1:
-        raise InputError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
-    for constraint in fusion.constraints:
-        lhs, rhs = resolve(constraint.lhs, bindings), resolve(constraint.rhs, bindings)
-        if not constraint.holds(lhs, rhs):
-            described = [
-                f"{extent}={value}" if isinstance(extent, Symbol) else str(value)
-                for extent, value in ((constraint.lhs, lhs), (constraint.rhs, rhs))
-            ]
-            verb = "disagree" if constraint.relation == "==" else "are out of bounds"
-            raise InputError(
-                f"extents {verb}: {described[0]} {constraint.relation} {described[1]} does not "
-                f"hold, required by {constraint.reason}"
-            )
-    return bindings
-
-
-def to_logical(dtype: DataType, value: torch.Tensor) -> torch.Tensor:
-    """A boundary tensor in the evaluator's representation (fp4: unpacked codes)."""
-    return unpack_fp4(value) if dtype is float4_e2m1 else value
-
-
-def to_storage(dtype: DataType, value: torch.Tensor) -> torch.Tensor:
-    """An evaluator value as a contiguous boundary tensor (fp4: packed two per byte)."""
-    return pack_fp4(value) if dtype is float4_e2m1 else value.contiguous()
 
 
 def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -5,9 +5,10 @@ overlap demo                      the README's main job: a tensor-parallel MLP b
 overlap run [--launcher L] [--nproc N] script.py [args]
                                   run script.py's main(communicator) on N ranks
                                   (L: local, torchrun or ray)
-overlap dump [--world N] script.py
-                                  print the host program of script.py's fusion(world)
-                                  for every rank, without running it
+overlap dump [--world N] [--device D] [--kernels] [--passes] script.py
+                                  print what script.py's fusion(world) compiles to on
+                                  device D (h200, h100, b200, cpu): the overlap plan and
+                                  each distinct rank program, without running anything
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
     run.add_argument("script")
     run.add_argument("args", nargs=argparse.REMAINDER)
-    dump = commands.add_parser("dump", help="print a script's host program without running")
-    dump.add_argument("--world", type=int, default=2, help="ranks to plan for (default 2)")
-    dump.add_argument("script")
+    from overlap.dump import add_arguments
+
+    add_arguments(commands.add_parser("dump", help="print a script's programs, without running"))
     args = parser.parse_args(argv)
     from launch.env import LaunchError
     from overlap import progress
@@ -93,19 +94,13 @@ def _script_main(communicator, script: str, argv: list[str]) -> None:
 
 
 def _dump(args) -> int:
-    from launch.script import load_script
-    from overlap.communicator import PlanningCommunicator
-    from overlap.executor import MultiDeviceExecutor
+    from launch.env import LaunchError
+    from overlap.dump import ScriptError, dump
 
-    module = load_script(args.script, need="fusion")
-    for rank in range(args.world):
-        executor = MultiDeviceExecutor(
-            module.fusion(args.world), PlanningCommunicator(rank, args.world), kernels="reference"
-        )
-        print(f"=== rank {rank} of {args.world} ===")
-        print(executor.program)
-        print(executor.explain_overlap())
-        print()
+    try:
+        dump(args.script, args.world, args.device, args.kernels, args.passes, args.cuda_graph)
+    except ScriptError as error:
+        raise LaunchError(str(error)) from None
     return 0
 
 

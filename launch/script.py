@@ -11,27 +11,17 @@ Module-level code other than definitions runs on import in every rank: keep it l
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 from launch.env import LaunchError
+from overlap.dump import ScriptError
+from overlap.dump import load_script as _load
 
 
 def load_script(path: str, need: str = "main") -> ModuleType:
     """Import the script at ``path`` as a module; ``LaunchError`` if it is missing or has
     no callable ``need``."""
-    file = Path(path)
-    if not file.is_file():
-        raise LaunchError(f"{path}: no such script")
-    name = f"overlap_script_{file.stem}"
-    spec = importlib.util.spec_from_file_location(name, file)
-    if spec is None or spec.loader is None:
-        raise LaunchError(f"{path}: not a Python script")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # pickled functions of the script resolve through it
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, need, None)):
-        raise LaunchError(f"{path} defines no {need}(): see launch/script.py for what it needs")
-    return module
+    try:
+        return _load(path, need)
+    except ScriptError as error:
+        raise LaunchError(str(error)) from None

@@ -136,30 +136,3 @@ class Communicator:
         gathered: list[object] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self._host_group)
         return gathered
-
-
-class PlanningCommunicator:
-    """A rank's place in a world, for planning and printing a host program without
-    running it (``overlap dump``): no process group behind it, so any exchange raises."""
-
-    backend = "none"
-
-    def __init__(self, rank: int, world_size: int, device: str = "cpu") -> None:
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside a world of {world_size}")
-        self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-
-    def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
-        del teams  # nothing to create: no process group
-
-    def agree(
-        self, failure: BaseException | None, step: str, plan: list[str] | None = None
-    ) -> None:
-        del step, plan  # one rank alone: nothing to compare with
-        if failure is not None:
-            raise failure
-
-    def _refuse(self, *args, **kwargs):
-        raise RuntimeError("a PlanningCommunicator only plans: it has no process group")
-
-    group = all_gather_object = _refuse

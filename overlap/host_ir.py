@@ -34,6 +34,7 @@ back to the user's stream. Example (all-gather + linear, 2 chunks)::
 
 from __future__ import annotations
 
+import enum
 import hashlib
 from dataclasses import dataclass, field
 
@@ -44,11 +45,37 @@ from sharding.communication import Communication
 from sharding.mesh import DeviceMesh
 
 
+class Transport(enum.StrEnum):
+    """How a pipelined communication moves a chunk (its value prints in programs)."""
+
+    COLLECTIVE = "collective"  # one collective per chunk, in the same order everywhere
+    RING = "ring"  # send/receive to the ring neighbours, chunk by chunk
+    COPY_ENGINE = "copy_engine"  # copies from/to peers' symmetric memory: no SMs
+
+
+class ChunkOrder(enum.StrEnum):
+    """The order in which a rank visits the chunks of a pipelined loop."""
+
+    GLOBAL = "global"  # the same on every rank
+    LOCAL_FIRST = "local_first"  # own chunks first (a copy-engine all-gather)
+    LOCAL_LAST = "local_last"  # own chunks last (a copy-engine reduce-scatter)
+    RING_GATHER = "ring_gather"  # the ring's all-gather schedule
+    RING_REDUCE = "ring_reduce"  # the ring's reduce-scatter schedule
+
+
 class Instruction:
     """One step of a host program."""
 
     def text(self, labels: dict[object, str]) -> list[str]:
         raise NotImplementedError
+
+    def runs_on(self, rank: int) -> bool:
+        """Whether ``rank`` takes part in this step (every rank, unless placed)."""
+        return True
+
+
+def _on(mesh: DeviceMesh | None, rank: int) -> bool:
+    return mesh is None or rank in mesh
 
 
 def _moved(tensor: TensorView) -> str:
@@ -86,6 +113,9 @@ class Allocate(Instruction):
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"Allocate {self.tensor}{_at(self.tensor.mesh, labels)}"]
 
+    def runs_on(self, rank: int) -> bool:
+        return _on(self.tensor.mesh, rank)
+
 
 @dataclass(eq=False)
 class LaunchKernel(Instruction):
@@ -117,6 +147,9 @@ class LaunchKernel(Instruction):
             lines.append(f"  no scheduler: {self.note}")
         return lines
 
+    def runs_on(self, rank: int) -> bool:
+        return _on(self.mesh, rank)
+
 
 @dataclass(eq=False)
 class Communicate(Instruction):
@@ -132,7 +165,7 @@ class Communicate(Instruction):
     communication: Communication
     source: TensorView
     target: TensorView
-    transport: str | None = None
+    transport: Transport | None = None
     # A copy-engine all-gather whose gathered tensor is used only chunk by chunk: a
     # rank's own chunk is used where it is instead of being copied in.
     alias_owned: bool = False
@@ -149,6 +182,9 @@ class Communicate(Instruction):
             f"{transport}{meshes}"
         ]
 
+    def runs_on(self, rank: int) -> bool:
+        return rank in self.communication.participants()
+
 
 @dataclass(eq=False)
 class Wait(Instruction):
@@ -159,6 +195,9 @@ class Wait(Instruction):
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"Wait {self.communicate.name}"]
 
+    def runs_on(self, rank: int) -> bool:
+        return self.communicate.runs_on(rank)
+
 
 @dataclass(eq=False)
 class Deallocate(Instruction):
@@ -168,6 +207,9 @@ class Deallocate(Instruction):
 
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"Deallocate {self.tensor.name}"]
+
+    def runs_on(self, rank: int) -> bool:
+        return _on(self.tensor.mesh, rank)
 
 
 @dataclass(frozen=True)
@@ -228,6 +270,9 @@ class AliasSelect(Instruction):
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"{self.result.name} = AliasSelect({self.source.name}, dim={self.dim}, chunk=i)"]
 
+    def runs_on(self, rank: int) -> bool:
+        return _on(self.source.mesh, rank)
+
 
 @dataclass
 class ChunkScheme:
@@ -245,7 +290,7 @@ class ChunkScheme:
     owners: int = 1
     mesh: DeviceMesh | None = None
     mesh_axis: int | None = None
-    order: str = "global"
+    order: ChunkOrder = ChunkOrder.GLOBAL
 
     @property
     def per_owner(self) -> int:
@@ -254,13 +299,13 @@ class ChunkScheme:
     def chunk(self, iteration: int, coordinate: int) -> int:
         """The chunk this rank (at ``coordinate`` along the split axis) takes at ``iteration``."""
         k, owners = self.per_owner, self.owners
-        if self.order == "local_first":
+        if self.order is ChunkOrder.LOCAL_FIRST:
             return (coordinate * k + iteration) % self.num_chunks
-        if self.order == "local_last":
+        if self.order is ChunkOrder.LOCAL_LAST:
             return ((coordinate + 1) * k + iteration) % self.num_chunks
-        if self.order == "ring_gather":
+        if self.order is ChunkOrder.RING_GATHER:
             return ((coordinate - iteration // k) % owners) * k + iteration % k
-        if self.order == "ring_reduce":
+        if self.order is ChunkOrder.RING_REDUCE:
             return ((coordinate - 1 - iteration // k) % owners) * k + iteration % k
         return iteration
 
@@ -281,12 +326,23 @@ class ForLoop(Instruction):
     body: list[Instruction] = field(default_factory=list)
     comment: str = ""
 
-    def text(self, labels: dict[object, str]) -> list[str]:
+    def text(self, labels: dict[object, str], rank: int | None = None) -> list[str]:
         note = f"  # {self.comment}" if self.comment else ""
         lines = [f"FOR i in range({self.scheme.num_chunks}):{note}"]
         for instruction in self.body:
-            lines.extend(f"  {line}" for line in instruction.text(labels))
+            if rank is None or instruction.runs_on(rank):
+                lines.extend(f"  {line}" for line in _text(instruction, labels, rank))
         return lines
+
+    def runs_on(self, rank: int) -> bool:
+        return any(instruction.runs_on(rank) for instruction in self.body)
+
+
+def _text(instruction: Instruction, labels: dict[object, str], rank: int | None) -> list[str]:
+    """An instruction's lines; a loop's body only with what ``rank`` runs (all: None)."""
+    if isinstance(instruction, ForLoop):
+        return instruction.text(labels, rank)
+    return instruction.text(labels)
 
 
 @dataclass(eq=False)
@@ -299,6 +355,9 @@ class StageForPeers(Instruction):
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"StageForPeers({self.communicate.communication.inputs[0].name})"]
 
+    def runs_on(self, rank: int) -> bool:
+        return self.communicate.runs_on(rank)
+
 
 @dataclass(eq=False)
 class CombineStaged(Instruction):
@@ -309,6 +368,9 @@ class CombineStaged(Instruction):
 
     def text(self, labels: dict[object, str]) -> list[str]:
         return [f"CombineStaged({self.communicate.communication.output.name})"]
+
+    def runs_on(self, rank: int) -> bool:
+        return self.communicate.runs_on(rank)
 
 
 def stream_dim(tensor: TensorView) -> int | None:
@@ -372,6 +434,11 @@ class HostProgram:
         return {mesh: f"M{index}" for index, mesh in enumerate(meshes)}
 
     def __str__(self) -> str:
+        return self.text_for_rank(None)
+
+    def text_for_rank(self, rank: int | None) -> str:
+        """The program as ``rank`` runs it: only the instructions it takes part in
+        (``None``: every instruction, as ``str`` prints it)."""
         fusion = self.fusion
         labels = self._mesh_labels()
         meshes = list(labels)
@@ -385,6 +452,7 @@ class HostProgram:
             lines.extend(f"  {labels[mesh]} = {mesh}" for mesh in meshes)
         lines.append("inputs: " + ", ".join(t.name for t in fusion.inputs))
         for instruction in self.instructions:
-            lines.extend(f"  {line}" for line in instruction.text(labels))
+            if rank is None or instruction.runs_on(rank):
+                lines.extend(f"  {line}" for line in _text(instruction, labels, rank))
         lines.append("outputs: " + ", ".join(t.name for t in fusion.outputs))
         return "\n".join(lines)

@@ -31,10 +31,10 @@ from overlap.host_ir import (
     LOOP_STREAM,
     AliasSelect,
     Allocate,
+    ChunkOrder,
     ChunkScheme,
     CombineStaged,
     Communicate,
-    Deallocate,
     ForLoop,
     GetCurrentStream,
     HostProgram,
@@ -44,10 +44,11 @@ from overlap.host_ir import (
     StageForPeers,
     StreamRef,
     Synchronize,
+    Transport,
     Wait,
     stream_dim,
-    walk,
 )
+from overlap.planner import OverlapPlan
 from schedulers.registry import KernelGroup, split_into_kernels
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
@@ -132,8 +133,9 @@ def _is_contraction(expr: Expr) -> bool:
 
 
 class _Lowering:
-    def __init__(self, fusion: Fusion, schedule: bool) -> None:
+    def __init__(self, fusion: Fusion, plan: OverlapPlan | None, schedule: bool) -> None:
         self.fusion = fusion
+        self.plan = plan or OverlapPlan()
         self.schedule = schedule
         self.program = HostProgram(fusion)
         self.scratch = Fusion("chunks")
@@ -210,7 +212,7 @@ class _Lowering:
     def _communicate(self, comm: Communication, source: TensorView, target: TensorView):
         name = f"c{self.communications}"
         self.communications += 1
-        return Communicate(name, comm, source, target, getattr(comm, "transport", None))
+        return Communicate(name, comm, source, target, _transport(self.plan, comm))
 
     # -- runs -----------------------------------------------------------------
 
@@ -220,7 +222,6 @@ class _Lowering:
                 self._lower_loop(run.exprs)
             else:
                 self._lower_plain(run.exprs)
-        _insert_deallocations(self.program)
         return self.program
 
     def _lower_plain(self, exprs: list[Expr]) -> None:
@@ -249,9 +250,9 @@ class _Lowering:
                     f"{expr.op_name} of {expr.inputs[0]} is pipelined over {owners} ranks in "
                     f"{chunks} chunks; the chunk count must be a multiple of {owners}"
                 )
-            scheme = ChunkScheme(
-                chunks, owners, mesh, expr.mesh_axis, getattr(expr, "order", "global")
-            )
+            pipeline = self.plan.pipeline(expr)
+            order = pipeline.order if pipeline is not None else ChunkOrder.GLOBAL
+            scheme = ChunkScheme(chunks, owners, mesh, expr.mesh_axis, order)
         return scheme
 
     def _lower_loop(self, exprs: list[Expr]) -> None:
@@ -296,13 +297,13 @@ class _Lowering:
                 flush()
                 communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
                 communicate.alias_owned = (
-                    communicate.transport == "copy_engine"
+                    communicate.transport == Transport.COPY_ENGINE
                     and expr.kind is CommunicationKind.Allgather
                     and expr.output not in self.fusion.outputs
                     and all(use in exprs for use in expr.output.uses)
                 )
                 body += [communicate, Wait(communicate)]
-                if communicate.transport == "copy_engine":
+                if communicate.transport == Transport.COPY_ENGINE:
                     if expr.kind is CommunicationKind.Allgather:
                         before.append(StageForPeers(communicate))
                     else:
@@ -315,14 +316,22 @@ class _Lowering:
         # stream's transfers come after the barrier that says the peers are staged.
         instructions.extend(before)
         instructions.append(sync_loop)
-        posting = _hoisted_transfers(exprs[0], body, scheme)
+        posting = _hoisted_transfers(exprs[0], _transport(self.plan, exprs[0]), body, scheme)
         if posting:
             instructions.append(ForLoop(scheme, posting, "post every transfer first"))
         instructions.append(ForLoop(scheme, body, scheme.describe()))
         instructions.extend(after)
 
 
-def _hoisted_transfers(first: Expr, body: list[Instruction], scheme: ChunkScheme):
+def _transport(plan: OverlapPlan, expr: Expr) -> Transport | None:
+    """How the plan moves a communication's chunks (None: not a planned pipeline)."""
+    pipeline = plan.pipeline(expr) if isinstance(expr, Communication) else None
+    return pipeline.transport if pipeline is not None else None
+
+
+def _hoisted_transfers(
+    first: Expr, transport: Transport | None, body: list[Instruction], scheme: ChunkScheme
+):
     """Take the transfers of a pipelined all-gather out of the work loop, into a loop of
     their own before it: they depend on no compute, so posting them all first lets every
     chunk's transfer start at once instead of after the host has issued the matmuls before
@@ -332,7 +341,7 @@ def _hoisted_transfers(first: Expr, body: list[Instruction], scheme: ChunkScheme
         isinstance(first, Communication)
         and first.kind is CommunicationKind.Allgather
         and scheme.owners > 1
-        and getattr(first, "transport", "collective") in ("collective", "copy_engine", None)
+        and transport is not Transport.RING
     ):
         return []
     end = next(i for i, inst in enumerate(body) if isinstance(inst, Communicate)) + 1
@@ -357,46 +366,15 @@ def _input_dims(expr: Expr, out_dim: int) -> list[tuple[TensorView, int | None]]
     ]
 
 
-def _reads(instruction: Instruction) -> list[TensorView]:
-    if isinstance(instruction, LaunchKernel):
-        return instruction.inputs
-    if isinstance(instruction, Communicate):
-        return [instruction.source]
-    if isinstance(instruction, AliasSelect):
-        return [instruction.source]
-    return []
-
-
-def _insert_deallocations(program: HostProgram) -> None:
-    """Release each intermediate after the top-level instruction that uses it last."""
-    kept = set(program.fusion.inputs) | set(program.fusion.outputs)
-    last_use: dict[TensorView, int] = {}
-    source_of: dict[TensorView, TensorView] = {}  # a chunk's use is a use of its tensor
-    for position, instruction in enumerate(program.instructions):
-        for inner in walk([instruction]):
-            if isinstance(inner, AliasSelect):
-                source_of[inner.result] = inner.source
-            reads = _reads(inner)
-            if isinstance(inner, Wait):
-                reads = [inner.communicate.source, inner.communicate.target]
-            for tensor in reads:
-                last_use[source_of.get(tensor, tensor)] = position
-    releases: dict[int, list[TensorView]] = {}
-    for tensor, position in last_use.items():
-        if tensor not in kept and tensor.fusion is program.fusion:
-            releases.setdefault(position, []).append(tensor)
-    instructions: list[Instruction] = []
-    for position, instruction in enumerate(program.instructions):
-        instructions.append(instruction)
-        instructions.extend(Deallocate(t) for t in releases.get(position, []))
-    program.instructions = instructions
-
-
-def lower_to_host_program(fusion: Fusion, schedule: bool = False) -> HostProgram:
-    """The host program of a resharded (or single-device) fusion.
+def lower_to_host_program(
+    fusion: Fusion, plan: OverlapPlan | None = None, schedule: bool = False
+) -> HostProgram:
+    """The host program of a resharded (or single-device) fusion, its stream axes marked
+    (by ``apply_overlap_plan`` or the user); ``plan`` gives each pipelined
+    communication's transport and chunk order.
 
     ``schedule``: compute that a scheduler takes becomes generated Triton kernels (the
     rest, and everything when False, runs through the reference evaluator).
     """
     propagate_stream_axes(fusion)
-    return _Lowering(fusion, schedule).lower()
+    return _Lowering(fusion, plan, schedule).lower()

@@ -8,101 +8,128 @@ It finds the two patterns that pay most, in a resharded fusion:
   reduce-scattered along its rows (row-parallel linear, then back to a
   sequence split).
 
-For each it predicts, from a cost model fed by hardware figures (matmul rate,
-link and copy-engine bandwidth, launch overhead, how much NCCL's kernels slow a
-matmul down), the time of every candidate — no overlap, or ``C`` chunks (a
-multiple of the team size) moved by a transport (``collective``, ``ring``,
-``copy_engine``) in its order (local chunk first for copy-engine all-gathers,
-last for reduce-scatters) — and picks the fastest. It chooses no overlap when
-no candidate beats the sequential run by at least 3 %. Every choice prints
-with its reason and the candidates' predictions; ``OverlapOptions`` overrides
-any part of it.
+For each it predicts, from a cost model fed by hardware figures (the device's own
+description, ``schedulers.hardware``, plus what overlapping adds: matmul rate, link and
+copy-engine bandwidth, launch overhead, how much NCCL's kernels slow a matmul down), the
+time of every candidate — no overlap, or ``C`` chunks (a multiple of the team size)
+moved by a ``Transport`` in its ``ChunkOrder`` (local chunk first for copy-engine
+all-gathers, last for reduce-scatters) — and picks the fastest. It chooses no overlap
+when no candidate beats the sequential run by at least 3 %. Every choice prints with its
+reason and the candidates' predictions; ``OverlapOptions`` overrides any part of it.
 
-The plan is applied by marking the rows of the communication's and the
-matmul's outputs as ``Stream`` axes (with the chunk count) and setting the
-communication's ``transport`` and ``order``; stream lowering does the rest.
+``plan_overlap`` only decides: it returns an ``OverlapPlan`` and changes nothing.
+``overlap.apply_plan`` marks the chosen rows as ``Stream`` axes, and lowering reads each
+communication's transport and order from the plan.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
+from overlap.host_ir import ChunkOrder, Transport
+from schedulers.hardware import B200, H100, H200, INTERPRETER, HardwareProfile, current_hardware
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import layout_of, local_shape
 from sharding.rules import dim_map
 
-TRANSPORTS = ("collective", "ring", "copy_engine")
+
+class Pattern(enum.StrEnum):
+    """The communication-and-matmul pairs the planner can pipeline."""
+
+    ALLGATHER_MATMUL = "allgather+matmul"
+    MATMUL_REDUCE_SCATTER = "matmul+reduce_scatter"
+
+
 _ORDERS = {
-    ("allgather+matmul", "collective"): "global",
-    ("allgather+matmul", "ring"): "ring_gather",
-    ("allgather+matmul", "copy_engine"): "local_first",
-    ("matmul+reduce_scatter", "collective"): "global",
-    ("matmul+reduce_scatter", "ring"): "ring_reduce",
-    ("matmul+reduce_scatter", "copy_engine"): "local_last",
+    (Pattern.ALLGATHER_MATMUL, Transport.COLLECTIVE): ChunkOrder.GLOBAL,
+    (Pattern.ALLGATHER_MATMUL, Transport.RING): ChunkOrder.RING_GATHER,
+    (Pattern.ALLGATHER_MATMUL, Transport.COPY_ENGINE): ChunkOrder.LOCAL_FIRST,
+    (Pattern.MATMUL_REDUCE_SCATTER, Transport.COLLECTIVE): ChunkOrder.GLOBAL,
+    (Pattern.MATMUL_REDUCE_SCATTER, Transport.RING): ChunkOrder.RING_REDUCE,
+    (Pattern.MATMUL_REDUCE_SCATTER, Transport.COPY_ENGINE): ChunkOrder.LOCAL_LAST,
 }
 
 
 @dataclass(frozen=True)
 class HardwareFigures:
-    """Measured figures the cost model reads (see ``measure_hardware_figures``)."""
+    """What the cost model reads: the device (``schedulers.hardware``: SMs, memory
+    bandwidth, the one description every heuristic reads) and what overlapping adds
+    (measured by ``benchmarks/hardware_figures.py``)."""
 
     name: str
+    device: HardwareProfile
     matmul_tflops: float  # dense matmul rate on large shapes, in the benchmark's dtype
     collective_gbps: float  # NCCL/gloo all-gather bandwidth, bytes received per rank per s
     p2p_gbps: float  # send/recv between neighbours
     copy_engine_gbps: float  # copy-engine pulls from a peer's symmetric buffer (0: none)
-    memory_gbps: float  # local device copy, read + write
     launch_us: float  # host cost of one launched op or collective
     collective_slowdown: float  # matmul time factor while NCCL kernels run beside it
-    sm_count: int = 132
     tile_rows: int = 128
     tile_cols: int = 256
+
+    @property
+    def memory_gbps(self) -> float:
+        """The device's copy bandwidth (read + write)."""
+        return self.device.memory_gbps
+
+    @property
+    def sm_count(self) -> int:
+        return self.device.sm_count
 
     @property
     def has_copy_engine(self) -> bool:
         return self.copy_engine_gbps > 0
 
 
-# Measured on 2x H200 (NVLink) by measure_hardware_figures, bf16, in the run recorded in
-# benchmarks/results/ag_matmul.json.
+# Measured on 2x H200 (NVLink) by benchmarks/hardware_figures.py, bf16, in the run recorded
+# in benchmarks/results/ag_matmul.json.
 H200_FIGURES = HardwareFigures(
     name="H200 (NVLink)",
+    device=H200,
     matmul_tflops=738.0,
     collective_gbps=197.0,
     p2p_gbps=197.0,
     copy_engine_gbps=349.0,
-    memory_gbps=3670.0,
     launch_us=14.2,
     collective_slowdown=1.37,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(
     name="CPU (gloo)",
+    device=replace(INTERPRETER, name="CPU", sm_count=2, memory_gbps=10.0),
     matmul_tflops=0.1,
     collective_gbps=2.0,
     p2p_gbps=2.0,
     copy_engine_gbps=0.0,
-    memory_gbps=10.0,
     launch_us=50.0,
     collective_slowdown=1.3,
-    sm_count=2,
 )
+# ``overlap dump --device NAME``: links measured on H200s, the named device's own profile
+NAMED_FIGURES = {
+    "h200": H200_FIGURES,
+    "h100": replace(H200_FIGURES, name="H100 (H200 link figures)", device=H100),
+    "b200": replace(H200_FIGURES, name="B200 (H200 link figures)", device=B200),
+    "cpu": CPU_FIGURES,
+}
 
 
 def default_hardware_figures(device: torch.device) -> HardwareFigures:
     """The recorded figures for this device's kind (measure for better ones)."""
     if device.type != "cuda":
         return CPU_FIGURES
-    name = torch.cuda.get_device_name(device)
-    if "H200" in name or "H100" in name:
-        return replace(H200_FIGURES, name=name)
-    return replace(H200_FIGURES, name=f"{name} (H200 figures, unmeasured)")
+    profile = current_hardware(device)
+    if "H200" in profile.name or "H100" in profile.name:
+        return replace(H200_FIGURES, name=profile.name, device=profile)
+    name = f"{profile.name} (H200 figures, unmeasured)"
+    return replace(H200_FIGURES, name=name, device=profile)
 
 
 @dataclass(frozen=True)
@@ -116,11 +143,14 @@ class OverlapOptions:
 
     overlap: bool | None = None
     num_chunks: int | None = None
-    transport: str | None = None
+    transport: Transport | str | None = None  # a name is read as the Transport
 
     def __post_init__(self) -> None:
-        if self.transport is not None and self.transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        if self.transport is not None:
+            names = tuple(t.value for t in Transport)
+            if self.transport not in names:
+                raise ValueError(f"transport must be one of {names}, got {self.transport!r}")
+            object.__setattr__(self, "transport", Transport(self.transport))
         if self.num_chunks is not None and (
             not isinstance(self.num_chunks, int) or self.num_chunks < 1
         ):
@@ -129,9 +159,9 @@ class OverlapOptions:
 
 @dataclass(frozen=True)
 class Candidate:
-    transport: str | None  # None: no overlap
+    transport: Transport | None  # None: no overlap
     num_chunks: int
-    order: str
+    order: ChunkOrder | None  # None: no overlap
     predicted_ms: float
 
     def describe(self) -> str:
@@ -142,11 +172,14 @@ class Candidate:
 
 @dataclass
 class OverlapDecision:
-    """The planner's choice for one pattern, with its reason and the alternatives."""
+    """The planner's choice for one pattern, with its reason and the alternatives.
 
-    pattern: str
+    ``row`` is the contraction output's axis that the chunks cut (its rows)."""
+
+    pattern: Pattern
     communication: Communication
     contraction: Expr
+    row: int
     shape: tuple[int, int, int]  # (M, K, N) of the local matmul, M the whole rows
     team_size: int
     chosen: Candidate
@@ -171,6 +204,35 @@ class OverlapDecision:
         return "\n".join(lines)
 
 
+@dataclass
+class OverlapPlan:
+    """Every decision of the planner, in the order the patterns occur. Iterates over the
+    decisions; ``pipeline(comm)`` is the chosen pipeline of a communication, if any."""
+
+    decisions: list[OverlapDecision] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[OverlapDecision]:
+        return iter(self.decisions)
+
+    def __len__(self) -> int:
+        return len(self.decisions)
+
+    def __getitem__(self, index: int) -> OverlapDecision:
+        return self.decisions[index]
+
+    def pipeline(self, communication: Communication) -> Candidate | None:
+        """The candidate chosen for ``communication`` when it is pipelined, else None."""
+        for decision in self.decisions:
+            if decision.communication is communication and decision.overlapped:
+                return decision.chosen
+        return None
+
+    def __str__(self) -> str:
+        if not self.decisions:
+            return "no all-gather+matmul or matmul+reduce-scatter to overlap"
+        return "\n".join(str(decision) for decision in self.decisions)
+
+
 def _static_local_shape(tensor: TensorView) -> list[int] | None:
     if not all(isinstance(e, int) for e in tensor.shape):
         return None
@@ -188,7 +250,7 @@ def _row_axis(contraction: Expr, operand: TensorView, dim: int) -> int | None:
     return out_dim
 
 
-def find_patterns(fusion: Fusion) -> list[tuple[str, Communication, Expr, int]]:
+def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, int]]:
     """``(pattern, communication, contraction, row axis of the contraction's output)``."""
     found = []
     for expr in fusion.live_exprs():
@@ -199,7 +261,7 @@ def find_patterns(fusion: Fusion) -> list[tuple[str, Communication, Expr, int]]:
                 if isinstance(consumer, (MatmulOp, LinearOp)) and consumer.inputs[0] is expr.output:
                     row = _row_axis(consumer, expr.output, expr.in_dim)
                     if row is not None:
-                        found.append(("allgather+matmul", expr, consumer, row))
+                        found.append((Pattern.ALLGATHER_MATMUL, expr, consumer, row))
                         break
         elif expr.kind is CommunicationKind.ReduceScatter:
             producer = expr.inputs[0].definition
@@ -207,7 +269,7 @@ def find_patterns(fusion: Fusion) -> list[tuple[str, Communication, Expr, int]]:
                 isinstance(producer, (MatmulOp, LinearOp))
                 and expr.out_dim < producer.output.ndim - 1
             ):
-                found.append(("matmul+reduce_scatter", expr, producer, expr.out_dim))
+                found.append((Pattern.MATMUL_REDUCE_SCATTER, expr, producer, expr.out_dim))
     return found
 
 
@@ -300,22 +362,22 @@ def _device_ms(
     chunks: int,
 ) -> float:
     m, k, n = shape
-    moved_width = k if pattern == "allgather+matmul" else n
+    moved_width = k if pattern == Pattern.ALLGATHER_MATMUL else n
     total_bytes = m * moved_width * bits / 8 * (parts - 1) / parts
     if transport is None:
         comm = _transfer_ms(total_bytes, figures.collective_gbps, figures.launch_us)
         return _matmul_ms(figures, m, k, n) + comm
     rows = [m // chunks + (1 if c < m % chunks else 0) for c in range(chunks)]
     per_rank = chunks // parts
-    if transport == "copy_engine":
+    if transport == Transport.COPY_ENGINE:
         gbps, slowdown = figures.copy_engine_gbps, 1.0
-    elif transport == "ring":
+    elif transport == Transport.RING:
         gbps, slowdown = figures.p2p_gbps, figures.collective_slowdown
     else:
         gbps, slowdown = figures.collective_gbps, figures.collective_slowdown
     compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
     chunk_bytes = [r * moved_width * bits / 8 for r in rows]
-    if transport == "copy_engine":
+    if transport == Transport.COPY_ENGINE:
         # Own chunks need no transfer; the peers' arrive one after another, after this
         # rank's piece is staged for them (beside the first matmuls, on its own stream).
         own = set(range(per_rank))
@@ -324,32 +386,32 @@ def _device_ms(
             0.0 if c in own else _transfer_ms(b, gbps, figures.launch_us)
             for c, b in enumerate(chunk_bytes)
         ]
-        if pattern == "allgather+matmul":
+        if pattern == Pattern.ALLGATHER_MATMUL:
             transfer[per_rank % chunks] += staging
             return _pipeline_ms(compute, transfer, gather=True)
         transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
         combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
         return _pipeline_ms(compute, transfer, gather=False) + combine
-    if transport == "ring":
+    if transport == Transport.RING:
         # Every link carries one chunk per step; a rank's first chunks are its own.
         transfer = [
             0.0 if c < per_rank else _transfer_ms(b, gbps, figures.launch_us)
             for c, b in enumerate(chunk_bytes)
         ]
-        return _pipeline_ms(compute, transfer, gather=pattern == "allgather+matmul")
+        return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
     # Collective: one collective per chunk, in the same global order on every rank; the
     # last owner waits longest (all-gather) or its chunks come last (reduce-scatter).
     transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
                 for b in chunk_bytes]  # fmt: skip
-    return _pipeline_ms(compute, transfer, gather=pattern == "allgather+matmul")
+    return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
 
 
 def _candidates(
-    pattern: str, figures: HardwareFigures, shape, parts: int, bits: int, options, replayed
+    pattern: Pattern, figures: HardwareFigures, shape, parts: int, bits: int, options, replayed
 ) -> list[Candidate]:
-    transports = [options.transport] if options.transport else list(TRANSPORTS)
+    transports = [options.transport] if options.transport else list(Transport)
     if not figures.has_copy_engine and options.transport is None:
-        transports.remove("copy_engine")
+        transports.remove(Transport.COPY_ENGINE)
     chunk_counts = [options.num_chunks] if options.num_chunks else [parts * k for k in (1, 2, 4)]
     candidates = []
     # Fixing a chunk count or a transport asks for a pipeline: no sequential candidate.
@@ -357,14 +419,14 @@ def _candidates(
     if options.overlap is False or (options.overlap is None and not wants_pipeline):
         candidates.append(
             Candidate(
-                None, 1, "-", predict(pattern, figures, shape, parts, bits, None, 1, replayed)
+                None, 1, None, predict(pattern, figures, shape, parts, bits, None, 1, replayed)
             )
         )
     if options.overlap is False:
         return candidates
     for transport in transports:
         for chunks in chunk_counts:
-            if transport == "ring" and chunks != parts and options.num_chunks is None:
+            if transport == Transport.RING and chunks != parts and options.num_chunks is None:
                 continue  # the model's ring moves one whole piece a step; more when forced
             time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks, replayed)
             candidates.append(Candidate(transport, chunks, _ORDERS[(pattern, transport)], time_ms))
@@ -376,14 +438,15 @@ def plan_overlap(
     figures: HardwareFigures,
     options: OverlapOptions | None = None,
     replayed: bool = False,
-) -> list[OverlapDecision]:
-    """Decide, apply and return the overlap of every pattern found in ``fusion``.
+) -> OverlapPlan:
+    """Decide the overlap of every pattern found in ``fusion``; changes nothing
+    (``overlap.apply_plan.apply_overlap_plan`` applies the plan).
 
     ``replayed``: runs replay a CUDA graph, so the host's cost of issuing a long
     pipeline does not count.
     """
     options = options or OverlapOptions()
-    if options.transport == "copy_engine" and not figures.has_copy_engine:
+    if options.transport == Transport.COPY_ENGINE and not figures.has_copy_engine:
         raise ShardingError(
             f"the copy_engine transport needs CUDA devices with symmetric memory; "
             f"{figures.name} has none. Use collective or ring"
@@ -394,17 +457,14 @@ def plan_overlap(
         if parts < 2:
             continue
         decision = _decide(pattern, comm, contraction, row, parts, figures, options, replayed)
-        if decision is None:
-            continue
-        if decision.overlapped:
-            _apply(decision, row)
-        decisions.append(decision)
-    return decisions
+        if decision is not None:
+            decisions.append(decision)
+    return OverlapPlan(decisions)
 
 
 def _local_matmul_shape(pattern, comm, contraction, row) -> tuple[int, int, int] | None:
     """``(M, K, N)`` of one rank's matmul, M the whole rows; None when not static."""
-    gathered = comm.output if pattern == "allgather+matmul" else contraction.inputs[0]
+    gathered = comm.output if pattern == Pattern.ALLGATHER_MATMUL else contraction.inputs[0]
     operand_shape = _static_local_shape(gathered)
     out_shape = _static_local_shape(contraction.outputs[0])
     if operand_shape is None or out_shape is None:
@@ -422,8 +482,8 @@ def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
             float("nan"),
         )  # fmt: skip
         reason = "symbolic extents: the cost model needs static shapes; as forced"
-        return OverlapDecision(pattern, comm, contraction, (0, 0, 0), parts, chosen, reason,
-                               [chosen])  # fmt: skip
+        return OverlapDecision(pattern, comm, contraction, row, (0, 0, 0), parts, chosen,
+                               reason, [chosen])  # fmt: skip
     bits = comm.output.dtype.bits
     candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed)
     best = min(candidates, key=lambda c: c.predicted_ms)
@@ -447,110 +507,4 @@ def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
     forced = [name for name, value in vars(options).items() if value is not None]
     if forced:
         reason += f" (forced: {', '.join(forced)})"
-    return OverlapDecision(pattern, comm, contraction, shape, parts, best, reason, candidates)
-
-
-def _apply(decision: OverlapDecision, row: int) -> None:
-    """Mark the pattern's rows as a Stream axis and set the transport on the communication."""
-    chosen = decision.chosen
-    comm, contraction = decision.communication, decision.contraction
-    out = contraction.outputs[0]
-    out.axis(row).stream(chosen.num_chunks)
-    comm_dim = comm.in_dim if decision.pattern == "allgather+matmul" else comm.out_dim
-    comm.output.axis(comm_dim).stream(chosen.num_chunks)
-    comm.transport = chosen.transport
-    comm.order = chosen.order
-
-
-def _median_ms(function, repeats: int = 10) -> float:
-    """Median time of ``function()`` on the current CUDA stream, after a warm-up."""
-    function()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        function()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) -> HardwareFigures:
-    """Measure the cost model's figures on this rank's GPU and its peers (collective).
-
-    Takes about a second: a large matmul alone and beside an NCCL all-gather, an
-    all-gather, a copy-engine pull from a peer's symmetric buffer, a local copy, and
-    the host cost of a small launch. Every rank gets the slowest rank's figures.
-    """
-    import torch.distributed as dist
-
-    device = communicator.device
-    if device.type != "cuda":
-        return CPU_FIGURES
-    m = k = 8192
-    n = 4096
-    a = torch.randn(m, k, device=device, dtype=dtype)
-    b = torch.randn(k, n, device=device, dtype=dtype)
-    matmul_ms = _median_ms(lambda: torch.mm(a, b))
-    world = communicator.world_size
-    piece = torch.randn(64 * 2**20 // 2, device=device, dtype=dtype)
-    gathered = torch.empty(world * piece.numel(), device=device, dtype=dtype)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather_ms = _median_ms(lambda: gather(gathered, piece))
-    side = torch.cuda.Stream(device)
-
-    def matmul_beside_gather() -> None:
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            gather(gathered, piece)
-        torch.mm(a, b)
-        torch.cuda.current_stream(device).wait_stream(side)
-
-    beside_ms = _median_ms(matmul_beside_gather)
-    big = torch.empty(2**28, device=device, dtype=torch.uint8)
-    copy_ms = _median_ms(lambda: big.clone())
-    launch_ms = _median_ms(lambda: [piece[:1].add_(0) for _ in range(100)]) / 100
-    copy_engine_gbps = 0.0
-    try:
-        import torch.distributed._symmetric_memory as symm_mem
-
-        buffer = symm_mem.empty(piece.numel(), dtype=dtype, device=device)
-        handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        peer = handle.get_buffer((communicator.rank + 1) % world, (piece.numel(),), dtype)
-        pulled = torch.empty_like(piece)
-        handle.barrier(channel=0)
-        pull_ms = _median_ms(lambda: pulled.copy_(peer))
-        handle.barrier(channel=0)
-        copy_engine_gbps = piece.numel() * piece.element_size() / (pull_ms * 1e6)
-    except (ImportError, RuntimeError):
-        pass
-    received = (world - 1) * piece.numel() * piece.element_size()
-    figures = torch.tensor(
-        [
-            2 * m * k * n / (matmul_ms * 1e9),
-            received / (gather_ms * 1e6),
-            copy_engine_gbps,
-            2 * big.numel() / (copy_ms * 1e6),
-            launch_ms * 1e3,
-            max(beside_ms, matmul_ms) / matmul_ms,
-        ],
-        device=device,
-        dtype=torch.float64,
-    )
-    slowest = figures.clone()
-    slowest[[0, 1, 2, 3]] *= -1  # rates: take the minimum through a MAX all-reduce
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    slowest[[0, 1, 2, 3]] *= -1
-    rate, gbps, copy_gbps, memory, launch_us, slowdown = slowest.tolist()
-    return HardwareFigures(
-        name=f"{torch.cuda.get_device_name(device)} x{world} (measured)",
-        matmul_tflops=rate,
-        collective_gbps=gbps,
-        p2p_gbps=gbps,
-        copy_engine_gbps=copy_gbps,
-        memory_gbps=memory,
-        launch_us=launch_us,
-        collective_slowdown=min(slowdown, 2.0),
-        sm_count=torch.cuda.get_device_properties(device).multi_processor_count,
-    )
+    return OverlapDecision(pattern, comm, contraction, row, shape, parts, best, reason, candidates)

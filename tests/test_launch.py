@@ -144,13 +144,37 @@ def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
     assert missing.returncode == 2 and "no such script" in missing.stderr
 
 
-def test_overlap_dump_prints_every_ranks_host_program(script):
+def test_overlap_dump_prints_each_distinct_rank_program_once(script):
     result = _overlap("dump", "--world", 2, script, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    for rank in range(2):
-        assert f"=== rank {rank} of 2 ===" in result.stdout
-    assert result.stdout.count("Allgather(") == 2 and result.stdout.count("ReduceScatter(") == 2
+    assert "=== ranks 0, 1 of 2 ===" in result.stdout  # both ranks run the same program
+    assert result.stdout.count("= Allgather(") == 1 and result.stdout.count("= ReduceScatter(") == 1
     assert "allgather+matmul" in result.stdout  # the planner's decision and its reasons
+    assert "on H200 (NVLink)" in result.stdout  # planned for a GPU, without one
+
+
+def test_python_m_overlap_dump_plans_for_a_named_device_without_a_process_group(tmp_path):
+    script = tmp_path / "blocks.py"
+    script.write_text(
+        "from launch.demo import build_tp_mlp\n"
+        "def fusion(world):\n"
+        "    return build_tp_mlp(8192, 4096, 16384, world)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "overlap", "dump", "--device", "h200", "--world", "8",
+               "--cuda-graph", "--passes", str(script)]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    assert "=== overlap plan on H200 (NVLink), 8 ranks ===" in out
+    assert "8 chunks, copy_engine, local_first order" in out  # the GPU plan, chosen
+    assert "[copy_engine]" in out and "StageForPeers" in out  # and lowered
+    for name in ("shard", "plan overlap", "apply the plan", "lower", "deallocate"):
+        assert f"=== after {name} ===" in out
+    bad = subprocess.run([*command[:-1], str(tmp_path / "missing.py")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert bad.returncode == 2 and "no such script" in bad.stderr
 
 
 # -- the environment -------------------------------------------------------------------

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fusion import FusionDefinition, ParallelType
+from overlap.compile import compile_program
 from overlap.executor import MultiDeviceExecutor
 from overlap.lowering import lower_to_host_program
 from overlap.planner import (
@@ -259,29 +260,23 @@ outputs: T2"""
     ("build", "golden"), [(_ag_linear, AG_LINEAR), (_linear_rs, LINEAR_RS)], ids=["ag", "rs"]
 )
 def test_pipelined_patterns_lower_to_one_loop_with_the_hoisted_sync_loop(build, golden):
-    sharded, _ = shard_fusion(build().fusion)
     options = OverlapOptions(overlap=True, num_chunks=2, transport="collective")
-    (decision,) = plan_overlap(sharded, H200_FIGURES, options)
+    compiled = compile_program(build(), 2, options, H200_FIGURES)
+    (decision,) = compiled.plan
     assert decision.overlapped
-    assert str(lower_to_host_program(sharded)) == golden
+    assert str(compiled.host) == golden
 
 
 def test_a_copy_engine_all_gather_stages_its_piece_before_the_loop():
-    sharded, _ = shard_fusion(_ag_linear().fusion)
-    plan_overlap(
-        sharded, H200_FIGURES, OverlapOptions(overlap=True, transport="copy_engine", num_chunks=4)
-    )
-    text = str(lower_to_host_program(sharded))
+    options = OverlapOptions(overlap=True, transport="copy_engine", num_chunks=4)
+    text = str(compile_program(_ag_linear(), 2, options, H200_FIGURES).host)
     assert text.index("StageForPeers(T0)") < text.index("FOR i in range(4):  # 4 chunks")
     assert "order local_first" in text and "[copy_engine]" in text
 
 
 def test_a_copy_engine_reduce_scatter_combines_after_the_loop():
-    sharded, _ = shard_fusion(_linear_rs().fusion)
-    plan_overlap(
-        sharded, H200_FIGURES, OverlapOptions(overlap=True, transport="copy_engine", num_chunks=2)
-    )
-    text = str(lower_to_host_program(sharded))
+    options = OverlapOptions(overlap=True, transport="copy_engine", num_chunks=2)
+    text = str(compile_program(_linear_rs(), 2, options, H200_FIGURES).host)
     assert text.index("Synchronize(stream i)") < text.index("CombineStaged(T2)")
     assert "order local_last" in text
 

@@ -1,0 +1,24 @@
+"""Applying an overlap plan: the rows each chosen pipeline cuts become ``Stream`` axes.
+
+The planner (``overlap.planner.plan_overlap``) only decides; this pass writes its choices
+into the fusion's IR, as parallel types: the contraction's output rows and the
+communication's output along its split axis become ``Stream`` axes of the chosen chunk
+count. Stream lowering (``overlap.lowering``) then turns them into chunk loops, and takes
+each communication's transport and chunk order from the same plan.
+"""
+
+from __future__ import annotations
+
+from overlap.planner import OverlapPlan, Pattern
+
+
+def apply_overlap_plan(plan: OverlapPlan) -> None:
+    """Mark the rows of every pipelined pattern of ``plan`` as a Stream axis."""
+    for decision in plan:
+        if not decision.overlapped:
+            continue
+        chunks = decision.chosen.num_chunks
+        decision.contraction.outputs[0].axis(decision.row).stream(chunks)
+        comm = decision.communication
+        gathered = decision.pattern == Pattern.ALLGATHER_MATMUL
+        comm.output.axis(comm.in_dim if gathered else comm.out_dim).stream(chunks)

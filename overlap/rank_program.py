@@ -1,0 +1,554 @@
+"""One rank's program: the host program specialized for this rank and these extents.
+
+``RankProgram`` unrolls the host program's loops into a flat list of steps, each a
+closure that launches work: a kernel (generated, through cuBLAS, or the evaluator),
+a communication (``overlap.communications``, or a chunk of a pipeline through
+``overlap.pipelined``), a stream switch. Everything a run does not need to decide again
+is decided here once. It reads the compiled program and its ``RankSetup`` and writes
+only its own fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fusion.binding import Bindings, resolve
+from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
+from fusion.fp4 import unpack_fp4
+from fusion.ir import TensorView
+from fusion.reference import evaluate_expr
+from fusion.storage import is_packed, logical_shape, packed, storage_dtype, storage_shape, unpacked
+from overlap import progress
+from overlap.communications import Pending, RankContext, identity, start
+from overlap.compile import CompiledProgram
+from overlap.host_ir import (
+    AliasSelect,
+    Allocate,
+    CombineStaged,
+    Communicate,
+    Deallocate,
+    ForLoop,
+    GetCurrentStream,
+    LaunchKernel,
+    SetCurrentStream,
+    StageForPeers,
+    Synchronize,
+    Transport,
+    Wait,
+)
+from overlap.pipelined import PipelinedComms, chunk_rows, place
+from overlap.streams import StreamPool
+from overlap.symmetric import SymmetricBuffers
+from overlap.timeline import Timeline
+from schedulers.hardware import HardwareProfile
+from sharding.communication import LocalShard
+from sharding.errors import ShardingError
+from sharding.layout import Shard, layout_of, local_shape, split_range
+from sharding.mesh import DeviceMesh
+
+
+@dataclass
+class RankSetup:
+    """What a rank program needs from its executor: who it is, where it runs, and the
+    user's kernel overrides."""
+
+    rank: int
+    communicator: object | None  # a Communicator; None on one device
+    device: torch.device
+    streams: StreamPool
+    symmetric: SymmetricBuffers | None  # copy-engine buffers, on CUDA when used
+    kernel_params: dict[str, object]
+    hardware: HardwareProfile  # what the kernels' heuristics read
+
+
+def rank_shape(tensor: TensorView, rank: int, bindings: Bindings) -> list[int]:
+    """``rank``'s (logical) shape of ``tensor`` under ``bindings``."""
+    shape = [resolve(e, bindings) for e in tensor.shape]
+    layout = layout_of(tensor)
+    return shape if layout is None else local_shape(layout, rank, shape)
+
+
+class RankProgram:
+    """The host program specialized for this rank and these extents: a flat list of steps.
+
+    Loops are unrolled; everything that does not change from run to run (which ranks
+    take part, chunk offsets, groups, peers' buffers, streams, kernel launch
+    configurations) is worked out here once, so a run only launches work. Each run gets
+    fresh buffers. Every instruction type has its step builder in ``_STEPS``.
+    ``chosen_params`` and ``kernel_forms`` say what each generated kernel got.
+    """
+
+    def __init__(self, compiled: CompiledProgram, setup: RankSetup, bindings: Bindings) -> None:
+        self.compiled, self.setup, self.bindings = compiled, setup, bindings
+        self.fusion = compiled.fusion
+        self.rank = setup.rank
+        self.values: dict[TensorView, torch.Tensor | None] = {}
+        self.pending: dict[tuple[Communicate, int | None], Pending] = {}
+        self.tokens: dict[tuple[Communicate, int | None], int] = {}
+        self.saved_streams: dict[str, object] = {}
+        self.timeline: Timeline | None = None
+        self.streams = setup.streams
+        self.shapes: dict[TensorView, list[int]] = {}
+        self.chosen_params: dict[str, object] = {}
+        self.kernel_forms: dict[str, list] = {}  # kernel name -> its launchers' forms()
+        self.ctx = RankContext(
+            self.rank,
+            setup.communicator,
+            lambda t: [resolve(e, bindings) for e in t.shape],
+            self.local_shape,
+            storage_dtype,
+            setup.device,
+        )
+        self.pipelined = PipelinedComms(self.ctx, setup.symmetric)
+        self.steps: list = []
+        self._compile(compiled.host.instructions, None)
+
+    def holds(self, mesh: DeviceMesh | None) -> bool:
+        """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
+        return mesh is None or self.rank in mesh
+
+    def _slot(self, tensor: TensorView, loop):
+        """Where a tensor's value lives: a chunk tensor has one value per iteration."""
+        if loop is not None and tensor.fusion is not self.fusion:
+            return (tensor, loop[1])
+        return tensor
+
+    def local_shape(self, tensor: TensorView) -> list[int]:
+        if tensor not in self.shapes:
+            self.shapes[tensor] = rank_shape(tensor, self.rank, self.bindings)
+        return self.shapes[tensor]
+
+    # -- running ---------------------------------------------------------------
+
+    def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
+        self.values = {}
+        self.timeline = timeline
+        for tensor, value in zip(self.fusion.inputs, local_inputs, strict=True):
+            if self.holds(tensor.mesh):
+                # fp4 stays packed, two values per byte, between kernels.
+                self.values[tensor] = value.view(torch.uint8) if is_packed(tensor) else value
+        for step in self.steps:
+            step()
+        outputs: list[torch.Tensor | None] = []
+        for tensor in self.fusion.outputs:
+            if not self.holds(tensor.mesh):
+                outputs.append(None)
+                continue
+            value = self.values[tensor]
+            value = value.contiguous()
+            outputs.append(value.view(torch.float4_e2m1fn_x2) if is_packed(tensor) else value)
+        self.values = {}
+        return outputs
+
+    def _lane(self, loop, kind: str) -> str:
+        return f"stream {loop[1] % self.streams.count} {kind}" if loop else f"main {kind}"
+
+    # -- compiling -------------------------------------------------------------
+
+    def _compile(self, instructions: list, loop) -> None:
+        for instruction in instructions:
+            if isinstance(instruction, ForLoop):
+                for iteration in range(instruction.scheme.num_chunks):
+                    self._compile(instruction.body, (instruction.scheme, iteration))
+                self.steps.append(self.pipelined.drain)
+                continue
+            step = self._STEPS[type(instruction)](self, instruction, loop)
+            if step is not None:
+                self.steps.append(step)
+
+    def _allocate(self, instruction: Allocate, loop):
+        # Allocated before the loop, on the user's stream: a buffer first touched inside
+        # a loop would belong to a side stream, and the allocator could hand it out again
+        # before the user's stream is done with it.
+        tensor = instruction.tensor
+        if not self.holds(tensor.mesh):
+            return None
+        shape = storage_shape(tensor, self.local_shape(tensor))
+        dtype, device = storage_dtype(tensor), self.ctx.device
+
+        def allocate() -> None:
+            self.values[tensor] = torch.empty(shape, dtype=dtype, device=device)
+
+        return allocate
+
+    def _deallocate(self, instruction: Deallocate, loop):
+        return lambda: self.values.pop(instruction.tensor, None)
+
+    def _get_current_stream(self, instruction: GetCurrentStream, loop):
+        if not self.streams.cuda:
+            return None
+        return lambda: self.saved_streams.__setitem__(instruction.name, self.streams.current())
+
+    def _set_current_stream(self, instruction: SetCurrentStream, loop):
+        if not self.streams.cuda:
+            return None
+        if instruction.stream.saved:
+            name = instruction.stream.saved
+            return lambda: self.streams.set(self.saved_streams[name])
+        stream = self.streams.get(loop[1])
+        return lambda: self.streams.set(stream)
+
+    def _synchronize(self, instruction: Synchronize, loop):
+        if not self.streams.cuda:
+            return None
+        if instruction.stream.saved:
+            name = instruction.stream.saved
+            return lambda: self.streams.wait(self.saved_streams[name])
+        stream = self.streams.get(loop[1])
+        return lambda: self.streams.wait(stream)
+
+    def _alias_select(self, instruction: AliasSelect, loop):
+        source, result, dim = instruction.source, instruction.result, instruction.dim
+        if not self.holds(source.mesh):
+            return None
+        scheme, iteration = loop
+        layout = layout_of(source)
+        split = (
+            scheme.owners > 1
+            and layout is not None
+            and layout.placements[scheme.mesh_axis] == Shard(dim)
+        )
+        result = self._slot(result, loop)
+        if scheme.owners > 1:
+            where = place(scheme, self.rank, iteration)
+            if split and not where.owned:
+                return lambda: self.values.__setitem__(result, None)
+            chunk = where.chunk
+        else:
+            chunk = scheme.chunk(iteration, 0)
+        offset, size = chunk_rows(self.local_shape(source)[dim], scheme, chunk, split)
+        if is_packed(source) and dim == source.ndim - 1:
+            if offset % 2 or size % 2:
+                raise ShardingError(
+                    f"chunk {chunk} of {source} along its innermost axis starts or ends inside "
+                    "a byte of packed fp4 values; choose a chunk count that keeps pieces even"
+                )
+            offset, size = offset // 2, size // 2
+
+        def select() -> None:
+            self.values[result] = self.values[source].narrow(dim, offset, size)
+
+        return select
+
+    def _launch_kernel(self, kernel: LaunchKernel, loop):
+        if not self.holds(kernel.mesh):
+            return None
+        aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
+        evaluated = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
+        if kernel.scheduler is None or self._holds_an_empty_piece(kernel.plan):
+            # an empty piece (fewer rows than ranks) has nothing to launch a kernel over;
+            # the evaluator gives its partial results the identity
+            computes = evaluated
+        else:
+            computes = [self._compile_generated(kernel, aliases, evaluated, loop is None)]
+        lane = self._lane(loop, "compute")
+
+        def launch() -> None:
+            if self.timeline is None:
+                for compute in computes:
+                    compute()
+                return
+            with self.timeline.span(lane, kernel.name):
+                for compute in computes:
+                    compute()
+
+        return launch
+
+    def _holds_an_empty_piece(self, plan) -> bool:
+        return any(0 in self.local_shape(t) for t in [*plan.inputs, *plan.outputs])
+
+    def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object],
+                           evaluated: list, warm_up: bool) -> object:  # fmt: skip
+        """A generated kernel: heuristics (or the user's override) pick its params now.
+
+        ``evaluated`` computes the same with the evaluator: taken for an empty chunk. With
+        ``warm_up`` (a kernel outside chunk loops) a CUDA kernel is compiled now."""
+        scheduler, plan = kernel.scheduler, kernel.plan
+        hardware = self.setup.hardware
+        override = self.setup.kernel_params.get(kernel.name)
+        if isinstance(override, str):  # a strategy, forced
+            params = scheduler.configure(plan, hardware, self.local_shape, strategy=override)
+        else:
+            params = override or scheduler.configure(plan, hardware, self.local_shape)
+        launch = scheduler.launcher(plan, params, hardware, self.local_shape)
+        self.chosen_params[kernel.name] = params
+        self.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
+        device = self.ctx.device
+        # the first launch compiles the kernel (Triton's JIT): with progress on, say so
+        # and wait for it, so the time printed is the compile's
+        unannounced = progress.enabled()
+        if warm_up and device.type == "cuda":
+            self._warm_up(kernel, launch)
+            unannounced = False
+
+        def run() -> None:
+            nonlocal unannounced
+            inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
+            if any(value.numel() == 0 for value in inputs):
+                for compute in evaluated:
+                    compute()
+                return
+            targets = []
+            for tensor in plan.outputs:
+                destination = self.values.get(aliases[tensor]) if tensor in aliases else None
+                if destination is None or not destination.is_contiguous():
+                    shape = storage_shape(tensor, self._logical_shape_of(tensor, destination))
+                    targets.append(torch.empty(shape, dtype=storage_dtype(tensor), device=device))
+                else:
+                    targets.append(destination)
+            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
+            shapes.update(
+                {t: logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
+            )
+            if unannounced:
+                unannounced = False
+                with progress.step(f"rank {self.rank}: compiling {kernel.name} "
+                                   f"[{scheduler.name}]"):  # fmt: skip
+                    launch(inputs, targets, shapes)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+            else:
+                launch(inputs, targets, shapes)
+            for tensor, target in zip(plan.outputs, targets, strict=True):
+                key = aliases.get(tensor, tensor)
+                destination = self.values.get(key) if tensor in aliases else None
+                if destination is not None and destination is not target:
+                    destination.copy_(target)
+                else:
+                    self.values[key] = target
+
+        return run
+
+    def _warm_up(self, kernel: LaunchKernel, launch) -> None:
+        """Launch ``kernel`` once on zeros of this rank's shapes, so that Triton compiles
+        it now, while the ranks can still agree that the run may start: a kernel the
+        device refuses on one rank (its resources at its local shapes) then fails every
+        rank before any collective, not this rank alone in the middle of the run."""
+        plan, device = kernel.plan, self.ctx.device
+        shapes = {t: self.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
+
+        def zeros(tensor: TensorView) -> torch.Tensor:
+            shape = storage_shape(tensor, shapes[tensor])
+            return torch.zeros(shape, dtype=storage_dtype(tensor), device=device)
+
+        with progress.step(f"rank {self.rank}: compiling {kernel.name} [{kernel.scheduler.name}]"):
+            launch([zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs], shapes)
+            torch.cuda.synchronize(device)
+
+    def _logical_shape_of(self, tensor: TensorView, destination) -> list[int]:
+        if destination is not None:
+            return logical_shape(tensor, destination)
+        return self.local_shape(tensor)
+
+    def _compile_expr(self, expr: Expr, aliases: dict[TensorView, object]):
+        values = self  # read through self.values: it is replaced on every run
+
+        def read(tensor: TensorView) -> torch.Tensor:
+            return values.values[aliases.get(tensor, tensor)]
+
+        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
+        if isinstance(expr, LocalShard):
+            (source,) = expr.inputs
+            coordinate = expr.mesh.coords(self.rank)[expr.mesh_axis]
+            extent = self.local_shape(source)[expr.dim]
+            offset, size = split_range(extent, expr.mesh.shape[expr.mesh_axis], coordinate)
+            ((_, key, _),) = outputs
+
+            def shard_locally() -> None:
+                whole = unpacked(source, read(source))
+                piece = whole.narrow(expr.dim, offset, size).contiguous()
+                values.values[key] = packed(source, piece)
+
+            return shard_locally
+        if _partial_extreme(expr):
+            ((out, key, _),) = outputs
+            dims = expr.dims
+            evaluate_nonempty = self._compile_expr_plain(expr, aliases)
+
+            def extreme() -> None:
+                value = read(expr.inputs[0])
+                if all(value.shape[d] > 0 for d in dims):
+                    evaluate_nonempty()
+                    return
+                # this rank's piece of the reduced axis is empty: the identity, which
+                # leaves the other ranks' partial results as they are
+                shape = [e for d, e in enumerate(value.shape) if d not in dims]
+                empty = torch.empty(shape, dtype=storage_dtype(out), device=self.ctx.device)
+                values.values[key] = identity(empty, expr.op_name)
+
+            return extreme
+        return self._compile_expr_plain(expr, aliases)
+
+    def _compile_expr_plain(self, expr: Expr, aliases: dict[TensorView, object]):
+        values = self
+
+        def read(tensor: TensorView) -> torch.Tensor:
+            return values.values[aliases.get(tensor, tensor)]
+
+        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
+        if isinstance(expr, (MatmulOp, LinearOp)):
+            ((_, key, into_chunk),) = outputs
+
+            def contract() -> None:
+                destination = values.values.get(key) if into_chunk else None
+                result = _contract(expr, read, destination)
+                if destination is None:
+                    values.values[key] = result
+                elif result.data_ptr() != destination.data_ptr():
+                    destination.copy_(result)
+
+            return contract
+
+        def evaluate() -> None:
+            # The reference evaluator holds fp4 unpacked, one code per byte.
+            local = {t: unpacked(t, read(t)) for t in expr.inputs}
+            destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
+
+            def shape_of(tensor: TensorView) -> list[int]:
+                if tensor in local:
+                    return list(local[tensor].shape)
+                destination = destinations.get(tensor)
+                if destination is not None and not is_packed(tensor):
+                    return list(destination.shape)
+                if destination is not None:
+                    return list(destination.shape[:-1]) + [2 * destination.shape[-1]]
+                return self.local_shape(tensor)
+
+            evaluate_expr(expr, local, shape_of)
+            for out, key, into_chunk in outputs:
+                result = packed(out, local[out])
+                if into_chunk and destinations[out] is not None:
+                    destinations[out].copy_(result)
+                else:
+                    values.values[key] = result
+
+        return evaluate
+
+    def _communicate(self, instruction: Communicate, loop):
+        comm = instruction.communication
+        if self.setup.communicator is None or self.rank not in comm.participants():
+            return None
+        source, target = self._slot(instruction.source, loop), self._slot(instruction.target, loop)
+        lane = self._lane(loop, "comm")
+        if loop is not None:
+            transfer = self.pipelined.prepare(instruction, *loop)
+
+            def post() -> Pending:
+                return transfer(self.values.get(source), self.values.get(target))
+
+        elif is_packed(comm.output):
+            # Collectives move fp4 unpacked (one value per byte), then pack it again.
+            def post() -> Pending:
+                value = self.values.get(source)
+                pending = start(comm, None if value is None else unpack_fp4(value), self.ctx)
+                finish = pending.finish
+                pending.finish = lambda: packed(comm.output, finish())
+                return pending
+
+        else:
+
+            def post() -> Pending:
+                return start(comm, self.values.get(source), self.ctx)
+
+        key = (instruction, loop[1] if loop else None)
+
+        def communicate() -> None:
+            if self.timeline is not None:
+                self.tokens[key] = self.timeline.start(lane, instruction.name)
+            self.pending[key] = post()
+
+        return communicate
+
+    def _wait(self, instruction: Wait, loop):
+        communicate = instruction.communicate
+        comm = communicate.communication
+        if self.setup.communicator is None or self.rank not in comm.participants():
+            return None
+        key = (communicate, loop[1] if loop else None)
+        target = self._slot(communicate.target, loop)
+
+        def wait() -> None:
+            # A chunk transfer writes into its target view; it may hand back another
+            # tensor to use as the chunk (an owner's chunk used where it is).
+            result = self.pending.pop(key).wait()
+            if result is not None:
+                self.values[target] = result
+            if self.timeline is not None:
+                self.timeline.stop(self.tokens.pop(key))
+
+        return wait
+
+    def _stage_for_peers(self, instruction: StageForPeers, loop):
+        communicate = instruction.communicate
+        comm = communicate.communication
+        if self.rank not in comm.participants():
+            return None
+        symmetric = self.setup.symmetric
+        return lambda: symmetric.stage(communicate, self.values[comm.inputs[0]])
+
+    def _combine_staged(self, instruction: CombineStaged, loop):
+        communicate = instruction.communicate
+        comm = communicate.communication
+        if self.rank not in comm.participants():
+            return None
+        symmetric = self.setup.symmetric
+        return lambda: symmetric.combine(communicate, self.values[comm.output])
+
+    def allocate_symmetric(self) -> None:
+        for loop in self.compiled.host.instructions:
+            if not isinstance(loop, ForLoop):
+                continue
+            for instruction in loop.body:
+                if not isinstance(instruction, Communicate):
+                    continue
+                if instruction.transport is not Transport.COPY_ENGINE:
+                    continue
+                comm = instruction.communication
+                dim = comm.split_dim
+                moving = comm.inputs[0]
+                shape = self.local_shape(moving)
+                whole = self.ctx.global_shape(comm.output)[dim]
+                rest = shape[:dim] + shape[dim + 1 :]
+                self.setup.symmetric.allocate(
+                    instruction, loop.scheme, whole, dim, rest, storage_dtype(moving)
+                )
+
+    # the step builder of each instruction type (a loop is unrolled by ``_compile``)
+    _STEPS = {
+        Allocate: _allocate,
+        Deallocate: _deallocate,
+        GetCurrentStream: _get_current_stream,
+        SetCurrentStream: _set_current_stream,
+        Synchronize: _synchronize,
+        AliasSelect: _alias_select,
+        LaunchKernel: _launch_kernel,
+        Communicate: _communicate,
+        Wait: _wait,
+        StageForPeers: _stage_for_peers,
+        CombineStaged: _combine_staged,
+    }
+
+
+def _partial_extreme(expr: Expr) -> bool:
+    """A max or min over an axis split across ranks (its result a partial max/min)."""
+    if not isinstance(expr, ReductionOp) or expr.op_name not in ("max", "min"):
+        return False
+    layout = layout_of(expr.output)
+    return layout is not None and layout.is_partial
+
+
+def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
+    """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
+    if isinstance(expr, MatmulOp):
+        a, b = (read(t) for t in expr.inputs)
+        if out is not None and out.is_contiguous() and a.dim() == 2 and b.dim() == 2:
+            return torch.mm(a, b, out=out)
+        return torch.matmul(a, b)
+    x, weight, *bias = (read(t) for t in expr.inputs)
+    if out is not None and out.is_contiguous() and x.dim() == 2:
+        if bias:
+            return torch.addmm(bias[0], x, weight.t(), out=out)
+        return torch.mm(x, weight.t(), out=out)
+    return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
