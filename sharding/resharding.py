@@ -36,10 +36,9 @@ from sharding.layout import (
     Shard,
     apply_layout,
     layout_of,
-    valid_placements,
 )
 from sharding.propagation import Decision, propagate_shardings
-from sharding.rules import dim_map
+from sharding.rules import mesh_rule
 
 
 def _copy_axes(fusion: Fusion, axes: list[Axis]) -> list[Axis]:
@@ -129,24 +128,15 @@ class _Resharder:
         bits wins, ties going to the output's own layout.
         """
         out_layout = layout_of(expr.outputs[0])
-        mesh = out_layout.mesh
-        in_layouts = [layout_of(t) for t in expr.inputs]
-        natural = Layout(
-            mesh,
-            valid_placements(
-                [
-                    dim_map(expr, parts).forward([lay.placements[axis] for lay in in_layouts])
-                    for axis, parts in enumerate(mesh.shape)
-                ]
-            ),
-        )
-        candidates = [c for c in (out_layout, natural) if _required(expr, c) is not None]
+        rule = mesh_rule(expr, out_layout.mesh)
+        natural = rule.forward([layout_of(t) for t in expr.inputs])
+        candidates = [c for c in (out_layout, natural) if rule.backward(c) is not None]
         produced = min(
             candidates,
             key=lambda candidate: (
                 sum(
                     _moved_bits(t, layout_of(t), needed)
-                    for t, needed in zip(expr.inputs, _required(expr, candidate), strict=True)
+                    for t, needed in zip(expr.inputs, rule.backward(candidate), strict=True)
                 )
                 + sum(_moved_bits(out, candidate, layout_of(out)) for out in expr.outputs)
             ),
@@ -154,7 +144,7 @@ class _Resharder:
         for out in list(expr.outputs):
             if layout_of(out) != produced:
                 self._produce_then_copy(expr, out, produced)
-        for tensor, layout in zip(list(expr.inputs), _required(expr, produced), strict=True):
+        for tensor, layout in zip(list(expr.inputs), rule.backward(produced), strict=True):
             if layout_of(tensor) != layout:
                 self.fusion.replace_input(expr, tensor, self._copy_before(tensor, layout, expr))
 
@@ -271,19 +261,6 @@ class _Resharder:
             "between two meshes, place one side on a single rank, or give both meshes the "
             "same shape and the same placements"
         )
-
-
-def _required(expr: Expr, produced: Layout) -> list[Layout] | None:
-    """The input layouts that let ``expr`` produce ``produced`` locally, or None."""
-    mesh = produced.mesh
-    per_input: list[list[Placement]] = [[] for _ in expr.inputs]
-    for mesh_axis, parts in enumerate(mesh.shape):
-        needs = dim_map(expr, parts).backward(produced.placements[mesh_axis])
-        if needs is None:
-            return None
-        for placements, placement in zip(per_input, needs, strict=True):
-            placements.append(placement)
-    return [Layout(mesh, valid_placements(p)) for p in per_input]
 
 
 def _moved_bits(tensor: TensorView, before: Layout, after: Layout) -> int:
