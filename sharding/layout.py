@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from fusion.exprs import ReductionOp
-from fusion.ir import ParallelType, TensorView
+from fusion.ir import Fusion, ParallelType, TensorView
 from sharding.mesh import DEVICE_PARALLEL_TYPES, DeviceMesh
 
 
@@ -208,3 +208,14 @@ def apply_layout(tensor: TensorView, layout: Layout) -> None:
                 )
             free_reductions.pop(0).parallel_type = parallel_type
     tensor.mesh = layout.mesh
+
+
+def placed_like(
+    fusion: Fusion, tensor: TensorView, layout: Layout, *, reductions: bool
+) -> TensorView:
+    """A new tensor of ``fusion`` shaped like ``tensor`` (with its reduction axes if asked),
+    placed ``layout``: a copy to reshard into."""
+    axes = tensor.axes if reductions else tensor.logical_axes
+    copy = fusion.new_tensor(tensor.dtype, [fusion.new_axis(a.extent, a.iter_type) for a in axes])
+    apply_layout(copy, layout)
+    return copy

@@ -2,10 +2,10 @@
 
 Starting from the user's annotations (which always win), the pass sweeps the
 whole fusion forward (outputs from inputs) then backward (inputs from
-outputs), applying each op family's rule (``sharding.rules``) to every mesh
-axis, until no tensor changes. A tensor still unplaced is replicated on the
-fusion's mesh. Every decision is recorded so ``explain`` can say which rule
-set each layout, and from which tensors.
+outputs), applying each op family's rule to every mesh axis
+(``sharding.rules.mesh_rule``), until no tensor changes. A tensor still
+unplaced is replicated on the fusion's mesh. Every decision is recorded so
+``explain`` can say which rule set each layout, and from which tensors.
 
 The pass writes the layouts into the fusion (``TensorView.mesh`` and the
 axes' parallel types); run it on a copy (``Fusion.clone``) to keep the
@@ -19,16 +19,9 @@ from dataclasses import dataclass
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, TensorView
 from sharding.errors import ShardingError
-from sharding.layout import (
-    Layout,
-    Placement,
-    Replicate,
-    apply_layout,
-    layout_of,
-    valid_placements,
-)
+from sharding.layout import Layout, apply_layout, layout_of
 from sharding.mesh import DeviceMesh
-from sharding.rules import dim_map
+from sharding.rules import mesh_rule
 
 
 @dataclass(frozen=True)
@@ -98,20 +91,12 @@ class ShardingPropagation:
         known = [t for t in expr.inputs if t in self.decisions]
         if not unknown or not known:
             return False
-        mesh = self._mesh(expr, known)
-        placements = []
-        rule_name = ""
-        for mesh_axis, parts in enumerate(mesh.shape):
-            rule = dim_map(expr, parts)
-            rule_name = rule.rule
-            inputs = [
-                self.decisions[t].layout.placements[mesh_axis] if t in self.decisions else None
-                for t in expr.inputs
-            ]
-            placements.append(rule.forward(inputs))
-        layout = Layout(mesh, valid_placements(placements))
+        rule = mesh_rule(expr, self._mesh(expr, known))
+        layout = rule.forward(
+            [self.decisions[t].layout if t in self.decisions else None for t in expr.inputs]
+        )
         for tensor in unknown:
-            self.decisions[tensor] = Decision(layout, "forward", rule_name, tuple(known), expr)
+            self.decisions[tensor] = Decision(layout, "forward", rule.name, tuple(known), expr)
         return True
 
     def _backward(self, expr: Expr) -> bool:
@@ -120,23 +105,11 @@ class ShardingPropagation:
         if not unknown or not known:
             return False
         layout = self.decisions[known[0]].layout
-        mesh = layout.mesh
-        per_input: list[list[Placement]] = [[] for _ in expr.inputs]
-        rule_name = ""
-        for mesh_axis, parts in enumerate(mesh.shape):
-            rule = dim_map(expr, parts)
-            rule_name = rule.rule
-            required = rule.backward(layout.placements[mesh_axis])
-            if required is None:
-                required = [Replicate() for _ in expr.inputs]
-            for placements, placement in zip(per_input, required, strict=True):
-                placements.append(placement)
-        for tensor, placements in zip(expr.inputs, per_input, strict=True):
+        rule = mesh_rule(expr, layout.mesh)
+        required = rule.backward(layout, replicate_if_impossible=True)
+        for tensor, needed in zip(expr.inputs, required, strict=True):
             if tensor in unknown and tensor not in self.decisions:
-                self.decisions[tensor] = Decision(
-                    Layout(mesh, valid_placements(placements)), "backward", rule_name,
-                    (known[0],), expr,
-                )  # fmt: skip
+                self.decisions[tensor] = Decision(needed, "backward", rule.name, (known[0],), expr)
         return True
 
     def _default(self) -> None:

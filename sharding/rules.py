@@ -11,14 +11,15 @@ directions propagation needs:
 - ``backward``: the placements the inputs need for the expr to produce a
   given output placement locally, or None when it cannot.
 
-Rules see one mesh axis at a time; propagation applies them to every axis of
-the mesh (``parts`` is the number of ranks along the axis being decided).
-Adding an op family touches one place: a function registered in ``RULES``.
+Rules see one mesh axis at a time (``parts`` is the number of ranks along
+it); ``mesh_rule`` expands an expr's rule over every axis of a mesh, and
+propagation and resharding both go through it. Adding an op family touches
+one place: a function registered in ``RULES``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fusion.exprs import (
@@ -40,7 +41,8 @@ from fusion.exprs import (
     WhereOp,
 )
 from fusion.ir import Extent, Symbol, TensorView
-from sharding.layout import Partial, Placement, Replicate, Shard
+from sharding.layout import Layout, Partial, Placement, Replicate, Shard, valid_placements
+from sharding.mesh import DeviceMesh
 
 
 @dataclass
@@ -115,6 +117,54 @@ def dim_map(expr: Expr, parts: int) -> DimMap:
         if cls in RULES:
             return RULES[cls](expr, parts)
     raise NotImplementedError(f"no sharding rule for {type(expr).__name__}")
+
+
+@dataclass(frozen=True)
+class MeshRule:
+    """An expr's rule expanded over a mesh: one ``DimMap`` per mesh axis.
+
+    Example::
+
+        rule = mesh_rule(expr, mesh)
+        produced = rule.forward([layout_of(t) for t in expr.inputs])
+        needed = rule.backward(produced)  # one layout per input, or None
+    """
+
+    mesh: DeviceMesh
+    per_axis: tuple[DimMap, ...]
+
+    @property
+    def name(self) -> str:
+        """The rule's name (its op family's, on every mesh axis)."""
+        return self.per_axis[-1].rule
+
+    def forward(self, inputs: Sequence[Layout | None]) -> Layout:
+        """The output's layout when the inputs are laid out as given (None: unknown)."""
+        placements = [
+            rule.forward([None if layout is None else layout.placements[axis] for layout in inputs])
+            for axis, rule in enumerate(self.per_axis)
+        ]
+        return Layout(self.mesh, valid_placements(placements))
+
+    def backward(
+        self, output: Layout, *, replicate_if_impossible: bool = False
+    ) -> list[Layout] | None:
+        """The input layouts that produce ``output`` locally, or None when a mesh axis cannot
+        (with ``replicate_if_impossible``, the inputs are replicated on that axis instead)."""
+        per_axis = []
+        for rule, placement in zip(self.per_axis, output.placements, strict=True):
+            needs = rule.backward(placement)
+            if needs is None:
+                if not replicate_if_impossible:
+                    return None
+                needs = [Replicate() for _ in rule.maps]
+            per_axis.append(needs)
+        return [Layout(self.mesh, valid_placements(p)) for p in zip(*per_axis, strict=True)]
+
+
+def mesh_rule(expr: Expr, mesh: DeviceMesh) -> MeshRule:
+    """``expr``'s rule on every axis of ``mesh`` (each told how many ranks it has)."""
+    return MeshRule(mesh, tuple(dim_map(expr, parts) for parts in mesh.shape))
 
 
 def _broadcasts(source: Extent, target: Extent) -> bool:
