@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from overlap.planner import CPU_FIGURES, HardwareFigures
+from overlap.figures import CPU_FIGURES, HardwareFigures
 from schedulers.hardware import current_hardware
 
 

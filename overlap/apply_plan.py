@@ -9,7 +9,8 @@ each communication's transport and chunk order from the same plan.
 
 from __future__ import annotations
 
-from overlap.planner import OverlapPlan, Pattern
+from overlap.cost_model import Pattern
+from overlap.planner import OverlapPlan
 
 
 def apply_overlap_plan(plan: OverlapPlan) -> None:

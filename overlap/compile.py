@@ -35,10 +35,11 @@ from fusion.definition import FusionDefinition
 from fusion.ir import Fusion
 from overlap.apply_plan import apply_overlap_plan
 from overlap.deallocate import insert_deallocations
+from overlap.figures import CPU_FIGURES, HardwareFigures
 from overlap.host_ir import HostProgram, LaunchKernel, walk
 from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
-from overlap.planner import CPU_FIGURES, HardwareFigures, OverlapOptions, OverlapPlan, plan_overlap
+from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
 from sharding.errors import ShardingError
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion

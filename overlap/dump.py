@@ -22,7 +22,7 @@ from types import ModuleType
 from typing import TextIO
 
 from overlap.compile import compile_program
-from overlap.planner import NAMED_FIGURES
+from overlap.figures import NAMED_FIGURES
 
 
 class ScriptError(ValueError):

@@ -35,9 +35,10 @@ from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
+from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import Communicate, HostProgram, LaunchKernel, Transport, walk
 from overlap.inputs import addresses, check_local_inputs, describe_inputs
-from overlap.planner import HardwareFigures, OverlapOptions, OverlapPlan, default_hardware_figures
+from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
 from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers

@@ -24,29 +24,18 @@ communication's transport and order from the plan.
 
 from __future__ import annotations
 
-import enum
-import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
-
-import torch
+from dataclasses import dataclass, field
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
+from overlap.cost_model import Pattern, predict
+from overlap.figures import HardwareFigures
 from overlap.host_ir import ChunkOrder, Transport
-from schedulers.hardware import B200, H100, H200, INTERPRETER, HardwareProfile, current_hardware
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import layout_of, local_shape
 from sharding.rules import dim_map
-
-
-class Pattern(enum.StrEnum):
-    """The communication-and-matmul pairs the planner can pipeline."""
-
-    ALLGATHER_MATMUL = "allgather+matmul"
-    MATMUL_REDUCE_SCATTER = "matmul+reduce_scatter"
-
 
 _ORDERS = {
     (Pattern.ALLGATHER_MATMUL, Transport.COLLECTIVE): ChunkOrder.GLOBAL,
@@ -56,80 +45,6 @@ _ORDERS = {
     (Pattern.MATMUL_REDUCE_SCATTER, Transport.RING): ChunkOrder.RING_REDUCE,
     (Pattern.MATMUL_REDUCE_SCATTER, Transport.COPY_ENGINE): ChunkOrder.LOCAL_LAST,
 }
-
-
-@dataclass(frozen=True)
-class HardwareFigures:
-    """What the cost model reads: the device (``schedulers.hardware``: SMs, memory
-    bandwidth, the one description every heuristic reads) and what overlapping adds
-    (measured by ``benchmarks/hardware_figures.py``)."""
-
-    name: str
-    device: HardwareProfile
-    matmul_tflops: float  # dense matmul rate on large shapes, in the benchmark's dtype
-    collective_gbps: float  # NCCL/gloo all-gather bandwidth, bytes received per rank per s
-    p2p_gbps: float  # send/recv between neighbours
-    copy_engine_gbps: float  # copy-engine pulls from a peer's symmetric buffer (0: none)
-    launch_us: float  # host cost of one launched op or collective
-    collective_slowdown: float  # matmul time factor while NCCL kernels run beside it
-    tile_rows: int = 128
-    tile_cols: int = 256
-
-    @property
-    def memory_gbps(self) -> float:
-        """The device's copy bandwidth (read + write)."""
-        return self.device.memory_gbps
-
-    @property
-    def sm_count(self) -> int:
-        return self.device.sm_count
-
-    @property
-    def has_copy_engine(self) -> bool:
-        return self.copy_engine_gbps > 0
-
-
-# Measured on 2x H200 (NVLink) by benchmarks/hardware_figures.py, bf16, in the run recorded
-# in benchmarks/results/ag_matmul.json.
-H200_FIGURES = HardwareFigures(
-    name="H200 (NVLink)",
-    device=H200,
-    matmul_tflops=738.0,
-    collective_gbps=197.0,
-    p2p_gbps=197.0,
-    copy_engine_gbps=349.0,
-    launch_us=14.2,
-    collective_slowdown=1.37,
-)
-# Processes on one CPU host talking through gloo: chunking rarely pays.
-CPU_FIGURES = HardwareFigures(
-    name="CPU (gloo)",
-    device=replace(INTERPRETER, name="CPU", sm_count=2, memory_gbps=10.0),
-    matmul_tflops=0.1,
-    collective_gbps=2.0,
-    p2p_gbps=2.0,
-    copy_engine_gbps=0.0,
-    launch_us=50.0,
-    collective_slowdown=1.3,
-)
-# ``overlap dump --device NAME``: links measured on H200s, the named device's own profile
-NAMED_FIGURES = {
-    "h200": H200_FIGURES,
-    "h100": replace(H200_FIGURES, name="H100 (H200 link figures)", device=H100),
-    "b200": replace(H200_FIGURES, name="B200 (H200 link figures)", device=B200),
-    "cpu": CPU_FIGURES,
-}
-
-
-def default_hardware_figures(device: torch.device) -> HardwareFigures:
-    """The recorded figures for this device's kind (measure for better ones)."""
-    if device.type != "cuda":
-        return CPU_FIGURES
-    profile = current_hardware(device)
-    if "H200" in profile.name or "H100" in profile.name:
-        return replace(H200_FIGURES, name=profile.name, device=profile)
-    name = f"{profile.name} (H200 figures, unmeasured)"
-    return replace(H200_FIGURES, name=name, device=profile)
 
 
 @dataclass(frozen=True)
@@ -271,139 +186,6 @@ def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, in
             ):
                 found.append((Pattern.MATMUL_REDUCE_SCATTER, expr, producer, expr.out_dim))
     return found
-
-
-# ---------------------------------------------------------------------------
-# The cost model
-
-
-def _matmul_ms(figures: HardwareFigures, rows: int, k: int, n: int) -> float:
-    """A matmul's time, with the wave quantization of a tiled kernel over the SMs."""
-    if rows <= 0:
-        return 0.0
-    tiles = math.ceil(rows / figures.tile_rows) * math.ceil(n / figures.tile_cols)
-    waves = math.ceil(tiles / figures.sm_count)
-    efficiency = (tiles / figures.sm_count) / waves
-    ideal_ms = 2 * rows * k * n / (figures.matmul_tflops * 1e9)
-    return ideal_ms / max(efficiency, 1e-3) + figures.launch_us / 1e3
-
-
-def _transfer_ms(bytes_moved: float, gbps: float, launch_us: float) -> float:
-    return bytes_moved / (gbps * 1e6) + launch_us / 1e3
-
-
-def _pipeline_ms(compute: list[float], transfer: list[float], gather: bool) -> float:
-    """Two engines, one for compute and one for transfers, chunk by chunk.
-
-    ``gather``: a chunk's compute waits for its transfer; else its transfer waits for
-    its compute (a reduce-scatter).
-    """
-    compute_end = transfer_end = 0.0
-    for compute_ms, transfer_ms in zip(compute, transfer, strict=True):
-        if gather:
-            transfer_end += transfer_ms
-            compute_end = max(compute_end, transfer_end) + compute_ms
-        else:
-            compute_end += compute_ms
-            transfer_end = max(transfer_end, compute_end) + transfer_ms
-    return max(compute_end, transfer_end)
-
-
-# The host issues a host program step by step (about one launch each); a pipeline of C
-# chunks takes about FIXED + PER_CHUNK * C steps, a sequential run SEQUENTIAL_STEPS. When
-# the GPU work is shorter than that, the host is the limit.
-SEQUENTIAL_STEPS = 6
-PIPELINE_FIXED_STEPS = 8
-PIPELINE_STEPS_PER_CHUNK = 12
-
-
-GRAPH_REPLAY_MS = 0.015  # the host's cost of replaying a captured CUDA graph
-
-
-def host_ms(
-    figures: HardwareFigures, transport: str | None, chunks: int, replayed: bool = False
-) -> float:
-    """The host's time to issue one run of a candidate (a graph replay when ``replayed``)."""
-    if replayed:
-        return GRAPH_REPLAY_MS
-    steps = (
-        SEQUENTIAL_STEPS
-        if transport is None
-        else PIPELINE_FIXED_STEPS + PIPELINE_STEPS_PER_CHUNK * chunks
-    )
-    return steps * figures.launch_us / 1e3
-
-
-def predict(
-    pattern: str,
-    figures: HardwareFigures,
-    shape: tuple[int, int, int],
-    parts: int,
-    bits: int,
-    transport: str | None,
-    chunks: int,
-    replayed: bool = False,
-) -> float:
-    """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
-    host's time to issue the run if that is longer (``replayed``: from a CUDA graph)."""
-    return max(
-        _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
-        host_ms(figures, transport, chunks, replayed),
-    )
-
-
-def _device_ms(
-    pattern: str,
-    figures: HardwareFigures,
-    shape: tuple[int, int, int],
-    parts: int,
-    bits: int,
-    transport: str | None,
-    chunks: int,
-) -> float:
-    m, k, n = shape
-    moved_width = k if pattern == Pattern.ALLGATHER_MATMUL else n
-    total_bytes = m * moved_width * bits / 8 * (parts - 1) / parts
-    if transport is None:
-        comm = _transfer_ms(total_bytes, figures.collective_gbps, figures.launch_us)
-        return _matmul_ms(figures, m, k, n) + comm
-    rows = [m // chunks + (1 if c < m % chunks else 0) for c in range(chunks)]
-    per_rank = chunks // parts
-    if transport == Transport.COPY_ENGINE:
-        gbps, slowdown = figures.copy_engine_gbps, 1.0
-    elif transport == Transport.RING:
-        gbps, slowdown = figures.p2p_gbps, figures.collective_slowdown
-    else:
-        gbps, slowdown = figures.collective_gbps, figures.collective_slowdown
-    compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
-    chunk_bytes = [r * moved_width * bits / 8 for r in rows]
-    if transport == Transport.COPY_ENGINE:
-        # Own chunks need no transfer; the peers' arrive one after another, after this
-        # rank's piece is staged for them (beside the first matmuls, on its own stream).
-        own = set(range(per_rank))
-        staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)
-        transfer = [
-            0.0 if c in own else _transfer_ms(b, gbps, figures.launch_us)
-            for c, b in enumerate(chunk_bytes)
-        ]
-        if pattern == Pattern.ALLGATHER_MATMUL:
-            transfer[per_rank % chunks] += staging
-            return _pipeline_ms(compute, transfer, gather=True)
-        transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
-        combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
-        return _pipeline_ms(compute, transfer, gather=False) + combine
-    if transport == Transport.RING:
-        # Every link carries one chunk per step; a rank's first chunks are its own.
-        transfer = [
-            0.0 if c < per_rank else _transfer_ms(b, gbps, figures.launch_us)
-            for c, b in enumerate(chunk_bytes)
-        ]
-        return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
-    # Collective: one collective per chunk, in the same global order on every rank; the
-    # last owner waits longest (all-gather) or its chunks come last (reduce-scatter).
-    transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
-                for b in chunk_bytes]  # fmt: skip
-    return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
 
 
 def _candidates(

@@ -15,14 +15,12 @@ from dataclasses import dataclass
 import torch
 
 from fusion.binding import Bindings, resolve
-from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
 from fusion.fp4 import unpack_fp4
 from fusion.ir import TensorView
-from fusion.reference import evaluate_expr
-from fusion.storage import is_packed, logical_shape, packed, storage_dtype, storage_shape, unpacked
-from overlap import progress
-from overlap.communications import Pending, RankContext, identity, start
+from fusion.storage import is_packed, packed, storage_dtype, storage_shape
+from overlap.communications import Pending, RankContext, start
 from overlap.compile import CompiledProgram
+from overlap.compute_steps import ComputeSteps
 from overlap.host_ir import (
     AliasSelect,
     Allocate,
@@ -43,9 +41,8 @@ from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
 from schedulers.hardware import HardwareProfile
-from sharding.communication import LocalShard
 from sharding.errors import ShardingError
-from sharding.layout import Shard, layout_of, local_shape, split_range
+from sharding.layout import Shard, layout_of, local_shape
 from sharding.mesh import DeviceMesh
 
 
@@ -102,6 +99,7 @@ class RankProgram:
             setup.device,
         )
         self.pipelined = PipelinedComms(self.ctx, setup.symmetric)
+        self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
 
@@ -236,13 +234,13 @@ class RankProgram:
         if not self.holds(kernel.mesh):
             return None
         aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
-        evaluated = [self._compile_expr(expr, aliases) for expr in kernel.exprs]
-        if kernel.scheduler is None or self._holds_an_empty_piece(kernel.plan):
+        evaluated = [self.compute.evaluated(expr, aliases) for expr in kernel.exprs]
+        if kernel.scheduler is None or self.compute.holds_an_empty_piece(kernel.plan):
             # an empty piece (fewer rows than ranks) has nothing to launch a kernel over;
             # the evaluator gives its partial results the identity
             computes = evaluated
         else:
-            computes = [self._compile_generated(kernel, aliases, evaluated, loop is None)]
+            computes = [self.compute.generated(kernel, aliases, evaluated, loop is None)]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
@@ -255,176 +253,6 @@ class RankProgram:
                     compute()
 
         return launch
-
-    def _holds_an_empty_piece(self, plan) -> bool:
-        return any(0 in self.local_shape(t) for t in [*plan.inputs, *plan.outputs])
-
-    def _compile_generated(self, kernel: LaunchKernel, aliases: dict[TensorView, object],
-                           evaluated: list, warm_up: bool) -> object:  # fmt: skip
-        """A generated kernel: heuristics (or the user's override) pick its params now.
-
-        ``evaluated`` computes the same with the evaluator: taken for an empty chunk. With
-        ``warm_up`` (a kernel outside chunk loops) a CUDA kernel is compiled now."""
-        scheduler, plan = kernel.scheduler, kernel.plan
-        hardware = self.setup.hardware
-        override = self.setup.kernel_params.get(kernel.name)
-        if isinstance(override, str):  # a strategy, forced
-            params = scheduler.configure(plan, hardware, self.local_shape, strategy=override)
-        else:
-            params = override or scheduler.configure(plan, hardware, self.local_shape)
-        launch = scheduler.launcher(plan, params, hardware, self.local_shape)
-        self.chosen_params[kernel.name] = params
-        self.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
-        device = self.ctx.device
-        # the first launch compiles the kernel (Triton's JIT): with progress on, say so
-        # and wait for it, so the time printed is the compile's
-        unannounced = progress.enabled()
-        if warm_up and device.type == "cuda":
-            self._warm_up(kernel, launch)
-            unannounced = False
-
-        def run() -> None:
-            nonlocal unannounced
-            inputs = [self.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
-            if any(value.numel() == 0 for value in inputs):
-                for compute in evaluated:
-                    compute()
-                return
-            targets = []
-            for tensor in plan.outputs:
-                destination = self.values.get(aliases[tensor]) if tensor in aliases else None
-                if destination is None or not destination.is_contiguous():
-                    shape = storage_shape(tensor, self._logical_shape_of(tensor, destination))
-                    targets.append(torch.empty(shape, dtype=storage_dtype(tensor), device=device))
-                else:
-                    targets.append(destination)
-            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
-            shapes.update(
-                {t: logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
-            )
-            if unannounced:
-                unannounced = False
-                with progress.step(f"rank {self.rank}: compiling {kernel.name} "
-                                   f"[{scheduler.name}]"):  # fmt: skip
-                    launch(inputs, targets, shapes)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-            else:
-                launch(inputs, targets, shapes)
-            for tensor, target in zip(plan.outputs, targets, strict=True):
-                key = aliases.get(tensor, tensor)
-                destination = self.values.get(key) if tensor in aliases else None
-                if destination is not None and destination is not target:
-                    destination.copy_(target)
-                else:
-                    self.values[key] = target
-
-        return run
-
-    def _warm_up(self, kernel: LaunchKernel, launch) -> None:
-        """Launch ``kernel`` once on zeros of this rank's shapes, so that Triton compiles
-        it now, while the ranks can still agree that the run may start: a kernel the
-        device refuses on one rank (its resources at its local shapes) then fails every
-        rank before any collective, not this rank alone in the middle of the run."""
-        plan, device = kernel.plan, self.ctx.device
-        shapes = {t: self.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
-
-        def zeros(tensor: TensorView) -> torch.Tensor:
-            shape = storage_shape(tensor, shapes[tensor])
-            return torch.zeros(shape, dtype=storage_dtype(tensor), device=device)
-
-        with progress.step(f"rank {self.rank}: compiling {kernel.name} [{kernel.scheduler.name}]"):
-            launch([zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs], shapes)
-            torch.cuda.synchronize(device)
-
-    def _logical_shape_of(self, tensor: TensorView, destination) -> list[int]:
-        if destination is not None:
-            return logical_shape(tensor, destination)
-        return self.local_shape(tensor)
-
-    def _compile_expr(self, expr: Expr, aliases: dict[TensorView, object]):
-        values = self  # read through self.values: it is replaced on every run
-
-        def read(tensor: TensorView) -> torch.Tensor:
-            return values.values[aliases.get(tensor, tensor)]
-
-        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
-        if isinstance(expr, LocalShard):
-            (source,) = expr.inputs
-            coordinate = expr.mesh.coords(self.rank)[expr.mesh_axis]
-            extent = self.local_shape(source)[expr.dim]
-            offset, size = split_range(extent, expr.mesh.shape[expr.mesh_axis], coordinate)
-            ((_, key, _),) = outputs
-
-            def shard_locally() -> None:
-                whole = unpacked(source, read(source))
-                piece = whole.narrow(expr.dim, offset, size).contiguous()
-                values.values[key] = packed(source, piece)
-
-            return shard_locally
-        if _partial_extreme(expr):
-            ((out, key, _),) = outputs
-            dims = expr.dims
-            evaluate_nonempty = self._compile_expr_plain(expr, aliases)
-
-            def extreme() -> None:
-                value = read(expr.inputs[0])
-                if all(value.shape[d] > 0 for d in dims):
-                    evaluate_nonempty()
-                    return
-                # this rank's piece of the reduced axis is empty: the identity, which
-                # leaves the other ranks' partial results as they are
-                shape = [e for d, e in enumerate(value.shape) if d not in dims]
-                empty = torch.empty(shape, dtype=storage_dtype(out), device=self.ctx.device)
-                values.values[key] = identity(empty, expr.op_name)
-
-            return extreme
-        return self._compile_expr_plain(expr, aliases)
-
-    def _compile_expr_plain(self, expr: Expr, aliases: dict[TensorView, object]):
-        values = self
-
-        def read(tensor: TensorView) -> torch.Tensor:
-            return values.values[aliases.get(tensor, tensor)]
-
-        outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
-        if isinstance(expr, (MatmulOp, LinearOp)):
-            ((_, key, into_chunk),) = outputs
-
-            def contract() -> None:
-                destination = values.values.get(key) if into_chunk else None
-                result = _contract(expr, read, destination)
-                if destination is None:
-                    values.values[key] = result
-                elif result.data_ptr() != destination.data_ptr():
-                    destination.copy_(result)
-
-            return contract
-
-        def evaluate() -> None:
-            # The reference evaluator holds fp4 unpacked, one code per byte.
-            local = {t: unpacked(t, read(t)) for t in expr.inputs}
-            destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
-
-            def shape_of(tensor: TensorView) -> list[int]:
-                if tensor in local:
-                    return list(local[tensor].shape)
-                destination = destinations.get(tensor)
-                if destination is not None and not is_packed(tensor):
-                    return list(destination.shape)
-                if destination is not None:
-                    return list(destination.shape[:-1]) + [2 * destination.shape[-1]]
-                return self.local_shape(tensor)
-
-            evaluate_expr(expr, local, shape_of)
-            for out, key, into_chunk in outputs:
-                result = packed(out, local[out])
-                if into_chunk and destinations[out] is not None:
-                    destinations[out].copy_(result)
-                else:
-                    values.values[key] = result
-
-        return evaluate
 
     def _communicate(self, instruction: Communicate, loop):
         comm = instruction.communication
@@ -529,26 +357,3 @@ class RankProgram:
         StageForPeers: _stage_for_peers,
         CombineStaged: _combine_staged,
     }
-
-
-def _partial_extreme(expr: Expr) -> bool:
-    """A max or min over an axis split across ranks (its result a partial max/min)."""
-    if not isinstance(expr, ReductionOp) or expr.op_name not in ("max", "min"):
-        return False
-    layout = layout_of(expr.output)
-    return layout is not None and layout.is_partial
-
-
-def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
-    """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
-    if isinstance(expr, MatmulOp):
-        a, b = (read(t) for t in expr.inputs)
-        if out is not None and out.is_contiguous() and a.dim() == 2 and b.dim() == 2:
-            return torch.mm(a, b, out=out)
-        return torch.matmul(a, b)
-    x, weight, *bias = (read(t) for t in expr.inputs)
-    if out is not None and out.is_contiguous() and x.dim() == 2:
-        if bias:
-            return torch.addmm(bias[0], x, weight.t(), out=out)
-        return torch.mm(x, weight.t(), out=out)
-    return torch.nn.functional.linear(x, weight, bias[0] if bias else None)

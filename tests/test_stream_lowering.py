@@ -10,15 +10,11 @@ import torch
 
 from fusion import FusionDefinition, ParallelType
 from overlap.compile import compile_program
+from overlap.cost_model import predict
 from overlap.executor import MultiDeviceExecutor
+from overlap.figures import CPU_FIGURES, H200_FIGURES
 from overlap.lowering import lower_to_host_program
-from overlap.planner import (
-    CPU_FIGURES,
-    H200_FIGURES,
-    OverlapOptions,
-    plan_overlap,
-    predict,
-)
+from overlap.planner import OverlapOptions, plan_overlap
 from overlap.timeline import Timeline
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 

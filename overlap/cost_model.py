@@ -1,0 +1,151 @@
+"""The planner's cost model: the predicted time of one pattern, sequential or pipelined.
+
+Two engines, one for compute and one for transfers, chunk by chunk; the matmul's wave
+quantization over the SMs; the host's cost of issuing a program step by step (unless a
+CUDA graph replays it). ``predict`` is the slowest rank's time, the device's or the
+host's, whichever is longer.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+
+from overlap.figures import HardwareFigures
+from overlap.host_ir import Transport
+
+
+class Pattern(enum.StrEnum):
+    """The communication-and-matmul pairs the planner can pipeline."""
+
+    ALLGATHER_MATMUL = "allgather+matmul"
+    MATMUL_REDUCE_SCATTER = "matmul+reduce_scatter"
+
+
+def _matmul_ms(figures: HardwareFigures, rows: int, k: int, n: int) -> float:
+    """A matmul's time, with the wave quantization of a tiled kernel over the SMs."""
+    if rows <= 0:
+        return 0.0
+    tiles = math.ceil(rows / figures.tile_rows) * math.ceil(n / figures.tile_cols)
+    waves = math.ceil(tiles / figures.sm_count)
+    efficiency = (tiles / figures.sm_count) / waves
+    ideal_ms = 2 * rows * k * n / (figures.matmul_tflops * 1e9)
+    return ideal_ms / max(efficiency, 1e-3) + figures.launch_us / 1e3
+
+
+def _transfer_ms(bytes_moved: float, gbps: float, launch_us: float) -> float:
+    return bytes_moved / (gbps * 1e6) + launch_us / 1e3
+
+
+def _pipeline_ms(compute: list[float], transfer: list[float], gather: bool) -> float:
+    """Two engines, one for compute and one for transfers, chunk by chunk.
+
+    ``gather``: a chunk's compute waits for its transfer; else its transfer waits for
+    its compute (a reduce-scatter).
+    """
+    compute_end = transfer_end = 0.0
+    for compute_ms, transfer_ms in zip(compute, transfer, strict=True):
+        if gather:
+            transfer_end += transfer_ms
+            compute_end = max(compute_end, transfer_end) + compute_ms
+        else:
+            compute_end += compute_ms
+            transfer_end = max(transfer_end, compute_end) + transfer_ms
+    return max(compute_end, transfer_end)
+
+
+# The host issues a host program step by step (about one launch each); a pipeline of C
+# chunks takes about FIXED + PER_CHUNK * C steps, a sequential run SEQUENTIAL_STEPS. When
+# the GPU work is shorter than that, the host is the limit.
+SEQUENTIAL_STEPS = 6
+PIPELINE_FIXED_STEPS = 8
+PIPELINE_STEPS_PER_CHUNK = 12
+
+
+GRAPH_REPLAY_MS = 0.015  # the host's cost of replaying a captured CUDA graph
+
+
+def host_ms(
+    figures: HardwareFigures, transport: str | None, chunks: int, replayed: bool = False
+) -> float:
+    """The host's time to issue one run of a candidate (a graph replay when ``replayed``)."""
+    if replayed:
+        return GRAPH_REPLAY_MS
+    steps = (
+        SEQUENTIAL_STEPS
+        if transport is None
+        else PIPELINE_FIXED_STEPS + PIPELINE_STEPS_PER_CHUNK * chunks
+    )
+    return steps * figures.launch_us / 1e3
+
+
+def predict(
+    pattern: str,
+    figures: HardwareFigures,
+    shape: tuple[int, int, int],
+    parts: int,
+    bits: int,
+    transport: str | None,
+    chunks: int,
+    replayed: bool = False,
+) -> float:
+    """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
+    host's time to issue the run if that is longer (``replayed``: from a CUDA graph)."""
+    return max(
+        _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
+        host_ms(figures, transport, chunks, replayed),
+    )
+
+
+def _device_ms(
+    pattern: str,
+    figures: HardwareFigures,
+    shape: tuple[int, int, int],
+    parts: int,
+    bits: int,
+    transport: str | None,
+    chunks: int,
+) -> float:
+    m, k, n = shape
+    moved_width = k if pattern == Pattern.ALLGATHER_MATMUL else n
+    total_bytes = m * moved_width * bits / 8 * (parts - 1) / parts
+    if transport is None:
+        comm = _transfer_ms(total_bytes, figures.collective_gbps, figures.launch_us)
+        return _matmul_ms(figures, m, k, n) + comm
+    rows = [m // chunks + (1 if c < m % chunks else 0) for c in range(chunks)]
+    per_rank = chunks // parts
+    if transport == Transport.COPY_ENGINE:
+        gbps, slowdown = figures.copy_engine_gbps, 1.0
+    elif transport == Transport.RING:
+        gbps, slowdown = figures.p2p_gbps, figures.collective_slowdown
+    else:
+        gbps, slowdown = figures.collective_gbps, figures.collective_slowdown
+    compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
+    chunk_bytes = [r * moved_width * bits / 8 for r in rows]
+    if transport == Transport.COPY_ENGINE:
+        # Own chunks need no transfer; the peers' arrive one after another, after this
+        # rank's piece is staged for them (beside the first matmuls, on its own stream).
+        own = set(range(per_rank))
+        staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)
+        transfer = [
+            0.0 if c in own else _transfer_ms(b, gbps, figures.launch_us)
+            for c, b in enumerate(chunk_bytes)
+        ]
+        if pattern == Pattern.ALLGATHER_MATMUL:
+            transfer[per_rank % chunks] += staging
+            return _pipeline_ms(compute, transfer, gather=True)
+        transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
+        combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
+        return _pipeline_ms(compute, transfer, gather=False) + combine
+    if transport == Transport.RING:
+        # Every link carries one chunk per step; a rank's first chunks are its own.
+        transfer = [
+            0.0 if c < per_rank else _transfer_ms(b, gbps, figures.launch_us)
+            for c, b in enumerate(chunk_bytes)
+        ]
+        return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
+    # Collective: one collective per chunk, in the same global order on every rank; the
+    # last owner waits longest (all-gather) or its chunks come last (reduce-scatter).
+    transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
+                for b in chunk_bytes]  # fmt: skip
+    return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
