@@ -47,7 +47,7 @@ from schedulers.codegen import (
     reduce_call,
 )
 from schedulers.hardware import HardwareProfile
-from schedulers.pointwise import as_bytes, tma_descriptor, triton_cdiv
+from schedulers.runtime import as_bytes, cdiv, next_power_of_two, tma_descriptor
 
 OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-bound rows
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
@@ -306,7 +306,7 @@ class NormalizationScheduler:
         if isinstance(chosen, str):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
                                           f"{chosen}): {multiwave.why}")  # fmt: skip
-        walked = triton_cdiv(rows, chosen.programs)
+        walked = cdiv(rows, chosen.programs)
         threshold = gains[len(plan.column_sums)]
         if walked < threshold:
             why = (f"{walked} rows a program, fewer than the {threshold} that amortize a "
@@ -337,7 +337,7 @@ class NormalizationScheduler:
             if columns * tensor.dtype.bits % 128:
                 return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
                         "16 bytes (TMA strides)")  # fmt: skip
-        width = _next_power_of_two(columns)
+        width = next_power_of_two(columns)
         if width * min(t.dtype.bits for t in full) < 128:
             return f"a tile {width} wide is narrower than 16 bytes"
         row_bits = width * sum(t.dtype.bits for t in full)  # a tile row, every buffered input
@@ -411,7 +411,7 @@ class NormalizationScheduler:
         The number of rows only ranks waves. With column sums, a wave
         of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
         copy for RMSNorm backward at 4096) unless registers are short."""
-        width = _next_power_of_two(max(columns, 1))
+        width = next_power_of_two(max(columns, 1))
         vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
         candidates = []
         for warps in (1, 2, 4, 8, 16):
@@ -421,7 +421,7 @@ class NormalizationScheduler:
                 values = max(1, block_rows * width // threads)
                 if (block_rows * width < threads and warps > 1) or block_rows * width > 65536:
                     continue
-                if block_rows > 1 and block_rows > _next_power_of_two(rows):
+                if block_rows > 1 and block_rows > next_power_of_two(rows):
                     continue
                 # buffered rows, plus a program's partial column sums when it keeps any
                 sums = len(plan.column_sums) * max(1, width // threads)
@@ -462,7 +462,7 @@ class NormalizationScheduler:
         """Rows re-read once per pass: a grid small enough that the rows in flight stay
         in half the L2, so the passes after the first read from L2, not memory."""
         warps = 16
-        step = min(_next_power_of_two(columns), CHUNK_VALUES * warps * hardware.warp_size)
+        step = min(next_power_of_two(columns), CHUNK_VALUES * warps * hardware.warp_size)
         row_bits = columns * sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
         fitting = hardware.l2_bits // 2 // max(row_bits, 1)
         programs = max(hardware.sm_count, min(4 * hardware.sm_count, fitting))
@@ -663,7 +663,7 @@ class NormalizationScheduler:
             box = [params.block_rows, params.block_columns]
             for i in tiles:
                 pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
-            grid = (triton_cdiv(rows, params.block_rows),)
+            grid = (cdiv(rows, params.block_rows),)
             if params.programs:
                 grid = (min(grid[0], params.programs),)
             # one row of float32 partial column sums per program (zeroed when the row is
@@ -677,7 +677,7 @@ class NormalizationScheduler:
                          BLOCK_ROWS=params.block_rows, BLOCK_COLUMNS=params.block_columns,
                          num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
             for combine, partial, index in zip(combines, partials, sum_outputs, strict=True):
-                combine[(triton_cdiv(columns, COMBINE_COLUMNS),)](partial, outputs[index],
+                combine[(cdiv(columns, COMBINE_COLUMNS),)](partial, outputs[index],
                     grid[0], COLUMNS=columns, BLOCK_COLUMNS=COMBINE_COLUMNS, PARTS=COMBINE_PARTS,
                     num_warps=8, **COMPILE_OPTIONS)  # fmt: skip
 
@@ -714,10 +714,6 @@ def _space_shape(plan: NormalizationPlan, shapes) -> list[int]:
     raise ValueError("no tensor of the normalization's full shape")
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
 def _identity(op: str) -> str:
     if op in ("sum", "mean"):
         return "0.0"
@@ -746,8 +742,8 @@ class _Candidate:
         occupancy = blocks * warps / hardware.max_warps_per_sm
         lanes = threads // block_rows  # threads along one row
         even = lanes * vector <= width and columns % (lanes * vector) == 0
-        programs = triton_cdiv(max(rows, 1), block_rows)
-        waves = triton_cdiv(programs, max(1, blocks) * hardware.sm_count)
+        programs = cdiv(max(rows, 1), block_rows)
+        waves = cdiv(programs, max(1, blocks) * hardware.sm_count)
         values = max(1, block_rows * width // threads)
         return cls(warps, block_rows, values, registers, occupancy,
                    occupancy >= OCCUPANCY_TARGET, even, waves, blocks,

@@ -40,6 +40,7 @@ from schedulers.codegen import (
     memory_type,
 )
 from schedulers.hardware import HardwareProfile
+from schedulers.runtime import as_bytes, cdiv, next_power_of_two
 
 VECTOR_BITS = 128
 
@@ -134,7 +135,7 @@ class PointwiseScheduler:
         params = PointwiseParams(vector_width=vector_width, unroll=4, num_warps=4)
         if plan.tiled and shape is not None:
             inner = group_sizes(plan.collapsed, shape)[1]
-            columns = min(_next_power_of_two(max(inner, 2)), 1024, params.block)
+            columns = min(next_power_of_two(max(inner, 2)), 1024, params.block)
             params = replace(params, block_columns=columns)
         return params
 
@@ -325,47 +326,12 @@ class PointwiseScheduler:
             runtime = dict(zip(names, [numel, *sizes, *strides], strict=True))
             kernel, arguments = kernels.bind(runtime, known)
             if tiled:
-                grid = (
-                    triton_cdiv(sizes[0], block_rows) * triton_cdiv(sizes[1], params.block_columns),
-                )
+                grid = (cdiv(sizes[0], block_rows) * cdiv(sizes[1], params.block_columns),)
             else:
-                grid = (triton_cdiv(numel, params.block),)
+                grid = (cdiv(numel, params.block),)
             kernel[grid](
                 *pointers, *arguments, **constants, num_warps=params.num_warps, **COMPILE_OPTIONS
             )
 
         launch.forms = lambda: forms_used([kernels])
         return launch
-
-
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors are read and written as their byte codes."""
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
-        return tensor.view(torch.uint8)
-    return tensor
-
-
-def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):
-    """A TMA tensor descriptor of contiguous ``tensor`` seen as (rows, columns), read in
-    ``box`` tiles. TMA needs rows of a multiple of 16 bytes (``ValueError`` naming
-    ``params`` otherwise) and a 16-byte aligned base (a misaligned tensor is copied)."""
-    # imported here: importing Triton before TRITON_INTERPRET is set (the tests set it at
-    # collection) would leave the interpreter unable to run Triton's own jit functions
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if columns * tensor.element_size() % 16:
-        raise ValueError(
-            f"{params}: rows of {columns} {tensor.dtype} are not a multiple of 16 bytes, "
-            "which TMA descriptors need"
-        )
-    if tensor.data_ptr() % 16:
-        tensor = tensor.clone()
-    return TensorDescriptor(tensor, [rows, columns], [columns, 1], box)

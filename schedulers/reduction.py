@@ -39,7 +39,7 @@ from schedulers.codegen import (
     reduce_call,
 )
 from schedulers.hardware import HardwareProfile
-from schedulers.pointwise import as_bytes, tma_descriptor, triton_cdiv
+from schedulers.runtime import as_bytes, cdiv, next_power_of_two, tma_descriptor
 
 TILE_BITS = 16 * 1024 * 8  # a program's tile of the reduction input, per iteration
 LINE_BITS = 128 * 8  # a cache line
@@ -236,7 +236,7 @@ class ReductionScheduler:
         if plan.layout == "inner":
             # At least two rows a tile: measured on H200 (row sums of 32768x4096 bf16),
             # 2x2048 tiles 0.89 of copy, 1x4096 0.84; 8 warps 0.88, 4 warps 0.81.
-            block_reduce = min(_next_power_of_two(reduced_extent), elements // 2)
+            block_reduce = min(next_power_of_two(reduced_extent), elements // 2)
             block_rows = max(1, elements // block_reduce)
             warps = 8 if hardware.arch >= 90 else 4
             return ReductionParams("inner", block_rows, block_reduce, num_warps=warps)
@@ -245,7 +245,7 @@ class ReductionScheduler:
         # 0.83-0.91, 16x256 and 8x512 0.66-0.77.
         read_bits = max(t.dtype.bits for t in plan.inputs)
         block_columns = min(max(LINE_BITS // read_bits, 1), elements)
-        block_rows = max(1, min(elements // block_columns, _next_power_of_two(reduced_extent)))
+        block_rows = max(1, min(elements // block_columns, next_power_of_two(reduced_extent)))
         # Enough programs per SM to keep loads in flight, few enough that the partial
         # results stay small: measured on H200, 8 waves beat 4, 16 and 32 at every N; and
         # the next tile's loads issued before this one is summed (async copies, sm_80 on):
@@ -538,13 +538,13 @@ class ReductionScheduler:
                 return variants.bind(dict(zip(names, values, strict=True)), known)
 
             if inner:
-                grid = (triton_cdiv(kept_count, params.block_rows),)
+                grid = (cdiv(kept_count, params.block_rows),)
                 kernel, arguments = bind(main, 1)
                 kernel[grid](*pointers, *targets, *arguments, **constants,
                              num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
                 return
-            tiles = triton_cdiv(kept_count, params.block_reduce)
-            most = max(1, triton_cdiv(reduced_count, params.block_rows))
+            tiles = cdiv(kept_count, params.block_reduce)
+            most = max(1, cdiv(reduced_count, params.block_rows))
             split = min(most, max(1, params.waves * hardware.sm_count // tiles))
             # Deterministic: every part writes its row of partial results (no fill needed);
             # atomics add into one zeroed row, and the float32 sum is the result.
@@ -558,7 +558,7 @@ class ReductionScheduler:
                                    num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
             kernel, arguments = bind(combine, split if params.deterministic else 1)
             columns = combine_constants["BLOCK_KEPT"]
-            kernel[(triton_cdiv(kept_count, columns),)](partial, *pointers, *targets, *arguments,
+            kernel[(cdiv(kept_count, columns),)](partial, *pointers, *targets, *arguments,
                 **combine_constants, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS)  # fmt: skip
 
         launch.forms = lambda: forms_used([main, combine])
@@ -605,8 +605,8 @@ def tma_outer_tile(
     if min(input_bits) < 8:
         raise NotSchedulable("sub-byte inputs are not loaded through TMA descriptors")
     smallest_kept = max(2, 128 // min(input_bits))  # one 16-byte vector of the narrowest
-    kept = max(smallest_kept, min(TMA_BOX, _next_power_of_two(kept_extent)))
-    reduced = max(TMA_MIN_REDUCED, min(TMA_BOX, _next_power_of_two(reduced_extent)))
+    kept = max(smallest_kept, min(TMA_BOX, next_power_of_two(kept_extent)))
+    reduced = max(TMA_MIN_REDUCED, min(TMA_BOX, next_power_of_two(reduced_extent)))
     per_element = sum(input_bits)  # a tile element of every input
 
     def reserved(kept: int) -> int:
@@ -647,10 +647,6 @@ def _identity(op: str, accumulator: DataType) -> str:
         return 'float("-inf")' if op == "max" else 'float("inf")'
     info = torch.iinfo(accumulator.torch_dtype)
     return str(info.min if op == "max" else info.max)
-
-
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
 
 
 def _parameters(plan: ReductionPlan, rank: int) -> tuple[list[str], list[str], list[str]]:
