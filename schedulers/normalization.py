@@ -39,12 +39,13 @@ from schedulers.cache import KERNEL_CACHE
 from schedulers.codegen import (
     COMBINE,
     COMPILE_OPTIONS,
-    PRELUDE,
     TRITON_TYPES,
     Emitter,
     Value,
     check_supported,
+    kernel_source,
     reduce_call,
+    reduction_identity,
 )
 from schedulers.hardware import HardwareProfile
 from schedulers.runtime import as_bytes, cdiv, next_power_of_two, tma_descriptor
@@ -226,7 +227,7 @@ class NormalizationScheduler:
         )
         if not used_back:
             raise NotSchedulable("no reduction result is used back along the rows")
-        reduction_outputs = {t for e in reductions for t in e.outputs}
+        reduction_outputs = [t for e in reductions for t in e.outputs]  # in order
         return NormalizationPlan(
             columns,
             exprs,
@@ -496,13 +497,12 @@ class NormalizationScheduler:
         outer.line("row_mask = rows < row_count")
         row_cache: dict[TensorView, Value] = {}
         generator = _Generator(plan, pointers, outer, row_cache, tiles)
-        early = Emitter()  # before the walk: weights kept in registers
+        early = outer.nested()  # before the walk: weights kept in registers
         if params.column_registers:
             generator.columns(early, "0", rows=False)
             for tensor in plan.inputs:
                 if plan.kinds[tensor] == "column":
                     generator.value(_Step(early, row_cache), tensor)
-            outer.count = early.count
         if persistent:
             generator.columns(outer, "0")
             step = _Step(outer, row_cache)  # one step: everything shares one cache
@@ -562,33 +562,29 @@ class NormalizationScheduler:
                 f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, "
                 "mask=row_mask[:, None])"
             )
-        runtime = ["row_count"]
-        header = (
-            f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def normalization_kernel("
-            f"{', '.join([*pointers.values(), *targets, *partials, *runtime])}, "
-            "COLUMNS: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr):\n"
-        )
         comment = (
             f"# normalization: {len(plan.reductions)} reductions in {plan.depth} levels, "
             f"{'persistent' if persistent else 'chunked'}"
             + (", warp-specialized (TMA tiles)" if specialized else "")
         )
         if params.programs:  # a fixed grid walks the row blocks
-            walk = ("for row_block in range(tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), "
-                    "tl.num_programs(0)):")  # fmt: skip
+            blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
             if (params.stages > 1 or specialized) and persistent:
                 options = f", num_stages={params.stages}"
                 options += ", warp_specialize=True" if specialized else ""
-                walk = walk.replace(" range(", " tl.range(").replace("):", f"{options}):")
+                walk = f"for row_block in tl.range({blocks}{options}):"
+            else:
+                walk = f"for row_block in range({blocks}):"
             lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
                      *after]  # fmt: skip
         else:
             if sums:
                 raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
             lines = ["row_block = tl.program_id(0)", *outer.lines]
-        body = "".join(f"    {line}\n" for line in lines)
-        return f"{PRELUDE}\n{comment}\n{header}{body}"
+        arguments = [*pointers.values(), *targets, *partials]
+        constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS"]
+        return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
+                             comment)  # fmt: skip
 
     def combine_source(self, plan: NormalizationPlan, index: int) -> str:
         """The column sums' second kernel: each program's partial row added in a fixed
@@ -606,13 +602,9 @@ class NormalizationScheduler:
         )
         value = emit.rounded("tl.sum(acc, 0)", float32, expr.output.dtype)
         emit.line(f"tl.store(out + cols, {emit.stored(value)}, mask=col_mask)")
-        header = (
-            "@triton.jit(do_not_specialize=['programs'])\n"
-            "def combine_kernel(partial, out, programs, COLUMNS: tl.constexpr, "
-            "BLOCK_COLUMNS: tl.constexpr, PARTS: tl.constexpr):\n"
-        )
-        body = "".join(f"    {line}\n" for line in emit.lines)
-        return f"{PRELUDE}\n{header}{body}"
+        constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS"]
+        return kernel_source("combine_kernel", ["partial", "out"], ["programs"], constants,
+                             emit.lines)  # fmt: skip
 
     def constants(
         self, plan: NormalizationPlan, params: NormalizationParams, columns: int
@@ -714,12 +706,6 @@ def _space_shape(plan: NormalizationPlan, shapes) -> list[int]:
     raise ValueError("no tensor of the normalization's full shape")
 
 
-def _identity(op: str) -> str:
-    if op in ("sum", "mean"):
-        return "0.0"
-    return 'float("-inf")' if op == "max" else 'float("inf")'
-
-
 @dataclass
 class _Candidate:
     warps: int
@@ -780,7 +766,6 @@ class _Generator:
     def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset()) -> None:
         self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
-        self.loops = 0
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
 
     # Columns of a step: offsets, masks.
@@ -793,16 +778,12 @@ class _Generator:
             emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
 
     def loop(self) -> _Step:
-        body = Emitter()
-        body.count = 1000 * (self.loops + 1) + self.outer.count
-        self.loops += 1
+        body = self.outer.nested()
         self.columns(body, "start")
         return _Step(body, {})
 
     def close(self, step: _Step) -> None:
-        self.outer.line("for start in range(0, COLUMNS, BLOCK_COLUMNS):")
-        self.outer.lines.extend(f"    {line}" for line in step.emit.lines)
-        self.outer.count = max(self.outer.count, step.emit.count)
+        self.outer.block("for start in range(0, COLUMNS, BLOCK_COLUMNS):", step.emit)
 
     # Values.
     def value(self, step: _Step, tensor: TensorView) -> Value:
@@ -851,7 +832,8 @@ class _Generator:
             centred = step.emit.assign(f"{value} - {mean}")
             value = step.emit.assign(f"{centred} * {centred}")
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
-        term = step.emit.assign(f"tl.where(mask, {value}, {_identity(op)})")
+        identity = reduction_identity(op, accumulator)
+        term = step.emit.assign(f"tl.where(mask, {value}, {identity})")
         return producer, op, term, accumulator
 
     def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
@@ -862,9 +844,11 @@ class _Generator:
     def accumulator(self, tensor: TensorView) -> str:
         producer = tensor.definition
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
-        kind = TRITON_TYPES[_accumulator(tensor.dtype).name]
+        accumulator = _accumulator(tensor.dtype)
+        identity = reduction_identity(op, accumulator)
         return self.outer.assign(
-            f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {_identity(op)}, {kind})", "acc"
+            f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {identity}, {TRITON_TYPES[accumulator.name]})",
+            "acc",
         )
 
     def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
@@ -886,9 +870,8 @@ class _Generator:
                 result = emit.assign(f"div({reduced}, {count})")
                 self.means[producer] = result
             else:
-                divisor = f"tl.full((), COLUMNS - {producer.correction}, tl.float32)"
-                if accumulator is float64:
-                    divisor = divisor.replace("tl.float32", "tl.float64")
+                kind = TRITON_TYPES[accumulator.name]
+                divisor = f"tl.full((), COLUMNS - {producer.correction}, {kind})"
                 result = emit.assign(f"div({reduced}, {divisor})")
         elif op == "mean":
             result = emit.assign(f"div({reduced}, {count})")

@@ -33,10 +33,10 @@ from schedulers.analysis import (
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import (
     COMPILE_OPTIONS,
-    PRELUDE,
     Emitter,
     Value,
     check_supported,
+    kernel_source,
     memory_type,
 )
 from schedulers.hardware import HardwareProfile
@@ -262,20 +262,14 @@ class PointwiseScheduler:
                     f"tl.store({outputs[i]} + pairs, (lo{i} | (hi{i} << 4)).to(tl.uint8), "
                     "mask=pairs < numel // 2)"
                 )
-        constants = "BLOCK: tl.constexpr"
-        if tiled:
-            constants += ", BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr"
-        header = (
-            f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def pointwise_kernel({', '.join([*inputs, *outputs, *runtime])}, {constants}):\n"
-        )
-        body = "".join(f"    {line}\n" for line in emit.lines)
+        constants = ["BLOCK", "BLOCK_ROWS", "BLOCK_COLUMNS"] if tiled else ["BLOCK"]
         comment = f"# {params}; memory types: " + ", ".join(
             memory_type(t.dtype) for t in plan.inputs + plan.outputs
         )
         if aligned:
             comment += f"; {', '.join(known)} are multiples of {ALIGN_ELEMENTS} elements"
-        return f"{PRELUDE}\n{comment}\n{header}{body}"
+        return kernel_source("pointwise_kernel", [*inputs, *outputs], runtime, constants,
+                             emit.lines, comment)  # fmt: skip
 
     def constants(self, plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:
         """The kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""

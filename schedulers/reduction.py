@@ -31,12 +31,13 @@ from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import (
     COMBINE,
     COMPILE_OPTIONS,
-    PRELUDE,
     TRITON_TYPES,
     Emitter,
     Value,
     check_supported,
+    kernel_source,
     reduce_call,
+    reduction_identity,
 )
 from schedulers.hardware import HardwareProfile
 from schedulers.runtime import as_bytes, cdiv, next_power_of_two, tma_descriptor
@@ -57,6 +58,7 @@ TMA_EXTRA_TILES = 1  # Triton 3.6 asks for one tile more than its stages (measur
 TMA_MIN_REDUCED = 8  # the reduced side shrinks no further
 TMA_SCRATCH_WARPS = 4  # warps along the reduced side whose partials meet in shared memory
 TMA_BARRIER_BITS = 1024 * 8  # the stages' barriers and alignment
+TILE_CONSTANTS = ["BLOCK_KEPT", "BLOCK_REDUCED"]  # both kernels' constexpr arguments
 
 
 @dataclass(frozen=True)
@@ -344,7 +346,7 @@ class ReductionScheduler:
         combine = COMBINE[plan.reduction.op_name]
         accumulator = plan.accumulator
         acc_type = TRITON_TYPES[accumulator.name]
-        identity = _identity(plan.reduction.op_name, accumulator)
+        identity = reduction_identity(plan.reduction.op_name, accumulator)
         inner = plan.layout == "inner"
         if inner:
             emit.line("begin = 0")
@@ -356,16 +358,7 @@ class ReductionScheduler:
             emit.line("end = tl.minimum(begin + rows_each, reduced_count)")
         shape = "(BLOCK_KEPT, BLOCK_REDUCED)" if inner else "(BLOCK_REDUCED, BLOCK_KEPT)"
         emit.line(f"acc = tl.full({shape}, {identity}, {acc_type})")
-        loop_at = len(emit.lines)  # inputs along the kept axes alone are loaded before it
-        early = Emitter()
-        early.count = 2000
-        if params.stages > 1:  # the next tiles' loads go out while this one is summed
-            stages = f"num_stages={params.stages}"
-            emit.line(f"for start in tl.range(begin, end, BLOCK_REDUCED, {stages}):")
-        else:
-            emit.line("for start in range(begin, end, BLOCK_REDUCED):")
-        body = Emitter()
-        body.count = 1000
+        body = emit.nested()  # the loop over the reduced extent; emit holds what precedes it
         body.line("reduced_index = start + tl.arange(0, BLOCK_REDUCED)")
         body.line("reduced_mask = reduced_index < end")
         self._coordinates(body, "reduced_index", plan.reduced, "r")
@@ -389,9 +382,9 @@ class ReductionScheduler:
             kept = self._offset(plan, i, plan.kept, "k")
             if not any(axis in plan.reduced for axis in plan.mappings[tensor]):
                 # a weight along the kept axes: once, before the loop, not once a row
-                loaded = early.load(tensor, ins[i], early.assign(kept, "idx"), "kept_mask")
+                loaded = emit.load(tensor, ins[i], emit.assign(kept, "idx"), "kept_mask")
                 spread = f"{loaded.name}[:, None]" if inner else f"{loaded.name}[None, :]"
-                values[tensor] = Value(early.assign(spread), tensor.dtype)
+                values[tensor] = Value(emit.assign(spread), tensor.dtype)
                 continue
             reduced = self._offset(plan, i, plan.reduced, "r")
             if inner:
@@ -405,20 +398,23 @@ class ReductionScheduler:
                 values[out] = value
         term = body.as_compute(values[source], accumulator)
         body.line(f"acc = {combine}(acc, tl.where(mask, {term}, {identity}))")
-        emit.lines.extend(f"    {line}" for line in body.lines)
-        emit.lines[loop_at:loop_at] = early.lines
+        if params.stages > 1:  # the next tiles' loads go out while this one is summed
+            stages = f"num_stages={params.stages}"
+            emit.block(f"for start in tl.range(begin, end, BLOCK_REDUCED, {stages}):", body)
+        else:
+            emit.block("for start in range(begin, end, BLOCK_REDUCED):", body)
         axis = 1 if inner else 0
         emit.line(f"reduced = {reduce_call('acc', axis, combine)}")
-        if not inner and not params.deterministic:
+        if inner:
+            self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
+        elif not params.deterministic:
             # Outer, atomics: add this part's partial sums into one row, in any order.
             emit.line("tl.atomic_add(partial + kept_index, reduced, mask=kept_mask)")
-            return self._wrap(emit, "reduction_kernel", ["partial", *ins], runtime, "")
-        if not inner:
+        else:
             # Outer: write this part's partial results; `combine_kernel` finishes them.
             emit.line("tl.store(partial + part * kept_count + kept_index, reduced, mask=kept_mask)")
-            return self._wrap(emit, "reduction_kernel", ["partial", *ins], runtime, "")
-        self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
-        return self._wrap(emit, "reduction_kernel", [*ins, *outs], runtime, "")
+        pointers = [*ins, *outs] if inner else ["partial", *ins]
+        return kernel_source("reduction_kernel", pointers, runtime, TILE_CONSTANTS, emit.lines)
 
     def _finish(self, emit, plan, values, reduced, ins, outs) -> None:
         """Mean, rounding to the reduction's dtype, the epilogue and the stores."""
@@ -453,7 +449,7 @@ class ReductionScheduler:
         """The outer reduction's second kernel: combine the parts in order, then finish."""
         emit, ins, outs, runtime = self._start(plan, aligned)
         combine = COMBINE[plan.reduction.op_name]
-        identity = _identity(plan.reduction.op_name, plan.accumulator)
+        identity = reduction_identity(plan.reduction.op_name, plan.accumulator)
         # A tile of parts per step, not one part: a loop of single loads would wait on
         # memory once per part (one program per 32 kept positions reads all of them).
         emit.line(
@@ -468,16 +464,9 @@ class ReductionScheduler:
         )
         emit.line(f"reduced = {reduce_call('acc', 0, combine)}")
         self._finish(emit, plan, values={}, reduced="reduced", ins=ins, outs=outs)
-        return self._wrap(emit, "combine_kernel", ["partial", *ins, *outs], runtime, "")
-
-    def _wrap(self, emit: Emitter, name: str, pointers, runtime, comment: str) -> str:
-        header = (
-            f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def {name}({', '.join([*pointers, *runtime])}, "
-            "BLOCK_KEPT: tl.constexpr, BLOCK_REDUCED: tl.constexpr):\n"
+        return kernel_source(
+            "combine_kernel", ["partial", *ins, *outs], runtime, TILE_CONSTANTS, emit.lines
         )
-        body = "".join(f"    {line}\n" for line in emit.lines)
-        return f"{PRELUDE}\n{header}{body}"
 
     def build(
         self,
@@ -638,15 +627,6 @@ def tma_outer_tile(
         f"(from {start[0]}x{start[1]}; {reserved(kept) // 8} bytes kept back)"
     )
     return TmaTile(reduced, kept, stages, buffer, reserved(kept), why)
-
-
-def _identity(op: str, accumulator: DataType) -> str:
-    if op in ("sum", "mean"):
-        return "0" if not accumulator.is_floating else "0.0"
-    if accumulator.is_floating:
-        return 'float("-inf")' if op == "max" else 'float("inf")'
-    info = torch.iinfo(accumulator.torch_dtype)
-    return str(info.min if op == "max" else info.max)
 
 
 def _parameters(plan: ReductionPlan, rank: int) -> tuple[list[str], list[str], list[str]]:
