@@ -82,6 +82,13 @@ def memory_type(dtype: DataType) -> str:
     return TRITON_TYPES[dtype.name]
 
 
+def pointer_types(inputs: list[TensorView], outputs: list[TensorView]) -> dict[str, str]:
+    """The memory type of each input (``in<i>``) and output (``out<i>``) pointer of a
+    generated kernel, as ``schedulers.ptx`` compiles it."""
+    types = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(inputs)}
+    return types | {f"out{i}": memory_type(t.dtype) for i, t in enumerate(outputs)}
+
+
 def check_supported(exprs: list[Expr]) -> None:
     """Raise ``NotSchedulable`` for an op or cast the code generator does not write."""
     for expr in exprs:
@@ -138,6 +145,14 @@ class Emitter:
 
     def line(self, text: str) -> None:
         self.lines.append(text)
+
+    def exprs(self, exprs: list[Expr], values: dict[TensorView, Value]) -> None:
+        """Emit ``exprs`` in order, their operands read from ``values`` (tensors; Python
+        scalars are taken as they are) and their results added to it."""
+        for expr in exprs:
+            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
+            for out, value in zip(expr.outputs, self.expr(expr, operands), strict=True):
+                values[out] = value
 
     def block(self, header: str, body: Emitter) -> None:
         """``header`` (a ``for ...:`` line) and the lines of ``body`` indented under it."""
