@@ -46,6 +46,7 @@ from schedulers.codegen import (
     check_supported,
     kernel_source,
     memory_type,
+    pointer_types,
 )
 from schedulers.hardware import HardwareProfile
 from schedulers.runtime import as_bytes, cdiv, next_power_of_two
@@ -157,8 +158,7 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
         self, plan: PointwisePlan, params: PointwiseParams, shape: list[int], aligned: bool = False
     ) -> list[KernelSource]:
         """The one kernel a launch runs (its source holds no extent: ``shape`` is not read)."""
-        pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
-        pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
+        pointers = pointer_types(plan.inputs, plan.outputs)
         return [KernelSource("pointwise_kernel", source(plan, params, aligned),
                              constants(plan, params), params.num_warps, pointers)]  # fmt: skip
 
@@ -274,10 +274,7 @@ def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) 
             else:
                 index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
         values[tensor] = emit.load(tensor, inputs[i], index, "mask")
-    for expr in plan.exprs:
-        operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
-        for out, value in zip(expr.outputs, emit.expr(expr, operands), strict=True):
-            values[out] = value
+    emit.exprs(plan.exprs, values)
     for i, tensor in enumerate(plan.outputs):
         value = values[tensor]
         if tiled:  # an output computed from broadcast inputs alone is narrower than a tile

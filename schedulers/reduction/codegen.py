@@ -158,10 +158,7 @@ def source(plan: ReductionPlan, params: ReductionParams, aligned: bool = False) 
         else:
             index = f"({reduced})[:, None] + ({kept})[None, :]"
         values[tensor] = body.load(tensor, ins[i], body.assign(index, "idx"), "mask")
-    for expr in plan.prologue:
-        operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
-        for out, value in zip(expr.outputs, body.expr(expr, operands), strict=True):
-            values[out] = value
+    body.exprs(plan.prologue, values)
     term = body.as_compute(values[source], accumulator)
     body.line(f"acc = {combine}(acc, tl.where(mask, {term}, {identity}))")
     if params.stages > 1:  # the next tiles' loads go out while this one is summed
@@ -201,10 +198,7 @@ def _finish(emit, plan, values, reduced, ins, outs) -> None:
             continue
         index = emit.assign(_offset(plan, i, plan.kept, "k"), "idx")
         values[tensor] = emit.load(tensor, ins[i], index, "kept_mask")
-    for expr in plan.epilogue:
-        operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
-        for out, value in zip(expr.outputs, emit.expr(expr, operands), strict=True):
-            values[out] = value
+    emit.exprs(plan.epilogue, values)
     for i, tensor in enumerate(plan.outputs):
         emit.line(
             f"tl.store({outs[i]} + kept_index, {emit.stored(values[tensor])}, mask=kept_mask)"

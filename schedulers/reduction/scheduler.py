@@ -20,7 +20,7 @@ from schedulers.base import (
     check_strategy,
 )
 from schedulers.cache import AlignedVariants, forms_used
-from schedulers.codegen import COMPILE_OPTIONS, memory_type
+from schedulers.codegen import COMPILE_OPTIONS, memory_type, pointer_types
 from schedulers.hardware import HardwareProfile
 from schedulers.reduction.analysis import ReductionPlan, plan_reduction
 from schedulers.reduction.codegen import (
@@ -71,8 +71,7 @@ class ReductionScheduler(Scheduler[ReductionPlan, ReductionParams]):
     ) -> list[KernelSource]:
         """The reduction kernel, and for an outer reduction the kernel combining its
         parts (no extent in either: ``shape`` is not read)."""
-        pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
-        pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
+        pointers = pointer_types(plan.inputs, plan.outputs)
         pointers["partial"] = memory_type(plan.accumulator)
         main = source(plan, params, aligned)
         kernels = [KernelSource("reduction_kernel", main, constants(plan, params),
