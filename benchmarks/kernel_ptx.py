@@ -28,7 +28,8 @@ PROFILES = {90: H200, 100: B200}
 
 
 def benchmark_kernels(hardware):
-    """``(case, scheduler, plan, params)`` of each generated kernel of the benchmark."""
+    """``(case, scheduler, plan, params, shape)`` of each generated kernel of the
+    benchmark (``shape``: its iteration space's)."""
     for case, (fd, _, shapes, _, _) in cases(smoke=False):
         for group in split_into_kernels(fd.fusion.exprs, fd.fusion):
             scheduler, plan = group.scheduler, group.plan
@@ -39,7 +40,7 @@ def benchmark_kernels(hardware):
                 shape[-1] *= 2  # the benchmark gives fp4 shapes in bytes
             # every tensor the heuristics ask about has the first input's logical shape
             params = scheduler.configure(plan, hardware, lambda tensor, s=shape: s)
-            yield case, scheduler, plan, params
+            yield case, scheduler, plan, params, shape
 
 
 def main() -> None:
@@ -47,9 +48,10 @@ def main() -> None:
     parser.add_argument("--arch", type=int, choices=sorted(PROFILES), default=90)
     parser.add_argument("--json", action="store_true", help="one JSON object per kernel")
     args = parser.parse_args()
-    for case, scheduler, plan, params in benchmark_kernels(PROFILES[args.arch]):
+    for case, scheduler, plan, params, shape in benchmark_kernels(PROFILES[args.arch]):
         for aligned in (False, True):
-            for name, widths in kernel_widths(scheduler, plan, params, aligned, args.arch).items():
+            widths_of = kernel_widths(scheduler, plan, params, shape, aligned, args.arch)
+            for name, widths in widths_of.items():
                 per_thread = getattr(params, "block", 0) // (32 * params.num_warps)
                 row = {"case": case, "kernel": name, "aligned": aligned, **widths}
                 row["elements_per_thread"] = per_thread or None

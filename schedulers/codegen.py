@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from fusion.dtypes import (
     DataType,
     bfloat16,
@@ -80,6 +82,13 @@ def memory_type(dtype: DataType) -> str:
     return TRITON_TYPES[dtype.name]
 
 
+def pointer_types(inputs: list[TensorView], outputs: list[TensorView]) -> dict[str, str]:
+    """The memory type of each input (``in<i>``) and output (``out<i>``) pointer of a
+    generated kernel, as ``schedulers.ptx`` compiles it."""
+    types = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(inputs)}
+    return types | {f"out{i}": memory_type(t.dtype) for i, t in enumerate(outputs)}
+
+
 def check_supported(exprs: list[Expr]) -> None:
     """Raise ``NotSchedulable`` for an op or cast the code generator does not write."""
     for expr in exprs:
@@ -105,19 +114,50 @@ class Value:
     dtype: DataType
 
 
-class Emitter:
-    """Accumulates the lines of one kernel's body."""
+class NameSupply:
+    """The variable names of one kernel: a prefix and a number no other name of the
+    kernel has. Every emitter of a kernel (its body, its loops, what goes before them)
+    draws from the same supply, so their names never clash."""
 
     def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.count = 0
+        self._count = 0
 
     def fresh(self, prefix: str = "v") -> str:
-        self.count += 1
-        return f"{prefix}{self.count}"
+        self._count += 1
+        return f"{prefix}{self._count}"
+
+
+class Emitter:
+    """Accumulates lines of one kernel's source (a body, or a block inside it), naming
+    its values from ``names`` (a new supply when none is given)."""
+
+    def __init__(self, names: NameSupply | None = None) -> None:
+        self.lines: list[str] = []
+        self.names = names if names is not None else NameSupply()
+
+    def nested(self) -> Emitter:
+        """Another list of lines of the same kernel: a loop's body, or what goes
+        before a loop; its names come from the same supply."""
+        return Emitter(self.names)
+
+    def fresh(self, prefix: str = "v") -> str:
+        return self.names.fresh(prefix)
 
     def line(self, text: str) -> None:
         self.lines.append(text)
+
+    def exprs(self, exprs: list[Expr], values: dict[TensorView, Value]) -> None:
+        """Emit ``exprs`` in order, their operands read from ``values`` (tensors; Python
+        scalars are taken as they are) and their results added to it."""
+        for expr in exprs:
+            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
+            for out, value in zip(expr.outputs, self.expr(expr, operands), strict=True):
+                values[out] = value
+
+    def block(self, header: str, body: Emitter) -> None:
+        """``header`` (a ``for ...:`` line) and the lines of ``body`` indented under it."""
+        self.lines.append(header)
+        self.lines.extend(f"    {line}" for line in body.lines)
 
     def assign(self, expression: str, prefix: str = "v") -> str:
         name = self.fresh(prefix)
@@ -337,3 +377,33 @@ def reduce_call(value: str, axis: int, combine: str, keep_dims: bool = False) ->
     if combine == "add":
         return f"tl.sum({value}, {axis}{keep})"
     return f"tl.reduce({value}, {axis}, {combine}{keep})"
+
+
+def reduction_identity(op: str, accumulator: DataType) -> str:
+    """Triton source for the value a reduction ``op`` starts from (and masks with) when
+    it accumulates in ``accumulator``: 0 for sums and means, -inf or the smallest
+    integer for max, +inf or the largest for min."""
+    if op in ("sum", "mean"):
+        return "0" if not accumulator.is_floating else "0.0"
+    if accumulator.is_floating:
+        return 'float("-inf")' if op == "max" else 'float("inf")'
+    info = torch.iinfo(accumulator.torch_dtype)
+    return str(info.min if op == "max" else info.max)
+
+
+def kernel_source(
+    name: str,
+    pointers: list[str],
+    runtime: list[str],
+    constants: list[str],
+    lines: list[str],
+    comment: str = "",
+) -> str:
+    """A generated kernel's whole source: the prelude, a ``comment`` line (when given),
+    then ``def name(*pointers, *runtime, *constants)`` jitted without specializing on
+    the ``runtime`` arguments (extents, strides) and with ``constants`` as
+    ``tl.constexpr`` arguments, its body the ``lines``."""
+    arguments = [*pointers, *runtime, *(f"{constant}: tl.constexpr" for constant in constants)]
+    header = f"@triton.jit(do_not_specialize={runtime!r})\ndef {name}({', '.join(arguments)}):\n"
+    body = "".join(f"    {line}\n" for line in lines)
+    return f"{PRELUDE}\n" + (f"{comment}\n" if comment else "") + header + body

@@ -30,16 +30,26 @@ from schedulers.analysis import (
     map_into_space,
     unit_stride_group,
 )
+from schedulers.base import (
+    KernelSource,
+    Launcher,
+    LocalShape,
+    Scheduler,
+    Shapes,
+    check_strategy,
+)
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import (
     COMPILE_OPTIONS,
-    PRELUDE,
     Emitter,
     Value,
     check_supported,
+    kernel_source,
     memory_type,
+    pointer_types,
 )
 from schedulers.hardware import HardwareProfile
+from schedulers.runtime import as_bytes, cdiv, next_power_of_two
 
 VECTOR_BITS = 128
 
@@ -78,6 +88,11 @@ class PointwisePlan:
     rank: int
 
     @property
+    def space(self) -> TensorView:
+        """The outputs' shape is the iteration space."""
+        return self.outputs[0]
+
+    @property
     def widest_bits(self) -> int:
         return max(t.dtype.bits for t in self.inputs + self.outputs)
 
@@ -92,8 +107,11 @@ class PointwisePlan:
         return len(self.collapsed.groups) == 2 and bool(self.broadcast)
 
 
-class PointwiseScheduler:
+class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
+    """Takes chains of elementwise ops, casts and broadcasts whose outputs share a shape."""
+
     name = "pointwise"
+    strategies: tuple[str, ...] = ()  # one way to build its kernel
 
     def plan(
         self, exprs: list[Expr], inputs: list[TensorView], outputs: list[TensorView]
@@ -112,15 +130,12 @@ class PointwiseScheduler:
         collapsed = collapse(len(shape), [mappings[t] for t in inputs])
         return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape))
 
-    def configure(self, plan: PointwisePlan, hardware: HardwareProfile, shape_of):
-        """The heuristics' params for the local shapes ``shape_of(tensor)`` gives."""
-        return self.heuristics(plan, hardware, shape_of(plan.outputs[0]))
-
-    def launcher(self, plan: PointwisePlan, params, hardware: HardwareProfile, shape_of):
-        return self.build(plan, params)
-
     def heuristics(
-        self, plan: PointwisePlan, hardware: HardwareProfile, shape: list[int] | None = None
+        self,
+        plan: PointwisePlan,
+        hardware: HardwareProfile,
+        shape: list[int],
+        strategy: str | None = None,
     ) -> PointwiseParams:
         """Sizes in bits: a 128-bit vector of the widest dtype, four of them per thread.
 
@@ -128,244 +143,229 @@ class PointwiseScheduler:
         take 2-D tiles, as wide as the inner group (a power of two up to 1024, which
         depends on that extent only), so no element divides its index.
         """
+        check_strategy(self, strategy)
         vector_width = VECTOR_BITS // plan.widest_bits
         # Measured on H200 (benchmarks/kernels.py --sweep): 4 warps of 4 vectors a thread
         # 0.86-0.93 of copy, 8 warps 0.83-0.91.
         params = PointwiseParams(vector_width=vector_width, unroll=4, num_warps=4)
-        if plan.tiled and shape is not None:
+        if plan.tiled:
             inner = group_sizes(plan.collapsed, shape)[1]
-            columns = min(_next_power_of_two(max(inner, 2)), 1024, params.block)
+            columns = min(next_power_of_two(max(inner, 2)), 1024, params.block)
             params = replace(params, block_columns=columns)
         return params
 
-    def aligned_arguments(self, plan: PointwisePlan, params: PointwiseParams) -> list[str]:
-        """The runtime arguments an ``aligned`` kernel knows are multiples of
-        ``ALIGN_ELEMENTS``: the pitches from row to row and the extent the mask compares
-        against (a mask that may change inside a vector forbids vector accesses too).
-        Unit strides never appear in the source."""
-        names = ["size1"] if plan.tiled and params.block_columns > 0 else ["numel"]
-        for i, tensor in enumerate(plan.inputs):
-            if i not in plan.broadcast:
-                continue
-            unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
-            names += [
-                f"stride{i}_{g}"
-                for g, present in enumerate(plan.collapsed.present[i])
-                if present and g != unit
-            ]
-        return names
+    def kernels(
+        self, plan: PointwisePlan, params: PointwiseParams, shape: list[int], aligned: bool = False
+    ) -> list[KernelSource]:
+        """The one kernel a launch runs (its source holds no extent: ``shape`` is not read)."""
+        pointers = pointer_types(plan.inputs, plan.outputs)
+        return [KernelSource("pointwise_kernel", source(plan, params, aligned),
+                             constants(plan, params), params.num_warps, pointers)]  # fmt: skip
 
-    def source(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) -> str:
-        """The kernel's Triton source (the cache key: no extent appears in it).
-
-        ``aligned``: every one of ``aligned_arguments`` is a multiple of
-        ``ALIGN_ELEMENTS``. The kernel takes them divided by it and multiplies them back,
-        so Triton can prove that rows start on 128-bit boundaries and that masks are
-        uniform over a vector, and issues vector loads and stores (a fact of the extents,
-        not an extent: it is part of the cache key; at most two kernels).
-        """
-        emit = Emitter()
-        groups = len(plan.collapsed.groups)
-        inputs = [f"in{i}" for i in range(len(plan.inputs))]
-        outputs = [f"out{i}" for i in range(len(plan.outputs))]
-        sizes = [f"size{g}" for g in range(groups)]
-        strides = [[f"stride{i}_{g}" for g in range(groups)] for i in range(len(plan.inputs))]
-        runtime = ["numel", *sizes, *(s for row in strides for s in row)]
-        tiled = plan.tiled and params.block_columns > 0
-        emit.line("pid = tl.program_id(0).to(tl.int64)")
-        if aligned:
-            known = self.aligned_arguments(plan, params)
-            runtime = [f"{name}_{ALIGN_ELEMENTS}" if name in known else name for name in runtime]
-            for name in known:
-                emit.line(f"{name} = {name}_{ALIGN_ELEMENTS} * {ALIGN_ELEMENTS}")
-        if tiled:
-            emit.line("column_blocks = tl.cdiv(size1, BLOCK_COLUMNS)")
-            emit.line("rows = (pid // column_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
-            emit.line(
-                "columns = (pid % column_blocks) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)"
-            )
-            emit.line("mask = (rows < size0)[:, None] & (columns < size1)[None, :]")
-            emit.line("offs = rows[:, None] * size1 + columns[None, :]")
-            coordinates = ["rows", "columns"]
-        else:
-            emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
-            emit.line("mask = offs < numel")
-            coordinates = [f"c{g}" for g in range(groups)]
-            if plan.broadcast:
-                emit.line("rest = offs")
-                for g in reversed(range(groups)):
-                    if g == 0:
-                        emit.line("c0 = rest")  # the outermost coordinate needs no remainder
-                        continue
-                    emit.line(f"c{g} = rest % {sizes[g]}")
-                    emit.line(f"rest = rest // {sizes[g]}")
-        values: dict[TensorView, Value] = {}
-        for i, tensor in enumerate(plan.inputs):
-            if i not in plan.broadcast:
-                if tensor.dtype is float4_e2m1 and not tiled:
-                    values[tensor] = self._load_packed(emit, inputs[i], tensor)
-                    continue
-                index = "offs"
-            else:
-                present = plan.collapsed.present[i]
-                unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
-                terms = [
-                    coordinates[g] if g == unit else f"{coordinates[g]} * {strides[i][g]}"
-                    for g in range(groups)
-                    if present[g]
-                ]
-                if tiled and present[0] and present[1]:
-                    index = emit.assign(f"({terms[0]})[:, None] + ({terms[-1]})[None, :]", "idx")
-                elif tiled:
-                    # Read once per row or column of the tile, not once per element: a
-                    # vector along the present axis, widened to the tile by broadcasting.
-                    along, mask = (("rows", "rows < size0") if present[0] else
-                                   ("columns", "columns < size1"))  # fmt: skip
-                    index = terms[0] if terms else f"{along} * 0"
-                    value = emit.load(tensor, inputs[i], emit.assign(index, "idx"), mask)
-                    expand = "[:, None]" if present[0] else "[None, :]"
-                    values[tensor] = Value(emit.assign(f"{value.name}{expand}"), value.dtype)
-                    continue
-                else:
-                    index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
-            values[tensor] = emit.load(tensor, inputs[i], index, "mask")
-        for expr in plan.exprs:
-            operands = [values[o] if isinstance(o, TensorView) else o for o in expr.operands]
-            for out, value in zip(expr.outputs, emit.expr(expr, operands), strict=True):
-                values[out] = value
-        for i, tensor in enumerate(plan.outputs):
-            value = values[tensor]
-            if tiled:  # an output computed from broadcast inputs alone is narrower than a tile
-                full = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
-                value = Value(emit.assign(full), value.dtype)
-            if tensor.dtype is not float4_e2m1:
-                emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
-            elif tiled:
-                emit.line(
-                    f"lo{i}, hi{i} = tl.split("
-                    f"tl.reshape({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS // 2, 2)))"
-                )
-                emit.line(
-                    "pairs = (pid % column_blocks) * (BLOCK_COLUMNS // 2) "
-                    "+ tl.arange(0, BLOCK_COLUMNS // 2)"
-                )
-                emit.line(
-                    f"tl.store({outputs[i]} + rows[:, None] * (size1 // 2) + pairs[None, :], "
-                    f"(lo{i} | (hi{i} << 4)).to(tl.uint8), "
-                    "mask=(rows < size0)[:, None] & (pairs < size1 // 2)[None, :])"
-                )
-            else:
-                emit.line(f"lo{i}, hi{i} = tl.split(tl.reshape({value.name}, (BLOCK // 2, 2)))")
-                emit.line("pairs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
-                emit.line(
-                    f"tl.store({outputs[i]} + pairs, (lo{i} | (hi{i} << 4)).to(tl.uint8), "
-                    "mask=pairs < numel // 2)"
-                )
-        constants = "BLOCK: tl.constexpr"
-        if tiled:
-            constants += ", BLOCK_ROWS: tl.constexpr, BLOCK_COLUMNS: tl.constexpr"
-        header = (
-            f"@triton.jit(do_not_specialize={runtime!r})\n"
-            f"def pointwise_kernel({', '.join([*inputs, *outputs, *runtime])}, {constants}):\n"
-        )
-        body = "".join(f"    {line}\n" for line in emit.lines)
-        comment = f"# {params}; memory types: " + ", ".join(
-            memory_type(t.dtype) for t in plan.inputs + plan.outputs
-        )
-        if aligned:
-            comment += f"; {', '.join(known)} are multiples of {ALIGN_ELEMENTS} elements"
-        return f"{PRELUDE}\n{comment}\n{header}{body}"
-
-    def constants(self, plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:
-        """The kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""
-        if not (plan.tiled and params.block_columns > 0):
-            return {"BLOCK": params.block}
-        rows = max(1, params.block // params.block_columns)
-        return {"BLOCK": params.block, "BLOCK_ROWS": rows, "BLOCK_COLUMNS": params.block_columns}
-
-    def kernels(self, plan: PointwisePlan, params: PointwiseParams, aligned: bool = False):
-        """``(name, source, constants, num_warps)`` of each kernel a launch runs (one)."""
-        return [("pointwise_kernel", self.source(plan, params, aligned),
-                 self.constants(plan, params), params.num_warps)]  # fmt: skip
-
-    def _load_packed(self, emit: Emitter, pointer: str, tensor: TensorView) -> Value:
-        """A flat fp4 input read as whole bytes, both values of each at once."""
-        emit.line("pair_offs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
-        byte = emit.assign(f"tl.load({pointer} + pair_offs, mask=pair_offs < numel // 2, other=0)")
-        codes = emit.assign(f"tl.reshape(tl.join({byte} & 15, {byte} >> 4), (BLOCK,))")
-        return Value(codes, tensor.dtype)
-
-    def build(self, plan: PointwisePlan, params: PointwiseParams):
-        """A launcher ``(inputs, outputs, shapes)`` for this plan and params."""
-        tiled = plan.tiled and params.block_columns > 0
-        block_rows = max(1, params.block // max(params.block_columns, 1))
-        known = self.aligned_arguments(plan, params)
-        constants = self.constants(plan, params)
+    def launcher(
+        self,
+        plan: PointwisePlan,
+        params: PointwiseParams,
+        hardware: HardwareProfile,
+        local_shape: LocalShape,
+    ) -> PointwiseLauncher:
+        variants = AlignedVariants(lambda aligned: source(plan, params, aligned),
+                                   "pointwise_kernel")  # fmt: skip
         groups = len(plan.collapsed.groups)
         names = (
             ["numel"]
             + [f"size{g}" for g in range(groups)]
             + [f"stride{i}_{g}" for i in range(len(plan.inputs)) for g in range(groups)]
         )
-        kernels = AlignedVariants(lambda aligned: self.source(plan, params, aligned),
-                                  "pointwise_kernel")  # fmt: skip
+        return PointwiseLauncher(plan, params, variants, names, aligned_arguments(plan, params),
+                                 constants(plan, params))  # fmt: skip
 
-        def launch(inputs: list[torch.Tensor], outputs: list[torch.Tensor], shapes) -> None:
-            shape = shapes[plan.outputs[0]]
-            numel = math.prod(shape)
-            if numel == 0:
-                return
-            sizes = group_sizes(plan.collapsed, shape)
-            strides = [
-                stride
-                for tensor in plan.inputs
-                for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
+
+# -- code ------------------------------------------------------------------------------
+
+
+def aligned_arguments(plan: PointwisePlan, params: PointwiseParams) -> list[str]:
+    """The runtime arguments an ``aligned`` kernel knows are multiples of
+    ``ALIGN_ELEMENTS``: the pitches from row to row and the extent the mask compares
+    against (a mask that may change inside a vector forbids vector accesses too).
+    Unit strides never appear in the source."""
+    names = ["size1"] if plan.tiled and params.block_columns > 0 else ["numel"]
+    for i, tensor in enumerate(plan.inputs):
+        if i not in plan.broadcast:
+            continue
+        unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
+        names += [
+            f"stride{i}_{g}"
+            for g, present in enumerate(plan.collapsed.present[i])
+            if present and g != unit
+        ]
+    return names
+
+
+def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) -> str:
+    """The kernel's Triton source (the cache key: no extent appears in it).
+
+    ``aligned``: every one of ``aligned_arguments`` is a multiple of
+    ``ALIGN_ELEMENTS``. The kernel takes them divided by it and multiplies them back,
+    so Triton can prove that rows start on 128-bit boundaries and that masks are
+    uniform over a vector, and issues vector loads and stores (a fact of the extents,
+    not an extent: it is part of the cache key; at most two kernels).
+    """
+    emit = Emitter()
+    groups = len(plan.collapsed.groups)
+    inputs = [f"in{i}" for i in range(len(plan.inputs))]
+    outputs = [f"out{i}" for i in range(len(plan.outputs))]
+    sizes = [f"size{g}" for g in range(groups)]
+    strides = [[f"stride{i}_{g}" for g in range(groups)] for i in range(len(plan.inputs))]
+    runtime = ["numel", *sizes, *(s for row in strides for s in row)]
+    tiled = plan.tiled and params.block_columns > 0
+    emit.line("pid = tl.program_id(0).to(tl.int64)")
+    if aligned:
+        known = aligned_arguments(plan, params)
+        runtime = [f"{name}_{ALIGN_ELEMENTS}" if name in known else name for name in runtime]
+        for name in known:
+            emit.line(f"{name} = {name}_{ALIGN_ELEMENTS} * {ALIGN_ELEMENTS}")
+    if tiled:
+        emit.line("column_blocks = tl.cdiv(size1, BLOCK_COLUMNS)")
+        emit.line("rows = (pid // column_blocks) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+        emit.line("columns = (pid % column_blocks) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
+        emit.line("mask = (rows < size0)[:, None] & (columns < size1)[None, :]")
+        emit.line("offs = rows[:, None] * size1 + columns[None, :]")
+        coordinates = ["rows", "columns"]
+    else:
+        emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
+        emit.line("mask = offs < numel")
+        coordinates = [f"c{g}" for g in range(groups)]
+        if plan.broadcast:
+            emit.line("rest = offs")
+            for g in reversed(range(groups)):
+                if g == 0:
+                    emit.line("c0 = rest")  # the outermost coordinate needs no remainder
+                    continue
+                emit.line(f"c{g} = rest % {sizes[g]}")
+                emit.line(f"rest = rest // {sizes[g]}")
+    values: dict[TensorView, Value] = {}
+    for i, tensor in enumerate(plan.inputs):
+        if i not in plan.broadcast:
+            if tensor.dtype is float4_e2m1 and not tiled:
+                values[tensor] = _load_packed(emit, inputs[i], tensor)
+                continue
+            index = "offs"
+        else:
+            present = plan.collapsed.present[i]
+            unit = unit_stride_group(plan.collapsed, plan.mappings[tensor])
+            terms = [
+                coordinates[g] if g == unit else f"{coordinates[g]} * {strides[i][g]}"
+                for g in range(groups)
+                if present[g]
             ]
-            pointers = [as_bytes(t) for t in (*inputs, *outputs)]
-            runtime = dict(zip(names, [numel, *sizes, *strides], strict=True))
-            kernel, arguments = kernels.bind(runtime, known)
-            if tiled:
-                grid = (
-                    triton_cdiv(sizes[0], block_rows) * triton_cdiv(sizes[1], params.block_columns),
-                )
+            if tiled and present[0] and present[1]:
+                index = emit.assign(f"({terms[0]})[:, None] + ({terms[-1]})[None, :]", "idx")
+            elif tiled:
+                # Read once per row or column of the tile, not once per element: a
+                # vector along the present axis, widened to the tile by broadcasting.
+                along, mask = (("rows", "rows < size0") if present[0] else
+                               ("columns", "columns < size1"))  # fmt: skip
+                index = terms[0] if terms else f"{along} * 0"
+                value = emit.load(tensor, inputs[i], emit.assign(index, "idx"), mask)
+                expand = "[:, None]" if present[0] else "[None, :]"
+                values[tensor] = Value(emit.assign(f"{value.name}{expand}"), value.dtype)
+                continue
             else:
-                grid = (triton_cdiv(numel, params.block),)
-            kernel[grid](
-                *pointers, *arguments, **constants, num_warps=params.num_warps, **COMPILE_OPTIONS
+                index = emit.assign(" + ".join(terms) if terms else "offs * 0", "idx")
+        values[tensor] = emit.load(tensor, inputs[i], index, "mask")
+    emit.exprs(plan.exprs, values)
+    for i, tensor in enumerate(plan.outputs):
+        value = values[tensor]
+        if tiled:  # an output computed from broadcast inputs alone is narrower than a tile
+            full = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
+            value = Value(emit.assign(full), value.dtype)
+        if tensor.dtype is not float4_e2m1:
+            emit.line(f"tl.store({outputs[i]} + offs, {emit.stored(value)}, mask=mask)")
+        elif tiled:
+            emit.line(
+                f"lo{i}, hi{i} = tl.split("
+                f"tl.reshape({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS // 2, 2)))"
             )
+            emit.line(
+                "pairs = (pid % column_blocks) * (BLOCK_COLUMNS // 2) "
+                "+ tl.arange(0, BLOCK_COLUMNS // 2)"
+            )
+            emit.line(
+                f"tl.store({outputs[i]} + rows[:, None] * (size1 // 2) + pairs[None, :], "
+                f"(lo{i} | (hi{i} << 4)).to(tl.uint8), "
+                "mask=(rows < size0)[:, None] & (pairs < size1 // 2)[None, :])"
+            )
+        else:
+            emit.line(f"lo{i}, hi{i} = tl.split(tl.reshape({value.name}, (BLOCK // 2, 2)))")
+            emit.line("pairs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
+            emit.line(
+                f"tl.store({outputs[i]} + pairs, (lo{i} | (hi{i} << 4)).to(tl.uint8), "
+                "mask=pairs < numel // 2)"
+            )
+    constexprs = ["BLOCK", "BLOCK_ROWS", "BLOCK_COLUMNS"] if tiled else ["BLOCK"]
+    comment = f"# {params}; memory types: " + ", ".join(
+        memory_type(t.dtype) for t in plan.inputs + plan.outputs
+    )
+    if aligned:
+        comment += f"; {', '.join(known)} are multiples of {ALIGN_ELEMENTS} elements"
+    return kernel_source("pointwise_kernel", [*inputs, *outputs], runtime, constexprs,
+                         emit.lines, comment)  # fmt: skip
 
-        launch.forms = lambda: forms_used([kernels])
-        return launch
+
+def constants(plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:
+    """The kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""
+    if not (plan.tiled and params.block_columns > 0):
+        return {"BLOCK": params.block}
+    rows = max(1, params.block // params.block_columns)
+    return {"BLOCK": params.block, "BLOCK_ROWS": rows, "BLOCK_COLUMNS": params.block_columns}
 
 
-def _next_power_of_two(value: int) -> int:
-    return 1 << max(0, (value - 1).bit_length())
+def _load_packed(emit: Emitter, pointer: str, tensor: TensorView) -> Value:
+    """A flat fp4 input read as whole bytes, both values of each at once."""
+    emit.line("pair_offs = pid * (BLOCK // 2) + tl.arange(0, BLOCK // 2)")
+    byte = emit.assign(f"tl.load({pointer} + pair_offs, mask=pair_offs < numel // 2, other=0)")
+    codes = emit.assign(f"tl.reshape(tl.join({byte} & 15, {byte} >> 4), (BLOCK,))")
+    return Value(codes, tensor.dtype)
 
 
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+@dataclass(frozen=True)
+class PointwiseLauncher(Launcher):
+    """Launches a pointwise kernel: one program per ``block`` elements of S (or per
+    tile of ``block_rows`` x ``block_columns`` when tiled), in the form the extents
+    allow."""
 
+    plan: PointwisePlan
+    params: PointwiseParams
+    variants: AlignedVariants
+    names: list[str]  # the runtime arguments: numel, the groups' sizes, the strides
+    known: list[str]  # those the aligned form knows are multiples (aligned_arguments)
+    constants: dict[str, int]
 
-def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """fp8 tensors are read and written as their byte codes."""
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
-        return tensor.view(torch.uint8)
-    return tensor
+    def __call__(
+        self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
+    ) -> None:
+        plan, params = self.plan, self.params
+        shape = shapes[plan.outputs[0]]
+        numel = math.prod(shape)
+        if numel == 0:
+            return
+        sizes = group_sizes(plan.collapsed, shape)
+        strides = [
+            stride
+            for tensor in plan.inputs
+            for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
+        ]
+        pointers = [as_bytes(t) for t in (*inputs, *targets)]
+        runtime = dict(zip(self.names, [numel, *sizes, *strides], strict=True))
+        kernel, arguments = self.variants.bind(runtime, self.known)
+        if plan.tiled and params.block_columns > 0:
+            block_rows = max(1, params.block // params.block_columns)
+            grid = (cdiv(sizes[0], block_rows) * cdiv(sizes[1], params.block_columns),)
+        else:
+            grid = (cdiv(numel, params.block),)
+        kernel[grid](*pointers, *arguments, **self.constants,
+                     num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
 
-
-def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):
-    """A TMA tensor descriptor of contiguous ``tensor`` seen as (rows, columns), read in
-    ``box`` tiles. TMA needs rows of a multiple of 16 bytes (``ValueError`` naming
-    ``params`` otherwise) and a 16-byte aligned base (a misaligned tensor is copied)."""
-    # imported here: importing Triton before TRITON_INTERPRET is set (the tests set it at
-    # collection) would leave the interpreter unable to run Triton's own jit functions
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if columns * tensor.element_size() % 16:
-        raise ValueError(
-            f"{params}: rows of {columns} {tensor.dtype} are not a multiple of 16 bytes, "
-            "which TMA descriptors need"
-        )
-    if tensor.data_ptr() % 16:
-        tensor = tensor.clone()
-    return TensorDescriptor(tensor, [rows, columns], [columns, 1], box)
+    def forms(self) -> list[str]:
+        return forms_used([self.variants])

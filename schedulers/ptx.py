@@ -21,7 +21,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
-from schedulers.codegen import COMPILE_OPTIONS, memory_type
+from schedulers.base import Scheduler
+from schedulers.codegen import COMPILE_OPTIONS
 
 _POINTERS = {
     "tl.float64": "*fp64",
@@ -126,27 +127,22 @@ def instructions(ptx: str) -> Counter:
     return opcodes
 
 
-def kernel_widths(scheduler, plan, params, aligned: bool, arch: int = 90) -> dict[str, dict]:
-    """For each kernel ``scheduler`` generates for ``plan`` and ``params``: its
-    ``access_widths``, its instruction count (``"instructions"``), how many of them
-    convert to bf16 rounding to nearest (``"bf16_conversions"``) and how many are fused
-    multiply-adds (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``) or flush
-    subnormals to zero (``"flush_to_zero"``: the fp4 decoder needs them kept), and its
-    asynchronous copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
-    pointers = {f"in{i}": memory_type(t.dtype) for i, t in enumerate(plan.inputs)}
-    pointers |= {f"out{i}": memory_type(t.dtype) for i, t in enumerate(plan.outputs)}
-    if hasattr(plan, "accumulator"):
-        pointers["partial"] = memory_type(plan.accumulator)
-    for i in range(len(getattr(plan, "column_sums", []))):  # normalization: partial sums
-        pointers[f"part{i}"] = "tl.float32"
-    if getattr(plan, "column_sums", None):
-        pointers["partial"] = "tl.float32"  # its combining kernel's
-        pointers["out"] = memory_type(plan.column_sums[0].output.dtype)
+def kernel_widths(
+    scheduler: Scheduler, plan, params, shape: list[int], aligned: bool, arch: int = 90
+) -> dict[str, dict]:
+    """For each kernel ``scheduler`` generates for ``plan``, ``params`` and the shape
+    ``shape`` of ``plan.space``: its ``access_widths``, its instruction count
+    (``"instructions"``), how many of them convert to bf16 rounding to nearest
+    (``"bf16_conversions"``) and how many are fused multiply-adds
+    (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``) or flush subnormals to
+    zero (``"flush_to_zero"``: the fp4 decoder needs them kept), and its asynchronous
+    copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
     result = {}
-    for name, source, constants, num_warps in scheduler.kernels(plan, params, aligned):
-        ptx = compile_ptx(source, name, pointers, constants, num_warps, arch)
+    for kernel in scheduler.kernels(plan, params, shape, aligned):
+        ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
+                          kernel.num_warps, arch)  # fmt: skip
         opcodes = instructions(ptx)
-        result[name] = {
+        result[kernel.name] = {
             **access_widths(ptx),
             "instructions": sum(opcodes.values()),
             "bf16_conversions": sum(n for op, n in opcodes.items() if op.startswith("cvt.rn.bf16")),

@@ -17,12 +17,17 @@ from dataclasses import dataclass
 from fusion.exprs import Expr
 from fusion.ir import Fusion, TensorView
 from schedulers.analysis import NotSchedulable
+from schedulers.base import Scheduler
 from schedulers.normalization import NormalizationScheduler
 from schedulers.pointwise import PointwiseScheduler
 from schedulers.reduction import ReductionScheduler
 from sharding.communication import LocalShard
 
-SCHEDULERS = (NormalizationScheduler(), ReductionScheduler(), PointwiseScheduler())
+SCHEDULERS: tuple[Scheduler, ...] = (
+    NormalizationScheduler(),
+    ReductionScheduler(),
+    PointwiseScheduler(),
+)
 
 
 @dataclass
@@ -32,12 +37,13 @@ class KernelGroup:
     exprs: list[Expr]
     inputs: list[TensorView]
     outputs: list[TensorView]
-    scheduler: object | None
+    scheduler: Scheduler | None
     plan: object | None
     reason: str = ""  # why no scheduler took it
 
 
-def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[object, object] | str:
+def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[Scheduler, object] | str:
+    """The first scheduler that takes ``exprs`` and its plan, or why none does."""
     if any(isinstance(expr, LocalShard) for expr in exprs):
         return "shard_locally: its piece starts at a rank-dependent offset (taken as a view)"
     inputs, outputs = fusion.boundary(exprs)
@@ -50,28 +56,35 @@ def _first_taker(exprs: list[Expr], fusion: Fusion) -> tuple[object, object] | s
     return "; ".join(reasons)
 
 
+def _longest_taken(
+    exprs: list[Expr], start: int, fusion: Fusion
+) -> tuple[int, tuple[Scheduler, object] | str]:
+    """The end of the longest run from ``start`` that a scheduler takes, and what
+    ``_first_taker`` says of it; for none, ``start + 1`` and why its expr is not taken."""
+    for end in range(len(exprs), start, -1):
+        taken = _first_taker(exprs[start:end], fusion)
+        if not isinstance(taken, str):
+            return end, taken
+    return start + 1, taken
+
+
 def split_into_kernels(exprs: list[Expr], fusion: Fusion) -> list[KernelGroup]:
     """Kernels for ``exprs`` (no matmul among them), in order."""
-    groups: list[KernelGroup] = []
+    runs: list[tuple[list[Expr], tuple[Scheduler, object] | str]] = []
     start = 0
     while start < len(exprs):
-        for end in range(len(exprs), start, -1):
-            taken = _first_taker(exprs[start:end], fusion)
-            if not isinstance(taken, str):
-                break
+        end, taken = _longest_taken(exprs, start, fusion)
+        if isinstance(taken, str) and runs and isinstance(runs[-1][1], str):
+            runs[-1][0].append(exprs[start])  # reference exprs in a row: one group
+        else:
+            runs.append((exprs[start:end], taken))
+        start = end
+    groups = []
+    for run, taken in runs:
+        inputs, outputs = fusion.boundary(run)
         if isinstance(taken, str):
-            end = start + 1
-            reason = _first_taker(exprs[start:end], fusion)
-            if groups and groups[-1].scheduler is None:
-                groups[-1].exprs.append(exprs[start])
-            else:
-                groups.append(KernelGroup([exprs[start]], [], [], None, None, reason))
+            groups.append(KernelGroup(run, inputs, outputs, None, None, taken))
         else:
             scheduler, plan = taken
-            inputs, outputs = fusion.boundary(exprs[start:end])
-            groups.append(KernelGroup(exprs[start:end], inputs, outputs, scheduler, plan))
-        start = end
-    for group in groups:
-        if group.scheduler is None:
-            group.inputs, group.outputs = fusion.boundary(group.exprs)
+            groups.append(KernelGroup(run, inputs, outputs, scheduler, plan))
     return groups

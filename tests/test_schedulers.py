@@ -27,7 +27,11 @@ from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware  # noqa: E402
 from schedulers.pointwise import PointwiseParams, PointwiseScheduler  # noqa: E402
+from schedulers.pointwise import aligned_arguments as pointwise_aligned_arguments  # noqa: E402
 from schedulers.reduction import ReductionParams, ReductionScheduler, tma_outer_tile  # noqa: E402
+from schedulers.reduction.codegen import (  # noqa: E402
+    aligned_arguments as reduction_aligned_arguments,
+)
 from schedulers.registry import split_into_kernels  # noqa: E402
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
@@ -308,9 +312,10 @@ def test_aligned_sources_state_their_facts_and_drop_unit_strides():
     fd, _, _ = _aligned_cases()["columns"]
     scheduler = ReductionScheduler()
     plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
-    params = scheduler.heuristics(plan, H200, 1000)
-    general, aligned = scheduler.source(plan, params), scheduler.source(plan, params, True)
-    assert scheduler.aligned_arguments(plan) == ["kept_count", "stride0_0"]
+    params = scheduler.heuristics(plan, H200, [1000, 96])
+    general, aligned = (scheduler.kernels(plan, params, [1000, 96], aligned)[0].source
+                        for aligned in (False, True))  # fmt: skip
+    assert reduction_aligned_arguments(plan) == ["kept_count", "stride0_0"]
     assert "kept_count_16" in aligned and "stride0_0 = stride0_0_16 * 16" in aligned
     assert "kept_count_16" not in general and "stride0_0_16" not in general
     for text in (general, aligned):
@@ -320,8 +325,9 @@ def test_aligned_sources_state_their_facts_and_drop_unit_strides():
     scheduler = PointwiseScheduler()
     plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
     params = scheduler.heuristics(plan, H200, [64, 4096])
-    aligned = scheduler.source(plan, params, True)
-    assert scheduler.aligned_arguments(plan, params) == ["size1"]
+    (kernel,) = scheduler.kernels(plan, params, [64, 4096], aligned=True)
+    aligned = kernel.source
+    assert pointwise_aligned_arguments(plan, params) == ["size1"]
     assert "size1 = size1_16 * 16" in aligned and "columns * stride1_1" not in aligned
 
 
@@ -335,7 +341,7 @@ def test_the_vector_width_is_128_bits_over_the_widest_dtype(dtype, width):
         fd.add_output(fd.ops.set(x))
     scheduler = PointwiseScheduler()
     plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
-    params = scheduler.heuristics(plan, H200)
+    params = scheduler.heuristics(plan, H200, [8, 64])
     assert params.vector_width == width
     assert params.block == width * 32 * params.num_warps * params.unroll
 
@@ -346,7 +352,8 @@ def test_reduction_params_follow_the_reduced_extent_not_the_batch():
         fd.add_output(fd.ops.sum(fd.ops.cast(x, "float32"), dims=[1]))
     scheduler = ReductionScheduler()
     plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
-    small, large = scheduler.heuristics(plan, H100, 96), scheduler.heuristics(plan, H100, 65536)
+    small = scheduler.heuristics(plan, H100, [4096, 96])
+    large = scheduler.heuristics(plan, H100, [4096, 65536])
     assert small.block_reduce == 128 and large.block_reduce == 2048
     assert small.block_rows * small.block_reduce == large.block_rows * large.block_reduce
     assert large.block_rows == 2  # two rows a program even when rows are long
@@ -361,12 +368,12 @@ def test_outer_reduction_tiles_read_a_cache_line_a_row(dtype, columns):
         fd.add_output(fd.ops.sum(fd.ops.cast(x, "float32"), dims=[0]))
     scheduler = ReductionScheduler()
     plan = scheduler.plan(fd.fusion.exprs, fd.fusion.inputs, fd.fusion.outputs)
-    params = scheduler.heuristics(plan, H200, 1 << 20)
+    params = scheduler.heuristics(plan, H200, [1 << 20, 4096])
     assert params.block_reduce == columns  # outer: columns a program
     assert params.block_reduce * as_dtype(dtype).bits == 128 * 8
     assert params.block_rows * params.block_reduce * 32 == 16 * 1024 * 8  # float32 tile
     assert params.stages == 2 and params.waves == 8
-    assert scheduler.heuristics(plan, INTERPRETER, 1 << 20).stages == 1  # no async copies
+    assert scheduler.heuristics(plan, INTERPRETER, [1 << 20, 4096]).stages == 1  # no async copies
 
 
 def test_hardware_profiles_count_in_bits():
@@ -514,15 +521,15 @@ def test_tma_tiles_are_refused_where_they_cannot_be():
     odd = _product_column_sum(2, 64, 12, "float16")  # 24-byte rows
     (group,) = split_into_kernels(odd.fusion.exprs, odd.fusion)
     with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
-        scheduler.tma_params(group.plan, H200, 64, 12)
+        scheduler.heuristics(group.plan, H200, [64, 12], "tma")
     with pytest.raises(NotSchedulable, match="sm_90"):
-        scheduler.tma_params(group.plan, dataclasses.replace(H200, arch=80), 64, 16)
+        scheduler.heuristics(group.plan, dataclasses.replace(H200, arch=80), [64, 16], "tma")
     with FusionDefinition() as rows_fd:
         x = rows_fd.define_tensor(["rows", 64])
         rows_fd.add_output(rows_fd.ops.sum(x, dims=[1]))
     (group,) = split_into_kernels(rows_fd.fusion.exprs, rows_fd.fusion)
     with pytest.raises(NotSchedulable, match="outer"):
-        scheduler.tma_params(group.plan, H200, 64, 16)
+        scheduler.heuristics(group.plan, H200, [16, 64], "tma")
     # through the executor: refused at the first run, before anything launches
     executor = MultiDeviceExecutor(odd, kernels="generated", kernel_params={"k0": "tma"})
     generator = torch.Generator().manual_seed(0)

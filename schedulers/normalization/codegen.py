@@ -1,0 +1,308 @@
+"""A normalization's Triton source: ``source`` writes the kernel (reductions, the row
+values that follow from them, the outputs and a program's partial column sums);
+``combine_source`` the kernel that adds a column sum's partial rows in a fixed order.
+
+Full and column values are emitted in a step over the columns (the whole row when it
+is persistent, a loop over chunks otherwise); row values (reductions and what follows
+from them) once per row block, outside any loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fusion.dtypes import DataType, float32, float64
+from fusion.exprs import Expr, ReductionOp, VarMeanOp
+from fusion.ir import TensorView
+from schedulers.codegen import (
+    COMBINE,
+    TRITON_TYPES,
+    Emitter,
+    Value,
+    kernel_source,
+    reduce_call,
+    reduction_identity,
+)
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.heuristics import WARP_SPECIALIZED, NormalizationParams
+
+COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
+COMBINE_PARTS = 256  # and partial rows it adds per step
+COMBINE_WARPS = 8
+
+
+def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
+    """The kernel's Triton source: no extent in it (``COLUMNS`` is a constexpr)."""
+    pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
+    targets = [f"out{i}" for i in range(len(plan.outputs))]
+    persistent = params.persistent
+    walking = persistent and params.programs > 0  # a fixed grid walks persistent rows
+    specialized = params.strategy == WARP_SPECIALIZED
+    if specialized and not walking:
+        raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
+    if params.column_registers and not walking:
+        raise ValueError(f"{params}: weights in registers need persistent rows and programs")
+    # full-shape inputs arrive as TMA descriptors of (rows, COLUMNS) in the
+    # warp-specialized kernel
+    tiles = {t for t in plan.inputs if specialized and plan.kinds[t] == "full"}
+    outer = Emitter()
+    outer.line("pid = tl.cast(row_block, tl.int64)")
+    outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+    outer.line("row_mask = rows < row_count")
+    row_cache: dict[TensorView, Value] = {}
+    generator = _Generator(plan, pointers, outer, row_cache, tiles)
+    early = outer.nested()  # before the walk: weights kept in registers
+    if params.column_registers:
+        generator.columns(early, "0", rows=False)
+        for tensor in plan.inputs:
+            if plan.kinds[tensor] == "column":
+                generator.value(_Step(early, row_cache), tensor)
+    if persistent:
+        generator.columns(outer, "0")
+        step = _Step(outer, row_cache)  # one step: everything shares one cache
+    for level in range(1, plan.depth + 1):
+        group = [t for t, v in plan.levels.items() if v == level]
+        if persistent:
+            for tensor in group:
+                generator.reduce_persistent(step, tensor)
+            continue
+        accumulators = {t: generator.accumulator(t) for t in group}
+        body = generator.loop()
+        for tensor in group:
+            generator.accumulate(body, tensor, accumulators[tensor])
+        generator.close(body)
+        for tensor in group:
+            generator.finish(tensor, accumulators[tensor])
+    full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
+    sums = [(i, e) for i, e in enumerate(plan.column_sums)]
+    partials = [f"part{i}" for i, _ in sums]
+    before, after = [], []  # around the walk over the rows (column sums)
+    if full or sums:
+        body = step if persistent else generator.loop()
+        for i, tensor in full:
+            value = generator.value(body, tensor)
+            shaped = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
+            body.emit.line(
+                f"tl.store({targets[i]} + offs, "
+                f"{body.emit.stored(Value(shaped, value.dtype))}, mask=mask)"
+            )
+        for i, expr in sums:
+            (source,) = expr.inputs
+            term = body.emit.as_compute(generator.value(body, source), float32)
+            column = body.emit.assign(f"tl.sum(tl.where(mask, {term}, 0.0), 0)")
+            if persistent:  # this program's partial sums stay in registers
+                before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
+                body.emit.line(f"colsum{i} = colsum{i} + {column}")
+                after.append(
+                    f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
+                    "+ tl.arange(0, BLOCK_COLUMNS), "
+                    f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
+                )
+            else:  # its row of partial sums, in memory (zeroed before the launch)
+                row = body.emit.assign(
+                    f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p"
+                )
+                body.emit.line(
+                    f"tl.store({row}, tl.load({row}, mask=col_mask, other=0.0) + {column}, "
+                    "mask=col_mask)"
+                )
+        if not persistent:
+            generator.close(body)
+    for i, tensor in enumerate(plan.outputs):
+        if plan.kinds[tensor] != "row":
+            continue
+        value = generator.value(_Step(outer, row_cache), tensor)
+        outer.line(
+            f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, mask=row_mask[:, None])"
+        )
+    comment = (
+        f"# normalization: {len(plan.reductions)} reductions in {plan.depth} levels, "
+        f"{'persistent' if persistent else 'chunked'}"
+        + (", warp-specialized (TMA tiles)" if specialized else "")
+    )
+    if params.programs:  # a fixed grid walks the row blocks
+        blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
+        if (params.stages > 1 or specialized) and persistent:
+            options = f", num_stages={params.stages}"
+            options += ", warp_specialize=True" if specialized else ""
+            walk = f"for row_block in tl.range({blocks}{options}):"
+        else:
+            walk = f"for row_block in range({blocks}):"
+        lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
+                 *after]  # fmt: skip
+    else:
+        if sums:
+            raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
+        lines = ["row_block = tl.program_id(0)", *outer.lines]
+    arguments = [*pointers.values(), *targets, *partials]
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS"]
+    return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
+                         comment)  # fmt: skip
+
+
+def combine_source(plan: NormalizationPlan, index: int) -> str:
+    """The column sums' second kernel: each program's partial row added in a fixed
+    order (deterministic), rounded once to the output's dtype."""
+    expr = plan.column_sums[index]
+    emit = Emitter()
+    emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
+    emit.line("col_mask = cols < COLUMNS")
+    emit.line("acc = tl.zeros((PARTS, BLOCK_COLUMNS), tl.float32)")
+    emit.line("for first in range(0, programs, PARTS):")
+    emit.line("    parts = first + tl.arange(0, PARTS)")
+    emit.line(
+        "    acc += tl.load(partial + parts[:, None] * COLUMNS + cols[None, :], "
+        "mask=(parts < programs)[:, None] & col_mask[None, :], other=0.0)"
+    )
+    value = emit.rounded("tl.sum(acc, 0)", float32, expr.output.dtype)
+    emit.line(f"tl.store(out + cols, {emit.stored(value)}, mask=col_mask)")
+    constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS"]
+    return kernel_source("combine_kernel", ["partial", "out"], ["programs"], constants,
+                         emit.lines)  # fmt: skip
+
+
+def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int) -> dict[str, int]:
+    """The normalization kernel's ``tl.constexpr`` arguments: the reduced extent
+    ``columns`` (the kernel is specialized on it) and the tile."""
+    return {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
+            "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
+
+
+def combine_constants(columns: int) -> dict[str, int]:
+    """A combining kernel's ``tl.constexpr`` arguments: rows of ``columns``, taken
+    ``COMBINE_COLUMNS`` at a time, ``COMBINE_PARTS`` partial rows a step."""
+    return {"COLUMNS": columns, "BLOCK_COLUMNS": COMBINE_COLUMNS, "PARTS": COMBINE_PARTS}
+
+
+@dataclass
+class _Step:
+    """Where values of one walk over the columns are emitted, and those already there."""
+
+    emit: Emitter
+    cache: dict[TensorView, Value]
+
+
+class _Generator:
+    """Emits a normalization kernel's values: full and column values in a step, row
+    values (reductions and what follows from them) once, outside any loop."""
+
+    def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset()) -> None:
+        self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
+        self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
+        self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
+
+    # Columns of a step: offsets, masks.
+    @staticmethod
+    def columns(emit: Emitter, start: str, rows: bool = True) -> None:
+        emit.line(f"cols = {start} + tl.arange(0, BLOCK_COLUMNS)")
+        emit.line("col_mask = cols < COLUMNS")
+        if rows:
+            emit.line("mask = row_mask[:, None] & col_mask[None, :]")
+            emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
+
+    def loop(self) -> _Step:
+        body = self.outer.nested()
+        self.columns(body, "start")
+        return _Step(body, {})
+
+    def close(self, step: _Step) -> None:
+        self.outer.block("for start in range(0, COLUMNS, BLOCK_COLUMNS):", step.emit)
+
+    # Values.
+    def value(self, step: _Step, tensor: TensorView) -> Value:
+        kind = self.plan.kinds[tensor]
+        if kind in ("row", "scalar") and step.cache is not self.row_cache:
+            return self.value(_Step(self.outer, self.row_cache), tensor)
+        if tensor in step.cache:
+            return step.cache[tensor]
+        emit = step.emit
+        if tensor in self.pointers:
+            pointer = self.pointers[tensor]
+            if tensor in self.tiles:
+                value = emit.load_tile(tensor, pointer, "row_block * BLOCK_ROWS, 0")
+            elif kind == "full":
+                value = emit.load(tensor, pointer, "offs", "mask")
+            elif kind == "column":
+                loaded = emit.load(tensor, pointer, "cols", "col_mask")
+                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype)
+            elif kind == "row":
+                loaded = emit.load(tensor, pointer, "rows", "row_mask")
+                value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
+            else:
+                loaded = emit.load(tensor, pointer, "rows * 0", "row_mask")
+                value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
+            step.cache[tensor] = value
+            return value
+        producer = tensor.definition
+        if isinstance(producer, (ReductionOp, VarMeanOp)):
+            raise AssertionError(f"{tensor} is used before its reduction finished")
+        operands = [
+            self.value(step, o) if isinstance(o, TensorView) else o for o in producer.operands
+        ]
+        for out, value in zip(producer.outputs, emit.expr(producer, operands), strict=True):
+            step.cache[out] = value
+        return step.cache[tensor]
+
+    # Reductions.
+    def _term(self, step: _Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
+        """The masked term a reduction output sums (or maxes) in a step."""
+        producer = tensor.definition
+        (source,) = producer.inputs
+        accumulator = _accumulator(tensor.dtype)
+        value = step.emit.as_compute(self.value(step, source), accumulator)
+        if isinstance(producer, VarMeanOp) and tensor is producer.outputs[0]:
+            mean = self.means[producer]
+            centred = step.emit.assign(f"{value} - {mean}")
+            value = step.emit.assign(f"{centred} * {centred}")
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        identity = reduction_identity(op, accumulator)
+        term = step.emit.assign(f"tl.where(mask, {value}, {identity})")
+        return producer, op, term, accumulator
+
+    def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
+        producer, op, term, accumulator = self._term(step, tensor)
+        reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
+        self._finish(producer, tensor, op, reduced, accumulator)
+
+    def accumulator(self, tensor: TensorView) -> str:
+        producer = tensor.definition
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        accumulator = _accumulator(tensor.dtype)
+        identity = reduction_identity(op, accumulator)
+        return self.outer.assign(
+            f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {identity}, {TRITON_TYPES[accumulator.name]})",
+            "acc",
+        )
+
+    def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
+        _, op, term, _ = self._term(step, tensor)
+        step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
+
+    def finish(self, tensor: TensorView, accumulator: str) -> None:
+        producer = tensor.definition
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
+        self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
+
+    def _finish(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
+        emit = self.outer
+        count = f"tl.full((), COLUMNS, {TRITON_TYPES[accumulator.name]})"
+        if isinstance(producer, VarMeanOp):
+            var, mean = producer.outputs
+            if tensor is mean:
+                result = emit.assign(f"div({reduced}, {count})")
+                self.means[producer] = result
+            else:
+                kind = TRITON_TYPES[accumulator.name]
+                divisor = f"tl.full((), COLUMNS - {producer.correction}, {kind})"
+                result = emit.assign(f"div({reduced}, {divisor})")
+        elif op == "mean":
+            result = emit.assign(f"div({reduced}, {count})")
+        else:
+            result = reduced
+        self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
+
+
+def _accumulator(dtype: DataType) -> DataType:
+    """Reductions of floats accumulate in float32 (float64 for float64)."""
+    return float64 if dtype is float64 else float32

@@ -1,0 +1,176 @@
+"""A normalization's launch configuration (``NormalizationParams``) and the heuristics
+of its multi-wave strategy: the row in registers (persistent) when it fits, walked in
+chunks when it does not. The warp-specialized strategy's are in
+``schedulers.normalization.warp_specialized``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schedulers.hardware import HardwareProfile
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.runtime import cdiv, next_power_of_two
+
+OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-bound rows
+MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
+OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
+CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
+PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined loads
+
+MULTIWAVE, WARP_SPECIALIZED = "multiwave", "warp_specialized"
+STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED)
+
+
+@dataclass(frozen=True)
+class NormalizationParams:
+    """Launch configuration of a normalization kernel (override any field to tune it)."""
+
+    block_rows: int  # rows a program
+    block_columns: int  # columns a step (a power of two); >= the row when persistent
+    num_warps: int
+    persistent: bool  # the whole row in registers, inputs loaded once
+    programs: int = 0  # >0: a grid of this many programs walking the rows
+    stages: int = 1  # >1 (a persistent row, programs > 0): the next rows' loads go out
+    # while this one is computed (Triton's async-copy pipeline over the walk); with the
+    # warp-specialized strategy, the tiles of its circular buffer
+    strategy: str = MULTIWAVE  # or WARP_SPECIALIZED: a persistent grid whose producer
+    # warps load the full-shape inputs' tiles with TMA for the consumer warps
+    column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
+    # before the walk, and kept in registers
+    why: str = field(default="", compare=False)  # the heuristic's reasons
+
+    def __str__(self) -> str:
+        text = (
+            f"NormalizationParams(block_rows={self.block_rows}, "
+            f"block_columns={self.block_columns}, num_warps={self.num_warps}, "
+            f"persistent={self.persistent}"
+        )
+        text += f", programs={self.programs}" if self.programs else ""
+        text += f", stages={self.stages}" if self.stages != 1 else ""
+        text += f", strategy={self.strategy!r}" if self.strategy != MULTIWAVE else ""
+        text += ", column_registers=True)" if self.column_registers else ")"
+        return f"{text} [{self.why}]" if self.why else text
+
+
+def multiwave_params(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
+) -> NormalizationParams:
+    """Enumerate persistent batch sizes (values a thread holds per buffered row) and
+    rank them by, in order: reaching the occupancy target, at least four 128-bit
+    vectors a thread (measured on H200, forward, 32 bf16 a thread against 16:
+    LayerNorm 0.92 against 0.84 of copy at 4096 columns, 0.94 against 0.82 at 8192;
+    RMSNorm 0.92-0.94 either way; earlier, 16 against 8: 0.95 against 0.84), the
+    row dividing evenly into the threads'
+    vectors, registers left for other values, fewer waves, higher occupancy.
+    The number of rows only ranks waves. With column sums, a wave
+    of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
+    copy for RMSNorm backward at 4096) unless registers are short."""
+    width = next_power_of_two(max(columns, 1))
+    vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
+    candidates = []
+    for warps in (1, 2, 4, 8, 16):
+        threads = warps * hardware.warp_size
+        for block_rows in (1, 2, 4, 8, 16, 32, 64):
+            # per thread, per buffered row (a tile smaller than a warp: one value)
+            values = max(1, block_rows * width // threads)
+            if (block_rows * width < threads and warps > 1) or block_rows * width > 65536:
+                continue
+            if block_rows > 1 and block_rows > next_power_of_two(rows):
+                continue
+            # buffered rows, plus a program's partial column sums when it keeps any
+            sums = len(plan.column_sums) * max(1, width // threads)
+            registers = plan.buffers * values + sums + OTHER_REGISTERS
+            if registers > MAX_REGISTERS:
+                continue
+            candidate = _Candidate.of(hardware, warps, block_rows, width, columns, rows,
+                                      vector, registers)  # fmt: skip
+            if candidate.occupancy > 0:  # a block whose registers fit an SM at all
+                candidates.append(candidate)
+    if not candidates:
+        return chunked_params(plan, hardware, columns)
+    # With column sums a wave of programs walks the rows, a reduction or two a row
+    # each step: there a row within one warp (no shared memory in its reductions)
+    # ranks second instead of the two-vector criterion (RMSNorm backward at 1024 on
+    # H200: 0.55 of copy with 8 warps of a row each, 0.34 with 16 warps over 2 rows,
+    # 0.14 with 2 warps over 1).
+    walks = bool(plan.column_sums)
+    best = min(candidates, key=lambda candidate: candidate.rank(walks))
+    why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
+    programs, stages = 0, 1
+    if plan.column_sums:  # one wave of programs, each summing its rows' columns
+        programs = best.blocks * hardware.sm_count
+        why += f"; {programs} programs keep column partial sums (one wave)"
+        # the pipeline keeps its stages' tiles in shared memory: half the block's
+        # budget at most (the rest for the reductions' scratch)
+        tile_bits = sum(best.block_rows * width * t.dtype.bits
+                        for t in plan.inputs if plan.kinds[t] == "full")  # fmt: skip
+        fitting = [k for k in (3, 2) if k * tile_bits <= hardware.smem_per_block_bits // 2]
+        if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS and fitting:
+            stages = fitting[0]
+            why += f", the next rows' loads pipelined {stages} deep"
+    return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
+                               why=why)  # fmt: skip
+
+
+def chunked_params(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int
+) -> NormalizationParams:
+    """Rows re-read once per pass: a grid small enough that the rows in flight stay
+    in half the L2, so the passes after the first read from L2, not memory."""
+    warps = 16
+    step = min(next_power_of_two(columns), CHUNK_VALUES * warps * hardware.warp_size)
+    row_bits = columns * sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
+    fitting = hardware.l2_bits // 2 // max(row_bits, 1)
+    programs = max(hardware.sm_count, min(4 * hardware.sm_count, fitting))
+    why = (
+        f"a row of {columns} does not fit in registers ({plan.buffers} buffered "
+        f"inputs, at most {MAX_REGISTERS} registers a thread): {plan.depth + 1} passes "
+        f"of {step} columns; {programs} programs walk the rows so those in flight "
+        f"({programs * row_bits // 8 // 2**20} MiB) stay in half the L2"
+    )
+    return NormalizationParams(1, step, warps, False, programs, why=why)
+
+
+@dataclass
+class _Candidate:
+    warps: int
+    block_rows: int
+    values: int  # per thread, per buffered row
+    registers: int
+    occupancy: float
+    reaches: bool
+    even: bool
+    waves: int
+    blocks: int  # programs an SM holds at once
+    busy: bool  # at least four 128-bit vectors a thread per buffered row
+    in_warp: bool  # a row within one warp, at most 32 values a thread per buffered row
+
+    @classmethod
+    def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
+        threads = warps * hardware.warp_size
+        by_registers = hardware.registers_per_sm // (registers * threads)
+        blocks = max(0, min(32, hardware.max_warps_per_sm // warps, by_registers))
+        occupancy = blocks * warps / hardware.max_warps_per_sm
+        lanes = threads // block_rows  # threads along one row
+        even = lanes * vector <= width and columns % (lanes * vector) == 0
+        programs = cdiv(max(rows, 1), block_rows)
+        waves = cdiv(programs, max(1, blocks) * hardware.sm_count)
+        values = max(1, block_rows * width // threads)
+        return cls(warps, block_rows, values, registers, occupancy,
+                   occupancy >= OCCUPANCY_TARGET, even, waves, blocks,
+                   values >= 4 * vector, lanes <= 32 and values <= 32)  # fmt: skip
+
+    def rank(self, walks: bool) -> tuple:
+        """Sort key, best first; ``walks``: a fixed grid walks the rows (column sums)."""
+        left = MAX_REGISTERS - self.registers
+        second = self.in_warp if walks else self.busy
+        return (not self.reaches, not second, not self.even, -left, self.waves,
+                -self.occupancy)  # fmt: skip
+
+    def describe(self) -> str:
+        return (
+            f"{self.warps} warps x {self.block_rows} rows: {self.values} values a thread "
+            f"a buffer, about {self.registers} registers, occupancy {self.occupancy:.2f} "
+            f"({'reaches' if self.reaches else 'below'} {OCCUPANCY_TARGET}), the row "
+            f"{'divides' if self.even else 'does not divide'} evenly, {self.waves} waves"
+        )

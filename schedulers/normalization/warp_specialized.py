@@ -1,0 +1,127 @@
+"""The warp-specialized strategy of normalizations with column sums (LayerNorm and
+RMSNorm backward): a persistent grid whose producer warps load the full-shape inputs'
+tiles with TMA into a circular buffer in shared memory for the consumer warps."""
+
+from __future__ import annotations
+
+from schedulers.hardware import HardwareProfile
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.heuristics import (
+    MAX_REGISTERS,
+    OTHER_REGISTERS,
+    WARP_SPECIALIZED,
+    NormalizationParams,
+)
+from schedulers.runtime import next_power_of_two
+
+# Warp-specialized parameters, from sweeps on H200 (RMSNorm/LayerNorm backward, bf16,
+# 1024-16384 columns; benchmarks/results/norms_ws_sweep.json): three stages as fast as
+# four and much faster than two (0.50-0.65 of copy); a tile of about 32 KiB (8 rows of
+# 1024, 2 of 4096, 1 of 8192: two tiles in flight); the fewest consumer warps that leave
+# a thread at most two 128-bit vectors of a row (1024: 4 warps, two programs an SM,
+# 0.57/0.49 of copy against 0.49/0.33 with 8 warps and one).
+WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at most
+WS_MAX_BLOCKS = 2  # programs an SM, at most
+WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
+WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
+WS_OVERSHOOT = 1.25  # degenerate when the register estimate passes this times the
+# registers a thread may have. RMSNorm backward at 16384 columns (1.06 times over)
+# spills a little and beats the multi-wave kernel in every run (0.71-0.72 against
+# 0.67 of copy on H200); LayerNorm backward there (1.31 times over) spills more and its
+# time was bimodal across runs, the same kernel 0.50 or 1.25 ms on H200 (0.60 or 1.69 on
+# H100), against a steady 0.71 ms for the multi-wave one: it falls back.
+# Where the warp-specialized strategy gains: by compute capability, then by the number of
+# column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
+# must walk to amortize loading its weights and writing its partial sums. Measured on
+# H200 with these parameters (benchmarks/results/norms_threshold.json, fraction of copy,
+# warp-specialized against multi-wave): RMSNorm at 31 rows a program loses with 4096
+# columns (0.62 against 0.66) but wins with 1024 (0.34 against 0.27), loses at 15 rows
+# of 8192 (0.61, 0.66), wins from 62 rows (0.51 against 0.32 at 16384x1024): 48 gives
+# up the small win to avoid the loss; LayerNorm, whose multi-wave kernel is slower,
+# wins from 31 rows a program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at
+# 8192x1024) and ties at 8-15. No entry (the forward, other architectures): the multi-wave strategy.
+WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
+
+
+def warp_specialized_params(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
+) -> NormalizationParams | str:
+    """The warp-specialized parameters, or why there are none. A loop grows, while
+    shared memory and registers allow: the circular buffer's stages (up to
+    ``WS_MAX_STAGES``), then the consumer warp groups (4 to 16 warps, until a thread
+    holds at most two 128-bit vectors of a row), then the rows a tile (until
+    ``WS_INFLIGHT_BITS`` are in flight, without passing the registers a thread may
+    have); the block width is the whole row (a persistent row). Short of registers
+    it first reads the weights inside the walk, then takes fewer rows a tile. The
+    number of rows plays no part: one compiled kernel serves every batch size."""
+    if hardware.arch and hardware.arch < 90:
+        return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
+    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+    if not full:
+        return "no input of the full shape to load through TMA"
+    for tensor in full:
+        if tensor.dtype.storage_only or tensor.dtype.bits < 8:
+            return f"{tensor}: {tensor.dtype} codes are not loaded through descriptors"
+        if columns * tensor.dtype.bits % 128:
+            return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
+                    "16 bytes (TMA strides)")  # fmt: skip
+    width = next_power_of_two(columns)
+    if width * min(t.dtype.bits for t in full) < 128:
+        return f"a tile {width} wide is narrower than 16 bytes"
+    row_bits = width * sum(t.dtype.bits for t in full)  # a tile row, every buffered input
+    budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
+    vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
+    weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
+
+    def registers(warps: int, block_rows: int, hoist: bool) -> int:
+        threads = warps * hardware.warp_size
+        values = max(1, block_rows * width // threads)
+        per_row = max(1, width // threads)  # a column vector's values a thread
+        sums = len(plan.column_sums) * per_row
+        return plan.buffers * values + sums + hoist * weights * per_row + OTHER_REGISTERS
+
+    def limit(warps: int) -> int:  # registers a thread may have
+        return min(MAX_REGISTERS, hardware.registers_per_sm // (warps * hardware.warp_size))
+
+    stages, warps, block_rows, hoist = 1, 4, 1, True
+    while stages < WS_MAX_STAGES and (stages + 1) * row_bits <= budget:
+        stages += 1
+    while warps < 16 and width > 2 * vector * warps * hardware.warp_size:
+        warps *= 2
+    while (
+        block_rows * 2 <= 64
+        and stages * 2 * block_rows * row_bits <= budget
+        and (stages - 1) * block_rows * row_bits < WS_INFLIGHT_BITS
+        and registers(warps, 2 * block_rows, hoist) <= limit(warps)
+    ):
+        block_rows *= 2
+    fallbacks = []
+    if registers(warps, block_rows, hoist) > limit(warps) and weights:
+        hoist = False
+        fallbacks.append("weights read inside the walk")
+    while registers(warps, block_rows, hoist) > limit(warps) and block_rows > 1:
+        block_rows //= 2
+        fallbacks.append(f"{block_rows} rows a tile")
+    used = registers(warps, block_rows, hoist)
+    tile = block_rows * row_bits
+    if stages < 2:
+        return (f"degenerate: one stage (a tile of {tile // 8 // 1024} KiB, "
+                f"{budget // 8 // 1024} KiB of shared memory for the buffer)")  # fmt: skip
+    if used > WS_OVERSHOOT * limit(warps):
+        return (f"degenerate: about {used} registers a thread, over {WS_OVERSHOOT} times "
+                f"the {limit(warps)} a thread of {warps} warps may have")  # fmt: skip
+    # programs an SM holds: each its buffer and its consumer warps' registers (the
+    # producer warps give theirs back), and a producer warp group: 4 warps
+    by_smem = hardware.smem_per_block_bits // (stages * tile + WS_SCRATCH_BITS)
+    by_warps = hardware.max_warps_per_sm // (warps + 4)
+    by_registers = hardware.registers_per_sm // (used * warps * hardware.warp_size)
+    blocks = max(1, min(WS_MAX_BLOCKS, by_smem, by_warps, by_registers))
+    programs = blocks * hardware.sm_count
+    why = (f"{stages} stages of {block_rows}x{width} tiles ({stages * tile // 8 // 1024} "
+           f"KiB), {warps} consumer warps, about {used} registers a thread, "
+           f"{programs} programs ({blocks} an SM)"
+           + (", weights in registers" if hoist and weights else ""))  # fmt: skip
+    if fallbacks:
+        why += f"; short of registers: {', '.join(fallbacks)}"
+    return NormalizationParams(block_rows, width, warps, True, programs, stages,
+                               WARP_SPECIALIZED, hoist and bool(weights), why=why)  # fmt: skip
