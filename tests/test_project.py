@@ -88,6 +88,38 @@ def test_packages_import_only_downward(layer):
         assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}, a layer above it"
 
 
+@pytest.mark.parametrize("layer", LAYERS)
+def test_no_package_imports_another_packages_private_names(layer):
+    """A name with a leading underscore is its module's business: another package that
+    needs it needs a public name (in the module's package, or the piece moved down)."""
+    for path in (ROOT / layer).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or not node.module or node.level:
+                continue
+            package = node.module.split(".")[0]
+            if package == layer or package not in LAYERS:
+                continue
+            private = [alias.name for alias in node.names if alias.name.startswith("_")]
+            private += [part for part in node.module.split(".") if part.startswith("_")]
+            assert not private, f"{path.relative_to(ROOT)} imports {private} from {node.module}"
+
+
+# Lines a module may have before its docstring must say why it is longer ("Size: ...").
+MODULE_LINES = {"overlap": 460, "schedulers": 520}
+
+
+@pytest.mark.parametrize("layer", sorted(MODULE_LINES))
+def test_modules_stay_small_or_say_why(layer):
+    for path in (ROOT / layer).rglob("*.py"):
+        lines = len(path.read_text().splitlines())
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        if lines > MODULE_LINES[layer]:
+            assert "Size:" in doc, (
+                f"{path.relative_to(ROOT)} has {lines} lines (over {MODULE_LINES[layer]}) and its "
+                "docstring does not say why ('Size: ...')"
+            )
+
+
 def test_ruff_is_clean():
     ruff = shutil.which("ruff") or str(Path(sys.executable).parent / "ruff")
     if not Path(ruff).exists():
