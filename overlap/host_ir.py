@@ -88,14 +88,9 @@ def _moved(tensor: TensorView) -> str:
 
 
 def _posted(communicate: Communicate, labels: dict[object, str]) -> str:
-    comm = communicate.communication
-    attrs = ", ".join(f"{key}={value!r}" for key, value in comm.attrs.items())
-    meshes = _at(comm.in_layout.mesh, labels)
-    if not comm.same_mesh:
-        meshes += f" -> {labels[comm.out_layout.mesh]}"
-    transport = f" [{communicate.transport}]" if communicate.transport else ""
+    attrs, where = communicate.described(labels)
     return (
-        f"{communicate.name} = {comm.op_name}({attrs}){transport}{meshes}: "
+        f"{communicate.name} = {communicate.communication.op_name}({', '.join(attrs)}){where}: "
         f"{_moved(communicate.source)} -> {_moved(communicate.target)}"
     )
 
@@ -170,17 +165,20 @@ class Communicate(Instruction):
     # rank's own chunk is used where it is instead of being copied in.
     alias_owned: bool = False
 
-    def text(self, labels: dict[object, str]) -> list[str]:
+    def described(self, labels: dict[object, str]) -> tuple[list[str], str]:
+        """Its attributes (``axis='x'``...), and its transport and meshes as printed."""
         comm = self.communication
-        attrs = "".join(f", {key}={value!r}" for key, value in comm.attrs.items())
+        attrs = [f"{key}={value!r}" for key, value in comm.attrs.items()]
         meshes = _at(comm.in_layout.mesh, labels)
         if not comm.same_mesh:
             meshes += f" -> {labels[comm.out_layout.mesh]}"
         transport = f" [{self.transport}]" if self.transport else ""
-        return [
-            f"{self.name} = {comm.op_name}({self.source.name} -> {self.target.name}{attrs})"
-            f"{transport}{meshes}"
-        ]
+        return attrs, transport + meshes
+
+    def text(self, labels: dict[object, str]) -> list[str]:
+        attrs, where = self.described(labels)
+        moved = ", ".join([f"{self.source.name} -> {self.target.name}", *attrs])
+        return [f"{self.name} = {self.communication.op_name}({moved}){where}"]
 
     def runs_on(self, rank: int) -> bool:
         return rank in self.communication.participants()
