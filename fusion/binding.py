@@ -43,10 +43,14 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
             f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}"
         )
     bindings: Bindings = {}
-    bound_by: dict[Symbol, str] = {}
+    bound_by: dict[Symbol, tuple[int, int]] = {}  # the input and axis that bound it
     devices = set()
+
+    def at(position: int) -> str:  # formatted only for an error: runs check every call
+        return f"input {position} ({fusion.inputs[position]})"
+
     for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs, strict=True)):
-        where = f"input {position} ({tensor_view})"
+        where = _Lazy(at, position)
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{where}: expected a torch.Tensor, got {type(value).__name__}")
         dtype = tensor_view.dtype
@@ -67,12 +71,13 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
         for axis_index, (extent, actual) in enumerate(zip(tensor_view.shape, shape, strict=True)):
             if isinstance(extent, Symbol):
                 if extent in bindings and bindings[extent] != actual:
+                    by_input, by_axis = bound_by[extent]
                     raise InputError(
                         f"{where}: axis {axis_index} has extent {actual}, but symbol {extent} "
-                        f"is already {bindings[extent]} from {bound_by[extent]}"
+                        f"is already {bindings[extent]} from {at(by_input)} axis {by_axis}"
                     )
                 bindings[extent] = actual
-                bound_by[extent] = f"{where} axis {axis_index}"
+                bound_by[extent] = (position, axis_index)
             elif extent != actual:
                 raise InputError(
                     f"{where}: expected shape {list(tensor_view.shape)}"
@@ -84,6 +89,16 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
         raise InputError(f"inputs are on different devices: {sorted(str(d) for d in devices)}")
     check_constraints(fusion, bindings)
     return bindings
+
+
+class _Lazy:
+    """A string formatted only when printed."""
+
+    def __init__(self, make, *args) -> None:
+        self.make, self.args = make, args
+
+    def __str__(self) -> str:
+        return self.make(*self.args)
 
 
 def check_constraints(fusion: Fusion, bindings: Bindings) -> None:

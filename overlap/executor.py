@@ -37,7 +37,7 @@ from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
 from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import Communicate, HostProgram, LaunchKernel, Transport, walk
-from overlap.inputs import addresses, check_local_inputs, describe_inputs
+from overlap.inputs import addresses, check_devices, check_local_inputs, describe_inputs
 from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
 from overlap.streams import StreamPool
@@ -292,8 +292,8 @@ class MultiDeviceExecutor:
         elif self.sharded:
             bindings, self._last_buffers = self._check_inputs(local_inputs, buffers)
         else:
-            describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
             bindings, self._last_buffers = bind_inputs(self.fusion, list(local_inputs)), [buffers]
+            check_devices(local_inputs, self.device)
         self._last_bindings, self._own_buffers = bindings, buffers
         if self._uses_copy_engine() and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)

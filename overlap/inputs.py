@@ -38,19 +38,29 @@ def describe_inputs(
         if value is None:
             described.append(None)
         elif isinstance(value, torch.Tensor):
-            if value.device.type != device.type or (
-                device.index is not None and value.device.index != device.index
-            ):
-                raise InputError(
-                    f"input {position}: on {value.device}, but this rank runs on {device}"
-                    + (" (meta tensors hold no values to run on)" if value.is_meta else "")
-                )
+            _check_device(position, value, device)
             described.append((list(value.shape), str(value.dtype)))
         else:
             raise InputError(
                 f"input {position}: expected a torch.Tensor or None, got {type(value).__name__}"
             )
     return described
+
+
+def _check_device(position: int, value: torch.Tensor, device: torch.device) -> None:
+    if value.device.type != device.type or (
+        device.index is not None and value.device.index != device.index
+    ):
+        raise InputError(
+            f"input {position}: on {value.device}, but this rank runs on {device}"
+            + (" (meta tensors hold no values to run on)" if value.is_meta else "")
+        )
+
+
+def check_devices(local_inputs: Sequence[torch.Tensor], device: torch.device) -> None:
+    """Every input is on ``device`` (a tensor on another device, or on ``meta``, is refused)."""
+    for position, value in enumerate(local_inputs):
+        _check_device(position, value, device)
 
 
 def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
