@@ -31,11 +31,10 @@ import torch
 import torch.distributed as dist
 
 from overlap.communications import _REDUCE_OPS, Pending, RankContext, reducible, start
-from overlap.host_ir import ChunkScheme, Communicate, stream_dim
+from overlap.host_ir import ChunkScheme, Communicate, Transport, stream_dim
 from sharding.communication import Communication, CommunicationKind
 from sharding.layout import split_range
 
-TRANSPORTS = ("collective", "ring", "copy_engine")
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 ChunkTransfer = Callable[[torch.Tensor | None, torch.Tensor | None], Pending]
@@ -131,7 +130,7 @@ class PipelinedComms:
             return self._whole_collective(comm)
         where = place(scheme, self.ctx.rank, iteration)
         group = self.ctx.communicator.group(where.team) if where.parts > 1 else None
-        transport = communicate.transport or "collective"
+        transport = communicate.transport or Transport.COLLECTIVE
         if comm.kind is CommunicationKind.Allgather:
             return self._gather_chunk(communicate, where, group, transport)
         return self._reduce_chunk(communicate, where, group, transport)
@@ -152,7 +151,7 @@ class PipelinedComms:
         owner = where.rank_at(where.owner)
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
-        if transport == "copy_engine":
+        if transport is Transport.COPY_ENGINE:
             if where.owned and communicate.alias_owned:
                 # The chunk is used where it is: no copy (its value becomes the source).
                 return lambda source, target: Pending(finish=lambda: source)
@@ -160,7 +159,7 @@ class PipelinedComms:
                 return lambda source, target: (target.copy_(source), Pending())[1]
             pull = self._later(lambda: self.symmetric.puller(communicate, where))
             return lambda source, target: (pull()(target), Pending())[1]
-        if transport == "collective":
+        if transport is Transport.COLLECTIVE:
 
             def broadcast(source, target) -> Pending:
                 if where.owned:
@@ -199,10 +198,10 @@ class PipelinedComms:
         comm = communicate.communication
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
-        if transport == "copy_engine":
+        if transport is Transport.COPY_ENGINE:
             push = self._later(lambda: self.symmetric.pusher(communicate, where))
             return lambda source, target: (push()(source), Pending())[1]
-        if transport == "collective":
+        if transport is Transport.COLLECTIVE:
             owner = where.rank_at(where.owner)
             op = _REDUCE_OPS[comm.reduce_op]
 
