@@ -3,7 +3,7 @@
     from benchmarks.hardware_figures import measure_hardware_figures
     figures = measure_hardware_figures(communicator)  # every rank, together
 
-``benchmarks/ag_matmul.py`` plans with these; ``overlap.planner.H200_FIGURES`` records a
+``benchmarks/ag_matmul.py`` plans with these; ``overlap.figures.H200_FIGURES`` records a
 measurement of 2x H200.
 """
 

@@ -22,8 +22,8 @@ from fusion.ir import TensorView
 
 
 def is_packed(tensor: TensorView) -> bool:
-    """Whether ``tensor`` is stored packed (fp4: two values a byte)."""
-    return tensor.dtype is float4_e2m1
+    """Whether ``tensor`` is stored packed (fp4, the one packed type: two values a byte)."""
+    return tensor.dtype.is_packed
 
 
 def storage_dtype(tensor: TensorView) -> torch.dtype:

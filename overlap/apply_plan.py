@@ -21,5 +21,5 @@ def apply_overlap_plan(plan: OverlapPlan) -> None:
         chunks = decision.chosen.num_chunks
         decision.contraction.outputs[0].axis(decision.row).stream(chunks)
         comm = decision.communication
-        gathered = decision.pattern == Pattern.ALLGATHER_MATMUL
+        gathered = decision.pattern is Pattern.ALLGATHER_MATMUL
         comm.output.axis(comm.in_dim if gathered else comm.out_dim).stream(chunks)

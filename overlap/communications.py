@@ -130,7 +130,7 @@ def start(comm: Communication, value: torch.Tensor | None, ctx: RankContext) -> 
 def _allgather(comm, value, ctx, group, members) -> Pending:
     dim = comm.in_dim
     parts = len(members)
-    extent = ctx.global_shape(comm.output)[dim] if False else ctx.local_shape(comm.output)[dim]
+    extent = ctx.local_shape(comm.output)[dim]  # the gathered axis, whole
     largest = max(split_sizes(extent, parts))
     send = _pad(_wire(value), dim, largest).movedim(dim, 0).contiguous()
     receive = send.new_empty((parts * largest, *send.shape[1:]))

@@ -15,7 +15,9 @@ The passes run from one visible list, ``PASSES``, each a function of its own mod
    orders on the pipelined communications;
 5. ``deallocate`` (``overlap.deallocate.insert_deallocations``).
 
-Nothing here talks to another rank, and nothing depends on which rank asks: the result,
+``compile.py`` lists the passes, wraps each to the state it reads and writes, and holds
+the checks only the world size allows (a mesh larger than the world). Nothing here talks
+to another rank, and nothing depends on which rank asks: the result,
 a ``CompiledProgram``, is the same on every rank (``MultiDeviceExecutor`` specializes it
 per rank). ``overlap dump`` prints it for a device the user names, without any process
 group. Example::
@@ -36,7 +38,7 @@ from fusion.ir import Fusion
 from overlap.apply_plan import apply_overlap_plan
 from overlap.deallocate import insert_deallocations
 from overlap.figures import CPU_FIGURES, HardwareFigures
-from overlap.host_ir import HostProgram, LaunchKernel, walk
+from overlap.host_ir import HostProgram
 from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
@@ -57,22 +59,17 @@ class CompiledProgram:
     world_size: int
     figures: HardwareFigures
     sharded: bool
+    schedule: bool  # compute lowered to generated kernels where a scheduler takes it
 
     def explain(self) -> str:
         """Which rule placed each tensor (see ``sharding.explain``)."""
+        if not self.sharded:
+            return "no tensor is placed on a mesh: the fusion runs whole on one device"
         return explain(self.fusion, self.decisions)
 
     def explain_overlap(self) -> str:
         """The planner's choices, with reasons and predicted times."""
         return str(self.plan)
-
-    def generated_kernels(self) -> dict[str, LaunchKernel]:
-        """The program's generated kernels by name."""
-        return {
-            i.name: i
-            for i in walk(self.host.instructions)
-            if isinstance(i, LaunchKernel) and i.scheduler is not None
-        }
 
     def rank_programs(self) -> list[tuple[list[int], str]]:
         """The program as each rank sees it (the instructions on its meshes), with the
@@ -171,5 +168,5 @@ def compile_program(
             dump.write(f"=== after {name} ===\n{shown}\n\n")
     return CompiledProgram(
         state.fusion, state.decisions, state.plan, state.host, world_size, state.figures,
-        state.sharded,
+        state.sharded, schedule,
     )  # fmt: skip

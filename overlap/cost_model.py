@@ -66,7 +66,7 @@ GRAPH_REPLAY_MS = 0.015  # the host's cost of replaying a captured CUDA graph
 
 
 def host_ms(
-    figures: HardwareFigures, transport: str | None, chunks: int, replayed: bool = False
+    figures: HardwareFigures, transport: Transport | None, chunks: int, replayed: bool = False
 ) -> float:
     """The host's time to issue one run of a candidate (a graph replay when ``replayed``)."""
     if replayed:
@@ -80,17 +80,20 @@ def host_ms(
 
 
 def predict(
-    pattern: str,
+    pattern: Pattern,
     figures: HardwareFigures,
     shape: tuple[int, int, int],
     parts: int,
     bits: int,
-    transport: str | None,
+    transport: Transport | None,
     chunks: int,
     replayed: bool = False,
 ) -> float:
     """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
-    host's time to issue the run if that is longer (``replayed``: from a CUDA graph)."""
+    host's time to issue the run if that is longer (``replayed``: from a CUDA graph).
+    The pattern and transport may be given by name."""
+    pattern = Pattern(pattern)
+    transport = None if transport is None else Transport(transport)
     return max(
         _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
         host_ms(figures, transport, chunks, replayed),
@@ -98,31 +101,31 @@ def predict(
 
 
 def _device_ms(
-    pattern: str,
+    pattern: Pattern,
     figures: HardwareFigures,
     shape: tuple[int, int, int],
     parts: int,
     bits: int,
-    transport: str | None,
+    transport: Transport | None,
     chunks: int,
 ) -> float:
     m, k, n = shape
-    moved_width = k if pattern == Pattern.ALLGATHER_MATMUL else n
+    moved_width = k if pattern is Pattern.ALLGATHER_MATMUL else n
     total_bytes = m * moved_width * bits / 8 * (parts - 1) / parts
     if transport is None:
         comm = _transfer_ms(total_bytes, figures.collective_gbps, figures.launch_us)
         return _matmul_ms(figures, m, k, n) + comm
     rows = [m // chunks + (1 if c < m % chunks else 0) for c in range(chunks)]
     per_rank = chunks // parts
-    if transport == Transport.COPY_ENGINE:
+    if transport is Transport.COPY_ENGINE:
         gbps, slowdown = figures.copy_engine_gbps, 1.0
-    elif transport == Transport.RING:
+    elif transport is Transport.RING:
         gbps, slowdown = figures.p2p_gbps, figures.collective_slowdown
     else:
         gbps, slowdown = figures.collective_gbps, figures.collective_slowdown
     compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
     chunk_bytes = [r * moved_width * bits / 8 for r in rows]
-    if transport == Transport.COPY_ENGINE:
+    if transport is Transport.COPY_ENGINE:
         # Own chunks need no transfer; the peers' arrive one after another, after this
         # rank's piece is staged for them (beside the first matmuls, on its own stream).
         own = set(range(per_rank))
@@ -131,21 +134,21 @@ def _device_ms(
             0.0 if c in own else _transfer_ms(b, gbps, figures.launch_us)
             for c, b in enumerate(chunk_bytes)
         ]
-        if pattern == Pattern.ALLGATHER_MATMUL:
+        if pattern is Pattern.ALLGATHER_MATMUL:
             transfer[per_rank % chunks] += staging
             return _pipeline_ms(compute, transfer, gather=True)
         transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
         combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
         return _pipeline_ms(compute, transfer, gather=False) + combine
-    if transport == Transport.RING:
+    if transport is Transport.RING:
         # Every link carries one chunk per step; a rank's first chunks are its own.
         transfer = [
             0.0 if c < per_rank else _transfer_ms(b, gbps, figures.launch_us)
             for c, b in enumerate(chunk_bytes)
         ]
-        return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
+        return _pipeline_ms(compute, transfer, gather=pattern is Pattern.ALLGATHER_MATMUL)
     # Collective: one collective per chunk, in the same global order on every rank; the
     # last owner waits longest (all-gather) or its chunks come last (reduce-scatter).
     transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
                 for b in chunk_bytes]  # fmt: skip
-    return _pipeline_ms(compute, transfer, gather=pattern == Pattern.ALLGATHER_MATMUL)
+    return _pipeline_ms(compute, transfer, gather=pattern is Pattern.ALLGATHER_MATMUL)

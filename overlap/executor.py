@@ -38,6 +38,7 @@ from overlap.compile import CompiledProgram, compile_program
 from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import Communicate, HostProgram, LaunchKernel, Transport, walk
 from overlap.inputs import addresses, check_devices, check_local_inputs, describe_inputs
+from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
 from overlap.streams import StreamPool
@@ -139,6 +140,17 @@ class MultiDeviceExecutor:
         generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
         if isinstance(fusion, CompiledProgram):
             compiled = fusion
+            if options is not None or hardware is not None:
+                raise ValueError(
+                    "a CompiledProgram is already planned: give options and hardware to "
+                    "compile_program"
+                )
+            if compiled.schedule != generated:
+                raise ValueError(
+                    f"kernels={kernels!r} {'generates' if generated else 'evaluates'} compute "
+                    f"on {self.device.type}, but the program was compiled with "
+                    f"schedule={compiled.schedule}: compile it as this rank runs it"
+                )
         else:
             figures = hardware or default_hardware_figures(self.device)
             replayed = self.cuda_graph and self.device.type == "cuda"
@@ -151,10 +163,9 @@ class MultiDeviceExecutor:
         _check_transports(compiled.host, self.device)
         # kernels="auto" off CUDA evaluates instead of generating: the params a user tuned
         # for the generated kernels are checked against those, and left unused here
-        for_kernels = compiled
+        for_kernels = compiled.host
         if self.kernel_params and kernels == "auto" and not generated:
-            for_kernels = compile_program(compiled.fusion, world, options, compiled.figures,
-                                          schedule=True)  # fmt: skip
+            for_kernels = lower_to_host_program(compiled.fusion, compiled.plan, schedule=True)
         _check_kernel_params(self.kernel_params, for_kernels)
         return compiled
 
@@ -168,6 +179,7 @@ class MultiDeviceExecutor:
 
     @property
     def decisions(self) -> dict:
+        """Which rule placed each tensor, by tensor (``explain()`` prints them)."""
         return self.compiled.decisions
 
     @property
@@ -182,6 +194,7 @@ class MultiDeviceExecutor:
 
     @property
     def hardware(self) -> HardwareFigures:
+        """The figures the planner planned with."""
         return self.compiled.figures
 
     @property
@@ -292,7 +305,7 @@ class MultiDeviceExecutor:
         elif self.sharded:
             bindings, self._last_buffers = self._check_inputs(local_inputs, buffers)
         else:
-            bindings, self._last_buffers = bind_inputs(self.fusion, list(local_inputs)), [buffers]
+            bindings, self._last_buffers = bind_inputs(self.fusion, local_inputs), [buffers]
             check_devices(local_inputs, self.device)
         self._last_bindings, self._own_buffers = bindings, buffers
         if self._uses_copy_engine() and self._symmetric is None:
@@ -395,10 +408,10 @@ def _check_transports(program: HostProgram, device: torch.device) -> None:
                 )
 
 
-def _check_kernel_params(kernel_params: dict[str, object], compiled: CompiledProgram) -> None:
-    """Every kernel named in ``kernel_params`` is a generated kernel of ``compiled``,
+def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram) -> None:
+    """Every kernel named in ``kernel_params`` is a generated kernel of ``program``,
     and a strategy named there is one its kernel's scheduler has."""
-    kernels = compiled.generated_kernels()
+    kernels = program.generated_kernels()
     for name, override in kernel_params.items():
         kernel = kernels.get(name)
         if kernel is None:

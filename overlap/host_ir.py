@@ -165,6 +165,10 @@ class Communicate(Instruction):
     # rank's own chunk is used where it is instead of being copied in.
     alias_owned: bool = False
 
+    def __post_init__(self) -> None:
+        if self.transport is not None:
+            self.transport = Transport(self.transport)  # a name reads as its member
+
     def described(self, labels: dict[object, str]) -> tuple[list[str], str]:
         """Its attributes (``axis='x'``...), and its transport and meshes as printed."""
         comm = self.communication
@@ -290,6 +294,9 @@ class ChunkScheme:
     mesh_axis: int | None = None
     order: ChunkOrder = ChunkOrder.GLOBAL
 
+    def __post_init__(self) -> None:
+        self.order = ChunkOrder(self.order)  # a name reads as its member
+
     @property
     def per_owner(self) -> int:
         return self.num_chunks // self.owners
@@ -401,6 +408,14 @@ class HostProgram:
             if isinstance(instruction, Communicate) and instruction.communication not in seen:
                 seen.append(instruction.communication)
         return seen
+
+    def generated_kernels(self) -> dict[str, LaunchKernel]:
+        """The program's generated kernels by name."""
+        return {
+            i.name: i
+            for i in walk(self.instructions)
+            if isinstance(i, LaunchKernel) and i.scheduler is not None
+        }
 
     def communication_plan(self) -> list[str]:
         """What this program posts, in order: every communication (with its transport

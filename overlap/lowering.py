@@ -297,13 +297,13 @@ class _Lowering:
                 flush()
                 communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
                 communicate.alias_owned = (
-                    communicate.transport == Transport.COPY_ENGINE
+                    communicate.transport is Transport.COPY_ENGINE
                     and expr.kind is CommunicationKind.Allgather
                     and expr.output not in self.fusion.outputs
                     and all(use in exprs for use in expr.output.uses)
                 )
                 body += [communicate, Wait(communicate)]
-                if communicate.transport == Transport.COPY_ENGINE:
+                if communicate.transport is Transport.COPY_ENGINE:
                     if expr.kind is CommunicationKind.Allgather:
                         before.append(StageForPeers(communicate))
                     else:

@@ -208,7 +208,7 @@ def _candidates(
         return candidates
     for transport in transports:
         for chunks in chunk_counts:
-            if transport == Transport.RING and chunks != parts and options.num_chunks is None:
+            if transport is Transport.RING and chunks != parts and options.num_chunks is None:
                 continue  # the model's ring moves one whole piece a step; more when forced
             time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks, replayed)
             candidates.append(Candidate(transport, chunks, _ORDERS[(pattern, transport)], time_ms))
@@ -228,7 +228,7 @@ def plan_overlap(
     pipeline does not count.
     """
     options = options or OverlapOptions()
-    if options.transport == Transport.COPY_ENGINE and not figures.has_copy_engine:
+    if options.transport is Transport.COPY_ENGINE and not figures.has_copy_engine:
         raise ShardingError(
             f"the copy_engine transport needs CUDA devices with symmetric memory; "
             f"{figures.name} has none. Use collective or ring"
@@ -246,7 +246,7 @@ def plan_overlap(
 
 def _local_matmul_shape(pattern, comm, contraction, row) -> tuple[int, int, int] | None:
     """``(M, K, N)`` of one rank's matmul, M the whole rows; None when not static."""
-    gathered = comm.output if pattern == Pattern.ALLGATHER_MATMUL else contraction.inputs[0]
+    gathered = comm.output if pattern is Pattern.ALLGATHER_MATMUL else contraction.inputs[0]
     operand_shape = _static_local_shape(gathered)
     out_shape = _static_local_shape(contraction.outputs[0])
     if operand_shape is None or out_shape is None:

@@ -5,7 +5,8 @@ closure that launches work: a kernel (generated, through cuBLAS, or the evaluato
 a communication (``overlap.communications``, or a chunk of a pipeline through
 ``overlap.pipelined``), a stream switch. Everything a run does not need to decide again
 is decided here once. It reads the compiled program and its ``RankSetup`` and writes
-only its own fields.
+only its own fields, and the copy-engine buffers its setup hands it (which its steps
+fill and read, as a run must).
 """
 
 from __future__ import annotations

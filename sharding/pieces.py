@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from fusion.dtypes import float4_e2m1
-from fusion.fp4 import pack_fp4, unpack_fp4
 from fusion.ir import TensorView
+from fusion.storage import to_logical, to_storage
 from sharding.layout import Shard, layout_of, split_range
 
 
@@ -27,15 +26,14 @@ def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Ten
     layout = layout_of(tensor)
     if rank not in layout.mesh:
         return None
-    packed = tensor.dtype is float4_e2m1
-    piece = unpack_fp4(value) if packed else value
+    piece = to_logical(tensor.dtype, value)
     coords = layout.mesh.coords(rank)
     for mesh_axis, placement in enumerate(layout.placements):
         if isinstance(placement, Shard):
             extent = piece.shape[placement.dim]
             offset, size = split_range(extent, layout.mesh.shape[mesh_axis], coords[mesh_axis])
             piece = piece.narrow(placement.dim, offset, size)
-    return pack_fp4(piece) if packed else piece.contiguous()
+    return to_storage(tensor.dtype, piece)
 
 
 def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torch.Tensor:
@@ -45,7 +43,6 @@ def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torc
     """
     layout = layout_of(tensor)
     mesh = layout.mesh
-    packed = tensor.dtype is float4_e2m1
 
     def along(mesh_axis: int, fixed: dict[int, int]) -> torch.Tensor:
         """Concatenate over mesh axes from ``mesh_axis`` on, the others fixed at ``fixed``."""
@@ -54,7 +51,7 @@ def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torc
             piece = pieces[rank]
             if piece is None:
                 raise ValueError(f"rank {rank} holds a piece of {tensor} but gave None")
-            return unpack_fp4(piece) if packed else piece
+            return to_logical(tensor.dtype, piece)
         placement = layout.placements[mesh_axis]
         if not isinstance(placement, Shard):
             return along(mesh_axis + 1, {**fixed, mesh_axis: 0})
@@ -64,5 +61,4 @@ def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torc
         ]
         return torch.cat(parts, placement.dim)
 
-    whole = along(0, {})
-    return pack_fp4(whole) if packed else whole
+    return to_storage(tensor.dtype, along(0, {}))

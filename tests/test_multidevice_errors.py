@@ -327,3 +327,32 @@ def test_a_backward_through_a_single_device_run_raises_too():
     with torch.no_grad():  # the forward alone is what a run is for
         (y,) = MultiDeviceExecutor(fd).run([x_value])
     assert not y.requires_grad and torch.allclose(y, x_value.detach().exp())
+
+
+def test_a_single_device_run_refuses_what_is_not_a_list_of_tensors():
+    with FusionDefinition() as fd:
+        a, b = fd.define_tensor([4]), fd.define_tensor([4])
+        fd.add_output(a + b)
+    executor = MultiDeviceExecutor(fd)
+    # two rows of one tensor are not two inputs
+    with pytest.raises(InputError, match="inputs must be a list of tensors, got Tensor"):
+        executor.run(torch.ones(2, 4))
+    assert executor.explain().startswith("no tensor is placed on a mesh")
+
+
+def test_a_compiled_program_runs_as_it_was_compiled_or_is_refused(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # generated kernels may run on CPU
+    from overlap.compile import compile_program
+    from overlap.planner import OverlapOptions
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.exp(x))
+    compiled = compile_program(fd)  # the evaluator, not generated kernels
+    value = torch.randn(4, 8)
+    (out,) = MultiDeviceExecutor(compiled, kernels="reference").run([value])
+    assert torch.allclose(out, value.exp())
+    with pytest.raises(ValueError, match="compiled with schedule=False"):
+        MultiDeviceExecutor(compiled, kernels="generated")
+    with pytest.raises(ValueError, match="already planned"):
+        MultiDeviceExecutor(compiled, options=OverlapOptions(overlap=False), kernels="reference")
