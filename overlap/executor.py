@@ -33,6 +33,7 @@ from fusion.definition import FusionDefinition
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
+from overlap.autograd import refusing_backward
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
 from overlap.figures import HardwareFigures, default_hardware_figures
@@ -321,7 +322,7 @@ class MultiDeviceExecutor:
                 outputs = self._replay(compiled, (key, tuple(self._last_buffers)), local_inputs)
             else:
                 outputs = compiled.run(local_inputs, timeline)
-        return _refusing_backward(outputs, local_inputs)
+        return refusing_backward(outputs, local_inputs)
 
     def _replay(self, compiled: RankProgram, key: tuple, local_inputs) -> list:
         """Run through a CUDA graph captured for these extents and every rank's input
@@ -428,37 +429,3 @@ def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram)
                 f"kernel_params[{name!r}] = {override!r}: the {kernel.scheduler.name} "
                 f"scheduler's strategies are {list(strategies)}"
             )
-
-
-class _NoBackward(torch.autograd.Function):
-    """Stands between a run's outputs and its inputs in autograd: ``backward`` raises."""
-
-    @staticmethod
-    def forward(ctx, output: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
-        return output.view_as(output)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            "MultiDeviceExecutor.run has no backward yet: gradients through a run (whose "
-            "compute is split over ranks, and partly in generated kernels) are not "
-            "computed, and one rank's partial gradient would be wrong. Differentiate the "
-            "single-device fd.execute, or run the forward under torch.no_grad()"
-        )
-
-
-_DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _refusing_backward(outputs: list, inputs: Sequence) -> list:
-    """``outputs``, tied to the inputs that require a gradient so that a backward raises
-    a clear error instead of giving no gradient or one rank's partial one."""
-    wanting = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not wanting or not torch.is_grad_enabled():
-        return outputs
-    return [
-        _NoBackward.apply(out, *wanting)
-        if out is not None and out.dtype in _DIFFERENTIABLE
-        else out
-        for out in outputs
-    ]

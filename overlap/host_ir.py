@@ -30,6 +30,9 @@ back to the user's stream. Example (all-gather + linear, 2 chunks)::
         SetCurrentStream(s0)
         Synchronize(stream i)
     outputs: T2
+
+Size: one instruction set, every instruction with its text and its placement, and the
+program's printing and fingerprint, kept in one file so that the IR reads in one place.
 """
 
 from __future__ import annotations
