@@ -37,8 +37,14 @@ from overlap.autograd import refusing_backward
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
 from overlap.figures import HardwareFigures, default_hardware_figures
-from overlap.host_ir import Communicate, HostProgram, LaunchKernel, Transport, walk
-from overlap.inputs import addresses, check_devices, check_local_inputs, describe_inputs
+from overlap.host_ir import HostProgram, Transport
+from overlap.inputs import (
+    addresses,
+    check_bound_extents,
+    check_devices,
+    check_local_inputs,
+    describe_inputs,
+)
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
@@ -105,17 +111,18 @@ class MultiDeviceExecutor:
             failure = None
         except Exception as error:  # told to the peers first, then raised
             failure = error
+        plan = None if failure else self.program.communication_plan()
         if self.sharded and communicator is not None:
             # One exchange before any group is created: a rank that could not build its
             # program, or built another one, fails with its peers instead of leaving
             # them waiting in a collective it never posts.
-            plan = None if failure else self.program.communication_plan()
             communicator.agree(failure, "building the program", plan)
         elif failure is not None:
             raise failure
         if communicator is not None:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
-        self.fingerprint = self.program.fingerprint()
+        self.fingerprint = self.program.fingerprint(plan)
+        self._copy_engine = Transport.COPY_ENGINE in self.program.transports()
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
         self._hardware_profile = current_hardware(self.device)
@@ -217,19 +224,18 @@ class MultiDeviceExecutor:
     def kernel_report(self) -> str:
         """Each generated kernel's scheduler and launch configuration (after a first run)."""
         lines = []
-        for instruction in walk(self.program.instructions):
-            if isinstance(instruction, LaunchKernel) and instruction.scheduler is not None:
-                params = self.chosen_params.get(instruction.name, "(not run yet)")
-                line = f"{instruction.name} [{instruction.backend}] {params}"
-                launchers = [
-                    forms
-                    for rank_program in self._rank_programs.values()
-                    for forms in rank_program.kernel_forms.get(instruction.name, [])
-                ]
-                forms = {form for forms_of in launchers for form in forms_of()}
-                if forms:
-                    line += f" form: {', '.join(sorted(forms))}"
-                lines.append(line)
+        chosen = self.chosen_params
+        for name, kernel in self.program.generated_kernels().items():
+            line = f"{name} [{kernel.backend}] {chosen.get(name, '(not run yet)')}"
+            forms = {
+                form
+                for rank_program in self._rank_programs.values()
+                for forms_of in rank_program.kernel_forms.get(name, [])
+                for form in forms_of()
+            }
+            if forms:
+                line += f" form: {', '.join(sorted(forms))}"
+            lines.append(line)
         return "\n".join(lines) or "no generated kernels"
 
     @property
@@ -309,12 +315,14 @@ class MultiDeviceExecutor:
             bindings, self._last_buffers = bind_inputs(self.fusion, local_inputs), [buffers]
             check_devices(local_inputs, self.device)
         self._last_bindings, self._own_buffers = bindings, buffers
-        if self._uses_copy_engine() and self._symmetric is None:
+        if self._copy_engine and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
             self._symmetric.next_run()
         key = tuple(sorted((symbol.name, value) for symbol, value in bindings.items()))
         if key not in self._rank_programs:
+            if self.sharded:  # the same verdict on every rank: the bindings are the same
+                check_bound_extents(self.fusion, bindings)
             self._rank_programs[key] = self._rank_program(bindings)
         compiled = self._rank_programs[key]
         with torch.no_grad():  # no autograd graph: its gradients would be one rank's
@@ -366,12 +374,6 @@ class MultiDeviceExecutor:
             rank_program.allocate_symmetric()
         return rank_program
 
-    def _uses_copy_engine(self) -> bool:
-        return any(
-            isinstance(i, Communicate) and i.transport is Transport.COPY_ENGINE
-            for i in walk(self.program.instructions)
-        )
-
     def ctx_local_shape(self, tensor: TensorView) -> list[int]:
         """This rank's shape of ``tensor`` when every extent is static."""
         return rank_shape(tensor, self.rank, {})
@@ -400,13 +402,11 @@ class MultiDeviceExecutor:
 
 
 def _check_transports(program: HostProgram, device: torch.device) -> None:
-    for instruction in walk(program.instructions):
-        if isinstance(instruction, Communicate) and instruction.transport is Transport.COPY_ENGINE:
-            if device.type != "cuda":
-                raise ShardingError(
-                    f"{instruction.name}: the copy_engine transport needs CUDA devices with "
-                    f"symmetric memory; this rank runs on {device}. Use collective or ring"
-                )
+    if Transport.COPY_ENGINE in program.transports() and device.type != "cuda":
+        raise ShardingError(
+            f"{program.fusion.name or 'the fusion'}: the copy_engine transport needs CUDA "
+            f"devices with symmetric memory; this rank runs on {device}. Use collective or ring"
+        )
 
 
 def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram) -> None:
@@ -423,7 +423,7 @@ def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram)
             )
         if not isinstance(override, str):
             continue
-        strategies = getattr(kernel.scheduler, "strategies", ())
+        strategies = kernel.scheduler.strategies
         if override not in strategies:
             raise ValueError(
                 f"kernel_params[{name!r}] = {override!r}: the {kernel.scheduler.name} "

@@ -437,10 +437,19 @@ class HostProgram:
                 lines.extend(instruction.text(labels))
         return lines
 
-    def fingerprint(self) -> str:
-        """A short hash of ``communication_plan()``: equal on ranks that post the same."""
-        text = "\n".join(self.communication_plan())
+    def fingerprint(self, plan: list[str] | None = None) -> str:
+        """A short hash of ``communication_plan()`` (or of ``plan``, already made): equal
+        on ranks that post the same."""
+        text = "\n".join(self.communication_plan() if plan is None else plan)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def transports(self) -> set[Transport]:
+        """The transports its pipelined communications use."""
+        return {
+            i.transport
+            for i in walk(self.instructions)
+            if isinstance(i, Communicate) and i.transport is not None
+        }
 
     def _mesh_labels(self) -> dict[object, str]:
         meshes: list[object] = []

@@ -3,9 +3,9 @@
 A rank describes its local inputs (shape, dtype; ``describe_inputs``), the ranks
 exchange the descriptions, and every rank checks all of them (``check_local_inputs``):
 symbolic extents are bound from the pieces (a split symbolic extent is the sum of the
-pieces along its mesh axis), every piece must have the local shape its layout gives,
-packed pieces must fill whole bytes and a max/min may not reduce an axis empty
-everywhere. A bad input on one rank thus raises the same ``InputError`` on every rank,
+pieces along its mesh axis) and every piece must have the local shape its layout gives;
+once per set of extents, packed pieces must fill whole bytes and a max/min may not
+reduce an axis empty everywhere (``check_bound_extents``). A bad input on one rank thus raises the same ``InputError`` on every rank,
 before any collective.
 """
 
@@ -72,7 +72,7 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
     bindings: Bindings = {}
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
-        where = f"input {position} ({tensor})"
+        where = _At(position, tensor)
         expected_dtype = str(tensor.dtype.torch_dtype)
         shapes: dict[int, list[int]] = {}
         for rank in tensor.mesh.ranks:
@@ -93,8 +93,6 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
             shapes[rank] = shape
         _bind_symbols(tensor, layout, shapes, bindings, where)
     check_constraints(fusion, bindings)
-    check_packed_pieces(fusion, bindings, InputError)
-    check_extremes_have_values(fusion, bindings)
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
         whole = [resolve(e, bindings) for e in tensor.shape]
@@ -109,6 +107,23 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
                     f"local shape {expected} (of the whole {whole}), got {list(shape)}"
                 )
     return bindings
+
+
+class _At:
+    """``input 3 (T3_f32[...])``, formatted only for an error: every run checks."""
+
+    def __init__(self, position: int, tensor: TensorView) -> None:
+        self.position, self.tensor = position, tensor
+
+    def __str__(self) -> str:
+        return f"input {self.position} ({self.tensor})"
+
+
+def check_bound_extents(fusion: Fusion, bindings: Bindings) -> None:
+    """What only the bound extents tell, checked once per set of extents: packed pieces
+    fill whole bytes, and no max/min reduces an axis empty everywhere."""
+    check_packed_pieces(fusion, bindings, InputError)
+    check_extremes_have_values(fusion, bindings)
 
 
 def check_packed_pieces(fusion: Fusion, bindings: Bindings, error: type[Exception]) -> None:
@@ -153,7 +168,7 @@ def check_extremes_have_values(fusion: Fusion, bindings: Bindings) -> None:
 
 
 def _bind_symbols(
-    tensor: TensorView, layout: Layout, shapes: dict[int, list[int]], bindings: Bindings, where: str
+    tensor: TensorView, layout: Layout, shapes: dict[int, list[int]], bindings: Bindings, where: _At
 ) -> None:
     for dim, extent in enumerate(tensor.shape):
         if not isinstance(extent, Symbol):
