@@ -16,7 +16,7 @@ import torch
 from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
 from fusion.ir import TensorView
 from fusion.reference import evaluate_expr
-from fusion.storage import is_packed, logical_shape, packed, storage_dtype, storage_shape, unpacked
+from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, unpacked
 from overlap import progress
 from overlap.communications import identity
 from overlap.host_ir import LaunchKernel
@@ -34,13 +34,13 @@ class ComputeSteps:
         return any(0 in self.program.local_shape(t) for t in [*plan.inputs, *plan.outputs])
 
     def generated(
-        self, kernel: LaunchKernel, aliases: dict[TensorView, object], evaluated: list,
-        warm_up: bool,
-    ) -> object:  # fmt: skip
+        self, kernel: LaunchKernel, aliases: dict[TensorView, object], for_empty: list | None
+    ) -> object:
         """A generated kernel: heuristics (or the user's override) pick its params now.
 
-        ``evaluated`` computes the same with the evaluator: taken for an empty chunk. With
-        ``warm_up`` (a kernel outside chunk loops) a CUDA kernel is compiled now."""
+        In a chunk loop, ``for_empty`` computes the same with the evaluator, for a chunk
+        that turns out empty. Outside loops (``None``) the shapes are known now: an empty
+        piece never gets here, and a CUDA kernel is compiled now."""
         program = self.program
         scheduler, plan = kernel.scheduler, kernel.plan
         hardware, shape_of = program.setup.hardware, program.local_shape
@@ -56,15 +56,15 @@ class ComputeSteps:
         # the first launch compiles the kernel (Triton's JIT): with progress on, say so
         # and wait for it, so the time printed is the compile's
         unannounced = progress.enabled()
-        if warm_up and device.type == "cuda":
+        if for_empty is None and device.type == "cuda":
             self._warm_up(kernel, launch)
             unannounced = False
 
         def run() -> None:
             nonlocal unannounced
             inputs = [program.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
-            if any(value.numel() == 0 for value in inputs):
-                for compute in evaluated:
+            if for_empty is not None and any(value.numel() == 0 for value in inputs):
+                for compute in for_empty:
                     compute()
                 return
             targets = []
@@ -141,24 +141,23 @@ class ComputeSteps:
                 values.values[key] = packed(source, piece)
 
             return shard_locally
-        if _partial_extreme(expr):
+        if _partial_extreme(expr) and self._reduces_nothing_here(expr):
+            # this rank's piece of the reduced axis is empty: the identity, which leaves
+            # the other ranks' partial results as they are (chunk loops cut kept axes only)
             ((out, key, _),) = outputs
-            dims = expr.dims
-            evaluate_nonempty = self._evaluated_plainly(expr, aliases)
+            dtype, device = storage_dtype(out), self.program.ctx.device
 
-            def extreme() -> None:
-                value = read(expr.inputs[0])
-                if all(value.shape[d] > 0 for d in dims):
-                    evaluate_nonempty()
-                    return
-                # this rank's piece of the reduced axis is empty: the identity, which
-                # leaves the other ranks' partial results as they are
-                shape = [e for d, e in enumerate(value.shape) if d not in dims]
-                empty = torch.empty(shape, dtype=storage_dtype(out), device=self.program.ctx.device)
-                values.values[key] = identity(empty, expr.op_name)
+            def identity_here() -> None:
+                shape = [e for d, e in enumerate(read(expr.inputs[0]).shape) if d not in expr.dims]
+                values.values[key] = identity(torch.empty(shape, dtype=dtype, device=device),
+                                              expr.op_name)  # fmt: skip
 
-            return extreme
+            return identity_here
         return self._evaluated_plainly(expr, aliases)
+
+    def _reduces_nothing_here(self, expr: ReductionOp) -> bool:
+        shape = self.program.local_shape(expr.inputs[0])
+        return any(shape[d] == 0 for d in expr.dims)
 
     def _evaluated_plainly(self, expr: Expr, aliases: dict[TensorView, object]):
         values = self.program
@@ -189,10 +188,8 @@ class ComputeSteps:
                 if tensor in local:
                     return list(local[tensor].shape)
                 destination = destinations.get(tensor)
-                if destination is not None and not is_packed(tensor):
-                    return list(destination.shape)
                 if destination is not None:
-                    return list(destination.shape[:-1]) + [2 * destination.shape[-1]]
+                    return logical_shape(tensor, destination)
                 return self.program.local_shape(tensor)
 
             evaluate_expr(expr, local, shape_of)

@@ -5,8 +5,8 @@ exchange the descriptions, and every rank checks all of them (``check_local_inpu
 symbolic extents are bound from the pieces (a split symbolic extent is the sum of the
 pieces along its mesh axis) and every piece must have the local shape its layout gives;
 once per set of extents, packed pieces must fill whole bytes and a max/min may not
-reduce an axis empty everywhere (``check_bound_extents``). A bad input on one rank thus raises the same ``InputError`` on every rank,
-before any collective.
+reduce an axis empty everywhere (``check_bound_extents``). A bad input on one rank thus
+raises the same ``InputError`` on every rank, before any collective.
 """
 
 from __future__ import annotations

@@ -235,13 +235,17 @@ class RankProgram:
         if not self.holds(kernel.mesh):
             return None
         aliases = {t: self._slot(chunk, loop) for t, chunk in kernel.aliases.items()}
-        evaluated = [self.compute.evaluated(expr, aliases) for expr in kernel.exprs]
+
+        def evaluated() -> list:
+            return [self.compute.evaluated(expr, aliases) for expr in kernel.exprs]
+
         if kernel.scheduler is None or self.compute.holds_an_empty_piece(kernel.plan):
             # an empty piece (fewer rows than ranks) has nothing to launch a kernel over;
             # the evaluator gives its partial results the identity
-            computes = evaluated
-        else:
-            computes = [self.compute.generated(kernel, aliases, evaluated, loop is None)]
+            computes = evaluated()
+        else:  # in a loop, a chunk may still turn out empty
+            for_empty = evaluated() if loop is not None else None
+            computes = [self.compute.generated(kernel, aliases, for_empty)]
         lane = self._lane(loop, "compute")
 
         def launch() -> None:
