@@ -67,13 +67,10 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
         os._exit(exit_code)
 
 
+def _hook(kind, value, tb) -> None:
+    fail(1, value.with_traceback(tb))
+
+
 def install() -> None:
     """Make an uncaught exception in this process fail fast (see ``fail``)."""
-    if getattr(sys.excepthook, "_overlap_fail_fast", False):
-        return
-
-    def hook(kind, value, tb) -> None:
-        fail(1, value.with_traceback(tb))
-
-    hook._overlap_fail_fast = True
-    sys.excepthook = hook
+    sys.excepthook = _hook

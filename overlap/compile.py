@@ -43,6 +43,7 @@ from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
 from sharding.errors import ShardingError
+from sharding.layout import is_placed
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
 
@@ -97,7 +98,7 @@ class _Compilation:
 
 
 def _shard(state: _Compilation) -> None:
-    state.sharded = any(t.mesh is not None for t in state.fusion.tensors)
+    state.sharded = is_placed(state.fusion)
     if not state.sharded:
         state.fusion = state.fusion.clone()
         return

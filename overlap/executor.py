@@ -53,7 +53,7 @@ from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
 from schedulers.hardware import current_hardware
 from sharding.errors import ShardingError
-from sharding.layout import Layout, layout_of
+from sharding.layout import Layout, is_placed, layout_of
 from sharding.pieces import assemble, local_piece
 
 
@@ -103,7 +103,7 @@ class MultiDeviceExecutor:
             self.sharded = fusion.sharded
         else:
             fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
-            self.sharded = any(t.mesh is not None for t in fusion.tensors)
+            self.sharded = is_placed(fusion)
         self.cuda_graph = cuda_graph
         self.kernel_params = dict(kernel_params or {})
         try:

@@ -167,6 +167,11 @@ def partial_op(tensor: TensorView) -> str:
     return "sum"
 
 
+def is_placed(fusion: Fusion) -> bool:
+    """Whether any tensor of ``fusion`` is placed on a mesh (else it runs on one device)."""
+    return any(tensor.mesh is not None for tensor in fusion.tensors)
+
+
 def layout_of(tensor: TensorView) -> Layout | None:
     """The layout written in the IR (mesh and parallel types), or None when not placed."""
     mesh = tensor.mesh
