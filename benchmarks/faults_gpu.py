@@ -9,7 +9,9 @@ forever): rank 1 either raises (``raise``) or dies (``exit``: ``os._exit(3)``). 
 variants put rank 0's wait in a plain NCCL collective (``collectives``), in a CUDA-graph
 replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory barrier
 (``copy_engine``). Measured: the seconds from rank 1's failure to the job's end, the exit
-code, whether the failing rank's traceback was shown and the failed rank named. A job
+code, whether the failing rank's traceback was shown, and whether the launcher named
+rank 1 as the cause (torchrun: its "Root Cause"; local: ``overlap run: rank 1 exited``;
+Ray: ``PoolError`` for rank 1). A job
 still running after ``--limit`` seconds is killed and counted as hung.
 
 Without GPUs the same runs on gloo processes, only the ``collectives`` variant.
@@ -21,6 +23,7 @@ import argparse
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -30,6 +33,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 FAILING_RUN = 5
 SIZES = {"cuda": (8192, 4096, 8192), "cpu": (64, 32, 64)}  # tokens, hidden, ffn
+# How each launcher names the rank that caused the failure (a pattern on its output)
+LAUNCHER_NAMES = {
+    "local": r"overlap run: rank 1 exited",
+    "torchrun": r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank\s+: 1 ",
+    "ray": r"overlap run: rank 1 failed",
+}
 
 
 # -- the job: each rank runs this (``overlap run ... faults_gpu.py FAULT VARIANT DIR``) --
@@ -92,9 +101,8 @@ def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
         stamp = Path(folder, "failed_at")
         failed_at = float(stamp.read_text()) if stamp.exists() else None
     seconds = None if ended is None or failed_at is None else ended - failed_at
-    named = any(text in output for text in (
-        "rank 1 exited", "rank 1 failed", "rank      : 1", "[overlap] rank 1 failed",
-    ))  # fmt: skip
+    # the launcher names the failed rank (not the rank's own "[overlap] rank 1 failed")
+    named = re.search(LAUNCHER_NAMES[launcher], output) is not None
     return {
         "launcher": launcher,
         "fault": fault,

@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 
 import torch.distributed as dist
@@ -51,6 +52,7 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
     could wait on a peer). Never returns."""
     rank = os.environ.get("RANK", "?")
     try:
+        _record_failure(rank)
         if error is None:
             text = traceback.format_exc()
         else:
@@ -65,6 +67,31 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
         abort_process_groups()
     finally:
         os._exit(exit_code)
+
+
+# A launcher that wants to know which rank failed first names a folder here; a failing
+# rank writes the time it failed into it (a rank that dies writes nothing).
+FAILURES_ENV = "OVERLAP_FAILURES"
+
+
+def _record_failure(rank: str) -> None:
+    folder = os.environ.get(FAILURES_ENV)
+    if folder:
+        with open(os.path.join(folder, f"rank{rank}"), "w") as record:
+            record.write(repr(time.time()))
+
+
+def first_failure(folder: str, failed: list[int]) -> int:
+    """Of ``failed`` ranks, the one that caused the others: one that died (it recorded
+    nothing: its peers' collectives then broke), else the one that failed earliest."""
+    times = {}
+    for rank in failed:
+        path = os.path.join(folder, f"rank{rank}")
+        if not os.path.exists(path):
+            return rank
+        with open(path) as record:
+            times[rank] = float(record.read())
+    return min(failed, key=times.__getitem__)
 
 
 def _hook(kind, value, tb) -> None:

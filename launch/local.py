@@ -15,6 +15,7 @@ import queue
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -24,6 +25,7 @@ import torch.multiprocessing as mp
 
 from fusion.portable import portable, restored
 from launch.env import LaunchError
+from launch.failfast import FAILURES_ENV, first_failure
 
 
 class RankFailure(LaunchError):
@@ -154,26 +156,30 @@ def run_script(script: str, argv: list[str], nproc: int | None = None,
     fails stops the others. Returns the exit code (0 when every rank succeeded)."""
     nproc = nproc or default_nproc()
     port = free_port()
+    failures = tempfile.TemporaryDirectory(prefix="overlap-failures-")
     processes = []
     for rank in range(nproc):
-        env = {**os.environ, **rank_env(rank, nproc, port)}
+        env = {**os.environ, **rank_env(rank, nproc, port), FAILURES_ENV: failures.name}
         command = [sys.executable, "-m", "launch.entry", script, *argv]
         processes.append(subprocess.Popen(command, env=env))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         while True:
             codes = [p.poll() for p in processes]
-            failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-            if failed:
+            if any(code not in (None, 0) for code in codes):
                 # a rank's peers fail right after it (their collectives break): give
-                # them a moment, then name every rank that failed
+                # them a moment, then name the rank that caused it, and the others
                 time.sleep(1.0)
                 codes = [p.poll() for p in processes]
                 failed = [rank for rank, code in enumerate(codes) if code not in (None, 0)]
-                said = ", ".join(f"rank {rank} exited with {codes[rank]}" for rank in failed)
+                cause = first_failure(failures.name, failed)
+                said = f"rank {cause} exited with {codes[cause]}"
+                others = [f"rank {r} with {codes[r]}" for r in failed if r != cause]
+                if others:
+                    said += " first; then " + ", ".join(others)
                 print(f"overlap run: {said}; stopping the others (each rank's error is above)",
                       file=sys.stderr)  # fmt: skip
-                return codes[failed[0]]
+                return codes[cause]
             if all(code == 0 for code in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
@@ -191,3 +197,4 @@ def run_script(script: str, argv: list[str], nproc: int | None = None,
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
+        failures.cleanup()
