@@ -26,17 +26,36 @@ from sharding.rules import mesh_rule
 
 @dataclass(frozen=True)
 class Decision:
-    """Why a tensor has its layout: ``how`` is annotation, forward, backward or default."""
+    """Why a tensor has its layout: ``how`` is annotation, forward, backward, default, resolved
+    (a partial fusion output made replicated) or cost (``sharding.choose_layouts``
+    replaced propagation's choice, ``replaced``, by the cheapest of ``alternatives``:
+    each layout tried with the bits it moves around the tensor)."""
 
     layout: Layout
     how: str
     rule: str | None = None
     sources: tuple[TensorView, ...] = ()
     expr: Expr | None = None
+    alternatives: tuple[tuple[Layout, float], ...] = ()
+    replaced: Decision | None = None
 
     def describe(self) -> str:
+        if self.how == "cost":
+            first = self.replaced.describe() if self.replaced is not None else "propagation"
+            if not self.alternatives:
+                return f"by cost, turned with the tensor it is computed from (was: {first})"
+            tried = "; ".join(
+                f"[{', '.join(str(p) for p in layout.placements)}] {_bits(bits)}"
+                for layout, bits in self.alternatives
+            )
+            return (
+                f"by cost (bits moved per rank around it, matmul work counted as bits): "
+                f"{tried} (was: {first})"
+            )
         if self.how == "annotation":
             return "user annotation"
+        if self.how == "resolved":
+            return f"a fusion output is never partial: resolved (was: {self.replaced.describe()})"
         if self.how == "default":
             return "default: replicated on the fusion's mesh"
         names = ", ".join(t.name for t in self.sources)
@@ -139,6 +158,15 @@ class ShardingPropagation:
                     f"{expr.op_name}: a tensor is used on a mesh it is not placed on ({where}); "
                     "move it with fd.ops.set and annotate the copy with its new mesh"
                 )
+
+
+def _bits(bits: float) -> str:
+    if bits == float("inf"):
+        return "impossible"
+    for unit, size in (("GiB", 8 << 30), ("MiB", 8 << 20), ("KiB", 8 << 10)):
+        if bits >= size:
+            return f"{bits / size:.1f} {unit}"
+    return f"{bits / 8:g} B"
 
 
 def propagate_shardings(fusion: Fusion) -> dict[TensorView, Decision]:

@@ -50,7 +50,12 @@ def _one_mesh_chain(
     for number, (mesh_axis, after) in enumerate(steps):
         next_layout = current_layout.with_placement(mesh_axis, after)
         last = number == len(steps) - 1
-        result = target if last else placed_like(fusion, target, next_layout, reductions=False)
+        if last:
+            result = target
+        elif next_layout.is_partial:  # still partial on another mesh axis: keep the reduction
+            result = placed_like(fusion, source, next_layout, reductions=True)
+        else:
+            result = placed_like(fusion, target, next_layout, reductions=False)
         with fusion.editing():
             chain.append(_step(current, result, current_layout, next_layout, mesh_axis))
         current, current_layout = result, next_layout

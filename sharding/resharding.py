@@ -1,6 +1,7 @@
 """Resharding: make every expr's inputs placed the way it needs, with communications.
 
-After propagation every tensor has a layout. For each expr, its rule says
+After propagation every tensor has a layout (the cheapest where propagation had a
+choice: ``sharding.choose_layouts``). For each expr, its rule says
 which input layouts let it produce its output's layout locally
 (``DimMap.backward``); where an input is placed otherwise, a copy placed as
 needed is inserted before the expr. Where the expr cannot produce its output's
@@ -16,12 +17,13 @@ the bias is added once, after the partial sums are combined.
 
 from __future__ import annotations
 
-import math
-
 from fusion import ops
 from fusion.exprs import Expr, LinearOp, SetOp
 from fusion.ir import Fusion, ParallelType, TensorView
-from sharding.layout import Layout, Partial, Replicate, Shard, layout_of, placed_like
+from sharding.choose_layouts import choose_layouts
+from sharding.errors import ShardingError
+from sharding.layout import Layout, Partial, Replicate, layout_of, placed_like
+from sharding.layout_cost import UNREACHABLE, expr_cost
 from sharding.propagation import Decision, propagate_shardings
 from sharding.redistribute import redistribute
 from sharding.rules import mesh_rule
@@ -82,24 +84,20 @@ class _CopyInserter:
     def _reshard(self, expr: Expr) -> None:
         """Choose the layout ``expr`` produces, then copy inputs (and output) to fit it.
 
-        Two candidates: the output's own layout (inputs moved to suit it) and the layout
-        the inputs naturally give (the output moved afterwards); the one that moves fewer
-        bits wins, ties going to the output's own layout.
+        The candidates are the output's own layout (inputs moved to suit it), the layout
+        the inputs naturally give and every other layout the output could take (the output
+        moved afterwards); the one that moves the fewest bits wins
+        (``layout_cost.expr_cost``), ties going to the output's own layout.
         """
         out_layout = layout_of(expr.outputs[0])
         rule = mesh_rule(expr, out_layout.mesh)
-        natural = rule.forward([layout_of(t) for t in expr.inputs])
-        candidates = [c for c in (out_layout, natural) if rule.backward(c) is not None]
-        produced = min(
-            candidates,
-            key=lambda candidate: (
-                sum(
-                    _moved_bits(t, layout_of(t), needed)
-                    for t, needed in zip(expr.inputs, rule.backward(candidate), strict=True)
-                )
-                + sum(_moved_bits(out, candidate, layout_of(out)) for out in expr.outputs)
-            ),
-        )
+        layouts = {t: layout_of(t) for t in (*expr.inputs, *expr.outputs)}
+        produced = expr_cost(expr, layouts).produced
+        if expr_cost(expr, layouts).bits == UNREACHABLE:
+            raise ShardingError(
+                f"{expr.op_name} cannot produce {expr.outputs[0]} from its inputs placed "
+                + ", ".join(f"{t.name} {layouts[t]}" for t in expr.inputs)
+            )
         for out in list(expr.outputs):
             if layout_of(out) != produced:
                 self._produce_then_copy(expr, out, produced)
@@ -133,24 +131,6 @@ class _CopyInserter:
         return copy
 
 
-def _moved_bits(tensor: TensorView, before: Layout, after: Layout) -> int:
-    """A rough count of the bits a resharding moves: the tensor's size per collective step
-    (twice for an all-reduce); splitting locally is free. Symbolic extents count as 1024."""
-    if before == after:
-        return 0
-    size = tensor.dtype.size_bits(
-        math.prod(e if isinstance(e, int) else 1024 for e in tensor.shape)
-    )
-    if before.mesh != after.mesh:
-        return size
-    bits = 0
-    for old, new in zip(before.placements, after.placements, strict=True):
-        if old == new or (isinstance(old, Replicate) and isinstance(new, Shard)):
-            continue
-        bits += 2 * size if isinstance(old, Partial) and isinstance(new, Replicate) else size
-    return bits
-
-
 def insert_reshardings(fusion: Fusion) -> None:
     """Insert the copies that make every expr's layouts agree, then turn them into
     communications (``redistribute``)."""
@@ -175,5 +155,6 @@ def shard_fusion(fusion: Fusion) -> tuple[Fusion, dict[TensorView, Decision]]:
                     if axis.parallel_type.is_device:
                         axis.parallel_type = ParallelType.Serial
         decisions = propagate_shardings(sharded)
+    choose_layouts(sharded, decisions)
     insert_reshardings(sharded)
     return sharded, decisions

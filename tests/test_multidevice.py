@@ -361,7 +361,7 @@ def test_moving_between_one_rank_and_a_mesh(rank_pools, world, kernels, kind):
 
 
 def swiglu_residual_block(
-    communicator, seed: int, tokens: int, kernels: str = "reference"
+    communicator, seed: int, tokens: int, kernels: str = "reference", replicated: bool = False
 ) -> tuple[list[str], list[str]]:
     world = communicator.world_size
     mesh = DeviceMesh(world)
@@ -386,6 +386,8 @@ def swiglu_residual_block(
     shard(w_up, mesh, [Shard(0)])
     shard(w_down, mesh, [Shard(1)])
     shard(out, mesh, [Shard(0)])
+    if replicated:  # the down projection asked whole: all-reduced, then split locally
+        shard(down, mesh, [Replicate()])
     shapes = [[tokens, hidden], [hidden], [ffn, hidden], [ffn, hidden], [hidden, ffn]]
     full = _inputs(seed, shapes, torch.float32, communicator.device)
     # weights scaled as a model initializes them, so partial sums stay near the result's
@@ -403,13 +405,21 @@ def swiglu_residual_block(
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("replicated", [False, True], ids=["default", "replicated"])
 @pytest.mark.parametrize("tokens", [8, 7], ids=["even", "uneven"])
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_a_swiglu_block_with_its_residual_is_right_on_every_rank(
-    rank_pools, world, tokens, kernels
+    rank_pools, world, tokens, replicated, kernels
 ):
-    results = rank_pools(world).run(swiglu_residual_block, 22, tokens * world // 2, kernels)
+    tokens = tokens * world // 2
+    results = rank_pools(world).run(swiglu_residual_block, 22, tokens, kernels, replicated)
     for kinds, local_shards in results:
+        if not replicated:
+            # the partial sums reduce-scattered to the residual's rows (fewer bits than an
+            # all-reduce and a local split)
+            assert kinds == ["Allgather(x)", "ReduceScatter(x)"]
+            assert local_shards == []
+            continue
         assert kinds == ["Allgather(x)", "Allreduce(x)"]
         # the piece is taken as a view outside any generated kernel
         assert len(local_shards) == 1 and local_shards[0].endswith("[reference]"), local_shards
@@ -427,11 +437,21 @@ def empty_pieces(communicator, seed: int, symbolic: bool, kernels: str = "refere
         flags = fd.define_tensor(["rows" if symbolic else 1, 8], "bool")
         y = fd.ops.relu(x) * 2.0
         fd.add_output(y)  # rows split: empty on every rank but rank 0
-        fd.add_output(fd.ops.max(x, dims=[0]))  # partial max over an empty piece
-        fd.add_output(fd.ops.min(fd.ops.exp(x), dims=[0]))
-        fd.add_output(fd.ops.sum(y, dims=[0]))
+        extremes = [
+            fd.ops.max(x, dims=[0]),  # partial max over an empty piece
+            fd.ops.min(fd.ops.exp(x), dims=[0]),
+            fd.ops.sum(y, dims=[0]),
+        ]
+        fd.add_output(extremes[0])
+        fd.add_output(extremes[1])
+        fd.add_output(extremes[2])
         fd.add_output(fd.ops.linear(x, w))  # a matmul of no rows
-        fd.add_output(fd.ops.max(flags, dims=[0]))  # a bool's identity is False
+        extremes.append(fd.ops.max(flags, dims=[0]))  # a bool's identity is False
+        fd.add_output(extremes[3])
+    # Partial results, combined once: gathering one row would move fewer bits (the layout
+    # chooser would), but the point here is each rank reducing its (empty) piece.
+    for result, op in zip(extremes, ["max", "min", "sum", "max"], strict=True):
+        shard(result, mesh, [Partial(op)])
     shard(x, mesh, [Shard(0)])
     shard(w, mesh, [Replicate()])
     shard(flags, mesh, [Shard(0)])
@@ -551,3 +571,75 @@ def demo_mlp(communicator, seed: int, kernels: str = "reference") -> list[str]:
 def test_the_demo_mlp_gathers_then_reduce_scatters(rank_pools, world, kernels):
     results = rank_pools(world).run(demo_mlp, 26, kernels)
     assert results == [["Allgather(x)", "ReduceScatter(x)"]] * world
+
+
+# ---------------------------------------------------------------------------
+# Blocks whose layouts are chosen by cost: attention projections (QKV column-parallel,
+# the output projection row-parallel, a residual) and a row-parallel linear with a bias
+# and a LayerNorm after it. The partial sums are reduce-scattered to the tokens' pieces.
+
+
+def attention_projections(
+    communicator, seed: int, tokens: int, kernels: str = "reference"
+) -> list[str]:
+    world = communicator.world_size
+    mesh = DeviceMesh(world)
+    hidden, heads_dim = 16, 8 * world
+    with FusionDefinition("attention_projections") as fd:
+        x = fd.define_tensor([tokens, hidden])
+        w_q = fd.define_tensor([heads_dim, hidden])
+        w_k = fd.define_tensor([heads_dim, hidden])
+        w_v = fd.define_tensor([heads_dim, hidden])
+        w_o = fd.define_tensor([hidden, heads_dim])
+        q, k, v = (fd.ops.linear(x, w) for w in (w_q, w_k, w_v))
+        mixed = fd.ops.tanh(q) * fd.ops.sigmoid(k) + v  # stands in for attention, per head
+        out = fd.ops.linear(mixed, w_o) + x
+        fd.add_output(out)
+    shard(x, mesh, [Shard(0)])
+    for weight in (w_q, w_k, w_v):
+        shard(weight, mesh, [Shard(0)])
+    shard(w_o, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    shapes = [[tokens, hidden]] + [[heads_dim, hidden]] * 3 + [[hidden, heads_dim]]
+    full = _inputs(seed, shapes, device=communicator.device)
+    return _check(communicator, fd, full, heads_dim, kernels)
+
+
+def bias_and_layernorm_after(
+    communicator, seed: int, tokens: int, kernels: str = "reference"
+) -> list[str]:
+    world = communicator.world_size
+    mesh = DeviceMesh(world)
+    hidden, ffn = 16, 8 * world
+    with FusionDefinition("bias_layernorm") as fd:
+        h = fd.define_tensor([tokens, ffn])
+        w = fd.define_tensor([hidden, ffn])
+        b = fd.define_tensor([hidden])
+        y = fd.ops.linear(h, w, b)
+        var, mean = fd.ops.var_mean(y, dims=[1], correction=0, keepdim=True)
+        normed = (y - mean) * fd.ops.rsqrt(var + 1e-5)
+        fd.add_output(normed)
+    shard(h, mesh, [Shard(1)])
+    shard(w, mesh, [Shard(1)])
+    shard(normed, mesh, [Shard(0)])
+    full = _inputs(seed, [[tokens, ffn], [hidden, ffn], [hidden]], device=communicator.device)
+    return _check(communicator, fd, full, ffn, kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("tokens", [8, 7], ids=["even", "uneven"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_attention_projections_gather_once_and_reduce_scatter(rank_pools, world, tokens, kernels):
+    results = rank_pools(world).run(attention_projections, 24, tokens * world // 2, kernels)
+    # one all-gather feeds Q, K and V; the output projection's partial sums go straight
+    # to the residual's rows
+    assert results == [["Allgather(x)", "ReduceScatter(x)"]] * world
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_bias_and_a_layernorm_after_a_row_parallel_linear_reduce_scatter(
+    rank_pools, world, kernels
+):
+    results = rank_pools(world).run(bias_and_layernorm_after, 25, 3 * world + 1, kernels)
+    assert results == [["ReduceScatter(x)"]] * world

@@ -505,3 +505,59 @@ def test_the_resharded_fusion_still_computes_the_same_on_one_device():
     generator = torch.Generator().manual_seed(3)
     inputs = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     assert torch.equal(evaluate(sharded, inputs)[0], fd.execute(inputs)[0])
+
+
+# ---------------------------------------------------------------------------
+# Layouts chosen by cost (sharding.choose_layouts, sharding.layout_cost)
+
+
+def _moves(sharded) -> list[tuple[str, tuple]]:
+    """Each inserted communication with the whole shape it moves."""
+    return [(e.kind.value, tuple(e.inputs[0].shape)) for e in sharded.exprs if hasattr(e, "kind")]
+
+
+def test_a_second_matmul_gathers_the_activation_rows_not_its_weight():
+    mesh = DeviceMesh(2)
+
+    def build(fd):
+        x = fd.define_tensor([4, 32])
+        w1 = fd.define_tensor([32, 64])
+        w2 = fd.define_tensor([64, 128])
+        y = fd.ops.matmul(fd.ops.matmul(x, w1), w2)
+        fd.add_output(y)
+        return {"w1": w1, "w2": w2, "y": y}
+
+    annotations = [("w1", mesh, [Shard(1)]), ("w2", mesh, [Shard(1)]), ("y", mesh, [Replicate()])]
+    sharded, _, _, _ = _sharded(build, annotations)
+    # 4x64 activation rows gathered, the 4x128 result computed split and gathered: never
+    # the 64x128 weight (first-come propagation gathered it, 16x the bits)
+    assert _moves(sharded) == [("Allgather", (4, 64)), ("Allgather", (4, 128))]
+
+
+def test_a_partial_sum_before_a_residual_is_reduce_scattered_and_explain_says_why():
+    mesh = DeviceMesh(2)
+
+    def build(fd):
+        x = fd.define_tensor([8, 16], "bfloat16")
+        w1 = fd.define_tensor([32, 16], "bfloat16")
+        w2 = fd.define_tensor([16, 32], "bfloat16")
+        x32 = fd.ops.cast(x, "float32")
+        h = fd.ops.linear(fd.ops.cast(fd.ops.relu(fd.ops.linear(x, w1)), "bfloat16"), w2)
+        out = fd.ops.cast(fd.ops.cast(h, "float32") + x32, "bfloat16")
+        fd.add_output(out)
+        return {"x": x, "w1": w1, "w2": w2, "out": out}
+
+    annotations = [
+        ("x", mesh, [Shard(0)]), ("w1", mesh, [Shard(0)]), ("w2", mesh, [Shard(1)]),
+        ("out", mesh, [Shard(0)]),
+    ]  # fmt: skip
+    sharded, decisions, _, _ = _sharded(build, annotations)
+    # a reduce-scatter (8x16 bits over 2 ranks: half the all-reduce's) instead of an
+    # all-reduce and a local split
+    assert _moves(sharded) == [("Allgather", (8, 16)), ("ReduceScatter", (8, 16))]
+    lines = {line.split()[0]: line for line in explain(sharded, decisions).splitlines()}
+    # the down projection's result: split rows cost least around it; the cast after it
+    # turned with it
+    down = lines["T7_bf16[iDIDx15{8},"]
+    assert "by cost" in down and "[S(0)] 128 B" in down, down
+    assert "turned with the tensor it is computed from" in lines["T8_f32[iDIDx18{8},"]

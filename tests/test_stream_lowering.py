@@ -189,8 +189,10 @@ def _ag_linear():
 def _linear_rs():
     mesh = DeviceMesh(2)
     with FusionDefinition("linear_rs") as fd:
-        x = fd.define_tensor([8, 4])
-        w = fd.define_tensor([6, 4])
+        # a contraction longer than the rows: reduce-scattering the result moves the fewest
+        # bits (with 4 the weight would be gathered and the rows moved instead)
+        x = fd.define_tensor([8, 16])
+        w = fd.define_tensor([6, 16])
         y = fd.ops.linear(x, w)
         fd.add_output(y)
     shard(x, mesh, [Shard(1)])
@@ -231,8 +233,8 @@ HostProgram linear_rs: 2 inputs, 1 output
 meshes:
   M0 = mesh(x=2: [0, 1])
 inputs: T0, T1
-  Allocate T3_f32[iStream7{8}, iS8{6}, rDIDx9{4}]  @M0
-  Allocate T2_f32[iDIDx|Stream4{8}, iS5{6}, rS6{4}]  @M0
+  Allocate T3_f32[iStream7{8}, iS8{6}, rDIDx9{16}]  @M0
+  Allocate T2_f32[iDIDx|Stream4{8}, iS5{6}, rS6{16}]  @M0
   s0 = GetCurrentStream
   FOR i in range(2):
     SetCurrentStream(stream i)
