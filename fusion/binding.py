@@ -18,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from fusion.errors import InputError
-from fusion.ir import Extent, Fusion, Symbol
+from fusion.ir import Extent, Fusion, Symbol, TensorView
 
 Bindings = dict[Symbol, int]
 
@@ -43,14 +43,10 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
             f"the fusion takes {len(fusion.inputs)} inputs ({expected}), got {len(inputs)}"
         )
     bindings: Bindings = {}
-    bound_by: dict[Symbol, tuple[int, int]] = {}  # the input and axis that bound it
+    bound_by: dict[Symbol, tuple[InputAt, int]] = {}  # the input and axis that bound it
     devices = set()
-
-    def at(position: int) -> str:  # formatted only for an error: runs check every call
-        return f"input {position} ({fusion.inputs[position]})"
-
     for position, (tensor_view, value) in enumerate(zip(fusion.inputs, inputs, strict=True)):
-        where = _Lazy(at, position)
+        where = InputAt(position, tensor_view)
         if not isinstance(value, torch.Tensor):
             raise InputError(f"{where}: expected a torch.Tensor, got {type(value).__name__}")
         dtype = tensor_view.dtype
@@ -74,10 +70,10 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
                     by_input, by_axis = bound_by[extent]
                     raise InputError(
                         f"{where}: axis {axis_index} has extent {actual}, but symbol {extent} "
-                        f"is already {bindings[extent]} from {at(by_input)} axis {by_axis}"
+                        f"is already {bindings[extent]} from {by_input} axis {by_axis}"
                     )
                 bindings[extent] = actual
-                bound_by[extent] = (position, axis_index)
+                bound_by[extent] = (where, axis_index)
             elif extent != actual:
                 raise InputError(
                     f"{where}: expected shape {list(tensor_view.shape)}"
@@ -91,14 +87,15 @@ def bind_inputs(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> Bindings:
     return bindings
 
 
-class _Lazy:
-    """A string formatted only when printed."""
+class InputAt:
+    """``input 3 (T3_f32[...])`` in an error message, formatted only when printed: the
+    checks run on every call, the messages almost never."""
 
-    def __init__(self, make, *args) -> None:
-        self.make, self.args = make, args
+    def __init__(self, position: int, tensor: TensorView) -> None:
+        self.position, self.tensor = position, tensor
 
     def __str__(self) -> str:
-        return self.make(*self.args)
+        return f"input {self.position} ({self.tensor})"
 
 
 def check_constraints(fusion: Fusion, bindings: Bindings) -> None:

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusion.binding import Bindings, check_constraints, resolve
+from fusion.binding import Bindings, InputAt, check_constraints, resolve
 from fusion.errors import InputError
 from fusion.exprs import ReductionOp
 from fusion.ir import Fusion, Symbol, TensorView
@@ -72,7 +72,7 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
     bindings: Bindings = {}
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
-        where = _At(position, tensor)
+        where = InputAt(position, tensor)
         expected_dtype = str(tensor.dtype.torch_dtype)
         shapes: dict[int, list[int]] = {}
         for rank in tensor.mesh.ranks:
@@ -107,16 +107,6 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
                     f"local shape {expected} (of the whole {whole}), got {list(shape)}"
                 )
     return bindings
-
-
-class _At:
-    """``input 3 (T3_f32[...])``, formatted only for an error: every run checks."""
-
-    def __init__(self, position: int, tensor: TensorView) -> None:
-        self.position, self.tensor = position, tensor
-
-    def __str__(self) -> str:
-        return f"input {self.position} ({self.tensor})"
 
 
 def check_bound_extents(fusion: Fusion, bindings: Bindings) -> None:
@@ -168,7 +158,11 @@ def check_extremes_have_values(fusion: Fusion, bindings: Bindings) -> None:
 
 
 def _bind_symbols(
-    tensor: TensorView, layout: Layout, shapes: dict[int, list[int]], bindings: Bindings, where: _At
+    tensor: TensorView,
+    layout: Layout,
+    shapes: dict[int, list[int]],
+    bindings: Bindings,
+    where: InputAt,
 ) -> None:
     for dim, extent in enumerate(tensor.shape):
         if not isinstance(extent, Symbol):

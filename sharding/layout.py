@@ -108,6 +108,13 @@ class Layout:
                 return mesh_axis
         return None
 
+    def resolved(self) -> Layout:
+        """This layout with its partial results combined (``Partial`` made replicated)."""
+        return Layout(
+            self.mesh,
+            tuple(Replicate() if isinstance(p, Partial) else p for p in self.placements),
+        )
+
     @property
     def is_partial(self) -> bool:
         return any(isinstance(p, Partial) for p in self.placements)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import TensorView
 from sharding.layout import Layout, Partial, Placement, Replicate, Shard, partial_op
-from sharding.rules import MeshRule, mesh_rule
+from sharding.rules import mesh_rule
 
 SYMBOLIC_EXTENT = 1024  # what a symbolic extent counts as when sizes are compared
 UNREACHABLE = float("inf")
@@ -31,17 +31,15 @@ UNREACHABLE = float("inf")
 FLOPS_PER_BIT = 250.0
 
 
-def tensor_bits(tensor: TensorView) -> int:
-    """The whole tensor's size in bits (logical axes; a symbolic extent counts 1024)."""
-    extents = (e if isinstance(e, int) else SYMBOLIC_EXTENT for e in tensor.shape)
-    return tensor.dtype.size_bits(math.prod(extents))
+def _count(extents) -> int:
+    return math.prod(e if isinstance(e, int) else SYMBOLIC_EXTENT for e in extents)
 
 
 def moved_bits(tensor: TensorView, before: Layout, after: Layout) -> float:
     """Bits a rank sends to move ``tensor`` from ``before`` to ``after`` (inf: impossible)."""
     if before == after:
         return 0.0
-    size = tensor_bits(tensor)
+    size = tensor.dtype.size_bits(_count(tensor.shape))
     if before.mesh != after.mesh:
         return float(size)
     mesh = before.mesh
@@ -70,21 +68,21 @@ def moved_bits(tensor: TensorView, before: Layout, after: Layout) -> float:
     return total
 
 
-def candidate_layouts(tensor: TensorView, current: Layout, *, partial: bool) -> list[Layout]:
+def candidate_layouts(tensor: TensorView, current: Layout) -> list[Layout]:
     """Every layout ``tensor`` could take on ``current``'s mesh: per mesh axis replicated,
-    split on any axis of extent above 1, or (with ``partial``, for results of reductions
-    and contractions) partial. ``current`` comes first."""
-    mesh = current.mesh
+    split on any axis of extent above 1, or partial (as many mesh axes as it keeps
+    reduction axes: results of reductions and contractions). ``current`` comes first."""
+    reductions = sum(axis.is_reduction for axis in tensor.axes)
     per_axis: list[Placement] = [Replicate()]
     per_axis += [Shard(d) for d, extent in enumerate(tensor.shape) if extent != 1]
-    if partial and any(axis.is_reduction for axis in tensor.axes):
+    if reductions:
         per_axis.append(Partial(partial_op(tensor)))
     layouts = [current]
-    for placements in itertools.product(per_axis, repeat=mesh.ndim):
-        if sum(isinstance(p, Partial) for p in placements) > free_reductions(tensor):
+    for placements in itertools.product(per_axis, repeat=current.mesh.ndim):
+        if sum(isinstance(p, Partial) for p in placements) > reductions:
             continue
         try:
-            layout = Layout(mesh, placements)
+            layout = Layout(current.mesh, placements)
         except ValueError:  # an axis split twice
             continue
         if layout not in layouts:
@@ -92,85 +90,72 @@ def candidate_layouts(tensor: TensorView, current: Layout, *, partial: bool) -> 
     return layouts
 
 
-def free_reductions(tensor: TensorView) -> int:
-    """How many reduction axes ``tensor`` keeps (each can hold one mesh axis' partial)."""
-    return sum(axis.is_reduction for axis in tensor.axes)
-
-
 @dataclass(frozen=True)
 class Choice:
-    """What one expr produces and the moves that puts around it: ``moves`` holds
-    (tensor, the layout it is copied to, bits); a copy of an input is shared by every
-    consumer that needs the same layout, so sums over several exprs count it once."""
+    """What one expr produces (``produced``, from its inputs copied to ``needed``), the
+    moves that puts around it, and the matmul work it does (``work_bits``). ``moves``
+    holds (tensor, the layout it is copied to, bits): a copy of an input is shared by
+    every consumer that needs the same layout, so sums over several exprs count it once."""
 
-    bits: float
     produced: Layout
+    needed: tuple[Layout, ...] = ()
     moves: tuple[tuple[TensorView, Layout, float], ...] = ()
+    work_bits: float = 0.0
+
+    @property
+    def bits(self) -> float:
+        return sum(bits for _, _, bits in self.moves) + self.work_bits
 
 
-def expr_cost(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Choice:
-    """The fewest bits ``expr`` needs moved for its inputs and outputs to hold ``layouts``,
-    and the layout it should produce to get there (inputs copied to suit it before, the
-    output copied from it after). Ties go to the output's own layout."""
+def natural_layout(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Layout:
+    """The layout ``expr`` gives its output from its inputs as they are laid out."""
+    mesh = layouts[expr.outputs[0]].mesh
+    return mesh_rule(expr, mesh).forward([layouts[t] for t in expr.inputs])
+
+
+def expr_cost(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Choice | None:
+    """The cheapest way for ``expr``'s inputs and outputs to hold ``layouts``: the layout
+    it produces (inputs copied to suit it before, the output copied from it after), or
+    None when none can. Tried: the output's own layout (ties go to it), the natural
+    one, then every other layout the output could take where that leaves the fusion's
+    inputs where they are (so a contraction may produce a split and gather it after,
+    but a weight the user placed is not gathered to save moving a result)."""
     out = expr.outputs[0]
     wanted = layouts[out]
     rule = mesh_rule(expr, wanted.mesh)
-    best = Choice(UNREACHABLE, wanted)
-    for number, produced in enumerate(_produced_candidates(expr, rule, layouts)):
-        if produced.is_partial and isinstance(expr, LinearOp) and expr.has_bias:
-            continue  # every rank would add the bias to its partial sum
+    own = [wanted, natural_layout(expr, layouts)]
+    best: Choice | None = None
+    for produced in dict.fromkeys([*own, *candidate_layouts(out, wanted)]):
         needed = rule.backward(produced)
         if needed is None:
             continue
-        if number >= 2 and any(
-            t.definition is None and layouts[t] != need
-            for t, need in zip(expr.inputs, needed, strict=True)
-        ):
-            continue  # a third way may move what was computed, not the fusion's inputs
         moves = [
             (t, need, moved_bits(t, layouts[t], need))
             for t, need in zip(expr.inputs, needed, strict=True)
             if layouts[t] != need
         ]
+        if produced not in own and any(t.definition is None for t, _, _ in moves):
+            continue
         moves += [
             (o, layouts[o], moved_bits(o, produced, layouts[o]))
             for o in expr.outputs
             if layouts[o] != produced
         ]
-        bits = sum(move[2] for move in moves) + contraction_cost(expr, produced)
-        if bits < best.bits:
-            best = Choice(bits, produced, tuple(moves))
-    return best
+        choice = Choice(produced, tuple(needed), tuple(moves), contraction_bits(expr, produced))
+        if best is None or choice.bits < best.bits:
+            best = choice
+    return best if best is not None and best.bits < UNREACHABLE else None
 
 
-def contraction_cost(expr: Expr, produced: Layout) -> float:
+def contraction_bits(expr: Expr, produced: Layout) -> float:
     """A matmul's or linear's multiply-adds on one rank when it produces ``produced``,
     in bit-equivalents (``FLOPS_PER_BIT``); other exprs cost nothing here."""
     if not isinstance(expr, (MatmulOp, LinearOp)):
         return 0.0
-    out = expr.outputs[0]
-    extents = (a.extent for a in out.axes)  # the contraction's too
-    work = 2.0 * math.prod(e if isinstance(e, int) else SYMBOLIC_EXTENT for e in extents)
+    work = 2.0 * _count(a.extent for a in expr.outputs[0].axes)  # the contraction's too
     parts = math.prod(
         produced.mesh.shape[axis]
         for axis, placement in enumerate(produced.placements)
         if not isinstance(placement, Replicate)
     )
     return work / parts / FLOPS_PER_BIT
-
-
-def _produced_candidates(
-    expr: Expr, rule: MeshRule, layouts: Mapping[TensorView, Layout]
-) -> list[Layout]:
-    """The output's own layout, what the inputs naturally give, then every other layout
-    the output could take (so a contraction may produce a split and gather it after).
-    Those others are tried only where they leave the fusion's inputs where they are: a
-    weight the user placed is not gathered to save moving a result."""
-    out = expr.outputs[0]
-    wanted = layouts[out]
-    natural = rule.forward([layouts[t] for t in expr.inputs])
-    candidates = [wanted, natural]
-    for layout in candidate_layouts(out, wanted, partial=True):
-        if layout not in candidates:
-            candidates.append(layout)
-    return candidates

@@ -41,9 +41,9 @@ class Decision:
 
     def describe(self) -> str:
         if self.how == "cost":
-            first = self.replaced.describe() if self.replaced is not None else "propagation"
+            first = self.replaced.describe()
             if not self.alternatives:
-                return f"by cost, turned with the tensor it is computed from (was: {first})"
+                return f"by cost, turned with a neighbour that changed (was: {first})"
             tried = "; ".join(
                 f"[{', '.join(str(p) for p in layout.placements)}] {_bits(bits)}"
                 for layout, bits in self.alternatives

@@ -22,11 +22,10 @@ from fusion.exprs import Expr, LinearOp, SetOp
 from fusion.ir import Fusion, ParallelType, TensorView
 from sharding.choose_layouts import choose_layouts
 from sharding.errors import ShardingError
-from sharding.layout import Layout, Partial, Replicate, layout_of, placed_like
-from sharding.layout_cost import UNREACHABLE, expr_cost
+from sharding.layout import Layout, layout_of, placed_like
+from sharding.layout_cost import expr_cost
 from sharding.propagation import Decision, propagate_shardings
 from sharding.redistribute import redistribute
-from sharding.rules import mesh_rule
 
 # ---------------------------------------------------------------------------
 # Row-parallel linear with bias
@@ -74,35 +73,29 @@ class _CopyInserter:
                 self._reshard(expr)
         for position, out in enumerate(self.fusion.outputs):
             layout = layout_of(out)
-            if layout.is_partial:
-                resolved = Layout(
-                    layout.mesh,
-                    tuple(Replicate() if isinstance(p, Partial) else p for p in layout.placements),
-                )
-                self.fusion.outputs[position] = self._copy_after(out, resolved)
+            if layout.is_partial:  # an output annotated partial: combined at the end
+                self.fusion.outputs[position] = self._copy_after(out, layout.resolved())
 
     def _reshard(self, expr: Expr) -> None:
         """Choose the layout ``expr`` produces, then copy inputs (and output) to fit it.
 
         The candidates are the output's own layout (inputs moved to suit it), the layout
-        the inputs naturally give and every other layout the output could take (the output
-        moved afterwards); the one that moves the fewest bits wins
-        (``layout_cost.expr_cost``), ties going to the output's own layout.
+        the inputs naturally give and every other layout the output could take that
+        leaves the fusion's inputs where they are (the output moved afterwards); the
+        cheapest wins (``layout_cost.expr_cost``), ties going to the output's own layout.
         """
-        out_layout = layout_of(expr.outputs[0])
-        rule = mesh_rule(expr, out_layout.mesh)
         layouts = {t: layout_of(t) for t in (*expr.inputs, *expr.outputs)}
-        produced = expr_cost(expr, layouts).produced
-        if expr_cost(expr, layouts).bits == UNREACHABLE:
+        choice = expr_cost(expr, layouts)
+        if choice is None:
             raise ShardingError(
                 f"{expr.op_name} cannot produce {expr.outputs[0]} from its inputs placed "
                 + ", ".join(f"{t.name} {layouts[t]}" for t in expr.inputs)
             )
         for out in list(expr.outputs):
-            if layout_of(out) != produced:
-                self._produce_then_copy(expr, out, produced)
-        for tensor, layout in zip(list(expr.inputs), rule.backward(produced), strict=True):
-            if layout_of(tensor) != layout:
+            if layouts[out] != choice.produced:
+                self._produce_then_copy(expr, out, choice.produced)
+        for tensor, layout in zip(list(expr.inputs), choice.needed, strict=True):
+            if layouts[tensor] != layout:
                 self.fusion.replace_input(expr, tensor, self._copy_before(tensor, layout, expr))
 
     def _copy_before(self, tensor: TensorView, layout: Layout, consumer: Expr) -> TensorView:

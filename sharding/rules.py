@@ -87,9 +87,11 @@ class DimMap:
         if isinstance(output, Replicate):
             return [Replicate() for _ in self.maps]
         if isinstance(output, Partial):
-            if output.op != self.partial_op or not any(self.partial):
+            # every input must carry the reduction: one outside it (a linear's bias) would
+            # be added whole on every rank
+            if output.op != self.partial_op or not all(self.partial):
                 return None
-            return [Shard(min(dims)) if dims else Replicate() for dims in self.partial]
+            return [Shard(min(dims)) for dims in self.partial]
         sources = [
             [d for d, o in sorted(mapping.items()) if o == output.dim] for mapping in self.maps
         ]

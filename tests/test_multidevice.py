@@ -436,21 +436,18 @@ def empty_pieces(communicator, seed: int, symbolic: bool, kernels: str = "refere
         w = fd.define_tensor([6, 8])
         flags = fd.define_tensor(["rows" if symbolic else 1, 8], "bool")
         y = fd.ops.relu(x) * 2.0
-        fd.add_output(y)  # rows split: empty on every rank but rank 0
-        extremes = [
+        reduced = [
             fd.ops.max(x, dims=[0]),  # partial max over an empty piece
             fd.ops.min(fd.ops.exp(x), dims=[0]),
             fd.ops.sum(y, dims=[0]),
+            fd.ops.max(flags, dims=[0]),  # a bool's identity is False
         ]
-        fd.add_output(extremes[0])
-        fd.add_output(extremes[1])
-        fd.add_output(extremes[2])
-        fd.add_output(fd.ops.linear(x, w))  # a matmul of no rows
-        extremes.append(fd.ops.max(flags, dims=[0]))  # a bool's identity is False
-        fd.add_output(extremes[3])
+        fd.add_output(y)  # rows split: empty on every rank but rank 0
+        for out in [*reduced[:3], fd.ops.linear(x, w), reduced[3]]:  # a matmul of no rows
+            fd.add_output(out)
     # Partial results, combined once: gathering one row would move fewer bits (the layout
     # chooser would), but the point here is each rank reducing its (empty) piece.
-    for result, op in zip(extremes, ["max", "min", "sum", "max"], strict=True):
+    for result, op in zip(reduced, ["max", "min", "sum", "max"], strict=True):
         shard(result, mesh, [Partial(op)])
     shard(x, mesh, [Shard(0)])
     shard(w, mesh, [Replicate()])
