@@ -5,7 +5,12 @@
 Each case starts a 2-rank job with ``overlap run --launcher L`` running this file's
 ``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1 fails, while rank 0
 goes on into its next run and waits in a collective for rank 1 (on NCCL it would wait
-forever): rank 1 either raises (``raise``) or dies (``exit``: ``os._exit(3)``). The
+forever): rank 1 either raises (``raise``), dies (``exit``: ``os._exit(3)``), passes a
+bad input (``bad_input``: a piece one row short, which it finds alone at once) or an
+input that changed alone (``changed_alone``: the tokens are a symbolic extent and rank
+1's piece is one row short, which only an exchange can judge: rank 1 learns within the
+input-check timeout that rank 0 is not coming to one). Every run checks its inputs as
+the default does (an exchange only when a rank's inputs change). The
 variants put rank 0's wait in a plain NCCL collective (``collectives``), in a CUDA-graph
 replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory barrier
 (``copy_engine``). Measured: the seconds from rank 1's failure to the job's end, the exit
@@ -34,6 +39,13 @@ ROOT = Path(__file__).resolve().parent.parent
 FAILING_RUN = 5
 SIZES = {"cuda": (8192, 4096, 8192), "cpu": (64, 32, 64)}  # tokens, hidden, ffn
 # How each launcher names the rank that caused the failure (a pattern on its output)
+# What the failing rank's traceback says, by fault
+FAULT_MESSAGES = {
+    "raise": "rank 1 fails on purpose",
+    "exit": "rank 1 fails on purpose",
+    "bad_input": "InputError: rank 1: input 0",
+    "changed_alone": "InputChangeError: rank 1: its inputs changed at run 6",
+}
 LAUNCHER_NAMES = {
     "local": r"overlap run: rank 1 exited",
     "torchrun": r"Root Cause \(first observed failure\):\n\[\d+\]:\n(?:  .*\n)*?  rank\s+: 1 ",
@@ -54,7 +66,8 @@ def main(communicator) -> None:
     fault, variant, folder = sys.argv[1:4]
     cuda = communicator.device.type == "cuda"
     sizes = SIZES["cuda" if cuda else "cpu"]
-    fd = build_tp_mlp(*sizes, communicator.world_size)
+    tokens = "tokens" if fault == "changed_alone" else sizes[0]
+    fd = build_tp_mlp(tokens, *sizes[1:], communicator.world_size)
     options = {
         "collectives": {"options": OverlapOptions(overlap=False)},
         "cuda_graph": {"cuda_graph": True},
@@ -67,10 +80,14 @@ def main(communicator) -> None:
             Path(folder, "failed_at").write_text(repr(time.time()))
             if fault == "exit":
                 os._exit(3)
-            raise RuntimeError(f"rank 1 fails on purpose in run {run}")
-        # after the first run, no host-side input check: rank 0 goes straight into the
-        # program's collectives (NCCL, a graph replay or a symmetric-memory barrier)
-        executor.run(inputs, check_inputs=run == 0)
+            if fault == "raise":
+                raise RuntimeError(f"rank 1 fails on purpose in run {run}")
+            inputs[0] = inputs[0][1:]
+        # after the first run the inputs do not change (but on rank 1 at its fault): no
+        # host-side exchange, rank 0 goes straight into the program's collectives (NCCL,
+        # a graph replay or a symmetric-memory barrier)
+        # (a CUDA-graph replay exchanges every rank's buffers at every run unless told not to)
+        executor.run(inputs, check_inputs="never" if variant == "cuda_graph" and run else "changes")
         if cuda:
             torch.cuda.synchronize()
     raise AssertionError("rank 0 ran 1000 times: rank 1 never failed")
@@ -112,7 +129,7 @@ def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
         "hung": ended is None,
         "failing_rank_reached_its_fault": failed_at is not None,
         # the failing rank's own frames (Ray relays them without the "Traceback" line)
-        "traceback_shown": "rank 1 fails on purpose" in output and "in main\n" in output,
+        "traceback_shown": FAULT_MESSAGES[fault] in output and "in main\n" in output,
         "failed_rank_named": named,
         "output_tail": output[-1500:],
     }
@@ -123,7 +140,11 @@ def main_driver() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--launchers", default="torchrun,local,ray")
-    parser.add_argument("--faults", default="raise,exit")
+    parser.add_argument(
+        "--faults",
+        default="raise,exit,bad_input,changed_alone",
+        help="bad_input and changed_alone run in the collectives variant only",
+    )
     parser.add_argument("--variants", default=None, help="default: every one this device has")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds before 'hung'")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults_gpu.json"))
@@ -136,6 +157,8 @@ def main_driver() -> None:
     for launcher in args.launchers.split(","):
         for variant in variants.split(","):
             for fault in args.faults.split(","):
+                if fault in ("bad_input", "changed_alone") and variant != "collectives":
+                    continue
                 row = run_case(launcher, fault, variant, args.limit)
                 rows.append(row)
                 seconds = "HUNG" if row["hung"] else f"{row['seconds_to_end']:.2f}"

@@ -4,6 +4,11 @@ NCCL on GPU, gloo on CPU. The default process group must be initialized (by
 ``torchrun``'s environment and ``init_process_group``, or by a launcher).
 Sub-groups are created collectively: every rank calls ``prepare`` with the
 same teams, in the same order, before any of them is used.
+
+Host-side exchanges (input checks, agreements) go through gloo, never waiting on the GPU.
+One gloo group has a short timeout (``input_check_timeout_s``): a rank whose inputs
+changed alone exchanges there, and must learn within seconds that its peers are not
+coming (``overlap.inputs.InputCheck``).
 """
 
 from __future__ import annotations
@@ -50,7 +55,9 @@ def _compare_plans(plans: list[list[str]], step: str) -> None:
 class Communicator:
     """This rank's view of the world: rank, size, device and process groups by team."""
 
-    def __init__(self, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, device: torch.device | str | None = None, input_check_timeout_s: float = 10.0
+    ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
                 "Communicator: initialize torch.distributed first, e.g. "
@@ -66,8 +73,11 @@ class Communicator:
                 device = torch.device("cpu")
         self.device = torch.device(device)
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
-        # Host-side exchanges (input checks) go through gloo, so they never wait on the GPU.
         self._host_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
+        self.input_check_timeout_s = input_check_timeout_s
+        self._check_group = dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=input_check_timeout_s)
+        )
 
     @classmethod
     def initialize(
@@ -77,12 +87,14 @@ class Communicator:
         device: torch.device | str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        input_check_timeout_s: float = 10.0,
     ) -> Communicator:
         """Initialize the default process group if needed and return this rank's
         Communicator. NCCL when CUDA is available, else gloo; ``rank`` and
         ``world_size`` default to the environment's (``RANK``, ``WORLD_SIZE``), the
         rendezvous is ``MASTER_ADDR``/``MASTER_PORT``. On a CUDA ``device`` the process
-        is put on it and the group bound to it."""
+        is put on it and the group bound to it. ``input_check_timeout_s``: how long a
+        rank whose inputs changed waits for its peers to check theirs."""
         if not dist.is_initialized():
             backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
             options = {"timeout": datetime.timedelta(seconds=timeout_s)}
@@ -92,7 +104,7 @@ class Communicator:
                 torch.cuda.set_device(torch.device(device))
                 options["device_id"] = torch.device(device)
             dist.init_process_group(backend, **options)
-        return cls(device)
+        return cls(device, input_check_timeout_s)
 
     def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
         """Create the process groups of ``teams`` (collective: call on every rank alike)."""
@@ -135,4 +147,11 @@ class Communicator:
         """``value`` from every rank of the world, in rank order."""
         gathered: list[object] = [None] * self.world_size
         dist.all_gather_object(gathered, value, group=self._host_group)
+        return gathered
+
+    def input_check_exchange(self, value: object) -> list[object]:
+        """``value`` from every rank, in rank order, on the input-check group: raises
+        (``RuntimeError``) when some rank has not come within ``input_check_timeout_s``."""
+        gathered: list[object] = [None] * self.world_size
+        dist.all_gather_object(gathered, value, group=self._check_group)
         return gathered

@@ -6,10 +6,12 @@ program; then one exchange in which every rank says whether it could build the p
 and what it will post (``Communicator.agree``); then the process groups the program
 needs (collectively).
 
-``run(local_inputs)`` first checks every rank's inputs against the fusion: the ranks
-exchange their inputs' shapes and dtypes (one small all-gather) and each rank checks all
-of them (``overlap.inputs``), so a bad input on any rank raises the same ``InputError``
-on every rank, before any communication of the program starts. Then it runs this rank's
+``run(local_inputs)`` first checks every rank's inputs against the fusion: at the first
+run, and whenever a rank's inputs change, the ranks exchange their inputs' shapes and
+dtypes (one small host all-gather) and each rank checks all of them (``overlap.inputs``),
+so a bad input on any rank raises the same ``InputError`` on every rank, before any
+communication of the program starts; a run whose inputs are as before asks no one. Then
+it runs this rank's
 program (``overlap.rank_program.RankProgram``, built once per set of extents): compute
 as generated kernels or with the evaluator on local pieces, communications through
 torch.distributed, optionally replayed from a CUDA graph.
@@ -38,13 +40,7 @@ from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
 from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import HostProgram, Transport
-from overlap.inputs import (
-    addresses,
-    check_bound_extents,
-    check_devices,
-    check_local_inputs,
-    describe_inputs,
-)
+from overlap.inputs import InputCheck, addresses, check_bound_extents, check_devices, check_mode
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
@@ -80,7 +76,10 @@ class MultiDeviceExecutor:
     sees a set of input buffers and replays it after that, so the host no longer
     issues the program step by step. The outputs are then the graph's own buffers:
     the next run with the same inputs overwrites them (clone what you keep). Every
-    rank must use the same setting.
+    rank must use the same setting. It is not the default: a graph holds its
+    intermediates' memory for as long as it is kept (one per set of extents and input
+    buffers), its outputs are overwritten, and since the ranks must capture together
+    every rank's input buffers are exchanged at every run.
     """
 
     def __init__(
@@ -126,9 +125,11 @@ class MultiDeviceExecutor:
         self._symmetric: SymmetricBuffers | None = None
         self._streams = StreamPool(self.device)
         self._hardware_profile = current_hardware(self.device)
-        self._last_bindings: Bindings | None = None
-        self._last_buffers: list[tuple | None] = []  # by rank, at the last checked run
-        self._own_buffers: tuple | None = None
+        self._inputs = None
+        if self.sharded:
+            self._inputs = InputCheck(self.fusion, communicator, self.fingerprint,
+                                      self.program.communication_plan, self.device)  # fmt: skip
+        self._last_bindings: Bindings | None = None  # of an unplaced fusion
         self._rank_programs: dict[tuple, RankProgram] = {}
         self._graphs: dict[tuple, tuple] = {}
 
@@ -286,35 +287,45 @@ class MultiDeviceExecutor:
         self,
         local_inputs: Sequence[torch.Tensor | None],
         timeline: Timeline | None = None,
-        check_inputs: bool = True,
+        check_inputs: bool | str = "changes",
     ) -> list[torch.Tensor | None]:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
         With a ``timeline``, every kernel and communication is recorded per stream.
-        ``check_inputs`` exchanges every rank's input shapes first (one small host-side
-        all-gather) so a bad input fails everywhere before any collective; a hot loop
-        that has checked its shapes once may turn it off (then the shapes must stay).
+        ``check_inputs`` says when the ranks exchange their inputs' shapes (a small host
+        all-gather) so that a bad input fails everywhere before any collective:
+        ``"changes"`` (default) at the first run and whenever this rank's inputs differ
+        from its last checked run's (every rank's inputs must change at the same run: a
+        rank whose inputs changed alone raises ``InputChangeError`` within the
+        communicator's ``input_check_timeout_s``); ``"always"`` (or True) at every run,
+        for programs whose shapes may change on some ranks only; ``"never"`` (or False)
+        only at the first run (then the shapes must stay). With ``cuda_graph=True``,
+        ``"changes"`` exchanges at every run: the graphs are keyed by every rank's input
+        buffers. Every rank must use the same setting.
         """
+        mode = check_mode(check_inputs)
         replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
         # A graph is captured per set of input buffers, and capturing runs the program
         # once more: every rank must capture at the same runs, so the graphs are keyed by
         # every rank's buffers, learnt in the input check.
         buffers = addresses(local_inputs) if replay else None
-        if not check_inputs and self._last_bindings is not None:
-            bindings = self._last_bindings
-            if buffers is not None and buffers != self._own_buffers:
+        if self.sharded:
+            if replay and mode == "changes":
+                mode = "always"
+            bindings, every_buffers = self._inputs.bindings(local_inputs, mode, buffers)
+            if buffers is not None and buffers != every_buffers[self.rank]:
                 raise InputError(
-                    "cuda_graph=True and check_inputs=False: this rank's inputs are not in "
+                    "cuda_graph=True and check_inputs='never': this rank's inputs are not in "
                     "the buffers of the last checked run. A new graph must be captured on "
                     "every rank at once, which only the input check can arrange: run with "
-                    "check_inputs=True when the inputs move"
+                    "check_inputs='changes' when the inputs move"
                 )
-        elif self.sharded:
-            bindings, self._last_buffers = self._check_inputs(local_inputs, buffers)
+        elif mode == "never" and self._last_bindings is not None:
+            bindings, every_buffers = self._last_bindings, [buffers]
         else:
-            bindings, self._last_buffers = bind_inputs(self.fusion, local_inputs), [buffers]
+            bindings, every_buffers = bind_inputs(self.fusion, local_inputs), [buffers]
             check_devices(local_inputs, self.device)
-        self._last_bindings, self._own_buffers = bindings, buffers
+        self._last_bindings = bindings
         if self._copy_engine and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
@@ -327,7 +338,7 @@ class MultiDeviceExecutor:
         compiled = self._rank_programs[key]
         with torch.no_grad():  # no autograd graph: its gradients would be one rank's
             if replay:
-                outputs = self._replay(compiled, (key, tuple(self._last_buffers)), local_inputs)
+                outputs = self._replay(compiled, (key, tuple(every_buffers)), local_inputs)
             else:
                 outputs = compiled.run(local_inputs, timeline)
         return refusing_backward(outputs, local_inputs)
@@ -377,28 +388,6 @@ class MultiDeviceExecutor:
     def ctx_local_shape(self, tensor: TensorView) -> list[int]:
         """This rank's shape of ``tensor`` when every extent is static."""
         return rank_shape(tensor, self.rank, {})
-
-    # -----------------------------------------------------------------------
-    # Input checks, the same verdict on every rank
-
-    def _check_inputs(
-        self, local_inputs: Sequence[torch.Tensor | None], buffers: tuple | None
-    ) -> tuple[Bindings, list]:
-        """Bind the extents from every rank's inputs, checked on every rank alike; also
-        every rank's input buffers (for its CUDA graphs)."""
-        try:
-            described = describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
-        except InputError as error:
-            described = str(error)
-        everyone = self.communicator.all_gather_object((self.fingerprint, described, buffers))
-        if any(fingerprint != self.fingerprint for fingerprint, _, _ in everyone):
-            # the ranks run different programs (rank 0 one executor, rank 1 another)
-            self.communicator.agree(None, "run", self.program.communication_plan())
-        for rank, (_, description, _) in enumerate(everyone):
-            if isinstance(description, str):
-                raise InputError(f"rank {rank}: {description}")
-        descriptions = [description for _, description, _ in everyone]
-        return check_local_inputs(self.fusion, descriptions), [b for _, _, b in everyone]
 
 
 def _check_transports(program: HostProgram, device: torch.device) -> None:

@@ -7,11 +7,23 @@ pieces along its mesh axis) and every piece must have the local shape its layout
 once per set of extents, packed pieces must fill whole bytes and a max/min may not
 reduce an axis empty everywhere (``check_bound_extents``). A bad input on one rank thus
 raises the same ``InputError`` on every rank, before any collective.
+
+The exchange is a host-side all-gather: too slow to pay on every call of a hot loop.
+``InputCheck`` (one per executor) exchanges at the first run and then only when a rank's
+own description changes (``check_inputs="changes"``, the default): a rank whose inputs
+are as at the last agreed run reuses that run's extents without asking anyone. A rank
+whose inputs changed checks what it can alone first (dtypes, ranks, static extents: a
+bad input raises here at once), then exchanges on the communicator's input-check group,
+whose timeout is short (``Communicator.input_check_timeout_s``): peers whose inputs did
+not change are already in the program's collectives, so the rank raises
+``InputChangeError`` within that time instead of waiting with them. Its exit (fail-fast,
+``launch.failfast``) ends the job.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +32,146 @@ from fusion.errors import InputError
 from fusion.exprs import ReductionOp
 from fusion.ir import Fusion, Symbol, TensorView
 from sharding.layout import Layout, layout_of, local_shape, split_sizes
+
+CHECK_MODES = ("changes", "always", "never")
+
+
+class InputChangeError(InputError):
+    """This rank's inputs changed at a run where not every peer came to check theirs
+    within the input-check timeout: the peers are in the program's collectives (their
+    inputs did not change) or far behind. The job cannot go on: this rank stops it."""
+
+
+def check_mode(check_inputs: bool | str) -> str:
+    """``run``'s ``check_inputs`` as one of ``CHECK_MODES`` (True is ``"always"``,
+    False ``"never"``)."""
+    if check_inputs is True:
+        return "always"
+    if check_inputs is False:
+        return "never"
+    if check_inputs not in CHECK_MODES:
+        raise ValueError(
+            f"check_inputs must be one of {CHECK_MODES} (or a bool), got {check_inputs!r}"
+        )
+    return check_inputs
+
+
+@dataclass(frozen=True)
+class _Agreed:
+    """What the ranks agreed on at the last exchange: this rank's description, the
+    extents, every rank's input buffers (for CUDA graphs) and the run it happened at."""
+
+    description: list
+    bindings: Bindings
+    buffers: list
+    run: int
+
+
+class InputCheck:
+    """The extents of a sharded run, from every rank's inputs, with the same verdict on
+    every rank; a host exchange only when some rank's inputs change (see the module).
+
+    ``fingerprint`` and ``plan`` tell ranks running different programs apart;
+    ``run_count`` is this executor's runs so far on this rank (the ranks run in step).
+    """
+
+    def __init__(self, fusion: Fusion, communicator, fingerprint: str,
+                 plan: Callable[[], list[str]], device: torch.device) -> None:  # fmt: skip
+        self.fusion = fusion
+        self.communicator = communicator
+        self.fingerprint = fingerprint
+        self.plan = plan
+        self.device = device
+        self.run_count = 0
+        self._agreed: _Agreed | None = None
+
+    def bindings(
+        self, local_inputs: Sequence[torch.Tensor | None], mode: str, buffers: tuple | None
+    ) -> tuple[Bindings, list]:
+        """The extents for this run and every rank's input buffers (``buffers``: this
+        rank's, when a CUDA graph replays: they are then part of the description)."""
+        self.run_count += 1
+        agreed = self._agreed
+        if mode == "never" and agreed is not None:
+            return agreed.bindings, agreed.buffers
+        try:
+            described = describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
+        except InputError as error:
+            described = str(error)
+        changed_alone = mode == "changes" and agreed is not None
+        if changed_alone:
+            if (described, buffers) == (agreed.description, agreed.buffers[self.rank]):
+                return agreed.bindings, agreed.buffers
+            if isinstance(described, str):
+                raise InputError(f"rank {self.rank}: {described}")
+            check_own_inputs(self.fusion, self.rank, described)
+        everyone = self._exchange((self.fingerprint, self.run_count, described, buffers),
+                                  changed_alone, described)  # fmt: skip
+        bindings = self._check(everyone)
+        self._agreed = _Agreed(described, bindings, [b for *_, b in everyone], self.run_count)
+        return bindings, self._agreed.buffers
+
+    @property
+    def rank(self) -> int:
+        return self.communicator.rank
+
+    def _exchange(self, value: tuple, changed_alone: bool, described: list) -> list:
+        if not changed_alone:  # every rank exchanges at this run: the usual timeout
+            return self.communicator.all_gather_object(value)
+        try:
+            return self.communicator.input_check_exchange(value)
+        except RuntimeError as error:  # gloo's timeout, or a peer gone
+            raise InputChangeError(self._change_message(described, error)) from error
+
+    def _change_message(self, described: list, error: RuntimeError) -> str:
+        agreed = self._agreed
+        changes = [
+            f"input {position}: {_said(before)} -> {_said(now)}"
+            for position, (before, now) in enumerate(
+                zip(agreed.description, described, strict=True)
+            )
+            if before != now
+        ]
+        timeout = self.communicator.input_check_timeout_s
+        return (
+            f"rank {self.rank}: its inputs changed at run {self.run_count} of this fusion "
+            f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run "
+            f"{agreed.run}), and not every rank came to check its inputs within {timeout:g} s "
+            f"({error}). The other ranks' inputs did not change, so they went on into the "
+            "program's collectives, which this rank will not post with different extents: "
+            "this job cannot go on. Every rank's inputs must change at the same run; if "
+            "shapes change on some ranks only, run with check_inputs='always' on every rank; "
+            "if ranks may be more than the timeout apart, raise "
+            "Communicator(input_check_timeout_s=...)"
+        )
+
+    def _check(self, everyone: list) -> Bindings:
+        """Every rank's verdict on every rank's description: the same on every rank."""
+        if any(fingerprint != self.fingerprint for fingerprint, *_ in everyone):
+            # the ranks run different programs (rank 0 one executor, rank 1 another)
+            self.communicator.agree(None, "run", self.plan())
+        runs = [run for _, run, _, _ in everyone]
+        if len(set(runs)) > 1:
+            raise InputError(
+                f"the ranks are at different runs of this fusion ({_by_rank(runs)}): a rank "
+                "ran it without its peers (check_inputs='never' with inputs that changed, or "
+                "a run skipped on some ranks). Every rank must run it the same times"
+            )
+        for rank, (_, _, description, _) in enumerate(everyone):
+            if isinstance(description, str):
+                raise InputError(f"rank {rank}: {description}")
+        return check_local_inputs(self.fusion, [description for _, _, description, _ in everyone])
+
+
+def _said(entry: tuple | None) -> str:
+    if entry is None:
+        return "None"
+    shape, dtype = entry
+    return f"{list(shape)} {dtype.removeprefix('torch.')}"
+
+
+def _by_rank(values: list) -> str:
+    return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
 
 
 def addresses(local_inputs: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
@@ -61,6 +213,37 @@ def check_devices(local_inputs: Sequence[torch.Tensor], device: torch.device) ->
     """Every input is on ``device`` (a tensor on another device, or on ``meta``, is refused)."""
     for position, value in enumerate(local_inputs):
         _check_device(position, value, device)
+
+
+def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
+    """What ``rank`` can check of its own described inputs without its peers: present
+    where placed, dtype, rank and every static extent of its piece. Raises ``InputError``."""
+    for position, tensor in enumerate(fusion.inputs):
+        if rank not in tensor.mesh.ranks:
+            continue
+        where = InputAt(position, tensor)
+        entry = described[position]
+        if entry is None:
+            raise InputError(f"rank {rank}: {where} is on this rank but got None")
+        shape, dtype = entry
+        expected_dtype = str(tensor.dtype.torch_dtype)
+        if dtype != expected_dtype:
+            raise InputError(f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}")
+        if len(shape) != tensor.ndim:
+            raise InputError(
+                f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}"
+            )
+        if tensor.dtype.is_packed:
+            shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
+        layout = layout_of(tensor)
+        whole = [0 if isinstance(e, Symbol) else e for e in tensor.shape]
+        expected = local_shape(layout, rank, whole)
+        for dim, extent in enumerate(tensor.shape):
+            if not isinstance(extent, Symbol) and shape[dim] != expected[dim]:
+                raise InputError(
+                    f"rank {rank}: input {position} ({tensor}) placed {layout}: expected "
+                    f"{expected[dim]} along axis {dim} of its piece, got shape {list(shape)}"
+                )
 
 
 def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
