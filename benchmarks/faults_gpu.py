@@ -6,10 +6,11 @@ Each case starts a 2-rank job with ``overlap run --launcher L`` running this fil
 ``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1 fails, while rank 0
 goes on into its next run and waits in a collective for rank 1 (on NCCL it would wait
 forever): rank 1 either raises (``raise``), dies (``exit``: ``os._exit(3)``), passes a
-bad input (``bad_input``: a piece one row short, which it finds alone at once) or an
-input that changed alone (``changed_alone``: the tokens are a symbolic extent and rank
-1's piece is one row short, which only an exchange can judge: rank 1 learns within the
-input-check timeout that rank 0 is not coming to one). Every run checks its inputs as
+bad input (``bad_input``: a piece one row short) or an input that changed alone
+(``changed_alone``: the tokens are a symbolic extent and rank 1's piece is one row short,
+which only an exchange could judge): either way rank 1 learns within the input-check
+timeout that rank 0 is not coming to check its inputs, and raises (leading with what is
+wrong with its input, when it can tell alone). Every run checks its inputs as
 the default does (an exchange only when a rank's inputs change). The
 variants put rank 0's wait in a plain NCCL collective (``collectives``), in a CUDA-graph
 replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory barrier
@@ -43,7 +44,7 @@ SIZES = {"cuda": (8192, 4096, 8192), "cpu": (64, 32, 64)}  # tokens, hidden, ffn
 FAULT_MESSAGES = {
     "raise": "rank 1 fails on purpose",
     "exit": "rank 1 fails on purpose",
-    "bad_input": "InputError: rank 1: input 0",
+    "bad_input": "InputChangeError: rank 1: input 0",
     "changed_alone": "InputChangeError: rank 1: its inputs changed at run 6",
 }
 LAUNCHER_NAMES = {

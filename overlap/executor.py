@@ -35,6 +35,7 @@ from fusion.definition import FusionDefinition
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
+from overlap import roof
 from overlap.autograd import refusing_backward
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
@@ -218,9 +219,15 @@ class MultiDeviceExecutor:
         """Which rule placed each tensor (see ``sharding.explain``)."""
         return self.compiled.explain()
 
-    def explain_overlap(self) -> str:
-        """The planner's choices, with reasons and predicted times."""
-        return self.compiled.explain_overlap()
+    def explain_overlap(self, timeline: Timeline | None = None) -> str:
+        """The planner's choices, with reasons and predicted times; with the ``timeline``
+        of a run, what each pattern measured on this rank against its limit, and loudly
+        where a planned overlap did not happen (``overlap.roof``)."""
+        text = self.compiled.explain_overlap()
+        if timeline is None:
+            return text
+        meters = roof.measure(self.overlap, self.program, timeline.spans())
+        return f"{text}\n{roof.report(meters)}"
 
     def kernel_report(self) -> str:
         """Each generated kernel's scheduler and launch configuration (after a first run)."""

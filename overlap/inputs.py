@@ -12,12 +12,12 @@ The exchange is a host-side all-gather: too slow to pay on every call of a hot l
 ``InputCheck`` (one per executor) exchanges at the first run and then only when a rank's
 own description changes (``check_inputs="changes"``, the default): a rank whose inputs
 are as at the last agreed run reuses that run's extents without asking anyone. A rank
-whose inputs changed checks what it can alone first (dtypes, ranks, static extents: a
-bad input raises here at once), then exchanges on the communicator's input-check group,
-whose timeout is short (``Communicator.input_check_timeout_s``): peers whose inputs did
-not change are already in the program's collectives, so the rank raises
-``InputChangeError`` within that time instead of waiting with them. Its exit (fail-fast,
-``launch.failfast``) ends the job.
+whose inputs changed exchanges on the communicator's input-check group, whose timeout is
+short (``Communicator.input_check_timeout_s``): when every rank's inputs changed, every
+rank gets the same verdict at once; when its peers' did not, they are already in the
+program's collectives, and the rank raises ``InputChangeError`` within that time
+(leading with what it finds wrong with its inputs alone: dtype, rank, static extents)
+instead of waiting with them. Its exit (fail-fast, ``launch.failfast``) ends the job.
 """
 
 from __future__ import annotations
@@ -102,9 +102,6 @@ class InputCheck:
         if changed_alone:
             if (described, buffers) == (agreed.description, agreed.buffers[self.rank]):
                 return agreed.bindings, agreed.buffers
-            if isinstance(described, str):
-                raise InputError(f"rank {self.rank}: {described}")
-            check_own_inputs(self.fusion, self.rank, described)
         everyone = self._exchange((self.fingerprint, self.run_count, described, buffers),
                                   changed_alone, described)  # fmt: skip
         bindings = self._check(everyone)
@@ -115,33 +112,46 @@ class InputCheck:
     def rank(self) -> int:
         return self.communicator.rank
 
-    def _exchange(self, value: tuple, changed_alone: bool, described: list) -> list:
+    def _exchange(self, value: tuple, changed_alone: bool, described: list | str) -> list:
+        """Every rank's ``value``. A rank whose inputs changed since the last agreed run
+        exchanges on the short-timeout group; if its peers' did not change, it raises
+        ``InputChangeError``, leading with what it finds wrong alone, if anything."""
         if not changed_alone:  # every rank exchanges at this run: the usual timeout
             return self.communicator.all_gather_object(value)
         try:
             return self.communicator.input_check_exchange(value)
         except RuntimeError as error:  # gloo's timeout, or a peer gone
+            if not isinstance(described, str):
+                try:
+                    check_own_inputs(self.fusion, self.rank, described)
+                except InputError as own:
+                    described = str(own)
             raise InputChangeError(self._change_message(described, error)) from error
 
-    def _change_message(self, described: list, error: RuntimeError) -> str:
+    def _change_message(self, described: list | str, error: RuntimeError) -> str:
         agreed = self._agreed
-        changes = [
-            f"input {position}: {_said(before)} -> {_said(now)}"
-            for position, (before, now) in enumerate(
-                zip(agreed.description, described, strict=True)
-            )
-            if before != now
-        ]
         timeout = self.communicator.input_check_timeout_s
+        if isinstance(described, str):  # a bad input, found by this rank alone
+            what = f"{described}; found when its inputs changed at run {self.run_count}"
+        else:
+            changes = [
+                f"input {position}: {_said(before)} -> {_said(now)}"
+                for position, (before, now) in enumerate(
+                    zip(agreed.description, described, strict=True)
+                )
+                if before != now
+            ]
+            what = (
+                f"its inputs changed at run {self.run_count} of this fusion "
+                f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run {agreed.run})"
+            )
         return (
-            f"rank {self.rank}: its inputs changed at run {self.run_count} of this fusion "
-            f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run "
-            f"{agreed.run}), and not every rank came to check its inputs within {timeout:g} s "
-            f"({error}). The other ranks' inputs did not change, so they went on into the "
-            "program's collectives, which this rank will not post with different extents: "
-            "this job cannot go on. Every rank's inputs must change at the same run; if "
-            "shapes change on some ranks only, run with check_inputs='always' on every rank; "
-            "if ranks may be more than the timeout apart, raise "
+            f"rank {self.rank}: {what}, and not every rank came to check its inputs within "
+            f"{timeout:g} s ({error}). The other ranks' inputs did not change, so they went on "
+            "into the program's collectives, which this rank will not post with these "
+            "inputs: this job cannot go on. Every rank's inputs must change at the same run; "
+            "if shapes change on some ranks only, run with check_inputs='always' on every "
+            "rank; if ranks may be more than the timeout apart, raise "
             "Communicator(input_check_timeout_s=...)"
         )
 
@@ -217,22 +227,21 @@ def check_devices(local_inputs: Sequence[torch.Tensor], device: torch.device) ->
 
 def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
     """What ``rank`` can check of its own described inputs without its peers: present
-    where placed, dtype, rank and every static extent of its piece. Raises ``InputError``."""
+    where placed, dtype, rank and every static extent of its piece. Raises ``InputError``
+    (its message without the rank: the exchange that follows names it)."""
     for position, tensor in enumerate(fusion.inputs):
         if rank not in tensor.mesh.ranks:
             continue
         where = InputAt(position, tensor)
         entry = described[position]
         if entry is None:
-            raise InputError(f"rank {rank}: {where} is on this rank but got None")
+            raise InputError(f"{where} is on this rank but got None")
         shape, dtype = entry
         expected_dtype = str(tensor.dtype.torch_dtype)
         if dtype != expected_dtype:
-            raise InputError(f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}")
+            raise InputError(f"{where}: expected dtype {expected_dtype}, got {dtype}")
         if len(shape) != tensor.ndim:
-            raise InputError(
-                f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}"
-            )
+            raise InputError(f"{where}: expected rank {tensor.ndim}, got shape {shape}")
         if tensor.dtype.is_packed:
             shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
         layout = layout_of(tensor)
@@ -241,7 +250,7 @@ def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
         for dim, extent in enumerate(tensor.shape):
             if not isinstance(extent, Symbol) and shape[dim] != expected[dim]:
                 raise InputError(
-                    f"rank {rank}: input {position} ({tensor}) placed {layout}: expected "
+                    f"input {position} ({tensor}) placed {layout}: expected "
                     f"{expected[dim]} along axis {dim} of its piece, got shape {list(shape)}"
                 )
 

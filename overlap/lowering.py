@@ -4,16 +4,18 @@ Exprs outside any stream-parallel run become, in order, ``LaunchKernel``s
 (consecutive compute exprs on one mesh share one; a matmul or linear gets its
 own, on cuBLAS) and communications (``Allocate``, ``Communicate``, ``Wait``).
 
-Stream lowering: an expr whose output has a ``Stream`` axis runs chunk by
-chunk in a ``ForLoop``. Consecutive stream-parallel exprs over the same axis
-(same extent, same number of chunks) share one loop; any other expr between
-them ends the loop. The loop's outputs are allocated once, before it. The
-synchronizations with the user's stream are hoisted into a loop of their own
-before the work loop, so no iteration waits on another. In the work loop,
-iteration ``i`` makes stream ``i`` current, selects chunk ``i`` of every
-tensor it touches (``AliasSelect``; a reduction over another axis keeps its
-reduction axes), runs the exprs on the chunks, restores the user's stream and
-makes it wait for stream ``i``.
+Stream lowering: an expr whose output has a ``Stream`` axis runs chunk by chunk
+in a ``ForLoop``. Consecutive stream-parallel exprs over the same axis (same
+extent, same number of chunks) share one loop; any other expr between them ends
+the loop. A stream-parallel compute expr that reads nothing computed since the
+last loop of its kind is moved up into that loop (the up projection next to the
+gate projection, both fed by one gathered chunk). The loop's outputs are
+allocated once, before it. The synchronizations with the user's stream are
+hoisted into a loop of their own before the work loop, so no iteration waits on
+another. In the work loop, iteration ``i`` makes stream ``i`` current, selects
+chunk ``i`` of every tensor it touches (``AliasSelect``; a reduction over
+another axis keeps its reduction axes), runs the exprs on the chunks, restores
+the user's stream and makes it wait for stream ``i``.
 
 A communication next to a stream-parallel expr joins its loop along the
 matching axis: an all-gather feeding a linear is gathered chunk by chunk, each
@@ -112,9 +114,29 @@ def _loop_key(expr: Expr) -> tuple | None:
     return (axis.extent, _chunks(axis))
 
 
+def _pulled_into_loops(exprs: list[Expr]) -> list[Expr]:
+    """``exprs`` with each stream-parallel compute expr moved up to just after the last
+    expr of its loop key, when none of the exprs it would pass computes its inputs (they
+    cannot read its outputs: they came first)."""
+    order: list[Expr] = []
+    for expr in exprs:
+        key = _loop_key(expr)
+        if key is not None and not isinstance(expr, Communication):
+            last = next(
+                (i for i in range(len(order) - 1, -1, -1) if _loop_key(order[i]) == key), None
+            )
+            if last is not None and last < len(order) - 1:
+                passed = {t for e in order[last + 1 :] for t in e.outputs}
+                if not passed.intersection(expr.inputs):
+                    order.insert(last + 1, expr)
+                    continue
+        order.append(expr)
+    return order
+
+
 def _runs(exprs: list[Expr]) -> list[_Run]:
     runs: list[_Run] = []
-    for expr in exprs:
+    for expr in _pulled_into_loops(exprs):
         key = _loop_key(expr)
         looped = key is not None
         if (

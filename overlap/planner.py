@@ -3,7 +3,9 @@
 It finds the two patterns that pay most, in a resharded fusion:
 
 - ``allgather+matmul``: an all-gather along the rows feeding a matmul/linear
-  (sequence-parallel all-gather, then a column-parallel linear);
+  (sequence-parallel all-gather, then a column-parallel linear); every matmul that
+  reads the gathered rows (gate and up; Q, K and V) joins the pipeline, so each chunk
+  that lands feeds all of them before the next is waited for;
 - ``matmul+reduce_scatter``: a matmul/linear whose partial sum is
   reduce-scattered along its rows (row-parallel linear, then back to a
   sequence split).
@@ -89,7 +91,10 @@ class Candidate:
 class OverlapDecision:
     """The planner's choice for one pattern, with its reason and the alternatives.
 
-    ``row`` is the contraction output's axis that the chunks cut (its rows)."""
+    ``row`` is the contraction output's axis that the chunks cut (its rows). ``chunked``:
+    the other exprs that run chunk by chunk in the same loop, each with its output's
+    row axis (the matmuls of the gathered rows after the first).
+    ``shape``'s N counts every matmul of the loop."""
 
     pattern: Pattern
     communication: Communication
@@ -100,6 +105,7 @@ class OverlapDecision:
     chosen: Candidate
     reason: str
     candidates: list[Candidate] = field(default_factory=list)
+    chunked: tuple[tuple[Expr, int], ...] = ()
 
     @property
     def overlapped(self) -> bool:
@@ -107,10 +113,13 @@ class OverlapDecision:
 
     def __str__(self) -> str:
         m, k, n = self.shape
+        exprs = " + ".join(
+            f"{expr.op_name} {expr.outputs[0].name}"
+            for expr in (self.contraction, *(expr for expr, _ in self.chunked))
+        )
         lines = [
             f"{self.pattern} ({self.communication.op_name} {self.communication.output.name}, "
-            f"{self.contraction.op_name} {self.contraction.outputs[0].name}; "
-            f"M={m} K={k} N={n}, {self.team_size} ranks): {self.chosen.describe()}",
+            f"{exprs}; M={m} K={k} N={n}, {self.team_size} ranks): {self.chosen.describe()}",
             f"  reason: {self.reason}",
         ]
         for candidate in sorted(self.candidates, key=lambda c: c.predicted_ms):
@@ -165,26 +174,33 @@ def _row_axis(contraction: Expr, operand: TensorView, dim: int) -> int | None:
     return out_dim
 
 
-def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, int]]:
-    """``(pattern, communication, contraction, row axis of the contraction's output)``."""
+def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, int, tuple]]:
+    """``(pattern, communication, contraction, row axis of the contraction's output,
+    chunked)``: ``chunked`` the further exprs of the pipeline with their row axes."""
     found = []
     for expr in fusion.live_exprs():
         if not isinstance(expr, Communication) or expr.mesh_axis is None:
             continue
         if expr.kind is CommunicationKind.Allgather:
-            for consumer in expr.output.uses:
-                if isinstance(consumer, (MatmulOp, LinearOp)) and consumer.inputs[0] is expr.output:
-                    row = _row_axis(consumer, expr.output, expr.in_dim)
-                    if row is not None:
-                        found.append((Pattern.ALLGATHER_MATMUL, expr, consumer, row))
-                        break
+            readers = [
+                (consumer, row)
+                for consumer in expr.output.uses
+                if isinstance(consumer, (MatmulOp, LinearOp)) and consumer.inputs[0] is expr.output
+                for row in [_row_axis(consumer, expr.output, expr.in_dim)]
+                if row is not None
+            ]
+            if readers:
+                (first, row), *more = readers
+                found.append((Pattern.ALLGATHER_MATMUL, expr, first, row, tuple(more)))
         elif expr.kind is CommunicationKind.ReduceScatter:
+            # (sharding never places a pointwise op on partial sums: the reduce-scatter
+            # reads the contraction's output itself)
             producer = expr.inputs[0].definition
             if (
                 isinstance(producer, (MatmulOp, LinearOp))
                 and expr.out_dim < producer.output.ndim - 1
             ):
-                found.append((Pattern.MATMUL_REDUCE_SCATTER, expr, producer, expr.out_dim))
+                found.append((Pattern.MATMUL_REDUCE_SCATTER, expr, producer, expr.out_dim, ()))
     return found
 
 
@@ -234,28 +250,31 @@ def plan_overlap(
             f"{figures.name} has none. Use collective or ring"
         )
     decisions = []
-    for pattern, comm, contraction, row in find_patterns(fusion):
+    for pattern, comm, contraction, row, chunked in find_patterns(fusion):
         parts = comm.in_layout.mesh.shape[comm.mesh_axis]
         if parts < 2:
             continue
-        decision = _decide(pattern, comm, contraction, row, parts, figures, options, replayed)
+        decision = _decide(pattern, comm, contraction, row, chunked, parts, figures, options,
+                           replayed)  # fmt: skip
         if decision is not None:
             decisions.append(decision)
     return OverlapPlan(decisions)
 
 
-def _local_matmul_shape(pattern, comm, contraction, row) -> tuple[int, int, int] | None:
-    """``(M, K, N)`` of one rank's matmul, M the whole rows; None when not static."""
+def _local_matmul_shape(pattern, comm, contraction, row, chunked) -> tuple[int, int, int] | None:
+    """``(M, K, N)`` of one rank's matmuls in the loop (N summed over the gathered rows'
+    matmuls), M the whole rows; None when not static."""
     gathered = comm.output if pattern is Pattern.ALLGATHER_MATMUL else contraction.inputs[0]
     operand_shape = _static_local_shape(gathered)
-    out_shape = _static_local_shape(contraction.outputs[0])
-    if operand_shape is None or out_shape is None:
+    matmuls = [contraction, *(e for e, _ in chunked if isinstance(e, (MatmulOp, LinearOp)))]
+    out_shapes = [_static_local_shape(matmul.outputs[0]) for matmul in matmuls]
+    if operand_shape is None or None in out_shapes:
         return None
-    return out_shape[row], operand_shape[-1], out_shape[-1]
+    return out_shapes[0][row], operand_shape[-1], sum(shape[-1] for shape in out_shapes)
 
 
-def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
-    shape = _local_matmul_shape(pattern, comm, contraction, row)
+def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, replayed):
+    shape = _local_matmul_shape(pattern, comm, contraction, row, chunked)
     if shape is None:
         if not (options.num_chunks and options.transport and options.overlap is not False):
             return None  # no static shapes, nothing forced: leave it whole
@@ -265,7 +284,7 @@ def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
         )  # fmt: skip
         reason = "symbolic extents: the cost model needs static shapes; as forced"
         return OverlapDecision(pattern, comm, contraction, row, (0, 0, 0), parts, chosen,
-                               reason, [chosen])  # fmt: skip
+                               reason, [chosen], chunked)  # fmt: skip
     bits = comm.output.dtype.bits
     candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed)
     best = min(candidates, key=lambda c: c.predicted_ms)
@@ -289,4 +308,5 @@ def _decide(pattern, comm, contraction, row, parts, figures, options, replayed):
     forced = [name for name, value in vars(options).items() if value is not None]
     if forced:
         reason += f" (forced: {', '.join(forced)})"
-    return OverlapDecision(pattern, comm, contraction, row, shape, parts, best, reason, candidates)
+    return OverlapDecision(pattern, comm, contraction, row, shape, parts, best, reason, candidates,
+                           chunked)  # fmt: skip

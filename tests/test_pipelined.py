@@ -14,6 +14,7 @@ from distributed import RankError
 from fusion import FusionDefinition
 from fusion.testing import assert_close
 from overlap.executor import MultiDeviceExecutor
+from overlap.host_ir import Communicate, ForLoop, LaunchKernel
 from overlap.planner import OverlapOptions
 from sharding import DeviceMesh, Shard, ShardingError, shard
 
@@ -115,3 +116,95 @@ def test_the_copy_engine_transport_is_refused_on_cpu_before_any_communication(ra
     with pytest.raises(RankError) as failure:
         rank_pools(2).run(copy_engine_on_cpu, timeout=60)
     assert all("needs CUDA" in m for m in failure.value.messages().values())
+
+
+# ---------------------------------------------------------------------------
+# A sequence-parallel SwiGLU block: one gathered tensor feeds two matmuls
+
+
+def _swiglu_block(world: int, tokens: int) -> FusionDefinition:
+    """RMSNorm, all-gather, gate and up (column-parallel), silu(gate) * up, down
+    (row-parallel), reduce-scatter, residual."""
+    mesh = DeviceMesh(world)
+    hidden, ffn = 12, 8 * world
+    with FusionDefinition("swiglu_block") as fd:
+        x = fd.define_tensor([tokens, hidden])
+        gamma = fd.define_tensor([hidden])
+        w_gate = fd.define_tensor([ffn, hidden])
+        w_up = fd.define_tensor([ffn, hidden])
+        w_down = fd.define_tensor([hidden, ffn])
+        mean_square = fd.ops.mean(x * x, dims=[1], keepdim=True)
+        normed = x * fd.ops.rsqrt(mean_square + 1e-6) * fd.ops.broadcast(gamma, [True, False])
+        gate = fd.ops.linear(normed, w_gate)
+        up = fd.ops.linear(normed, w_up)
+        out = fd.ops.linear(fd.ops.silu(gate) * up, w_down) + x
+        fd.add_output(out)
+    shard(x, mesh, [Shard(0)])
+    shard(w_gate, mesh, [Shard(0)])
+    shard(w_up, mesh, [Shard(0)])
+    shard(w_down, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    return fd
+
+
+def _loops(program) -> list[list[str]]:
+    """Each work loop of ``program``: its communications and kernels, by kind."""
+    return [
+        [
+            inst.communication.kind.name if isinstance(inst, Communicate) else inst.backend
+            for inst in loop.body
+            if isinstance(inst, (Communicate, LaunchKernel))
+        ]
+        for loop in program.instructions
+        if isinstance(loop, ForLoop) and any(isinstance(i, LaunchKernel) for i in loop.body)
+    ]
+
+
+def pipelined_swiglu(communicator, tokens: int, chunks: int, transport: str, kernels: str):
+    world = communicator.world_size
+    fd = _swiglu_block(world, tokens)
+    options = OverlapOptions(overlap=True, num_chunks=chunks, transport=transport)
+    executor = MultiDeviceExecutor(fd, communicator, options, kernels=kernels)
+    generator = torch.Generator().manual_seed(23)
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    full[2:] = [w / w.shape[1] ** 0.5 for w in full[2:]]
+    expected = executor.shard_outputs(fd.execute(full))
+    for _ in range(2):
+        (out,) = executor.run(executor.shard_inputs(full))
+        assert_close(out, expected[0], reduction_extent=8 * world,
+                     message=f"rank {communicator.rank}")  # fmt: skip
+    gathered, scattered = executor.overlap
+    readers = [gathered.contraction, *(expr for expr, _ in gathered.chunked)]
+    return (
+        [expr.op_name for expr in readers],
+        gathered.shape[2],
+        scattered.chunked,
+        _loops(executor.program),
+        str(gathered).splitlines()[0],
+    )
+
+
+@pytest.mark.parametrize("kernels", ["reference", "generated"])
+@pytest.mark.parametrize(
+    ("tokens", "per_rank", "transport"),
+    [(16, 1, "collective"), (13, 2, "collective"), (13, 1, "ring")],
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_gate_and_up_projections_share_each_gathered_chunk(
+    rank_pools, world, tokens, per_rank, transport, kernels
+):
+    """Both matmuls of the gathered rows run in the all-gather's loop (each chunk feeds
+    gate and up before the next is waited for), planned as one matmul of both widths;
+    the down projection reduce-scatters in its own loop. Every rank's output is the
+    reference's."""
+    chunks = per_rank * world
+    results = rank_pools(world).run(pipelined_swiglu, tokens, chunks, transport, kernels)
+    for readers, width, scattered, loops, line in results:
+        assert readers == ["linear", "linear"]
+        assert width == 2 * 8  # N: gate's and up's columns on a rank, 8 each
+        assert scattered == ()
+        assert loops == [
+            ["Allgather", "cublas", "cublas"] if transport == "ring" else ["cublas", "cublas"],
+            ["cublas", "ReduceScatter"],
+        ], loops
+        assert "linear T" in line and " + linear T" in line, line

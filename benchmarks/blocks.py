@@ -1,0 +1,427 @@
+"""Whole tensor-parallel blocks: what a user gets by default, against the limit and PyTorch.
+
+Run on every GPU of one host (one process each):
+
+    torchrun --nproc-per-node 2 benchmarks/blocks.py
+
+Two sequence-parallel blocks (tokens split over the ranks, bf16), built with the public
+API as a user writes them:
+
+- ``mlp``: RMSNorm, all-gather, gate and up projections (column-parallel),
+  silu(gate) * up, down projection (row-parallel), back to token pieces, + the residual;
+- ``attention``: RMSNorm, all-gather, Q, K and V projections (column-parallel; 8 KV
+  heads), the output projection (row-parallel) of Q standing in for the attention's
+  output (the attention kernel itself is not ours to time here), back to token pieces,
+  + the residual; K and V are outputs too (column pieces, as a KV cache keeps them).
+
+Variants, timed side by side (interleaved rounds, each the median of its rounds, every
+figure the slowest rank's):
+
+- ``default``: ``MultiDeviceExecutor(fd, communicator)`` and ``run(local)``, nothing set:
+  what a user gets;
+- ``graph``: the same with ``cuda_graph=True`` (CUDA only);
+- ``forced``: the fastest of the planner's forced choices (each transport, one and two
+  chunks a rank), named in the row;
+- ``sequential``: ours with ``OverlapOptions(overlap=False)``;
+- ``eager``: PyTorch eager, NCCL collectives and cuBLAS one after the other;
+- ``symm_mem``: ``torch.ops.symm_mem.fused_all_gather_matmul`` (every projection of the
+  gathered rows at once) and ``fused_matmul_reduce_scatter`` (CUDA only);
+- ``compile_async_tp``: the eager block under ``torch.compile`` with inductor's
+  ``_micro_pipeline_tp`` over functional collectives (CUDA only).
+
+The limit T* = max(t_compute, t_comm + t_compute / P): t_compute the block's kernels
+(norm, matmuls, pointwise) timed alone on local shapes, t_comm the all-gather and the
+reduce-scatter alone. Every variant's output on every rank is checked against the
+single-device reference (the fusion evaluated on the whole inputs, cut to the rank's
+piece) before anything is timed. Figures go to ``benchmarks/results/blocks.json``.
+
+``--smoke`` runs tiny shapes on CPU processes with gloo (the reference evaluator, no
+CUDA-only variant): a check of this script, no figures worth keeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ag_matmul import Timer, slowest  # noqa: E402
+from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
+from fusion import FusionDefinition  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.communicator import Communicator  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap.planner import OverlapOptions  # noqa: E402
+from overlap.timeline import Timeline  # noqa: E402
+from sharding import DeviceMesh, Shard, shard  # noqa: E402
+
+# (tokens, hidden, ffn); the attention block takes tokens and hidden, 8 KV heads of 128
+SHAPES = [(8192, 8192, 28672), (16384, 4096, 14336), (2048, 4096, 14336)]
+SMOKE_SHAPES = [(64, 32, 64), (36, 16, 24)]
+KV_HEADS, HEAD_DIM, SMOKE_HEAD_DIM = 8, 128, 2
+EPS = 1e-6
+
+
+# -- the blocks, as fusions ------------------------------------------------------------
+
+
+def _rmsnorm(fd, x, gamma):
+    x32 = fd.ops.cast(x, "float32")
+    mean_square = fd.ops.mean(x32 * x32, dims=[1], keepdim=True)
+    scale = fd.ops.broadcast(fd.ops.cast(gamma, "float32"), [True, False])
+    return x32, fd.ops.cast(x32 * fd.ops.rsqrt(mean_square + EPS) * scale, "bfloat16")
+
+
+def _residual(fd, projected, x32):
+    return fd.ops.cast(fd.ops.cast(projected, "float32") + x32, "bfloat16")
+
+
+def build_mlp(tokens: int, hidden: int, ffn: int, world: int) -> FusionDefinition:
+    mesh = DeviceMesh(world)
+    with FusionDefinition("sp_swiglu_mlp") as fd:
+        x = fd.define_tensor([tokens, hidden], "bfloat16")
+        gamma = fd.define_tensor([hidden], "bfloat16")
+        w_gate = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_up = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_down = fd.define_tensor([hidden, ffn], "bfloat16")
+        x32, normed = _rmsnorm(fd, x, gamma)
+        gate = fd.ops.cast(fd.ops.linear(normed, w_gate), "float32")
+        up = fd.ops.cast(fd.ops.linear(normed, w_up), "float32")
+        down = fd.ops.linear(fd.ops.cast(fd.ops.silu(gate) * up, "bfloat16"), w_down)
+        out = _residual(fd, down, x32)
+        fd.add_output(out)
+    shard(x, mesh, [Shard(0)])
+    shard(w_gate, mesh, [Shard(0)])
+    shard(w_up, mesh, [Shard(0)])
+    shard(w_down, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    return fd
+
+
+def build_attention(tokens: int, hidden: int, kv: int, world: int) -> FusionDefinition:
+    mesh = DeviceMesh(world)
+    with FusionDefinition("sp_attention_projections") as fd:
+        x = fd.define_tensor([tokens, hidden], "bfloat16")
+        gamma = fd.define_tensor([hidden], "bfloat16")
+        w_q = fd.define_tensor([hidden, hidden], "bfloat16")
+        w_k = fd.define_tensor([kv, hidden], "bfloat16")
+        w_v = fd.define_tensor([kv, hidden], "bfloat16")
+        w_o = fd.define_tensor([hidden, hidden], "bfloat16")
+        x32, normed = _rmsnorm(fd, x, gamma)
+        q = fd.ops.linear(normed, w_q)
+        k = fd.ops.linear(normed, w_k)
+        v = fd.ops.linear(normed, w_v)
+        out = _residual(fd, fd.ops.linear(q, w_o), x32)
+        for output in (out, k, v):
+            fd.add_output(output)
+    shard(x, mesh, [Shard(0)])
+    for weight in (w_q, w_k, w_v):
+        shard(weight, mesh, [Shard(0)])
+    shard(w_o, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    shard(k, mesh, [Shard(1)])
+    shard(v, mesh, [Shard(1)])
+    return fd
+
+
+def whole_inputs(fd: FusionDefinition, device: torch.device) -> list[torch.Tensor]:
+    """The same whole inputs on every rank; weights scaled as a model initializes them."""
+    generator = torch.Generator().manual_seed(0)
+    values = []
+    for tensor in fd.fusion.inputs:
+        value = torch.randn([int(e) for e in tensor.shape], generator=generator)
+        if tensor.ndim == 2 and values:  # a weight [out, in]
+            value = value / value.shape[1] ** 0.5
+        values.append(value.to(device, torch.bfloat16))
+    return values
+
+
+# -- PyTorch's versions of the blocks ----------------------------------------------------
+
+
+def _eager_norm(x: torch.Tensor, gamma: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x32 = x.float()
+    normed = x32 * torch.rsqrt((x32 * x32).mean(-1, keepdim=True) + EPS) * gamma.float()
+    return x32, normed.bfloat16()
+
+
+def torch_block(block: str, project_gathered, project_scattered):
+    """The block in PyTorch, from its communication and matmul steps:
+    ``project_gathered(normed, weights)`` gathers and applies the column-parallel
+    weights, ``project_scattered(h, w)`` applies the row-parallel one and scatters."""
+
+    def mlp(x, gamma, w_gate, w_up, w_down):
+        x32, normed = _eager_norm(x, gamma)
+        gate, up = project_gathered(normed, [w_gate, w_up])
+        h = (torch.nn.functional.silu(gate.float()) * up.float()).bfloat16()
+        return [(project_scattered(h, w_down).float() + x32).bfloat16()]
+
+    def attention(x, gamma, w_q, w_k, w_v, w_o):
+        x32, normed = _eager_norm(x, gamma)
+        q, k, v = project_gathered(normed, [w_q, w_k, w_v])
+        return [(project_scattered(q, w_o).float() + x32).bfloat16(), k, v]
+
+    return mlp if block == "mlp" else attention
+
+
+# torch 2.13 renames the tensor collectives; 2.11 (the GPU machines) has the old names only
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def eager_block(block: str, world: int):
+    """NCCL (or gloo) collectives and matmuls one after the other."""
+
+    def project_gathered(normed, weights):
+        gathered = normed.new_empty((normed.shape[0] * world, normed.shape[1]))
+        _all_gather(gathered, normed)
+        return [gathered @ w.t() for w in weights]
+
+    def project_scattered(h, w):
+        partial = h @ w.t()
+        out = partial.new_empty((partial.shape[0] // world, partial.shape[1]))
+        _reduce_scatter(out, partial)
+        return out
+
+    return torch_block(block, project_gathered, project_scattered)
+
+
+def symm_mem_block(block: str):
+    """``torch.ops.symm_mem``'s fused all-gather+matmul and matmul+reduce-scatter."""
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    group_name = dist.group.WORLD.group_name
+    enable_symm_mem_for_group(group_name)
+
+    def project_gathered(normed, weights):
+        _, outputs = torch.ops.symm_mem.fused_all_gather_matmul(
+            normed, [w.t() for w in weights], gather_dim=0, group_name=group_name
+        )
+        return outputs
+
+    def project_scattered(h, w):
+        return torch.ops.symm_mem.fused_matmul_reduce_scatter(
+            h, w.t(), "sum", scatter_dim=0, group_name=group_name
+        )
+
+    return torch_block(block, project_gathered, project_scattered)
+
+
+def compiled_async_tp_block(block: str):
+    """The block over functional collectives, compiled with inductor's micro-pipelined
+    tensor parallelism (its all-gather+matmul and matmul+reduce-scatter fusions)."""
+    import torch._inductor.config as inductor_config
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+    group = dist.group.WORLD
+    enable_symm_mem_for_group(group.group_name)
+    inductor_config._micro_pipeline_tp = True
+
+    def project_gathered(normed, weights):
+        gathered = funcol.all_gather_tensor(normed, 0, group)
+        return [torch.mm(gathered, w.t()) for w in weights]
+
+    def project_scattered(h, w):
+        return funcol.reduce_scatter_tensor(torch.mm(h, w.t()), "sum", 0, group)
+
+    return torch.compile(torch_block(block, project_gathered, project_scattered))
+
+
+def parts_alone(block: str, local: list[torch.Tensor], world: int) -> dict:
+    """The block's compute (no communication) and its two communications, alone, on
+    this rank's shapes: for the limit T*."""
+    x, gamma, weights = local[0], local[1], local[2:]
+    gathered_normed = x.new_empty((x.shape[0] * world, x.shape[1])).normal_()
+
+    def compute():
+        x32, _ = _eager_norm(x, gamma)
+        outs = [gathered_normed @ w.t() for w in weights[:-1]]
+        if block == "mlp":
+            h = (torch.nn.functional.silu(outs[0].float()) * outs[1].float()).bfloat16()
+        else:
+            h = outs[0]
+        partial = h @ weights[-1].t()
+        return (partial[: x.shape[0]].float() + x32).bfloat16()
+
+    normed_piece = x.clone()
+    partial_sum = x.new_empty((x.shape[0] * world, x.shape[1])).normal_()
+    scattered = x.new_empty(x.shape)
+
+    def communication():
+        _all_gather(gathered_normed, normed_piece)
+        _reduce_scatter(scattered, partial_sum)
+
+    return {"t_compute": compute, "t_comm": communication}
+
+
+# -- the run -------------------------------------------------------------------------
+
+
+def run_block(communicator, figures, block: str, shape, args) -> dict:
+    world, device = communicator.world_size, communicator.device
+    cuda = device.type == "cuda"
+    tokens, hidden, ffn = shape
+    if block == "mlp":
+        fd = build_mlp(tokens, hidden, ffn, world)
+    else:
+        kv = KV_HEADS * (SMOKE_HEAD_DIM if args.smoke else HEAD_DIM)
+        fd = build_attention(tokens, hidden, kv, world)
+    full = whole_inputs(fd, device)
+    default = MultiDeviceExecutor(fd, communicator)
+    expected = default.shard_outputs(fd.execute(full))
+    local = default.shard_inputs(full)
+    del full
+    ours = {"default": default,
+            "sequential": MultiDeviceExecutor(fd, communicator, OverlapOptions(overlap=False),
+                                              figures)}  # fmt: skip
+    if cuda:
+        ours["graph"] = MultiDeviceExecutor(fd, communicator, cuda_graph=True)
+    transports = ("copy_engine", "collective", "ring") if cuda else ("collective", "ring")
+    for transport in transports:
+        for per_rank in (1, 2):
+            if transport == "ring" and per_rank > 1:
+                continue
+            options = OverlapOptions(num_chunks=per_rank * world, transport=transport)
+            name = f"forced[{transport},{per_rank * world}]"
+            ours[name] = MultiDeviceExecutor(fd, communicator, options, figures)
+    peers = {"eager": eager_block(block, world)}
+    if cuda:
+        peers["symm_mem"] = symm_mem_block(block)
+        peers["compile_async_tp"] = compiled_async_tp_block(block)
+    calls = {name: (lambda e=executor: e.run(local)) for name, executor in ours.items()}
+    failed = {}
+    for name, peer in peers.items():
+        calls[name] = lambda p=peer: p(*local)
+    reduction = ffn if block == "mlp" else hidden
+    for name, call in list(calls.items()):
+        try:
+            for _ in range(3):  # warm-up (and graph capture) before the check
+                outputs = call()
+            for position, (actual, wanted) in enumerate(zip(outputs, expected, strict=True)):
+                assert_close(actual, wanted, reduction_extent=reduction, partial_sums=world,
+                             message=f"{block} {name} rank {communicator.rank} "
+                                     f"output {position}")  # fmt: skip
+        except Exception as error:  # a peer PyTorch cannot build here is reported, not timed
+            if name in ours:
+                raise
+            failed[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            del calls[name]
+    failures = [None] * world
+    dist.all_gather_object(failures, sorted(failed))
+    for name in {n for f in failures for n in f}:  # a peer left out on any rank: on all
+        calls.pop(name, None)
+    calls.update(parts_alone(block, local, world))
+    timer = Timer(device, args.iterations)
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            timer.time(name, call)
+    times = slowest(timer.medians(), device)
+    t_star = max(times["t_compute"], times["t_comm"] + times["t_compute"] / world)
+    forced = min((n for n in times if n.startswith("forced")), key=times.get)
+    timeline = Timeline(device)
+    default.run(local, timeline=timeline)
+    row = {
+        "block": block, "tokens": tokens, "hidden": hidden,
+        "ffn": ffn if block == "mlp" else None, "world": world,
+        "t_compute_ms": times["t_compute"], "t_comm_ms": times["t_comm"], "t_star_ms": t_star,
+        "default_ms": times["default"], "graph_ms": times.get("graph"),
+        "forced_best_ms": times[forced], "forced_best": forced,
+        "sequential_ms": times["sequential"], "eager_ms": times["eager"],
+        "symm_mem_ms": times.get("symm_mem"), "compile_async_tp_ms": times.get("compile_async_tp"),
+        "default_over_t_star": times["default"] / t_star,
+        "forced_ms": {n: times[n] for n in times if n.startswith("forced")},
+        "peers_left_out": failed,
+        "communications": [str(c) for c in default.communications],
+        "plan_and_roof_meter_rank": default.explain_overlap(timeline),
+        "checked_every_rank": True,
+    }  # fmt: skip
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    columns = ["default", "graph", "forced_best", "sequential", "eager", "symm_mem",
+               "compile_async_tp", "t_star"]  # fmt: skip
+    names = " ".join(f"{c[:12]:>12}" for c in columns)
+    print(f"\n{'block':<10} {'tokens,hidden,ffn':<20} {names} {'default/T*':>10}  best forced")
+    for row in rows:
+        shape = f"{row['tokens']},{row['hidden']},{row['ffn'] or '-'}"
+        cells = []
+        for column in columns:
+            value = row.get(f"{column}_ms")
+            cells.append(f"{value:12.3f}" if value is not None else f"{'-':>12}")
+        print(f"{row['block']:<10} {shape:<20} " + " ".join(cells)
+              + f" {row['default_over_t_star']:10.2f}  {row['forced_best']}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo)")
+    parser.add_argument("--blocks", default="mlp,attention")
+    parser.add_argument("--shapes", help="tokens,hidden,ffn;... (default: the issue's three)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "blocks.json"))
+    args = parser.parse_args()
+    if args.smoke:
+        dist.init_process_group("gloo")
+        communicator = Communicator("cpu")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        communicator = Communicator()
+    figures = measure_hardware_figures(communicator)
+    rows = []
+    shapes = SMOKE_SHAPES if args.smoke else SHAPES
+    if args.shapes:
+        shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")]
+    for shape in shapes:
+        for block in args.blocks.split(","):
+            rows.append(run_block(communicator, figures, block, shape, args))
+            if communicator.rank == 0:
+                print(f"[{block} {shape}] default {rows[-1]['default_ms']:.3f} ms, "
+                      f"T* {rows[-1]['t_star_ms']:.3f} ms", flush=True)  # fmt: skip
+    if communicator.rank == 0:
+        print_table(rows)
+        write_results(args.out, rows, communicator)
+    dist.barrier()
+    if not args.smoke:
+        # Tearing down symmetric memory and captured graphs at exit has hung torch 2.11
+        # (benchmarks/ag_matmul.py): the results are written, so leave without it.
+        sys.stdout.flush()
+        os._exit(0)
+    dist.destroy_process_group()
+
+
+def write_results(path: str, rows: list[dict], communicator) -> None:
+    from benchmarks.kernels import commit_id
+
+    cuda = communicator.device.type == "cuda"
+    result = {
+        "device": f"{communicator.world_size}x "
+        + (torch.cuda.get_device_name() if cuda else "cpu (gloo)"),
+        "date": datetime.date.today().isoformat(),
+        "commit": commit_id(),
+        "command": " ".join(
+            ["torchrun --nproc-per-node", str(communicator.world_size), *sys.argv]
+        ),  # fmt: skip
+        "torch": torch.__version__,
+        "rows": rows,
+    }
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
