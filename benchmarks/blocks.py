@@ -19,6 +19,8 @@ figure the slowest rank's):
 
 - ``default``: ``MultiDeviceExecutor(fd, communicator)`` and ``run(local)``, nothing set:
   what a user gets;
+- ``no_check``: the same executor run with ``check_inputs="never"`` (the default must
+  cost within 3 % of it: it exchanges nothing on a run whose inputs are as before);
 - ``graph``: the same with ``cuda_graph=True`` (CUDA only);
 - ``forced``: the fastest of the planner's forced choices (each transport, one and two
   chunks a rank), named in the row;
@@ -299,6 +301,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         peers["symm_mem"] = symm_mem_block(block)
         peers["compile_async_tp"] = compiled_async_tp_block(block)
     calls = {name: (lambda e=executor: e.run(local)) for name, executor in ours.items()}
+    calls["no_check"] = lambda: default.run(local, check_inputs="never")
     failed = {}
     for name, peer in peers.items():
         calls[name] = lambda p=peer: p(*local)
@@ -334,7 +337,8 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         "block": block, "tokens": tokens, "hidden": hidden,
         "ffn": ffn if block == "mlp" else None, "world": world,
         "t_compute_ms": times["t_compute"], "t_comm_ms": times["t_comm"], "t_star_ms": t_star,
-        "default_ms": times["default"], "graph_ms": times.get("graph"),
+        "default_ms": times["default"], "no_check_ms": times["no_check"],
+        "graph_ms": times.get("graph"),
         "forced_best_ms": times[forced], "forced_best": forced,
         "sequential_ms": times["sequential"], "eager_ms": times["eager"],
         "symm_mem_ms": times.get("symm_mem"), "compile_async_tp_ms": times.get("compile_async_tp"),
@@ -349,7 +353,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    columns = ["default", "graph", "forced_best", "sequential", "eager", "symm_mem",
+    columns = ["default", "no_check", "graph", "forced_best", "sequential", "eager", "symm_mem",
                "compile_async_tp", "t_star"]  # fmt: skip
     names = " ".join(f"{c[:12]:>12}" for c in columns)
     print(f"\n{'block':<10} {'tokens,hidden,ffn':<20} {names} {'default/T*':>10}  best forced")

@@ -271,9 +271,14 @@ class Fusion:
         return axis
 
     def new_tensor(self, dtype: DataType, axes: list[Axis]) -> TensorView:
-        tensor = TensorView(self, len(self.tensors), dtype, axes)
+        # one past the largest id: a pass that removed a tensor leaves no id to reuse
+        tensor = TensorView(self, self.next_tensor_id(), dtype, axes)
         self.tensors.append(tensor)
         return tensor
+
+    def next_tensor_id(self) -> int:
+        """The id the next new tensor gets (names ``T<id>`` stay unique)."""
+        return max((t.id for t in self.tensors), default=-1) + 1
 
     def symbol(self, name: str | None = None) -> Symbol:
         """The symbol ``name`` (created on first use); a fresh ``s<k>`` when ``name`` is None."""

@@ -162,7 +162,7 @@ class _Lowering:
         self.program = HostProgram(fusion)
         self.scratch = Fusion("chunks")
         self.scratch.finalized = True
-        self.next_tensor_id = len(fusion.tensors)
+        self.next_tensor_id = fusion.next_tensor_id()
         self.kernels = 0
         self.communications = 0
         self.saved_user_stream = False

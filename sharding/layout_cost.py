@@ -5,7 +5,10 @@ The counts follow the communications ``sharding.redistribute`` inserts, one mesh
 at a time, per rank, over ``n`` ranks along the axis, for a piece of ``b`` bits:
 all-gather and reduce-scatter move ``b (n-1)/n``, an all-reduce twice that, an
 all-to-all ``b (n-1)/n^2`` (each rank keeps one ``n``-th of what it holds), a local
-split nothing; between two meshes the whole tensor moves. Symbolic extents count as
+split nothing; between two meshes the whole tensor moves. Each communication also
+counts ``COLLECTIVE_BITS``: where layouts move about as many bits, the one with fewer
+collectives wins (each has a fixed latency; a mean over a split axis all-reduces its
+few values rather than reduce-scattering and gathering them). Symbolic extents count as
 1024. These are the figures propagation's choices are compared by (``choose_layouts``)
 and the resharding pass picks what each expr produces by.
 """
@@ -29,6 +32,8 @@ UNREACHABLE = float("inf")
 # of some 250 multiply-adds. Layouts that make every rank repeat a whole matmul (to
 # save gathering its small result) pay for it.
 FLOPS_PER_BIT = 250.0
+# A tie-break, not a latency model: small against any tensor worth moving
+COLLECTIVE_BITS = 64.0
 
 
 def _count(extents) -> int:
@@ -41,7 +46,7 @@ def moved_bits(tensor: TensorView, before: Layout, after: Layout) -> float:
         return 0.0
     size = tensor.dtype.size_bits(_count(tensor.shape))
     if before.mesh != after.mesh:
-        return float(size)
+        return float(size) + COLLECTIVE_BITS
     mesh = before.mesh
     total = 0.0
     for axis, (old, new) in enumerate(zip(before.placements, after.placements, strict=True)):
@@ -65,6 +70,7 @@ def moved_bits(tensor: TensorView, before: Layout, after: Layout) -> float:
             total += piece * share
         else:
             total += piece * share / ranks
+        total += COLLECTIVE_BITS
     return total
 
 

@@ -11,52 +11,22 @@ moves that to the output's layout. Fusion outputs are never left partial.
 Redistribution (``sharding.redistribute``) then turns the copies into
 communications.
 
-A row-parallel linear with a bias is first split into a linear and an add, so
-the bias is added once, after the partial sums are combined.
+Before that, rewrites let ranks combine partial results (``sharding.decompose``): a
+row-parallel linear's bias is added once, after the partial sums are combined; a mean
+or variance over a split axis becomes sums, combined across ranks.
 """
 
 from __future__ import annotations
 
-from fusion import ops
-from fusion.exprs import Expr, LinearOp, SetOp
+from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, ParallelType, TensorView
 from sharding.choose_layouts import choose_layouts
+from sharding.decompose import decompose_partial_linear_bias, decompose_split_means
 from sharding.errors import ShardingError
 from sharding.layout import Layout, layout_of, placed_like
 from sharding.layout_cost import expr_cost
 from sharding.propagation import Decision, propagate_shardings
 from sharding.redistribute import redistribute
-
-# ---------------------------------------------------------------------------
-# Row-parallel linear with bias
-
-
-def decompose_partial_linear_bias(fusion: Fusion) -> bool:
-    """Rewrite ``linear(x, w, b)`` whose output is partial as ``linear(x, w) + b``.
-
-    Returns whether anything changed (the layouts of the rewritten part must then be
-    propagated again).
-    """
-    changed = False
-    for expr in list(fusion.exprs):
-        if not (isinstance(expr, LinearOp) and expr.has_bias):
-            continue
-        out = expr.output
-        layout = layout_of(out)
-        if layout is None or not layout.is_partial:
-            continue
-        x, weight, bias = expr.inputs
-        with fusion.editing():
-            product = ops.linear(x, weight)
-            row = ops.broadcast(bias, [True] * (out.ndim - 1) + [False])
-            total = ops.add(product, row)
-        fusion.move_before(fusion.exprs[-3:], expr)
-        fusion.remove_expr(expr)
-        fusion.redirect_output(total.definition, total, out)
-        fusion.tensors.remove(total)
-        changed = True
-    return changed
-
 
 # ---------------------------------------------------------------------------
 # Inserting copies where layouts disagree
@@ -140,7 +110,7 @@ def shard_fusion(fusion: Fusion) -> tuple[Fusion, dict[TensorView, Decision]]:
     sharded = fusion.clone()
     annotated = {t for t in sharded.tensors if t.mesh is not None}
     decisions = propagate_shardings(sharded)
-    if decompose_partial_linear_bias(sharded):
+    if decompose_partial_linear_bias(sharded) | decompose_split_means(sharded):
         for tensor in sharded.tensors:
             if tensor not in annotated:
                 tensor.mesh = None

@@ -468,6 +468,42 @@ def test_ranks_with_empty_pieces_compute_the_identity_and_stay_right(
 
 
 # ---------------------------------------------------------------------------
+# Reductions over an axis split across ranks: each rank reduces its piece and the
+# ranks combine the results (a mean as a sum, a variance in two passes)
+
+
+def split_axis_reduction(
+    communicator, seed: int, op: str, columns: int, dtype: str, kernels: str = "reference"
+) -> list[str]:
+    with FusionDefinition("split_reduction") as fd:
+        x = fd.define_tensor([5, columns], dtype)
+        if op == "var_mean":
+            for output in fd.ops.var_mean(x, dims=[1], correction=1):
+                fd.add_output(output)
+        else:
+            fd.add_output(getattr(fd.ops, op)(x, dims=[1]))
+    shard(x, DeviceMesh(communicator.world_size), [Shard(1)])
+    # off-centre values: a one-pass variance (sum of squares minus squared sum) would
+    # lose digits here; the two-pass one does not
+    (value,) = _inputs(seed, [[5, columns]], device=communicator.device)
+    value = (value + 100.0).to(getattr(torch, dtype))
+    return _check(communicator, fd, [value], reduction_extent=columns, kernels=kernels)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("columns", [16, 19, 32, 35])
+@pytest.mark.parametrize("op", ["sum", "max", "mean", "var_mean"])
+@pytest.mark.parametrize("world", WORLD_SIZES)
+def test_a_reduction_over_a_split_axis_combines_each_rank_result(
+    rank_pools, world, op, columns, dtype, kernels
+):
+    results = rank_pools(world).run(split_axis_reduction, 25, op, columns, dtype, kernels)
+    # never the input itself moved: one small all-reduce (two for the variance's passes)
+    assert results == [["Allreduce(x)"] * (2 if op == "var_mean" else 1)] * world
+
+
+# ---------------------------------------------------------------------------
 # NaN and infinities in some rank's piece of an axis reduced across ranks
 
 

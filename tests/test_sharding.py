@@ -274,17 +274,25 @@ def _sharded(build, annotations):
     return sharded, decisions, [k.value for k in kinds if k is not None], tensors
 
 
-def test_a_mean_over_a_split_axis_gathers_first_but_a_sum_reduces_partials():
+def test_a_mean_or_variance_over_a_split_axis_reduces_pieces_then_combines_sums():
     mesh = DeviceMesh(2)
 
     def build(fd):
         x = fd.define_tensor([8, 6])
         fd.add_output(fd.ops.mean(x, dims=[0]))
         fd.add_output(fd.ops.sum(x, dims=[0]))
+        for output in fd.ops.var_mean(x, dims=[0]):
+            fd.add_output(output)
         return {"x": x}
 
-    _, _, kinds, _ = _sharded(build, [("x", mesh, [Shard(0)])])
-    assert kinds == ["Allgather", "Allreduce"]
+    sharded, _, kinds, _ = _sharded(build, [("x", mesh, [Shard(0)])])
+    # the mean a sum over each piece, all-reduced, then divided; the variance in two
+    # passes (its mean's sum, then the squares about it); never the input gathered
+    assert kinds == ["Allreduce"] * 4
+    assert _moves(sharded) == [("Allreduce", (6,))] * 4
+    ops = [expr.op_name for expr in sharded.exprs]
+    assert "mean" not in ops and "var_mean" not in ops
+    assert ops.count("div") == 3 and ops.count("sum") == 4
 
 
 def test_a_max_over_a_split_axis_all_reduces_with_max():
@@ -557,8 +565,8 @@ def test_a_partial_sum_before_a_residual_is_reduce_scattered_and_explain_says_wh
     assert _moves(sharded) == [("Allgather", (8, 16)), ("ReduceScatter", (8, 16))]
     lines = {line.split()[0]: line for line in explain(sharded, decisions).splitlines()}
     # the down projection's result: split rows cost least around it (the reduce-scatter's
-    # 128 B and the matmul's 8x16x32 multiply-adds on one rank at 250 a bit: 2.048 B);
-    # the cast after it (its follower) turned with it
+    # 128 B and 8 B for being one collective, and the matmul's 8x16x32 multiply-adds on
+    # one rank at 250 a bit: 2.048 B); the cast after it (its follower) turned with it
     down = lines["T7_bf16[iDIDx15{8},"]
-    assert "by cost" in down and "[R] 258.048 B; [S(0)] 130.048 B" in down, down
+    assert "by cost" in down and "[R] 266.048 B; [S(0)] 138.048 B" in down, down
     assert "turned with a neighbour that changed" in lines["T8_f32[iDIDx18{8},"]
