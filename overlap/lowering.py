@@ -105,25 +105,40 @@ class _Run:
     looped: bool
 
 
-def _loop_key(expr: Expr) -> tuple | None:
+def _loop_key(expr: Expr, owners: dict[Expr, int]) -> tuple | None:
+    """Which loop ``expr`` may share: its stream axis's extent and chunk count, and the
+    planned pattern it belongs to (two patterns never share a loop: their chunks may
+    go in different orders)."""
     out = expr.outputs[0]
     dim = stream_dim(out)
     if dim is None:
         return None
     axis = out.axis(dim)
-    return (axis.extent, _chunks(axis))
+    return (axis.extent, _chunks(axis), owners.get(expr))
 
 
-def _pulled_into_loops(exprs: list[Expr]) -> list[Expr]:
+def _pattern_owners(plan: OverlapPlan) -> dict[Expr, int]:
+    """Each expr of a pipelined pattern, with the pattern's position in ``plan``."""
+    owners: dict[Expr, int] = {}
+    for position, decision in enumerate(plan):
+        if decision.overlapped:
+            members = [decision.communication, decision.contraction]
+            for expr in (*members, *(expr for expr, _ in decision.chunked)):
+                owners[expr] = position
+    return owners
+
+
+def _pulled_into_loops(exprs: list[Expr], owners: dict[Expr, int]) -> list[Expr]:
     """``exprs`` with each stream-parallel compute expr moved up to just after the last
     expr of its loop key, when none of the exprs it would pass computes its inputs (they
     cannot read its outputs: they came first)."""
     order: list[Expr] = []
     for expr in exprs:
-        key = _loop_key(expr)
+        key = _loop_key(expr, owners)
         if key is not None and not isinstance(expr, Communication):
             last = next(
-                (i for i in range(len(order) - 1, -1, -1) if _loop_key(order[i]) == key), None
+                (i for i in range(len(order) - 1, -1, -1) if _loop_key(order[i], owners) == key),
+                None,
             )
             if last is not None and last < len(order) - 1:
                 passed = {t for e in order[last + 1 :] for t in e.outputs}
@@ -134,15 +149,15 @@ def _pulled_into_loops(exprs: list[Expr]) -> list[Expr]:
     return order
 
 
-def _runs(exprs: list[Expr]) -> list[_Run]:
+def _runs(exprs: list[Expr], owners: dict[Expr, int]) -> list[_Run]:
     runs: list[_Run] = []
-    for expr in _pulled_into_loops(exprs):
-        key = _loop_key(expr)
+    for expr in _pulled_into_loops(exprs, owners):
+        key = _loop_key(expr, owners)
         looped = key is not None
         if (
             runs
             and runs[-1].looped == looped
-            and (not looped or _loop_key(runs[-1].exprs[-1]) == key)
+            and (not looped or _loop_key(runs[-1].exprs[-1], owners) == key)
         ):
             runs[-1].exprs.append(expr)
         else:
@@ -239,7 +254,7 @@ class _Lowering:
     # -- runs -----------------------------------------------------------------
 
     def lower(self) -> HostProgram:
-        for run in _runs(self.fusion.live_exprs()):
+        for run in _runs(self.fusion.live_exprs(), _pattern_owners(self.plan)):
             if run.looped:
                 self._lower_loop(run.exprs)
             else:

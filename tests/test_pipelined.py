@@ -147,6 +147,30 @@ def _swiglu_block(world: int, tokens: int) -> FusionDefinition:
     return fd
 
 
+def _attention_block(world: int, tokens: int) -> FusionDefinition:
+    """RMSNorm, all-gather, Q, K and V (column-parallel), Q's output projection
+    (row-parallel: right after the gathered rows' matmuls), reduce-scatter, residual;
+    K and V are outputs too."""
+    mesh = DeviceMesh(world)
+    hidden, heads, kv = 12, 16 * world, 8 * world  # weights larger than the activations
+    with FusionDefinition("attention_block") as fd:
+        x = fd.define_tensor([tokens, hidden])
+        gamma = fd.define_tensor([hidden])
+        w_q, w_k, w_v = (fd.define_tensor([n, hidden]) for n in (heads, kv, kv))
+        w_o = fd.define_tensor([hidden, heads])
+        mean_square = fd.ops.mean(x * x, dims=[1], keepdim=True)
+        normed = x * fd.ops.rsqrt(mean_square + 1e-6) * fd.ops.broadcast(gamma, [True, False])
+        q, k, v = (fd.ops.linear(normed, w) for w in (w_q, w_k, w_v))
+        out = fd.ops.linear(q, w_o) + x
+        for output in (out, k, v):
+            fd.add_output(output)
+    for tensor, placement in ((x, Shard(0)), (w_q, Shard(0)), (w_k, Shard(0)),
+                              (w_v, Shard(0)), (w_o, Shard(1)), (out, Shard(0)),
+                              (k, Shard(1)), (v, Shard(1))):  # fmt: skip
+        shard(tensor, mesh, [placement])
+    return fd
+
+
 def _loops(program) -> list[list[str]]:
     """Each work loop of ``program``: its communications and kernels, by kind."""
     return [
@@ -160,9 +184,11 @@ def _loops(program) -> list[list[str]]:
     ]
 
 
-def pipelined_swiglu(communicator, tokens: int, chunks: int, transport: str, kernels: str):
+def pipelined_block(
+    communicator, block: str, tokens: int, chunks: int, transport: str, kernels: str
+):
     world = communicator.world_size
-    fd = _swiglu_block(world, tokens)
+    fd = (_swiglu_block if block == "swiglu" else _attention_block)(world, tokens)
     options = OverlapOptions(overlap=True, num_chunks=chunks, transport=transport)
     executor = MultiDeviceExecutor(fd, communicator, options, kernels=kernels)
     generator = torch.Generator().manual_seed(23)
@@ -170,9 +196,10 @@ def pipelined_swiglu(communicator, tokens: int, chunks: int, transport: str, ker
     full[2:] = [w / w.shape[1] ** 0.5 for w in full[2:]]
     expected = executor.shard_outputs(fd.execute(full))
     for _ in range(2):
-        (out,) = executor.run(executor.shard_inputs(full))
-        assert_close(out, expected[0], reduction_extent=8 * world,
-                     message=f"rank {communicator.rank}")  # fmt: skip
+        outputs = executor.run(executor.shard_inputs(full))
+        for position, (out, wanted) in enumerate(zip(outputs, expected, strict=True)):
+            assert_close(out, wanted, reduction_extent=8 * world,
+                         message=f"rank {communicator.rank} output {position}")  # fmt: skip
     gathered, scattered = executor.overlap
     readers = [gathered.contraction, *(expr for expr, _ in gathered.chunked)]
     return (
@@ -198,7 +225,8 @@ def test_the_gate_and_up_projections_share_each_gathered_chunk(
     the down projection reduce-scatters in its own loop. Every rank's output is the
     reference's."""
     chunks = per_rank * world
-    results = rank_pools(world).run(pipelined_swiglu, tokens, chunks, transport, kernels)
+    results = rank_pools(world).run(pipelined_block, "swiglu", tokens, chunks, transport,
+                                    kernels)  # fmt: skip
     for readers, width, scattered, loops, line in results:
         assert readers == ["linear", "linear"]
         assert width == 2 * 8  # N: gate's and up's columns on a rank, 8 each
@@ -208,3 +236,25 @@ def test_the_gate_and_up_projections_share_each_gathered_chunk(
             ["cublas", "ReduceScatter"],
         ], loops
         assert "linear T" in line and " + linear T" in line, line
+
+
+@pytest.mark.parametrize("kernels", ["reference", "generated"])
+@pytest.mark.parametrize(("per_rank", "transport"), [(1, "collective"), (2, "collective"),
+                                                     (1, "ring")])  # fmt: skip
+@pytest.mark.parametrize("world", [2, 4])
+def test_q_k_v_share_each_gathered_chunk_and_the_output_projection_keeps_its_own_loop(
+    rank_pools, world, per_rank, transport, kernels
+):
+    """Q, K and V in the all-gather's loop; Q's output projection, right after them in
+    the program, still pipelines its reduce-scatter in a loop of its own (the two
+    patterns take their chunks in different orders: the ring's gather and reduce
+    orders differ, and sharing a loop deadlocked)."""
+    chunks = per_rank * world
+    results = rank_pools(world).run(pipelined_block, "attention", 13, chunks, transport,
+                                    kernels, timeout=120)  # fmt: skip
+    for readers, width, _, loops, _ in results:
+        assert readers == ["linear"] * 3 and width == 16 + 8 + 8
+        assert loops == [
+            ["Allgather"] * (transport == "ring") + ["cublas"] * 3,
+            ["cublas", "ReduceScatter"],
+        ], loops
