@@ -42,6 +42,7 @@ from overlap.host_ir import HostProgram
 from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
+from overlap.recompute import recompute_widened_inputs
 from sharding.errors import ShardingError
 from sharding.layout import is_placed
 from sharding.propagation import explain
@@ -113,6 +114,10 @@ def _shard(state: _Compilation) -> None:
     check_packed_pieces(state.fusion, {}, ShardingError)
 
 
+def _recompute(state: _Compilation) -> None:
+    recompute_widened_inputs(state.fusion)
+
+
 def _plan(state: _Compilation) -> None:
     state.plan = plan_overlap(state.fusion, state.figures, state.options, state.replayed)
 
@@ -132,6 +137,7 @@ def _deallocate(state: _Compilation) -> None:
 # The pipeline, in order: (name, pass). A pass reads and writes the compilation's state.
 PASSES: tuple[tuple[str, Callable[[_Compilation], None]], ...] = (
     ("shard", _shard),
+    ("recompute widened inputs", _recompute),
     ("plan overlap", _plan),
     ("apply the plan", _apply),
     ("lower", _lower),

@@ -374,3 +374,43 @@ def test_the_timeline_exports_a_chrome_trace_and_a_png(tmp_path):
     raw = zlib.decompress(png[start : start + length])
     assert len(raw) == 40 * (1 + 200 * 3)
     assert bytes((66, 133, 244)) in raw
+
+
+# ---------------------------------------------------------------------------
+# A widened input used again after a matmul is recomputed there, not kept
+
+
+def _norm_matmul_residual(world: int | None) -> FusionDefinition:
+    with FusionDefinition("norm_matmul_residual") as fd:
+        x = fd.define_tensor([8, 16], "bfloat16")
+        w = fd.define_tensor([16, 16], "bfloat16")
+        x32 = fd.ops.cast(x, "float32")
+        normed = fd.ops.cast(x32 * fd.ops.rsqrt(fd.ops.mean(x32 * x32, [1], keepdim=True)),
+                             "bfloat16")  # fmt: skip
+        out = fd.ops.cast(fd.ops.cast(fd.ops.linear(normed, w), "float32") + x32, "bfloat16")
+        fd.add_output(out)
+    if world is not None:
+        mesh = DeviceMesh(world)
+        shard(x, mesh, [Shard(0)])
+        shard(w, mesh, [Replicate()])
+        shard(out, mesh, [Shard(0)])
+    return fd
+
+
+@pytest.mark.parametrize("world", [None, 2], ids=["one device", "two ranks"])
+def test_a_widened_input_is_recomputed_by_the_kernel_that_uses_it_again(world):
+    """The float32 copy of ``x`` feeds the norm and, after the matmul, the residual: the
+    residual's kernel reads ``x`` (2 bytes an element) and widens it itself, instead of
+    the norm's kernel writing the copy (4 bytes) for it to read back."""
+    fd = _norm_matmul_residual(world)
+    compiled = compile_program(fd.fusion, world or 1, None, H200_FIGURES, schedule=True)
+    x = compiled.fusion.inputs[0]
+    kernels = [i for i in compiled.host.instructions if hasattr(i, "exprs")]
+    float32_outputs = [t for k in kernels for t in k.outputs if t.dtype.bits == 32]
+    assert float32_outputs == [], [str(k) for k in kernels]
+    residual = kernels[-1]
+    assert x in residual.inputs and [e.op_name for e in residual.exprs][:2] == ["cast", "cast"]
+    full = [torch.randn(8, 16).bfloat16(), (torch.randn(16, 16) / 4).bfloat16()]
+    if world is None:
+        (out,) = MultiDeviceExecutor(fd, None, kernels="reference").run(full)
+        assert torch.equal(out, fd.execute(full)[0])
