@@ -374,6 +374,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         calls[name] = lambda p=peer: p(*local)
     errors = {}
     for name, call in list(calls.items()):
+        failure = None
         try:
             for _ in range(3):  # warm-up (and graph capture) before the check
                 outputs = call()
@@ -382,12 +383,16 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         except Exception as error:  # a peer PyTorch cannot build here is reported, not timed
             if name in ours:
                 raise
-            failed[name] = f"{type(error).__name__}: {str(error)[:300]}"
+            failure = f"{type(error).__name__}: {str(error)[:300]}"
+        # every rank's verdict on this variant before the next one runs: a variant that
+        # failed on any rank is left out on all (its collectives would find no peer)
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, failure)
+        failed_somewhere = next((v for v in verdicts if v is not None), None)
+        if failed_somewhere is not None:
+            failed[name] = failed_somewhere
+            errors.pop(name, None)
             del calls[name]
-    failures = [None] * world
-    dist.all_gather_object(failures, sorted(failed))
-    for name in {n for f in failures for n in f}:  # a peer left out on any rank: on all
-        calls.pop(name, None)
     worst = [None] * world
     dist.all_gather_object(worst, errors)
     errors = {name: max(e.get(name, 0.0) for e in worst) for name in errors}

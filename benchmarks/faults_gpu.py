@@ -6,19 +6,19 @@ Each case starts a 2-rank job with ``overlap run --launcher L`` running this fil
 ``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1 fails, while rank 0
 goes on into its next run and waits in a collective for rank 1 (on NCCL it would wait
 forever): rank 1 either raises (``raise``), dies (``exit``: ``os._exit(3)``), passes a
-bad input (``bad_input``: a piece one row short) or an input that changed alone
-(``changed_alone``: the tokens are a symbolic extent and rank 1's piece is one row short,
-which only an exchange could judge): either way rank 1 learns within the input-check
-timeout that rank 0 is not coming to check its inputs, and raises (leading with what is
-wrong with its input, when it can tell alone). Every run checks its inputs as
-the default does (an exchange only when a rank's inputs change). The
-variants put rank 0's wait in a plain NCCL collective (``collectives``), in a CUDA-graph
-replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory barrier
-(``copy_engine``). Measured: the seconds from rank 1's failure to the job's end, the exit
-code, whether the failing rank's traceback was shown, and whether the launcher named
-rank 1 as the cause (torchrun: its "Root Cause"; local: ``overlap run: rank 1 exited``;
-Ray: ``PoolError`` for rank 1). A job
-still running after ``--limit`` seconds is killed and counted as hung.
+bad input (``bad_input``: a piece one row short, which it finds alone and raises at
+once) or an input that changed alone (``changed_alone``: a tensor-parallel MLP whose
+tokens are a symbolic extent every rank holds whole, and rank 1's copy one row short,
+which only an exchange could judge: rank 1 learns after the input-check timeout, set to
+10 s for these jobs with ``OVERLAP_INPUT_CHECK_TIMEOUT_S``, that rank 0 is not coming).
+Every run checks its inputs as the default does (an exchange only when a rank's inputs
+change). The variants put rank 0's wait in a plain NCCL collective (``collectives``), in
+a CUDA-graph replay (``cuda_graph``), or in a copy-engine pipeline's symmetric-memory
+barrier (``copy_engine``). Measured: the seconds from rank 1's failure to the job's end,
+the exit code, whether the failing rank's traceback was shown, and whether the launcher
+named rank 1 as the cause (torchrun: its "Root Cause"; local: ``overlap run: rank 1
+exited``; Ray: ``PoolError`` for rank 1). A job still running after ``--limit`` seconds
+is killed and counted as hung.
 
 Without GPUs the same runs on gloo processes, only the ``collectives`` variant.
 """
@@ -44,7 +44,7 @@ SIZES = {"cuda": (8192, 4096, 8192), "cpu": (64, 32, 64)}  # tokens, hidden, ffn
 FAULT_MESSAGES = {
     "raise": "rank 1 fails on purpose",
     "exit": "rank 1 fails on purpose",
-    "bad_input": "InputChangeError: rank 1: input 0",
+    "bad_input": "InputError: rank 1: input 0",
     "changed_alone": "InputChangeError: rank 1: its inputs changed at run 6",
 }
 LAUNCHER_NAMES = {
@@ -67,8 +67,10 @@ def main(communicator) -> None:
     fault, variant, folder = sys.argv[1:4]
     cuda = communicator.device.type == "cuda"
     sizes = SIZES["cuda" if cuda else "cpu"]
-    tokens = "tokens" if fault == "changed_alone" else sizes[0]
-    fd = build_tp_mlp(tokens, *sizes[1:], communicator.world_size)
+    if fault == "changed_alone":
+        fd = tokens_whole_tp_mlp(*sizes[1:], communicator.world_size)
+    else:
+        fd = build_tp_mlp(*sizes, communicator.world_size)
     options = {
         "collectives": {"options": OverlapOptions(overlap=False)},
         "cuda_graph": {"cuda_graph": True},
@@ -94,6 +96,23 @@ def main(communicator) -> None:
     raise AssertionError("rank 0 ran 1000 times: rank 1 never failed")
 
 
+def tokens_whole_tp_mlp(hidden: int, ffn: int, world: int):
+    """The tensor-parallel MLP with symbolic tokens that every rank holds whole."""
+    from fusion import FusionDefinition
+    from sharding import DeviceMesh, Replicate, Shard, shard
+
+    mesh = DeviceMesh(world)
+    with FusionDefinition("tp_mlp_tokens") as fd:
+        x = fd.define_tensor(["tokens", hidden], "bf16")
+        w1 = fd.define_tensor([hidden, ffn], "bf16")
+        w2 = fd.define_tensor([ffn, hidden], "bf16")
+        y = fd.ops.matmul(fd.ops.gelu(fd.ops.matmul(x, w1), approximate="tanh"), w2)
+        fd.add_output(y)
+    for tensor, placement in ((x, Replicate()), (w1, Shard(1)), (w2, Shard(0)), (y, Replicate())):
+        shard(tensor, mesh, [placement])
+    return fd
+
+
 # -- the driver ----------------------------------------------------------------------
 
 
@@ -103,7 +122,7 @@ def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
                    "--nproc", "2", __file__, fault, variant, folder]  # fmt: skip
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0",
-               "PYTHONUNBUFFERED": "1"}  # fmt: skip
+               "PYTHONUNBUFFERED": "1", "OVERLAP_INPUT_CHECK_TIMEOUT_S": "10"}  # fmt: skip
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER"):
             env.pop(name, None)
         process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,

@@ -271,7 +271,7 @@ class Fusion:
         return axis
 
     def new_tensor(self, dtype: DataType, axes: list[Axis]) -> TensorView:
-        # one past the largest id: a pass that removed a tensor leaves no id to reuse
+        # one past the largest id held: two tensors held at once never share a name
         tensor = TensorView(self, self.next_tensor_id(), dtype, axes)
         self.tensors.append(tensor)
         return tensor

@@ -6,18 +6,22 @@ Sub-groups are created collectively: every rank calls ``prepare`` with the
 same teams, in the same order, before any of them is used.
 
 Host-side exchanges (input checks, agreements) go through gloo, never waiting on the GPU.
-One gloo group has a short timeout (``input_check_timeout_s``): a rank whose inputs
-changed alone exchanges there, and must learn within seconds that its peers are not
-coming (``overlap.inputs.InputCheck``).
+One gloo group has a timeout of its own (``input_check_timeout_s``: 60 s, or the
+``OVERLAP_INPUT_CHECK_TIMEOUT_S`` environment variable): a rank whose inputs changed
+alone exchanges there, and learns within that time that its peers are not coming
+(``overlap.inputs.InputCheck``).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+
+INPUT_CHECK_TIMEOUT_ENV = "OVERLAP_INPUT_CHECK_TIMEOUT_S"
 
 
 class PeerError(RuntimeError):
@@ -56,7 +60,7 @@ class Communicator:
     """This rank's view of the world: rank, size, device and process groups by team."""
 
     def __init__(
-        self, device: torch.device | str | None = None, input_check_timeout_s: float = 10.0
+        self, device: torch.device | str | None = None, input_check_timeout_s: float | None = None
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -74,6 +78,8 @@ class Communicator:
         self.device = torch.device(device)
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self._host_group = dist.new_group(backend="gloo") if self.backend == "nccl" else None
+        if input_check_timeout_s is None:
+            input_check_timeout_s = float(os.environ.get(INPUT_CHECK_TIMEOUT_ENV, 60.0))
         self.input_check_timeout_s = input_check_timeout_s
         self._check_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=input_check_timeout_s)
@@ -87,7 +93,7 @@ class Communicator:
         device: torch.device | str | None = None,
         rank: int | None = None,
         world_size: int | None = None,
-        input_check_timeout_s: float = 10.0,
+        input_check_timeout_s: float | None = None,
     ) -> Communicator:
         """Initialize the default process group if needed and return this rank's
         Communicator. NCCL when CUDA is available, else gloo; ``rank`` and

@@ -303,12 +303,15 @@ class MultiDeviceExecutor:
         all-gather) so that a bad input fails everywhere before any collective:
         ``"changes"`` (default) at the first run and whenever this rank's inputs differ
         from its last checked run's (every rank's inputs must change at the same run: a
-        rank whose inputs changed alone raises ``InputChangeError`` within the
-        communicator's ``input_check_timeout_s``); ``"always"`` (or True) at every run,
-        for programs whose shapes may change on some ranks only; ``"never"`` (or False)
-        only at the first run (then the shapes must stay). With ``cuda_graph=True``,
-        ``"changes"`` exchanges at every run: the graphs are keyed by every rank's input
-        buffers. Every rank must use the same setting.
+        rank whose input is wrong raises at once, one whose inputs changed alone raises
+        ``InputChangeError`` after the communicator's ``input_check_timeout_s``), or at
+        every run where a change of the extents may leave some rank's pieces as they
+        were (a symbolic extent only on split axes, or only on some ranks' inputs);
+        ``"always"`` (or True) at every run, for programs whose shapes may change on
+        some ranks only; ``"never"`` (or False) only at the first run (then the shapes
+        must stay). With ``cuda_graph=True``, ``"changes"`` exchanges at every run: the
+        graphs are keyed by every rank's input buffers. Every rank must use the same
+        setting.
         """
         mode = check_mode(check_inputs)
         replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
@@ -317,7 +320,7 @@ class MultiDeviceExecutor:
         # every rank's buffers, learnt in the input check.
         buffers = addresses(local_inputs) if replay else None
         if self.sharded:
-            if replay and mode == "changes":
+            if self.cuda_graph and mode == "changes":  # every rank alike, timeline or not
                 mode = "always"
             bindings, every_buffers = self._inputs.bindings(local_inputs, mode, buffers)
             if buffers is not None and buffers != every_buffers[self.rank]:

@@ -11,13 +11,18 @@ raises the same ``InputError`` on every rank, before any collective.
 The exchange is a host-side all-gather: too slow to pay on every call of a hot loop.
 ``InputCheck`` (one per executor) exchanges at the first run and then only when a rank's
 own description changes (``check_inputs="changes"``, the default): a rank whose inputs
-are as at the last agreed run reuses that run's extents without asking anyone. A rank
-whose inputs changed exchanges on the communicator's input-check group, whose timeout is
-short (``Communicator.input_check_timeout_s``): when every rank's inputs changed, every
-rank gets the same verdict at once; when its peers' did not, they are already in the
-program's collectives, and the rank raises ``InputChangeError`` within that time
-(leading with what it finds wrong with its inputs alone: dtype, rank, static extents)
-instead of waiting with them. Its exit (fail-fast, ``launch.failfast``) ends the job.
+are as at the last agreed run reuses that run's extents without asking anyone. That is
+sound only where any change of the extents changes every rank's own pieces: every
+symbolic extent must reach every rank through an axis of one of its inputs that is not
+split (a split axis hides it: tokens 8 -> 9 over two ranks leave one piece at 4 rows).
+Where it does not, "changes" exchanges at every run, as "always" does
+(``InputCheck.changes_seen_everywhere``). A rank whose inputs changed first checks what
+it can alone (dtype, rank, static extents) and raises at once on a bad input, naming
+itself; its exit (fail-fast, ``launch.failfast``) ends the job. Otherwise it exchanges
+on the communicator's input-check group (``Communicator.input_check_timeout_s``): when
+every rank's inputs changed, every rank gets the same verdict; when its peers' did not,
+they are already in the program's collectives, and it raises ``InputChangeError`` when
+the timeout expires instead of waiting with them.
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ class InputCheck:
         self.device = device
         self.run_count = 0
         self._agreed: _Agreed | None = None
+        self.changes_seen_everywhere = changes_seen_everywhere(fusion)
 
     def bindings(
         self, local_inputs: Sequence[torch.Tensor | None], mode: str, buffers: tuple | None
@@ -98,10 +104,15 @@ class InputCheck:
             described = describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
         except InputError as error:
             described = str(error)
+        if mode == "changes" and not self.changes_seen_everywhere:
+            mode = "always"
         changed_alone = mode == "changes" and agreed is not None
         if changed_alone:
             if (described, buffers) == (agreed.description, agreed.buffers[self.rank]):
                 return agreed.bindings, agreed.buffers
+            if isinstance(described, str):
+                raise InputError(f"rank {self.rank}: {described}")
+            check_own_inputs(self.fusion, self.rank, described)
         everyone = self._exchange((self.fingerprint, self.run_count, described, buffers),
                                   changed_alone, described)  # fmt: skip
         bindings = self._check(everyone)
@@ -115,44 +126,34 @@ class InputCheck:
     def _exchange(self, value: tuple, changed_alone: bool, described: list | str) -> list:
         """Every rank's ``value``. A rank whose inputs changed since the last agreed run
         exchanges on the short-timeout group; if its peers' did not change, it raises
-        ``InputChangeError``, leading with what it finds wrong alone, if anything."""
+        ``InputChangeError``."""
         if not changed_alone:  # every rank exchanges at this run: the usual timeout
             return self.communicator.all_gather_object(value)
         try:
             return self.communicator.input_check_exchange(value)
         except RuntimeError as error:  # gloo's timeout, or a peer gone
-            if not isinstance(described, str):
-                try:
-                    check_own_inputs(self.fusion, self.rank, described)
-                except InputError as own:
-                    described = str(own)
             raise InputChangeError(self._change_message(described, error)) from error
 
-    def _change_message(self, described: list | str, error: RuntimeError) -> str:
+    def _change_message(self, described: list, error: RuntimeError) -> str:
         agreed = self._agreed
-        timeout = self.communicator.input_check_timeout_s
-        if isinstance(described, str):  # a bad input, found by this rank alone
-            what = f"{described}; found when its inputs changed at run {self.run_count}"
-        else:
-            changes = [
-                f"input {position}: {_said(before)} -> {_said(now)}"
-                for position, (before, now) in enumerate(
-                    zip(agreed.description, described, strict=True)
-                )
-                if before != now
-            ]
-            what = (
-                f"its inputs changed at run {self.run_count} of this fusion "
-                f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run {agreed.run})"
+        changes = [
+            f"input {position}: {_said(before)} -> {_said(now)}"
+            for position, (before, now) in enumerate(
+                zip(agreed.description, described, strict=True)
             )
+            if before != now
+        ]
+        timeout = self.communicator.input_check_timeout_s
         return (
-            f"rank {self.rank}: {what}, and not every rank came to check its inputs within "
-            f"{timeout:g} s ({error}). The other ranks' inputs did not change, so they went on "
-            "into the program's collectives, which this rank will not post with these "
-            "inputs: this job cannot go on. Every rank's inputs must change at the same run; "
-            "if shapes change on some ranks only, run with check_inputs='always' on every "
-            "rank; if ranks may be more than the timeout apart, raise "
-            "Communicator(input_check_timeout_s=...)"
+            f"rank {self.rank}: its inputs changed at run {self.run_count} of this fusion "
+            f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run {agreed.run}), "
+            f"and not every rank came to check its inputs within {timeout:g} s ({error}). "
+            "The other ranks' inputs did not change, so they went on into the program's "
+            "collectives, which this rank will not post with these inputs: this job cannot "
+            "go on. Every rank's inputs must change at the same run; if shapes change on "
+            "some ranks only, run with check_inputs='always' on every rank; if ranks may be "
+            "further apart, raise Communicator(input_check_timeout_s=...) or "
+            "OVERLAP_INPUT_CHECK_TIMEOUT_S"
         )
 
     def _check(self, everyone: list) -> Bindings:
@@ -227,32 +228,58 @@ def check_devices(local_inputs: Sequence[torch.Tensor], device: torch.device) ->
 
 def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
     """What ``rank`` can check of its own described inputs without its peers: present
-    where placed, dtype, rank and every static extent of its piece. Raises ``InputError``
-    (its message without the rank: the exchange that follows names it)."""
+    where placed, dtype, rank and every static extent of its piece (the same words as
+    ``check_local_inputs``). Raises ``InputError`` naming the rank."""
     for position, tensor in enumerate(fusion.inputs):
         if rank not in tensor.mesh.ranks:
             continue
         where = InputAt(position, tensor)
         entry = described[position]
         if entry is None:
-            raise InputError(f"{where} is on this rank but got None")
+            raise InputError(f"rank {rank}: {where} is on this rank but got None")
         shape, dtype = entry
         expected_dtype = str(tensor.dtype.torch_dtype)
         if dtype != expected_dtype:
-            raise InputError(f"{where}: expected dtype {expected_dtype}, got {dtype}")
+            raise InputError(f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}")
         if len(shape) != tensor.ndim:
-            raise InputError(f"{where}: expected rank {tensor.ndim}, got shape {shape}")
+            raise InputError(
+                f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}"
+            )
         if tensor.dtype.is_packed:
             shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
         layout = layout_of(tensor)
         whole = [0 if isinstance(e, Symbol) else e for e in tensor.shape]
         expected = local_shape(layout, rank, whole)
-        for dim, extent in enumerate(tensor.shape):
-            if not isinstance(extent, Symbol) and shape[dim] != expected[dim]:
+        static = [not isinstance(e, Symbol) for e in tensor.shape]
+        if all(static) and list(shape) != expected:
+            raise InputError(
+                f"rank {rank}: input {position} ({tensor}) placed {layout}: expected the "
+                f"local shape {expected} (of the whole {whole}), got {list(shape)}"
+            )
+        for dim, known in enumerate(static):
+            if known and shape[dim] != expected[dim]:
                 raise InputError(
-                    f"input {position} ({tensor}) placed {layout}: expected "
+                    f"rank {rank}: input {position} ({tensor}) placed {layout}: expected "
                     f"{expected[dim]} along axis {dim} of its piece, got shape {list(shape)}"
                 )
+
+
+def changes_seen_everywhere(fusion: Fusion) -> bool:
+    """Whether every rank sees every symbolic extent of the inputs on an axis of its own
+    inputs that is not split, so that any change of the extents changes every rank's
+    own pieces (see the module)."""
+    ranks = {r for tensor in fusion.inputs for r in tensor.mesh.ranks}
+    seen: dict[int, set[Symbol]] = {rank: set() for rank in ranks}
+    symbols: set[Symbol] = set()
+    for tensor in fusion.inputs:
+        layout = layout_of(tensor)
+        for dim, extent in enumerate(tensor.shape):
+            if isinstance(extent, Symbol):
+                symbols.add(extent)
+                if layout.mesh_axis_of(dim) is None:
+                    for rank in tensor.mesh.ranks:
+                        seen[rank].add(extent)
+    return all(symbols <= seen[rank] for rank in ranks)
 
 
 def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:

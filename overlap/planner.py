@@ -178,14 +178,18 @@ def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, in
     """``(pattern, communication, contraction, row axis of the contraction's output,
     chunked)``: ``chunked`` the further exprs of the pipeline with their row axes."""
     found = []
-    for expr in fusion.live_exprs():
+    live = fusion.live_exprs()
+    alive = set(live)
+    for expr in live:
         if not isinstance(expr, Communication) or expr.mesh_axis is None:
             continue
         if expr.kind is CommunicationKind.Allgather:
             readers = [
                 (consumer, row)
                 for consumer in expr.output.uses
-                if isinstance(consumer, (MatmulOp, LinearOp)) and consumer.inputs[0] is expr.output
+                if consumer in alive
+                and isinstance(consumer, (MatmulOp, LinearOp))
+                and consumer.inputs[0] is expr.output
                 for row in [_row_axis(consumer, expr.output, expr.in_dim)]
                 if row is not None
             ]

@@ -70,7 +70,8 @@ def moved_bits(tensor: TensorView, before: Layout, after: Layout) -> float:
             total += piece * share
         else:
             total += piece * share / ranks
-        total += COLLECTIVE_BITS
+        if ranks > 1:
+            total += COLLECTIVE_BITS
     return total
 
 

@@ -1,0 +1,365 @@
+"""Reverse-mode differentiation of a fusion: its backward, as another fusion.
+
+``backward(fusion)`` builds a fusion whose inputs are the forward's inputs followed by
+one gradient per forward output (same shape and dtype as the output), and whose outputs
+are the gradients of the forward's floating-point inputs (or of those named in
+``wrt``), in input order. It recomputes the forward inside the backward (nothing is
+saved between the two: the memory-for-time choice of what to keep comes later), then
+walks the forward's exprs backwards applying one rule per op family, registered in
+``GRADIENT_RULES`` by expr type (unary and binary pointwise ops by name in
+``UNARY_RULES`` and ``BINARY_RULES``). Gradients meeting at a tensor are summed; an
+operand broadcast along an axis (extent 1 against a larger output) gets its gradient
+summed over that axis.
+
+An op without a rule raises ``DifferentiationError`` naming it and the tensor it makes,
+when the backward is built (never a wrong gradient): max/min reductions, maximum and
+minimum, where, slice, select and every cast from or to an fp8/fp4 type among them
+(a straight-through cast would be a silent choice; ask for it explicitly, later).
+
+Example::
+
+    grads = backward(fd.fusion)
+    dx, dw = evaluate(grads.fusion, [x, w, dy])
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from fusion import ops
+from fusion.definition import FusionDefinition
+from fusion.errors import FusionError
+from fusion.exprs import (
+    BinaryOp,
+    BroadcastOp,
+    CastOp,
+    ExpandOp,
+    Expr,
+    LinearOp,
+    MatmulOp,
+    PermuteOp,
+    ReductionOp,
+    ReshapeOp,
+    SetOp,
+    UnaryOp,
+    VarMeanOp,
+)
+from fusion.ir import Fusion, Symbol, TensorView
+
+
+class DifferentiationError(FusionError):
+    """The fusion holds an op whose gradient has no rule (raised when the backward is
+    built, before anything runs)."""
+
+
+@dataclass
+class Backward:
+    """The backward fusion; ``wrt`` the forward inputs (positions) whose gradients are
+    its outputs, in that order."""
+
+    fusion: Fusion
+    wrt: list[int]
+
+
+def backward(fusion: Fusion, wrt: Sequence[int] | None = None) -> Backward:
+    """The backward of ``fusion`` (see the module). ``wrt``: the input positions to
+    differentiate with respect to (default: every floating-point input)."""
+    if wrt is None:
+        wrt = [i for i, t in enumerate(fusion.inputs) if _differentiable(t)]
+    for position in wrt:
+        tensor = fusion.inputs[position]
+        if not _differentiable(tensor):
+            raise DifferentiationError(
+                f"input {position} ({tensor}) is {tensor.dtype}: only floating-point inputs "
+                "of a compute type have gradients"
+            )
+    live = fusion.live_exprs()
+    for expr in live:  # every rule exists before anything is built
+        _rule(expr)
+    with FusionDefinition(f"{fusion.name or 'fusion'}_backward") as fd:
+        mapped: dict[TensorView, TensorView] = {}
+        for tensor in fusion.inputs:
+            mapped[tensor] = fd.define_tensor(_shape(tensor), tensor.dtype)
+        for expr in live:
+            _replay(expr, mapped)
+        grads: dict[TensorView, TensorView] = {}
+        for output in fusion.outputs:
+            seed = fd.define_tensor(_shape(output), output.dtype)
+            if _differentiable(output):
+                _accumulate(grads, output, seed)
+        for expr in reversed(live):
+            given = [grads.get(out) for out in expr.outputs]
+            if all(g is None for g in given):
+                continue
+            operand_grads = _rule(expr)(expr, mapped, given)
+            for tensor, grad in zip(expr.inputs, operand_grads, strict=True):
+                if grad is not None and _differentiable(tensor):
+                    _accumulate(grads, tensor, _fit(grad, mapped[tensor]))
+        for position in wrt:
+            tensor = fusion.inputs[position]
+            grad = grads.get(tensor)
+            if grad is None:  # the outputs do not depend on it: zeros (even where it is NaN)
+                value = mapped[tensor]
+                grad = ops.mul(ops.cast(ops.cast(value, "bool"), value.dtype), 0.0)
+            if grad in fd.fusion.outputs or grad in fd.fusion.inputs:
+                grad = ops.set(grad)  # one gradient for two inputs, or an output's own
+            fd.add_output(grad)
+    return Backward(fd.fusion, list(wrt))
+
+
+def _differentiable(tensor: TensorView) -> bool:
+    return tensor.dtype.is_floating and not tensor.dtype.storage_only
+
+
+def _shape(tensor: TensorView) -> list:
+    return [str(e) if isinstance(e, Symbol) else e for e in tensor.shape]
+
+
+def _accumulate(grads: dict, tensor: TensorView, grad: TensorView) -> None:
+    grads[tensor] = grad if tensor not in grads else ops.add(grads[tensor], grad)
+
+
+def _fit(grad: TensorView, like: TensorView) -> TensorView:
+    """``grad`` summed over the axes ``like`` broadcasts along, in ``like``'s dtype."""
+    dims = [d for d in range(like.ndim) if like.shape[d] == 1 and grad.shape[d] != 1]
+    if dims:
+        grad = ops.sum(grad, dims, keepdim=True)
+    return grad if grad.dtype == like.dtype else ops.cast(grad, like.dtype)
+
+
+# -- replaying the forward ----------------------------------------------------------------
+
+
+def _replay(expr: Expr, mapped: dict[TensorView, TensorView]) -> None:
+    """``expr`` again in the backward fusion, on its mapped operands."""
+    operands = [mapped[o] if isinstance(o, TensorView) else o for o in expr.operands]
+    if isinstance(expr, VarMeanOp):
+        results = ops.var_mean(operands[0], list(expr.dims), expr.correction)
+    else:
+        results = (_REPLAY[type(expr)](expr, operands),)
+    for out, result in zip(expr.outputs, results, strict=True):
+        mapped[out] = result
+
+
+_REPLAY: dict[type, Callable] = {
+    UnaryOp: lambda e, o: getattr(ops, e.op_name)(o[0], **e.attrs),
+    BinaryOp: lambda e, o: getattr(ops, e.op_name)(o[0], o[1]),
+    CastOp: lambda e, o: ops.cast(o[0], e.output.dtype),
+    SetOp: lambda e, o: ops.set(o[0]),
+    BroadcastOp: lambda e, o: ops.broadcast(o[0], list(e.is_broadcast_dim)),
+    ExpandOp: lambda e, o: ops.expand(o[0], _shape(e.output)),
+    ReshapeOp: lambda e, o: ops.reshape(o[0], _shape(e.output)),
+    PermuteOp: lambda e, o: ops.permute(o[0], list(e.dims)),
+    ReductionOp: lambda e, o: getattr(ops, e.op_name)(o[0], list(e.dims)),
+    MatmulOp: lambda e, o: ops.matmul(o[0], o[1]),
+    LinearOp: lambda e, o: ops.linear(*o),
+}
+
+
+# -- the rules ----------------------------------------------------------------------------
+# A rule takes the expr, the forward tensors mapped into the backward fusion and the
+# gradients of the expr's outputs (None: none arrives); it returns one gradient (or None)
+# per tensor input, shaped like the output (broadcast operands are summed by ``_fit``).
+
+
+def _unary(expr, mapped, given):
+    (g,) = given
+    x, y = mapped[expr.inputs[0]], mapped[expr.output]
+    return [UNARY_RULES[expr.op_name](x, y, g, expr.attrs)]
+
+
+def _positive(x: TensorView) -> TensorView:
+    """1 where ``x > 0`` (NaN included, as torch's relu backward passes it), else 0: the
+    IR has no comparison, but relu(x) is nonzero exactly there."""
+    return ops.cast(ops.cast(ops.relu(x), "bool"), x.dtype)
+
+
+def _gelu_tanh(x, g):
+    c = math.sqrt(2.0 / math.pi)
+    t = ops.tanh(ops.mul(c, ops.add(x, ops.mul(0.044715, ops.mul(x, ops.mul(x, x))))))
+    d_inner = ops.mul(c, ops.add(1.0, ops.mul(3 * 0.044715, ops.mul(x, x))))
+    dt = ops.mul(ops.sub(1.0, ops.mul(t, t)), d_inner)
+    return ops.mul(g, ops.add(ops.mul(0.5, ops.add(1.0, t)), ops.mul(ops.mul(0.5, x), dt)))
+
+
+UNARY_RULES: dict[str, Callable] = {
+    "neg": lambda x, y, g, a: ops.neg(g),
+    "exp": lambda x, y, g, a: ops.mul(g, y),
+    "log": lambda x, y, g, a: ops.div(g, x),
+    "sqrt": lambda x, y, g, a: ops.div(ops.mul(g, 0.5), y),
+    "rsqrt": lambda x, y, g, a: ops.mul(ops.mul(g, -0.5), ops.mul(y, ops.mul(y, y))),
+    "reciprocal": lambda x, y, g, a: ops.neg(ops.mul(g, ops.mul(y, y))),
+    "tanh": lambda x, y, g, a: ops.mul(g, ops.sub(1.0, ops.mul(y, y))),
+    "sigmoid": lambda x, y, g, a: ops.mul(g, ops.mul(y, ops.sub(1.0, y))),
+    "relu": lambda x, y, g, a: ops.mul(g, _positive(x)),
+    "silu": lambda x, y, g, a: ops.mul(
+        g, ops.mul(ops.sigmoid(x), ops.add(1.0, ops.mul(x, ops.sub(1.0, ops.sigmoid(x)))))
+    ),
+    "gelu": lambda x, y, g, a: _gelu_tanh(x, g),  # approximate="tanh" (see _rule)
+    "abs": lambda x, y, g, a: ops.mul(g, ops.sub(_positive(x), _positive(ops.neg(x)))),
+}
+
+
+def _binary(expr, mapped, given):
+    (g,) = given
+    lhs, rhs = (mapped[o] if isinstance(o, TensorView) else o for o in expr.operands)
+    grads = BINARY_RULES[expr.op_name](lhs, rhs, mapped[expr.output], g)
+    return [grad for operand, grad in zip(expr.operands, grads, strict=True)
+            if isinstance(operand, TensorView)]  # fmt: skip
+
+
+def _pow(a, b, y, g):
+    """d(a^b)/da = b a^(b-1); d(a^b)/db = a^b log(a) (only where b is a tensor)."""
+    lower = ops.sub(b, 1.0) if isinstance(b, TensorView) else b - 1
+    grad_a = ops.mul(g, ops.mul(b, ops.pow(a, lower)))
+    grad_b = ops.mul(g, ops.mul(y, ops.log(a))) if isinstance(b, TensorView) else None
+    return grad_a, grad_b
+
+
+BINARY_RULES: dict[str, Callable] = {
+    "add": lambda a, b, y, g: (g, g),
+    "sub": lambda a, b, y, g: (g, ops.neg(g)),
+    "mul": lambda a, b, y, g: (ops.mul(g, b), ops.mul(g, a)),
+    "div": lambda a, b, y, g: (ops.div(g, b), ops.neg(ops.div(ops.mul(g, y), b))),
+    "pow": _pow,
+}
+
+
+def _cast(expr, mapped, given):
+    source, target = expr.inputs[0].dtype, expr.output.dtype
+    for dtype in (source, target):
+        if dtype.storage_only:
+            raise DifferentiationError(
+                f"cast {source} -> {target} ({expr.output}): a gradient through an "
+                f"{dtype} cast would be a choice (straight through, or not at all) the "
+                "fusion does not state"
+            )
+    return [given[0]]
+
+
+def _reduction(expr, mapped, given):
+    (g,) = given
+    x = mapped[expr.inputs[0]]
+    spread = ops.expand(ops.broadcast(g, [d in expr.dims for d in range(x.ndim)]), _shape(x))
+    if expr.op_name == "mean":
+        spread = ops.div(spread, float(_count(x, expr.dims)))
+    return [spread]
+
+
+def _var_mean(expr, mapped, given):
+    g_var, g_mean = given
+    x = mapped[expr.inputs[0]]
+    flags = [d in expr.dims for d in range(x.ndim)]
+    count = _count(x, expr.dims)
+    grad = None
+    if g_var is not None:
+        mean = ops.broadcast(mapped[expr.outputs[1]], flags)
+        scale = 2.0 / max(count - expr.correction, 0) if count > expr.correction else math.inf
+        grad = ops.mul(ops.mul(ops.sub(x, mean), scale), ops.broadcast(g_var, flags))
+    if g_mean is not None:
+        spread = ops.div(ops.expand(ops.broadcast(g_mean, flags), _shape(x)), float(count))
+        grad = spread if grad is None else ops.add(grad, spread)
+    return [grad]
+
+
+def _count(x: TensorView, dims) -> int:
+    extents = [x.shape[d] for d in dims]
+    if not all(isinstance(e, int) for e in extents):
+        raise DifferentiationError(
+            f"a mean or variance over an axis of symbolic extent of {x}: its gradient "
+            "divides by the count, which must be static for now"
+        )
+    return math.prod(extents)
+
+
+def _broadcast(expr, mapped, given):
+    dims = [i for i, flag in enumerate(expr.is_broadcast_dim) if flag]
+    return [ops.sum(given[0], dims) if dims else given[0]]
+
+
+def _expand(expr, mapped, given):
+    return [given[0]]  # summed over the expanded axes by ``_fit``
+
+
+def _reshape(expr, mapped, given):
+    return [ops.reshape(given[0], _shape(expr.inputs[0]))]
+
+
+def _permute(expr, mapped, given):
+    inverse = [expr.dims.index(i) for i in range(len(expr.dims))]
+    return [ops.permute(given[0], inverse)]
+
+
+def _transpose_last(t: TensorView) -> TensorView:
+    dims = list(range(t.ndim))
+    dims[-2], dims[-1] = dims[-1], dims[-2]
+    return ops.permute(t, dims)
+
+
+def _matmul(expr, mapped, given):
+    (g,) = given
+    a, b = (mapped[t] for t in expr.inputs)
+    if a.ndim != 2 or b.ndim != 2:
+        raise DifferentiationError(
+            f"matmul of {expr.inputs[0]} and {expr.inputs[1]}: gradients of batched or "
+            "vector matmuls are not written yet (2-D only)"
+        )
+    return [ops.matmul(g, _transpose_last(b)), ops.matmul(_transpose_last(a), g)]
+
+
+def _linear(expr, mapped, given):
+    (g,) = given
+    x, weight = mapped[expr.inputs[0]], mapped[expr.inputs[1]]
+    if x.ndim != 2:
+        raise DifferentiationError(
+            f"linear of {expr.inputs[0]}: gradients of a linear over more than 2-D inputs "
+            "are not written yet (reshape to 2-D first)"
+        )
+    grads = [ops.matmul(g, weight), ops.matmul(_transpose_last(g), x)]
+    if len(expr.inputs) == 3:
+        grads.append(ops.sum(g, [0]))
+    return grads
+
+
+GRADIENT_RULES: dict[type, Callable] = {
+    UnaryOp: _unary,
+    BinaryOp: _binary,
+    CastOp: _cast,
+    SetOp: lambda expr, mapped, given: [given[0]],
+    BroadcastOp: _broadcast,
+    ExpandOp: _expand,
+    ReshapeOp: _reshape,
+    PermuteOp: _permute,
+    ReductionOp: _reduction,
+    VarMeanOp: _var_mean,
+    MatmulOp: _matmul,
+    LinearOp: _linear,
+}
+
+
+def _rule(expr: Expr) -> Callable:
+    """The gradient rule of ``expr``; raises ``DifferentiationError`` if it has none."""
+    rule = GRADIENT_RULES.get(type(expr))
+    name = expr.op_name
+    missing = (
+        rule is None
+        or (isinstance(expr, UnaryOp) and name not in UNARY_RULES)
+        or (isinstance(expr, BinaryOp) and name not in BINARY_RULES)
+        or (isinstance(expr, ReductionOp) and name not in ("sum", "mean"))
+        or (isinstance(expr, UnaryOp) and name == "gelu"
+            and expr.attrs.get("approximate", "none") != "tanh")
+    )  # fmt: skip
+    if missing:
+        raise DifferentiationError(
+            f"{name} ({expr.output if len(expr.outputs) == 1 else expr.outputs[0]}) has no "
+            f"gradient rule; differentiable ops: {_known()}"
+        )
+    return rule
+
+
+def _known() -> str:
+    names = [*UNARY_RULES, *BINARY_RULES, "cast", "set", "broadcast", "expand", "reshape",
+             "permute", "sum", "mean", "var_mean", "matmul", "linear"]  # fmt: skip
+    return ", ".join(names)

@@ -1,0 +1,159 @@
+"""Gradients of fusions (``fusion.autodiff``) against torch autograd, in float64.
+
+The reference: the forward fusion evaluated by the reference evaluator on tensors that
+require gradients (it runs torch ops, so torch's autograd differentiates it), and
+``torch.autograd.grad`` with random output gradients. Ours: the backward fusion,
+evaluated on the same inputs and output gradients. Odd shapes throughout.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion import FusionDefinition
+from fusion.autodiff import DifferentiationError, backward
+from fusion.reference import evaluate
+
+
+def _check(fd: FusionDefinition, shapes: list[list[int]], seed: int = 0, positive=()):
+    """Every input's gradient from our backward equals torch autograd's."""
+    generator = torch.Generator().manual_seed(seed)
+    inputs = []
+    for position, shape in enumerate(shapes):
+        value = torch.randn(shape, generator=generator, dtype=torch.float64)
+        if position in positive:
+            value = value.abs() + 0.5
+        inputs.append(value.requires_grad_())
+    outputs = evaluate(fd.fusion, inputs)
+    seeds = [torch.randn(o.shape, generator=generator, dtype=torch.float64) for o in outputs]
+    expected = torch.autograd.grad(outputs, inputs, seeds, allow_unused=True)
+    grads = backward(fd.fusion)
+    assert grads.wrt == list(range(len(shapes)))
+    actual = evaluate(grads.fusion, [i.detach() for i in inputs] + seeds)
+    for position, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
+        theirs = torch.zeros_like(inputs[position]) if theirs is None else theirs
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-9,
+                                   msg=lambda m, p=position: f"input {p}: {m}")  # fmt: skip
+
+
+UNARY = ["neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu", "silu",
+         "abs"]  # fmt: skip
+
+
+@pytest.mark.parametrize("op", UNARY)
+def test_each_unary_op(op):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 7], "float64")
+        fd.add_output(getattr(fd.ops, op)(x))
+    _check(fd, [[3, 7]], positive=(0,) if op in ("log", "sqrt", "rsqrt") else ())
+
+
+def test_gelu_with_the_tanh_approximation():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 1], "float64")
+        fd.add_output(fd.ops.gelu(x, approximate="tanh"))
+    _check(fd, [[5, 1]])
+
+
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div", "pow"])
+@pytest.mark.parametrize("shapes", [([3, 7], [3, 7]), ([3, 7], [1, 7]), ([1, 1], [4, 1])],
+                         ids=["same", "row broadcast", "both broadcast"])  # fmt: skip
+def test_each_binary_op_with_broadcasting(op, shapes):
+    with FusionDefinition() as fd:
+        a = fd.define_tensor(shapes[0], "float64")
+        b = fd.define_tensor(shapes[1], "float64")
+        fd.add_output(getattr(fd.ops, op)(a, b))
+    _check(fd, list(shapes), positive=(0, 1) if op in ("div", "pow") else ())
+
+
+def test_a_scalar_operand_and_a_tensor_used_twice():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 9], "float64")
+        fd.add_output(fd.ops.mul(fd.ops.sub(2.5, x), x) / 3.0)
+        fd.add_output(fd.ops.pow(x, 3))
+    _check(fd, [[2, 9]])
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+def test_sums_means_and_a_variance(keepdim):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 7, 3], "float64")
+        fd.add_output(fd.ops.sum(x, [0, 2], keepdim=keepdim))
+        fd.add_output(fd.ops.mean(x, [1], keepdim=keepdim))
+        for output in fd.ops.var_mean(x, [2], correction=1, keepdim=keepdim):
+            fd.add_output(output)
+    _check(fd, [[5, 7, 3]])
+
+
+def test_an_rmsnorm_and_a_layernorm():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 11], "float64")
+        gamma = fd.define_tensor([11], "float64")
+        scale = fd.ops.broadcast(gamma, [True, False])
+        rms = fd.ops.rsqrt(fd.ops.mean(x * x, [1], keepdim=True) + 1e-6)
+        fd.add_output(x * rms * scale)
+        var, mean = fd.ops.var_mean(x, [1], correction=0, keepdim=True)
+        fd.add_output((x - mean) * fd.ops.rsqrt(var + 1e-5) * scale)
+    _check(fd, [[6, 11], [11]])
+
+
+def test_matmul_linear_with_bias_and_a_swiglu_mlp():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([7, 5], "float64")
+        w_gate = fd.define_tensor([9, 5], "float64")
+        w_up = fd.define_tensor([9, 5], "float64")
+        w_down = fd.define_tensor([5, 9], "float64")
+        bias = fd.define_tensor([5], "float64")
+        h = fd.ops.silu(fd.ops.linear(x, w_gate)) * fd.ops.linear(x, w_up)
+        fd.add_output(fd.ops.linear(h, w_down, bias) + x)
+        fd.add_output(fd.ops.matmul(x, fd.ops.permute(w_gate, [1, 0])))
+    _check(fd, [[7, 5], [9, 5], [9, 5], [5, 9], [5]])
+
+
+def test_casts_reshapes_expands_and_copies():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 6], "float64")
+        y = fd.define_tensor([1, 6], "float64")
+        narrow = fd.ops.cast(fd.ops.cast(x, "float32"), "float64")  # a gradient passes casts
+        folded = fd.ops.reshape(fd.ops.set(narrow), [2, 12])
+        fd.add_output(fd.ops.exp(folded))
+        fd.add_output(fd.ops.expand(y, [4, 6]) * x)
+    _check(fd, [[4, 6], [1, 6]])
+
+
+def test_an_input_the_outputs_do_not_depend_on_gets_zeros():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3], "float64")
+        fd.define_tensor([2], "float64")
+        fd.add_output(fd.ops.exp(x))
+    _check(fd, [[3], [2]])
+
+
+@pytest.mark.parametrize(
+    ("build", "named"),
+    [
+        (lambda fd, x: fd.ops.max(x, [1]), "max"),
+        (lambda fd, x: fd.ops.maximum(x, 0.0), "maximum"),
+        (lambda fd, x: fd.ops.gelu(x), "gelu"),
+        (lambda fd, x: fd.ops.slice(x, [0, 0], [2, 3]), "slice"),
+        (lambda fd, x: fd.ops.cast(fd.ops.cast(x, "float8_e4m3fn"), "float32"), "cast"),
+    ],
+    ids=["max", "maximum", "exact gelu", "slice", "fp8 cast"],
+)
+def test_an_op_without_a_rule_is_named_when_the_backward_is_built(build, named):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 5])
+        fd.add_output(fd.ops.exp(build(fd, x)))
+    with pytest.raises(DifferentiationError, match=rf"^{named} "):
+        backward(fd.fusion)
+
+
+def test_integer_inputs_have_no_gradient_and_asking_for_one_is_refused():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3], "float64")
+        n = fd.define_tensor([3], "int64")
+        fd.add_output(x * fd.ops.cast(n, "float64"))
+    assert backward(fd.fusion).wrt == [0]
+    with pytest.raises(DifferentiationError, match="input 1 .* only floating-point"):
+        backward(fd.fusion, wrt=[1])
