@@ -1,0 +1,109 @@
+"""Gradients of placed fusions on real gloo ranks, against torch autograd on one device.
+
+The backward (``overlap.backward.placed_backward``) runs like any placed fusion; every
+rank's gradient pieces, of activations and weights, must equal the single-device
+gradients (torch autograd through the reference evaluator) cut to that rank's piece,
+and the communications the gradients need are asserted.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion import FusionDefinition
+from fusion.reference import evaluate
+from fusion.testing import assert_close
+from overlap.backward import placed_backward
+from overlap.executor import MultiDeviceExecutor
+from sharding import DeviceMesh, Replicate, Shard, shard
+
+
+def tensor_parallel_mlp(world: int) -> FusionDefinition:
+    """Megatron's MLP: x whole on every rank, w1 column-parallel, w2 row-parallel."""
+    mesh = DeviceMesh(world)
+    with FusionDefinition("tp_mlp") as fd:
+        x = fd.define_tensor([6, 16])
+        w1 = fd.define_tensor([8 * world, 16])
+        w2 = fd.define_tensor([16, 8 * world])
+        y = fd.ops.linear(fd.ops.tanh(fd.ops.linear(x, w1)), w2)
+        fd.add_output(y)
+    shard(x, mesh, [Replicate()])
+    shard(w1, mesh, [Shard(0)])
+    shard(w2, mesh, [Shard(1)])
+    shard(y, mesh, [Replicate()])
+    return fd
+
+
+def swiglu_block(world: int, tokens: int) -> FusionDefinition:
+    """Sequence-parallel: RMSNorm, all-gather, gate and up, silu(gate) * up, down,
+    reduce-scatter, the residual; gamma placed by propagation."""
+    mesh = DeviceMesh(world)
+    hidden, ffn = 12, 8 * world
+    with FusionDefinition("swiglu_block") as fd:
+        x = fd.define_tensor([tokens, hidden])
+        gamma = fd.define_tensor([hidden])
+        w_gate = fd.define_tensor([ffn, hidden])
+        w_up = fd.define_tensor([ffn, hidden])
+        w_down = fd.define_tensor([hidden, ffn])
+        rms = fd.ops.rsqrt(fd.ops.mean(x * x, dims=[1], keepdim=True) + 1e-6)
+        normed = x * rms * fd.ops.broadcast(gamma, [True, False])
+        h = fd.ops.silu(fd.ops.linear(normed, w_gate)) * fd.ops.linear(normed, w_up)
+        out = fd.ops.linear(h, w_down) + x
+        fd.add_output(out)
+    shard(x, mesh, [Shard(0)])
+    shard(w_gate, mesh, [Shard(0)])
+    shard(w_up, mesh, [Shard(0)])
+    shard(w_down, mesh, [Shard(1)])
+    shard(out, mesh, [Shard(0)])
+    return fd
+
+
+# The SwiGLU block's backward, as placed today: the normed rows gathered again (the
+# forward recomputed), the output's gradient gathered twice (as it is, and transposed for
+# the down projection's weight gradient: one gather and a local transpose would do),
+# the normed rows' gradient reduce-scattered once per projection (gate and up: adding
+# the partial sums first would need one), and gamma's gradient all-reduced.
+SWIGLU_COMMUNICATIONS = ["Allgather", "Allgather", "Allgather", "ReduceScatter", "ReduceScatter",
+                         "Allreduce"]  # fmt: skip
+BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
+          "swiglu_even": lambda world: swiglu_block(world, 4 * world),
+          "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1)}  # fmt: skip
+
+
+def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]:
+    world = communicator.world_size
+    fd = BLOCKS[block](world)
+    generator = torch.Generator().manual_seed(31)
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    full[1:] = [w / w.shape[-1] ** 0.5 if w.ndim == 2 else w for w in full[1:]]
+    seeds = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.outputs]
+    # single device: torch autograd through the reference evaluator
+    leaves = [t.clone().requires_grad_() for t in full]
+    expected = torch.autograd.grad(evaluate(fd.fusion, leaves), leaves, seeds)
+    grads = placed_backward(fd.fusion)
+    executor = MultiDeviceExecutor(grads.fusion, communicator, kernels=kernels)
+    local = executor.run(executor.shard_inputs(full + seeds))
+    wanted = executor.shard_outputs(list(expected))
+    for position, (ours, theirs) in enumerate(zip(local, wanted, strict=True)):
+        assert_close(ours, theirs, reduction_extent=64, partial_sums=world,
+                     message=f"rank {communicator.rank}, gradient of input {position}")  # fmt: skip
+    return [c.op_name for c in executor.communications]
+
+
+@pytest.mark.parametrize("kernels", ["reference", "generated"])
+@pytest.mark.parametrize("block", list(BLOCKS))
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, kernels):
+    results = rank_pools(world).run(gradients_on_every_rank, block, kernels, timeout=120)
+    for communications in results:
+        assert communications == results[0]  # one program on every rank
+        if block == "tp_mlp":
+            # x's gradient, partial over the column-parallel weights' pieces, is
+            # all-reduced; nothing else moves (the forward's own all-reduce of y is not
+            # needed by any gradient, so the recomputed forward drops it)
+            assert communications == ["Allreduce"], communications
+        else:
+            # the sequence-split activations are gathered (forward again, and the
+            # gradient's way back) and the gradients reduce-scattered to their rows
+            assert communications == SWIGLU_COMMUNICATIONS, communications
