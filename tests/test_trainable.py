@@ -1,0 +1,87 @@
+"""``TrainableFusion`` on real gloo ranks: ``loss.backward()`` gives every rank its piece
+of every gradient torch autograd gives on one device, and none where none is wanted."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_backward_multidevice import BLOCKS
+
+from fusion.reference import evaluate
+from fusion.testing import assert_close
+from overlap.trainable import TrainableFusion
+
+
+def trained_pieces(communicator, block: str, frozen: list[int]) -> list[str]:
+    """One forward and backward through a ``TrainableFusion``, inputs at ``frozen``
+    requiring no gradient; every piece checked. Returns what each input got."""
+    world = communicator.world_size
+    fd = BLOCKS[block](world)
+    generator = torch.Generator().manual_seed(41)
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    full[1:] = [w / w.shape[-1] ** 0.5 if w.ndim == 2 else w for w in full[1:]]
+    seeds = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.outputs]
+    leaves = [t.clone().requires_grad_(i not in frozen) for i, t in enumerate(full)]
+    outputs = evaluate(fd.fusion, leaves)
+    wanting = [leaf for leaf in leaves if leaf.requires_grad]
+    expected = dict(zip([i for i in range(len(full)) if i not in frozen],
+                        torch.autograd.grad(outputs, wanting, seeds), strict=True))  # fmt: skip
+
+    model = TrainableFusion(fd, communicator)
+    executor = model.forward_executor
+    local = [piece.requires_grad_(i not in frozen)
+             for i, piece in enumerate(executor.shard_inputs(full))]  # fmt: skip
+    local_outputs = model(*local)
+    local_seeds = executor.shard_outputs(seeds)
+    loss = sum((out * seed).sum() for out, seed in zip(local_outputs, local_seeds, strict=True))
+    loss.backward()
+    got = []
+    # every gradient cut to this rank's piece as its input is (the others: stand-ins)
+    grad_pieces = executor.shard_inputs([expected.get(i, t) for i, t in enumerate(full)])
+    for position, piece in enumerate(local):
+        if position in frozen:
+            got.append("none" if piece.grad is None else "computed")
+            continue
+        assert_close(piece.grad, grad_pieces[position], reduction_extent=64, partial_sums=world,
+                     message=f"rank {communicator.rank}, input {position}")  # fmt: skip
+        got.append("checked")
+    return got
+
+
+@pytest.mark.parametrize("frozen", [[], [0]], ids=["every input", "all but the activation"])
+@pytest.mark.parametrize("block", ["tp_mlp", "swiglu_uneven"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_backward_gives_every_rank_its_gradient_pieces(rank_pools, world, block, frozen):
+    results = rank_pools(world).run(trained_pieces, block, frozen, timeout=120)
+    count = len(BLOCKS[block](world).fusion.inputs)
+    assert results == [["none" if i in frozen else "checked" for i in range(count)]] * world
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_the_training_example_matches_one_device_under_each_launcher(launcher):
+    """``examples/train_mlp.py``: 20 AdamW steps on 2 ranks, every step's loss within
+    the example's tolerance of the same model trained whole on one device (the example
+    fails otherwise), under the local launcher and a Ray pool."""
+    if launcher == "ray":
+        pytest.importorskip("ray")
+    command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher, "--nproc",
+               "2", str(ROOT / "examples" / "train_mlp.py"), "--steps", "20"]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=environment)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    steps = re.findall(r"step +(\d+) +loss ([\d.]+) +one device ([\d.]+)", output)
+    assert [int(step) for step, _, _ in steps] == list(range(20)), output[-3000:]
+    first, last = float(steps[0][1]), float(steps[-1][1])
+    assert last < 0.8 * first, (first, last)  # it trains
+    assert "20 steps on 2 ranks match one device" in output
