@@ -1,11 +1,14 @@
 """Reverse-mode differentiation of a fusion: its backward, as another fusion.
 
-``backward(fusion)`` builds a fusion whose inputs are the forward's inputs followed by
-one gradient per forward output (same shape and dtype as the output), and whose outputs
-are the gradients of the forward's floating-point inputs (or of those named in
-``wrt``), in input order. It recomputes the forward inside the backward (nothing is
-saved between the two: the memory-for-time choice of what to keep comes later), then
-walks the forward's exprs backwards applying one rule per op family, registered in
+``backward(fusion)`` builds a fusion whose inputs are the forward's inputs, then the
+intermediates it was told to ``save`` (forward tensors the forward hands over instead of
+the backward recomputing them: memory against time; ``forward_with_saved`` makes them
+outputs of the forward), then one gradient per forward output (same shape and dtype as
+the output), and whose outputs are the gradients of the forward's floating-point inputs
+(or of those named in ``wrt``), in input order. What it does not save, it recomputes
+inside the backward (by default, everything: ``Backward.explain()`` says which
+intermediates the gradients read and where each comes from). It then walks the forward's
+exprs backwards applying one rule per op family, registered in
 ``GRADIENT_RULES`` by expr type (unary and binary pointwise ops by name in
 ``UNARY_RULES`` and ``BINARY_RULES``). Gradients meeting at a tensor are summed; an
 operand broadcast along an axis (extent 1 against a larger output) gets its gradient
@@ -57,15 +60,47 @@ class DifferentiationError(FusionError):
 @dataclass
 class Backward:
     """The backward fusion; ``wrt`` the forward inputs (positions) whose gradients are
-    its outputs, in that order."""
+    its outputs, in that order; ``saved`` the forward intermediates it takes as inputs
+    (after the forward's inputs); ``read`` every forward intermediate the gradients
+    read, saved or recomputed."""
 
     fusion: Fusion
     wrt: list[int]
+    saved: list[TensorView]
+    read: list[TensorView]
+
+    def explain(self) -> str:
+        """Per intermediate the gradients read: saved by the forward or recomputed."""
+        lines = []
+        for tensor in self.read:
+            size = tensor.dtype.size_bits(math.prod(_extent(e) for e in tensor.shape)) // 8
+            how = "saved" if tensor in self.saved else "recomputed"
+            made = tensor.definition.op_name if tensor.definition is not None else "input"
+            lines.append(f"{tensor} ({made}, {size} B): {how}")
+        return "\n".join(lines) or "the gradients read no intermediate"
 
 
-def backward(fusion: Fusion, wrt: Sequence[int] | None = None) -> Backward:
+def _extent(extent) -> int:
+    return extent if isinstance(extent, int) else 1
+
+
+def forward_with_saved(fusion: Fusion, saved: Sequence[TensorView]) -> Fusion:
+    """A copy of ``fusion`` that also outputs ``saved`` (after its own outputs)."""
+    copy = fusion.clone()
+    by_id = {tensor.id: tensor for tensor in copy.tensors}
+    with copy.editing():
+        for tensor in saved:
+            kept = by_id[tensor.id]
+            copy.outputs.append(ops.set(kept) if kept in copy.outputs else kept)
+    return copy
+
+
+def backward(
+    fusion: Fusion, wrt: Sequence[int] | None = None, saved: Sequence[TensorView] = ()
+) -> Backward:
     """The backward of ``fusion`` (see the module). ``wrt``: the input positions to
-    differentiate with respect to (default: every floating-point input)."""
+    differentiate with respect to (default: every floating-point input); ``saved``:
+    intermediates of ``fusion`` the backward takes as inputs instead of recomputing."""
     if wrt is None:
         wrt = [i for i, t in enumerate(fusion.inputs) if _differentiable(t)]
     for position in wrt:
@@ -78,12 +113,19 @@ def backward(fusion: Fusion, wrt: Sequence[int] | None = None) -> Backward:
     live = fusion.live_exprs()
     for expr in live:  # every rule exists before anything is built
         _rule(expr)
+    computed = {t for expr in live for t in expr.outputs}
+    for tensor in saved:
+        if tensor not in computed:
+            raise DifferentiationError(
+                f"save {tensor}: only an intermediate the outputs depend on can be saved"
+            )
     with FusionDefinition(f"{fusion.name or 'fusion'}_backward") as fd:
         mapped: dict[TensorView, TensorView] = {}
-        for tensor in fusion.inputs:
+        for tensor in [*fusion.inputs, *saved]:
             mapped[tensor] = fd.define_tensor(_shape(tensor), tensor.dtype)
         for expr in live:
-            _replay(expr, mapped)
+            if any(out not in mapped for out in expr.outputs):
+                _replay(expr, mapped)
         grads: dict[TensorView, TensorView] = {}
         for output in fusion.outputs:
             seed = fd.define_tensor(_shape(output), output.dtype)
@@ -106,7 +148,13 @@ def backward(fusion: Fusion, wrt: Sequence[int] | None = None) -> Backward:
             if grad in fd.fusion.outputs or grad in fd.fusion.inputs:
                 grad = ops.set(grad)  # one gradient for two inputs, or an output's own
             fd.add_output(grad)
-    return Backward(fd.fusion, list(wrt))
+    return Backward(fd.fusion, list(wrt), list(saved), _read(fd.fusion, mapped, computed))
+
+
+def _read(backward_fusion: Fusion, mapped: dict, computed: set) -> list[TensorView]:
+    """The forward intermediates whose values the backward's live exprs read."""
+    reads = {t for expr in backward_fusion.live_exprs() for t in expr.inputs}
+    return [tensor for tensor, value in mapped.items() if tensor in computed and value in reads]
 
 
 def _differentiable(tensor: TensorView) -> bool:
@@ -133,14 +181,15 @@ def _fit(grad: TensorView, like: TensorView) -> TensorView:
 
 
 def _replay(expr: Expr, mapped: dict[TensorView, TensorView]) -> None:
-    """``expr`` again in the backward fusion, on its mapped operands."""
+    """``expr`` again in the backward fusion, on its mapped operands (an output saved
+    keeps its saved value)."""
     operands = [mapped[o] if isinstance(o, TensorView) else o for o in expr.operands]
     if isinstance(expr, VarMeanOp):
         results = ops.var_mean(operands[0], list(expr.dims), expr.correction)
     else:
         results = (_REPLAY[type(expr)](expr, operands),)
     for out, result in zip(expr.outputs, results, strict=True):
-        mapped[out] = result
+        mapped.setdefault(out, result)
 
 
 _REPLAY: dict[type, Callable] = {

@@ -2,8 +2,10 @@
 
 ``placed_backward(fusion)`` differentiates ``fusion`` (``fusion.autodiff.backward``) and
 places the backward fusion from the forward's layouts as sharding placed them: the
-forward's inputs where they are, each output's gradient as that output is placed (a
-partial output is replicated), and each input's gradient as its input. Sharding the
+forward's inputs where they are, each saved intermediate as the forward holds it (a
+partial sum cannot be saved: the forward would have to combine it), each output's
+gradient as that output is placed (a partial output is replicated), and each input's
+gradient as its input. Sharding the
 backward then inserts what the gradients need: a replicated weight's gradient, partial
 on every rank, is all-reduced (or reduce-scattered, where its input is split); a
 sequence-split activation's gradient comes back split. Run it like any placed fusion:
@@ -17,28 +19,57 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from fusion.autodiff import Backward, backward
+from fusion.autodiff import Backward, backward, forward_with_saved
 from fusion.ir import Fusion, TensorView
-from sharding import shard
+from sharding import ShardingError, shard
 from sharding.layout import layout_of
 from sharding.resharding import shard_fusion
 
 
-def placed_backward(fusion: Fusion, wrt: Sequence[int] | None = None) -> Backward:
-    """The backward of ``fusion`` (see the module); ``wrt`` as ``backward``'s."""
-    grads = backward(fusion, wrt)
+def placed_backward(
+    fusion: Fusion, wrt: Sequence[int] | None = None, saved: Sequence[TensorView] = ()
+) -> Backward:
+    """The backward of ``fusion`` (see the module); ``wrt`` and ``saved`` as
+    ``backward``'s."""
+    grads = backward(fusion, wrt, saved)
     placed, _ = shard_fusion(fusion)
-    count = len(fusion.inputs)
-    inputs, seeds = grads.fusion.inputs[:count], grads.fusion.inputs[count:]
-    for forward, tensor in zip(placed.inputs, inputs, strict=True):
+    by_id = {tensor.id: tensor for tensor in placed.tensors}
+    count, kept = len(fusion.inputs), len(grads.saved)
+    inputs = grads.fusion.inputs
+    for forward, tensor in zip(placed.inputs, inputs[:count], strict=True):
         _place_like(tensor, forward)
-    for output, seed in zip(placed.outputs, seeds, strict=True):
+    for intermediate, tensor in zip(grads.saved, inputs[count : count + kept], strict=True):
+        _place_like(tensor, _held(intermediate, by_id))
+    for output, seed in zip(placed.outputs, inputs[count + kept :], strict=True):
         _place_like(seed, output)
     for position, grad in zip(grads.wrt, grads.fusion.outputs, strict=True):
         _place_like(grad, placed.inputs[position])
     return grads
 
 
+def _held(intermediate: TensorView, by_id: dict[int, TensorView]) -> TensorView:
+    """How the placed forward holds ``intermediate`` (never as partial sums)."""
+    held = by_id[intermediate.id]
+    if layout_of(held).is_partial:
+        raise ShardingError(
+            f"save {intermediate}: the forward holds it as partial sums ({layout_of(held)}); "
+            "saving it would combine them there. Save what is computed from it, or let the "
+            "backward recompute it"
+        )
+    return held
+
+
 def _place_like(tensor: TensorView, like: TensorView) -> None:
     layout = layout_of(like).resolved()
     shard(tensor, layout.mesh, list(layout.placements))
+
+
+def placed_forward_with_saved(fusion: Fusion, saved: Sequence[TensorView]) -> Fusion:
+    """``fusion`` also outputting ``saved``, each placed as the forward holds it (so the
+    pieces it hands over are those ``placed_backward`` takes)."""
+    placed, _ = shard_fusion(fusion)
+    by_id = {tensor.id: tensor for tensor in placed.tensors}
+    copy = forward_with_saved(fusion, saved)
+    for tensor, output in zip(saved, copy.outputs[len(fusion.outputs) :], strict=True):
+        _place_like(output, _held(tensor, by_id))
+    return copy

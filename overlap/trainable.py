@@ -5,7 +5,11 @@ autograd history, and ``loss.backward()`` runs the fusion's backward program
 (``overlap.backward.placed_backward``) on every rank: each input that requires a
 gradient gets this rank's piece of it (a replicated input the whole, combined over the
 ranks). Inputs that need no gradient get none computed: the backward is built for the
-inputs that require one, once per such set, on first use. Every rank must call it and
+inputs that require one, once per such set, on first use. ``saved``: intermediates of
+the fusion the forward hands to the backward instead of the backward recomputing them
+(memory against time; by default the backward recomputes everything;
+``explain_backward()`` says which intermediates the gradients read and where each comes
+from). Every rank must call it and
 its backward alike (SPMD), with the same inputs requiring gradients (else the ranks
 build different programs and every rank raises ``ProgramMismatch``).
 
@@ -19,15 +23,17 @@ Example (on every rank)::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from fusion.definition import FusionDefinition
-from fusion.ir import Fusion
-from overlap.backward import placed_backward
+from fusion.ir import Fusion, TensorView
+from overlap.backward import placed_backward, placed_forward_with_saved
 from overlap.communicator import Communicator
 from overlap.executor import MultiDeviceExecutor
+from sharding.pieces import local_piece
 
 
 class TrainableFusion:
@@ -38,22 +44,42 @@ class TrainableFusion:
         self,
         fusion: Fusion | FusionDefinition,
         communicator: Communicator,
+        saved: Sequence[TensorView] = (),
         **executor_options: Any,
     ) -> None:
         self.fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
         self.communicator = communicator
+        self.saved = list(saved)
         self.executor_options = executor_options
-        self.forward_executor = MultiDeviceExecutor(self.fusion, communicator, **executor_options)
+        forward = placed_forward_with_saved(self.fusion, self.saved) if saved else self.fusion
+        self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
 
     def __call__(self, *local_inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
         return list(_Apply.apply(self, *local_inputs))
 
+    def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """This rank's pieces of whole inputs (as ``MultiDeviceExecutor.shard_inputs``)."""
+        return self.forward_executor.shard_inputs(full_inputs)
+
+    def shard_outputs(self, full_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
+        """This rank's pieces of whole outputs of the fusion (not of what it saves)."""
+        outputs = self.forward_executor.fusion.outputs[: len(self.fusion.outputs)]
+        return [
+            local_piece(value, tensor, self.communicator.rank)
+            for value, tensor in zip(full_outputs, outputs, strict=True)
+        ]
+
+    def explain_backward(self, wrt: Sequence[int] | None = None) -> str:
+        """Which intermediates the gradients (of the inputs at ``wrt``, default every
+        floating-point one) read, and whether each is saved or recomputed."""
+        return placed_backward(self.fusion, wrt, self.saved).explain()
+
     def backward_executor(self, wrt: tuple[int, ...]) -> MultiDeviceExecutor:
         """The executor of the backward for the inputs at ``wrt`` (built on first use:
         collective, every rank alike)."""
         if wrt not in self._backward_executors:
-            grads = placed_backward(self.fusion, list(wrt))
+            grads = placed_backward(self.fusion, list(wrt), self.saved)
             self._backward_executors[wrt] = MultiDeviceExecutor(
                 grads.fusion, self.communicator, **self.executor_options
             )
@@ -63,7 +89,9 @@ class TrainableFusion:
 class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model: TrainableFusion, *local_inputs):
-        outputs = model.forward_executor.run(list(local_inputs))
+        everything = model.forward_executor.run(list(local_inputs))
+        count = len(model.fusion.outputs)
+        outputs, ctx.saved = everything[:count], everything[count:]
         ctx.model = model
         ctx.inputs = local_inputs  # kept as given: some are None (off this rank's mesh)
         ctx.outputs = [None if o is None else (o.shape, o.dtype, o.device) for o in outputs]
@@ -81,7 +109,7 @@ class _Apply(torch.autograd.Function):
             for grad, like in zip(output_grads, ctx.outputs, strict=True)
         ]
         executor = ctx.model.backward_executor(wrt)
-        local_grads = executor.run([*ctx.inputs, *seeds])
+        local_grads = executor.run([*ctx.inputs, *ctx.saved, *seeds])
         grads: list[torch.Tensor | None] = [None] * len(ctx.inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad

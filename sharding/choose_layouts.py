@@ -86,6 +86,15 @@ class LayoutChooser:
         scope = self._neighbourhood(tensor)
         for follower in followers:
             scope |= self._neighbourhood(follower)
+        # and the other readers of what those exprs read: a copy they share with them
+        # (an output's gradient gathered for one matmul, and for its transpose) is one
+        scope |= {
+            use
+            for expr in list(scope)
+            for read in expr.inputs
+            for use in read.uses
+            if not isinstance(use, SetOp)
+        }
         baseline = self._cost(scope)
         best_cost, best_layout, best_followed = baseline, current, {}
         tried: Tried = [(current, baseline)]

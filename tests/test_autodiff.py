@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from fusion import FusionDefinition
-from fusion.autodiff import DifferentiationError, backward
+from fusion.autodiff import DifferentiationError, backward, forward_with_saved
 from fusion.reference import evaluate
 
 
@@ -157,3 +157,47 @@ def test_integer_inputs_have_no_gradient_and_asking_for_one_is_refused():
     assert backward(fd.fusion).wrt == [0]
     with pytest.raises(DifferentiationError, match="input 1 .* only floating-point"):
         backward(fd.fusion, wrt=[1])
+
+
+def _swiglu(fd):
+    x = fd.define_tensor([7, 5], "float64")
+    w_gate = fd.define_tensor([9, 5], "float64")
+    w_up = fd.define_tensor([9, 5], "float64")
+    w_down = fd.define_tensor([5, 9], "float64")
+    gate, up = fd.ops.linear(x, w_gate), fd.ops.linear(x, w_up)
+    h = fd.ops.silu(gate) * up
+    fd.add_output(fd.ops.linear(h, w_down) + x)
+    return gate, up, h
+
+
+def test_saved_intermediates_are_taken_not_recomputed_and_give_the_same_gradients():
+    with FusionDefinition() as fd:
+        gate, up, h = _swiglu(fd)
+    generator = torch.Generator().manual_seed(5)
+    inputs = [torch.randn(s, generator=generator, dtype=torch.float64)
+              for s in ([7, 5], [9, 5], [9, 5], [5, 9])]  # fmt: skip
+    seed = torch.randn(7, 5, generator=generator, dtype=torch.float64)
+    recomputed = backward(fd.fusion)
+    kept = backward(fd.fusion, saved=[gate, up, h])
+    forward = forward_with_saved(fd.fusion, [gate, up, h])
+    out, *saved_values = evaluate(forward, inputs)
+    assert torch.equal(out, evaluate(fd.fusion, inputs)[0])
+    expected = evaluate(recomputed.fusion, inputs + [seed])
+    actual = evaluate(kept.fusion, inputs + saved_values + [seed])
+    for ours, theirs in zip(actual, expected, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+    # the saved projections are not run again: only the gradients' six matmuls remain
+    # (x's two, the three weights', h's); recomputing adds gate and up
+    matmuls = [e for e in kept.fusion.live_exprs() if e.op_name in ("matmul", "linear")]
+    assert len(matmuls) == 6
+    assert len([e for e in recomputed.fusion.live_exprs()
+                if e.op_name in ("matmul", "linear")]) == 8  # fmt: skip
+    assert kept.explain().count(": saved") == 3 and ": recomputed" in kept.explain()
+    assert ": saved" not in recomputed.explain()
+
+
+def test_only_a_computed_intermediate_can_be_saved():
+    with FusionDefinition() as fd:
+        _swiglu(fd)
+    with pytest.raises(DifferentiationError, match="only an intermediate"):
+        backward(fd.fusion, saved=[fd.fusion.inputs[0]])

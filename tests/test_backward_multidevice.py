@@ -59,16 +59,39 @@ def swiglu_block(world: int, tokens: int) -> FusionDefinition:
     return fd
 
 
+def data_and_tensor_parallel_mlp(world: int) -> FusionDefinition:
+    """A 2 x 2 mesh: the batch split over "dp", Megatron's MLP over "tp"; the weights'
+    gradients, partial over the batch pieces, are all-reduced over "dp" (cheaper than
+    gathering the batch once it outweighs the weights)."""
+    ranks = torch.arange(world).reshape([2, world // 2]).tolist()
+    mesh = DeviceMesh(ranks, ("dp", "tp"))
+    tp = world // 2
+    with FusionDefinition("dp_tp_mlp") as fd:
+        x = fd.define_tensor([64, 16])  # a batch larger than the weights, as data parallelism
+        w1 = fd.define_tensor([8 * tp, 16])
+        w2 = fd.define_tensor([16, 8 * tp])
+        y = fd.ops.linear(fd.ops.tanh(fd.ops.linear(x, w1)), w2)
+        fd.add_output(y)
+    shard(x, mesh, [Shard(0), Replicate()])
+    shard(w1, mesh, [Replicate(), Shard(0)])
+    shard(w2, mesh, [Replicate(), Shard(1)])
+    shard(y, mesh, [Shard(0), Replicate()])
+    return fd
+
+
 # The SwiGLU block's backward, as placed today: the normed rows gathered again (the
-# forward recomputed), the output's gradient gathered twice (as it is, and transposed for
-# the down projection's weight gradient: one gather and a local transpose would do),
-# the normed rows' gradient reduce-scattered once per projection (gate and up: adding
-# the partial sums first would need one), and gamma's gradient all-reduced.
-SWIGLU_COMMUNICATIONS = ["Allgather", "Allgather", "Allgather", "ReduceScatter", "ReduceScatter",
-                         "Allreduce"]  # fmt: skip
+# forward recomputed), the output's gradient gathered once (for the down projection's
+# input gradient, and transposed locally for its weight gradient), the normed rows'
+# gradient reduce-scattered once per projection (gate and up: adding the partial sums
+# first would need one), and gamma's gradient all-reduced.
+SWIGLU_COMMUNICATIONS = ["Allgather(x)", "Allgather(x)", "ReduceScatter(x)", "ReduceScatter(x)",
+                         "Allreduce(x)"]  # fmt: skip
+
+
 BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "swiglu_even": lambda world: swiglu_block(world, 4 * world),
-          "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1)}  # fmt: skip
+          "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1),
+          "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
 def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]:
@@ -88,21 +111,32 @@ def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]
     for position, (ours, theirs) in enumerate(zip(local, wanted, strict=True)):
         assert_close(ours, theirs, reduction_extent=64, partial_sums=world,
                      message=f"rank {communicator.rank}, gradient of input {position}")  # fmt: skip
-    return [c.op_name for c in executor.communications]
+    return [f"{c.op_name}({c.in_layout.mesh.axis_names[c.mesh_axis]})"
+            for c in executor.communications]  # fmt: skip
 
 
 @pytest.mark.parametrize("kernels", ["reference", "generated"])
-@pytest.mark.parametrize("block", list(BLOCKS))
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize(
+    ("world", "block"),
+    [(world, block) for world in (2, 4) for block in BLOCKS if block != "dp_tp_mlp"]
+    + [(4, "dp_tp_mlp")],
+)
 def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, kernels):
     results = rank_pools(world).run(gradients_on_every_rank, block, kernels, timeout=120)
     for communications in results:
         assert communications == results[0]  # one program on every rank
-        if block == "tp_mlp":
+        if block == "dp_tp_mlp":
+            # the weights' gradients all-reduced over "dp" (partial over the batch's
+            # pieces); x's gradient from the hidden gradient and w1 gathered over "tp"
+            # (at these sizes fewer bits than all-reducing x's partial gradient)
+            assert sorted(communications) == ["Allgather(tp)"] * 2 + ["Allreduce(dp)"] * 2, (
+                communications
+            )
+        elif block == "tp_mlp":
             # x's gradient, partial over the column-parallel weights' pieces, is
             # all-reduced; nothing else moves (the forward's own all-reduce of y is not
             # needed by any gradient, so the recomputed forward drops it)
-            assert communications == ["Allreduce"], communications
+            assert communications == ["Allreduce(x)"], communications
         else:
             # the sequence-split activations are gathered (forward again, and the
             # gradient's way back) and the gradients reduce-scattered to their rows

@@ -11,18 +11,23 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import RankError
 from test_backward_multidevice import BLOCKS
 
+from fusion import FusionDefinition
 from fusion.reference import evaluate
 from fusion.testing import assert_close
 from overlap.trainable import TrainableFusion
+from sharding import DeviceMesh, Shard, shard
 
 
-def trained_pieces(communicator, block: str, frozen: list[int]) -> list[str]:
+def trained_pieces(communicator, block: str, frozen: list[int], save: bool = False) -> list[str]:
     """One forward and backward through a ``TrainableFusion``, inputs at ``frozen``
-    requiring no gradient; every piece checked. Returns what each input got."""
+    requiring no gradient, with ``save`` the first projections' outputs saved by the
+    forward (not recomputed); every piece checked. Returns what each input got."""
     world = communicator.world_size
     fd = BLOCKS[block](world)
+    linears = [e.output for e in fd.fusion.live_exprs() if e.op_name == "linear"]
     generator = torch.Generator().manual_seed(41)
     full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     full[1:] = [w / w.shape[-1] ** 0.5 if w.ndim == 2 else w for w in full[1:]]
@@ -33,17 +38,16 @@ def trained_pieces(communicator, block: str, frozen: list[int]) -> list[str]:
     expected = dict(zip([i for i in range(len(full)) if i not in frozen],
                         torch.autograd.grad(outputs, wanting, seeds), strict=True))  # fmt: skip
 
-    model = TrainableFusion(fd, communicator)
-    executor = model.forward_executor
+    model = TrainableFusion(fd, communicator, saved=linears[:-1] if save else ())
     local = [piece.requires_grad_(i not in frozen)
-             for i, piece in enumerate(executor.shard_inputs(full))]  # fmt: skip
+             for i, piece in enumerate(model.shard_inputs(full))]  # fmt: skip
     local_outputs = model(*local)
-    local_seeds = executor.shard_outputs(seeds)
+    local_seeds = model.shard_outputs(seeds)
     loss = sum((out * seed).sum() for out, seed in zip(local_outputs, local_seeds, strict=True))
     loss.backward()
     got = []
     # every gradient cut to this rank's piece as its input is (the others: stand-ins)
-    grad_pieces = executor.shard_inputs([expected.get(i, t) for i, t in enumerate(full)])
+    grad_pieces = model.shard_inputs([expected.get(i, t) for i, t in enumerate(full)])
     for position, piece in enumerate(local):
         if position in frozen:
             got.append("none" if piece.grad is None else "computed")
@@ -54,13 +58,31 @@ def trained_pieces(communicator, block: str, frozen: list[int]) -> list[str]:
     return got
 
 
+@pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
 @pytest.mark.parametrize("frozen", [[], [0]], ids=["every input", "all but the activation"])
 @pytest.mark.parametrize("block", ["tp_mlp", "swiglu_uneven"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_backward_gives_every_rank_its_gradient_pieces(rank_pools, world, block, frozen):
-    results = rank_pools(world).run(trained_pieces, block, frozen, timeout=120)
+def test_backward_gives_every_rank_its_gradient_pieces(rank_pools, world, block, frozen, save):
+    results = rank_pools(world).run(trained_pieces, block, frozen, save, timeout=120)
     count = len(BLOCKS[block](world).fusion.inputs)
     assert results == [["none" if i in frozen else "checked" for i in range(count)]] * world
+
+
+def save_a_partial_sum(communicator) -> None:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 6])
+        total = fd.ops.sum(x, [1])  # split columns: each rank a partial sum
+        fd.add_output(fd.ops.exp(total))
+    shard(x, DeviceMesh(communicator.world_size), [Shard(1)])
+    TrainableFusion(fd, communicator, saved=[total])
+
+
+def test_saving_a_partial_sum_is_refused_on_every_rank(rank_pools):
+    with pytest.raises(RankError) as failure:
+        rank_pools(2).run(save_a_partial_sum, timeout=60)
+    assert sorted(failure.value.failures) == [0, 1]
+    for message in failure.value.messages().values():
+        assert "holds it as partial sums" in message, message
 
 
 ROOT = Path(__file__).resolve().parent.parent
