@@ -229,6 +229,18 @@ def symmetric_memory_op(pattern, local, communicator):
     )
 
 
+def torchrun_communicator(smoke: bool) -> Communicator:
+    """This torchrun rank's communicator: gloo on CPU for a smoke run, else NCCL on the
+    rank's local GPU."""
+    if smoke:
+        dist.init_process_group("gloo")
+        return Communicator("cpu")
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    return Communicator()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo)")
@@ -237,14 +249,7 @@ def main() -> None:
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "ag_matmul.json"))
     parser.add_argument("--timeline-dir", help="write rank 0's timeline of each shape here")
     args = parser.parse_args()
-    if args.smoke:
-        dist.init_process_group("gloo")
-        communicator = Communicator("cpu")
-    else:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        communicator = Communicator()
+    communicator = torchrun_communicator(args.smoke)
     figures = measure_hardware_figures(communicator)
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
     rows = []

@@ -61,10 +61,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ag_matmul import Timer, slowest  # noqa: E402
+from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
-from overlap.communicator import Communicator  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.planner import OverlapOptions  # noqa: E402
 from overlap.timeline import Timeline  # noqa: E402
@@ -455,14 +454,7 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=10)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "blocks.json"))
     args = parser.parse_args()
-    if args.smoke:
-        dist.init_process_group("gloo")
-        communicator = Communicator("cpu")
-    else:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        communicator = Communicator()
+    communicator = torchrun_communicator(args.smoke)
     figures = measure_hardware_figures(communicator)
     rows = []
     shapes = SMOKE_SHAPES if args.smoke else SHAPES
