@@ -1,4 +1,8 @@
-"""Fixtures shared by the tests: a seeded generator per test and random inputs of any dtype."""
+"""Fixtures shared by the tests: a seeded generator per test and random inputs of any dtype.
+
+Tests that start processes (a pool of ranks, a launcher, a benchmark run) are marked
+``slow``: ``python -m pytest -q -m "not slow"`` runs the rest, the quick subset.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +16,16 @@ from fusion.dtypes import DataType, float4_e2m1
 from fusion.fp4 import to_fp4
 
 MakeInput = Callable[..., torch.Tensor]
+
+# Modules whose every test starts processes: launchers, benchmark scripts, clusters
+_PROCESS_MODULES = {"test_benchmarks", "test_launch", "test_launch_cluster", "test_ucx"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        if "rank_pools" in getattr(item, "fixturenames", ()) or module in _PROCESS_MODULES:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture

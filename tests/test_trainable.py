@@ -88,6 +88,7 @@ def test_saving_a_partial_sum_is_refused_on_every_rank(rank_pools):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "ray"])
 def test_the_training_example_matches_one_device_under_each_launcher(launcher):
     """``examples/train_mlp.py``: 20 AdamW steps on 2 ranks, every step's loss within
