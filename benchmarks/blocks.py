@@ -42,6 +42,17 @@ root mean square (each implementation rounds its bf16 intermediates at its own p
 so none is bitwise anyone's reference); each variant's largest error over the output's
 RMS goes in the row (``max_error``). Figures go to ``benchmarks/results/blocks.json``.
 
+Training rows (``mlp_train``, in ``--blocks`` by default): the MLP block's forward and
+backward, from the same leaves and output gradient, as ``TrainableFusion`` gives it by
+default (the backward recomputes the forward) and with the gate and up projections
+saved, against PyTorch eager autograd over functional collectives and that under
+torch.compile with async TP. Every rank's gradients are checked against float32 autograd
+of the whole block first (``GRAD_ULPS`` bf16 epsilons). The limit T* counts the
+forward's and the backward's compute (PyTorch's, communications left out) and twice the
+all-gather and reduce-scatter (the backward moves as much as the forward). Each
+variant's saved-activation memory per rank is reported (intermediates kept from the
+forward for the backward, inputs excluded).
+
 ``--smoke`` runs tiny shapes on CPU processes with gloo (the reference evaluator, no
 CUDA-only variant): a check of this script, no figures worth keeping.
 """
@@ -67,6 +78,7 @@ from fusion import FusionDefinition  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.planner import OverlapOptions  # noqa: E402
 from overlap.timeline import Timeline  # noqa: E402
+from overlap.trainable import TrainableFusion  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 # (tokens, hidden, ffn); the attention block takes tokens and hidden, 8 KV heads of 128
@@ -295,6 +307,9 @@ def parts_alone(block: str, local: list[torch.Tensor], world: int) -> dict:
 # -- the check ------------------------------------------------------------------------
 
 ULPS = 4
+# Gradients: a bf16 backward rounds every bf16 gradient it passes (casts, each matmul's
+# result) and sums with cancellation; PyTorch eager's come 8 epsilons of the RMS off
+GRAD_ULPS = 16
 BF16_EPS = torch.finfo(torch.bfloat16).eps
 
 
@@ -310,7 +325,7 @@ def exact_outputs(block: str, full: list[torch.Tensor]) -> list[torch.Tensor]:
     return [(normed @ w_q.t()) @ w_o.t() + x, normed @ w_k.t(), normed @ w_v.t()]
 
 
-def checked_error(outputs, exact, what: str) -> float:
+def checked_error(outputs, exact, what: str, ulps: int = ULPS) -> float:
     """The largest error over the output's RMS; raises past the stated tolerance."""
     worst = 0.0
     for position, (actual, wanted) in enumerate(zip(outputs, exact, strict=True)):
@@ -319,7 +334,7 @@ def checked_error(outputs, exact, what: str) -> float:
                                  f"expected {tuple(wanted.shape)}")  # fmt: skip
         error = (actual.float() - wanted).abs()
         rms = wanted.square().mean().sqrt().clamp_min(1e-30)
-        allowed = ULPS * BF16_EPS * (wanted.abs() + rms)
+        allowed = ulps * BF16_EPS * (wanted.abs() + rms)
         bad = ~(error <= allowed)  # NaN counts as bad
         if bad.any():
             index = tuple(int(i) for i in bad.nonzero()[0])
@@ -330,6 +345,155 @@ def checked_error(outputs, exact, what: str) -> float:
             )
         worst = max(worst, (error.max() / rms).item())
     return worst
+
+
+# -- training rows ------------------------------------------------------------------
+
+
+def _funcol_block(world: int, gather_op, scatter_op):
+    """The MLP block in PyTorch over ``gather_op``/``scatter_op`` (autograd-aware)."""
+
+    def project_gathered(normed, weights):
+        gathered = gather_op(normed)
+        return [gathered @ w.t() for w in weights]
+
+    def project_scattered(h, w):
+        return scatter_op(h @ w.t())
+
+    return torch_block("mlp", project_gathered, project_scattered)
+
+
+def _saved_bytes(call, leaves) -> int:
+    """Bytes autograd saves for the backward during ``call()``, the leaves excluded."""
+    mine = {leaf.data_ptr() for leaf in leaves}
+    seen: dict[int, int] = {}
+
+    def pack(tensor):
+        if tensor.data_ptr() not in mine:
+            seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        call()
+    return sum(seen.values())
+
+
+def run_training(communicator, shape, args) -> dict:
+    import torch.distributed._functional_collectives as funcol
+
+    world, device = communicator.world_size, communicator.device
+    tokens, hidden, ffn = shape
+    fd = build_mlp(tokens, hidden, ffn, world)
+    full = whole_inputs(fd, device)
+    seed = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    seed = (seed / tokens).to(device, torch.bfloat16)
+    wide = [t.float().requires_grad_() for t in full]
+    (whole_out,) = exact_outputs("mlp", wide)
+    exact = torch.autograd.grad(whole_out, wide, seed.float())
+    linears = [e.output for e in fd.fusion.live_exprs() if e.op_name == "linear"]
+    models = {"ours": TrainableFusion(fd, communicator),
+              "ours_saved": TrainableFusion(fd, communicator, saved=linears[:2])}  # fmt: skip
+    exact_pieces = models["ours"].shard_inputs(list(exact))
+    (seed_piece,) = models["ours"].shard_outputs([seed])
+    leaves = [t.clone().requires_grad_() for t in models["ours"].shard_inputs(full)]
+    group = dist.group.WORLD
+    eager = _funcol_block(
+        world,
+        lambda t: funcol.all_gather_tensor_autograd(t, 0, group),
+        lambda t: funcol.reduce_scatter_tensor_autograd(t, "sum", 0, group),
+    )
+    forwards = {name: (lambda m=model: m(*leaves)) for name, model in models.items()}
+    forwards["eager"] = lambda: eager(*leaves)
+    if device.type == "cuda":
+        from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+        enable_symm_mem_for_group(group.group_name)
+        import torch._inductor.config as inductor_config
+
+        inductor_config._micro_pipeline_tp = True
+        compiled = torch.compile(eager)
+        forwards["compile_async_tp"] = lambda: compiled(*leaves)
+    # the compute alone: the gather and the scatter replaced by copies of their sizes
+    rows_here = leaves[0].shape[0]
+    compute_only = _funcol_block(world, lambda t: t.repeat(world, 1),
+                                 lambda t: t[:rows_here] * 1.0)  # fmt: skip
+    forwards["t_compute"] = lambda: compute_only(*leaves)
+
+    def step(forward, combine_gamma: bool = False):
+        for leaf in leaves:
+            leaf.grad = None
+        (out, *_) = forward()
+        out.backward(seed_piece)
+        if combine_gamma:  # PyTorch leaves a replicated weight's gradient partial per
+            dist.all_reduce(leaves[1].grad)  # rank: Megatron all-reduces it, as here
+        return [leaf.grad for leaf in leaves]
+
+    errors, failed, memory = {}, {}, {}
+    for name, forward in list(forwards.items()):
+        failure = None
+        try:
+            for _ in range(2):
+                grads = step(forward, name not in models and name != "t_compute")
+            if name in models:  # what ours saves: its pieces of the saved intermediates
+                memory[name] = sum(p.numel() * p.element_size()
+                                   for p in _saved_pieces(models[name], leaves))  # fmt: skip
+            elif name != "t_compute":
+                memory[name] = _saved_bytes(forward, leaves)
+            if name != "t_compute":
+                what = f"mlp_train {name} rank {communicator.rank}"
+                errors[name] = checked_error(grads, exact_pieces, what, GRAD_ULPS)
+        except Exception as error:  # a peer PyTorch cannot build here: reported
+            if name.startswith("ours"):
+                raise
+            failure = f"{type(error).__name__}: {str(error)[:300]}"
+        verdicts = [None] * world
+        dist.all_gather_object(verdicts, failure)
+        failed_somewhere = next((v for v in verdicts if v is not None), None)
+        if failed_somewhere is not None:
+            failed[name] = failed_somewhere
+            del forwards[name]
+    comm = parts_alone("mlp", [leaves[0].detach(), *[t.detach() for t in leaves[1:]]], world)
+    calls = {name: (lambda f=forward, n=name: step(f, n not in models and n != "t_compute"))
+             for name, forward in forwards.items()}  # fmt: skip
+    calls["t_comm"] = comm["t_comm"]
+    timer = Timer(device, args.iterations)
+    for _ in range(args.rounds):
+        for name, call in calls.items():
+            timer.time(name, call)
+    times = slowest(timer.medians(), device)
+    t_comm = 2 * times["t_comm"]
+    t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
+    return {
+        "block": "mlp_train", "tokens": tokens, "hidden": hidden, "ffn": ffn, "world": world,
+        "t_compute_ms": times["t_compute"], "t_comm_ms": t_comm, "t_star_ms": t_star,
+        **{f"{name}_ms": times[name] for name in forwards if name != "t_compute"},
+        "default_ms": times["ours"], "default_over_t_star": times["ours"] / t_star,
+        "saved_bytes_per_rank": memory, "max_error": errors, "peers_left_out": failed,
+        "checked_every_rank": True,
+        "backward_reads": models["ours"].explain_backward(),
+    }  # fmt: skip
+
+
+def _saved_pieces(model: TrainableFusion, leaves) -> list[torch.Tensor]:
+    """This rank's pieces of what ``model``'s forward hands to its backward."""
+    everything = model.forward_executor.run(list(leaves))
+    return everything[len(model.fusion.outputs) :]
+
+
+def print_training_table(rows: list[dict]) -> None:
+    columns = ["ours", "ours_saved", "eager", "compile_async_tp", "t_star"]
+    names = " ".join(f"{c[:12]:>12}" for c in columns)
+    print(f"\n{'forward+backward':<20} {'tokens,hidden,ffn':<20} {names} {'ours/T*':>8}  "
+          "saved MB a rank (ours, saved, eager)")  # fmt: skip
+    for row in rows:
+        shape = f"{row['tokens']},{row['hidden']},{row['ffn']}"
+        cells = [f"{row[f'{c}_ms']:12.3f}" if row.get(f"{c}_ms") is not None else f"{'-':>12}"
+                 for c in columns]  # fmt: skip
+        memory = row["saved_bytes_per_rank"]
+        megabytes = ", ".join(f"{memory.get(n, 0) / 2**20:.1f}" for n in ("ours", "ours_saved",
+                                                                          "eager"))  # fmt: skip
+        print(f"{row['block']:<20} {shape:<20} " + " ".join(cells)
+              + f" {row['default_over_t_star']:8.2f}  {megabytes}")  # fmt: skip
 
 
 # -- the run -------------------------------------------------------------------------
@@ -448,7 +612,7 @@ def print_table(rows: list[dict]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo)")
-    parser.add_argument("--blocks", default="mlp,attention")
+    parser.add_argument("--blocks", default="mlp,attention,mlp_train")
     parser.add_argument("--shapes", help="tokens,hidden,ffn;... (default: the issue's three)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
@@ -462,12 +626,16 @@ def main() -> None:
         shapes = [tuple(int(v) for v in shape.split(",")) for shape in args.shapes.split(";")]
     for shape in shapes:
         for block in args.blocks.split(","):
-            rows.append(run_block(communicator, figures, block, shape, args))
+            if block == "mlp_train":
+                rows.append(run_training(communicator, shape, args))
+            else:
+                rows.append(run_block(communicator, figures, block, shape, args))
             if communicator.rank == 0:
                 print(f"[{block} {shape}] default {rows[-1]['default_ms']:.3f} ms, "
                       f"T* {rows[-1]['t_star_ms']:.3f} ms", flush=True)  # fmt: skip
     if communicator.rank == 0:
-        print_table(rows)
+        print_table([row for row in rows if row["block"] != "mlp_train"])
+        print_training_table([row for row in rows if row["block"] == "mlp_train"])
         write_results(args.out, rows, communicator)
     dist.barrier()
     if not args.smoke:

@@ -323,6 +323,24 @@ class Fusion:
         if expr not in new.uses:
             new.uses.append(expr)
 
+    def replace_input_at(self, expr: Expr, index: int, new: TensorView) -> None:
+        """Make ``expr`` read ``new`` as its ``index``-th tensor input only (an expr that
+        reads one tensor twice may need two copies of it placed differently)."""
+        old = expr.inputs[index]
+        seen = -1
+        operands = list(expr.operands)
+        for position, operand in enumerate(operands):
+            if isinstance(operand, TensorView):
+                seen += 1
+                if seen == index:
+                    operands[position] = new
+        expr.operands = tuple(operands)
+        expr.inputs = [new if i == index else t for i, t in enumerate(expr.inputs)]
+        if old not in expr.inputs:
+            old.uses.remove(expr)
+        if expr not in new.uses:
+            new.uses.append(expr)
+
     def redirect_output(self, expr: Expr, old: TensorView, new: TensorView) -> None:
         """Make ``expr`` define ``new`` instead of ``old`` (which is left without definition)."""
         expr.outputs = [new if t is old else t for t in expr.outputs]

@@ -64,9 +64,10 @@ class _CopyInserter:
         for out in list(expr.outputs):
             if layouts[out] != choice.produced:
                 self._produce_then_copy(expr, out, choice.produced)
-        for tensor, layout in zip(list(expr.inputs), choice.needed, strict=True):
-            if layouts[tensor] != layout:
-                self.fusion.replace_input(expr, tensor, self._copy_before(tensor, layout, expr))
+        for index, (tensor, layout) in enumerate(zip(list(expr.inputs), choice.needed,
+                                                     strict=True)):  # fmt: skip
+            if layouts[tensor] != layout:  # by position: a tensor read twice, copied twice
+                self.fusion.replace_input_at(expr, index, self._copy_before(tensor, layout, expr))
 
     def _copy_before(self, tensor: TensorView, layout: Layout, consumer: Expr) -> TensorView:
         """A copy of ``tensor`` placed ``layout``, defined just before ``consumer`` (shared)."""

@@ -16,7 +16,7 @@ from fusion.reference import evaluate
 from fusion.testing import assert_close
 from overlap.backward import placed_backward
 from overlap.executor import MultiDeviceExecutor
-from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 
 
 def tensor_parallel_mlp(world: int) -> FusionDefinition:
@@ -141,3 +141,34 @@ def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, k
             # the sequence-split activations are gathered (forward again, and the
             # gradient's way back) and the gradients reduce-scattered to their rows
             assert communications == SWIGLU_COMMUNICATIONS, communications
+
+
+def test_a_bf16_block_backward_places_an_expr_reading_one_tensor_twice():
+    """The bf16 SwiGLU block's backward squares a per-row statistic (``y * y``) that
+    must move for the product: resharding copied it one operand at a time and the
+    second found the first's copy already in place (it crashed). Placed now, with the
+    copy shared by both operands."""
+    mesh = DeviceMesh(2)
+    with FusionDefinition("swiglu_bf16") as fd:
+        x = fd.define_tensor([64, 32], "bfloat16")
+        gamma = fd.define_tensor([32], "bfloat16")
+        w_gate, w_up = (
+            fd.define_tensor([64, 32], "bfloat16"),
+            fd.define_tensor([64, 32], "bfloat16"),
+        )
+        w_down = fd.define_tensor([32, 64], "bfloat16")
+        x32 = fd.ops.cast(x, "float32")
+        rms = fd.ops.rsqrt(fd.ops.mean(x32 * x32, dims=[1], keepdim=True) + 1e-6)
+        scale = fd.ops.broadcast(fd.ops.cast(gamma, "float32"), [True, False])
+        normed = fd.ops.cast(x32 * rms * scale, "bfloat16")
+        gate = fd.ops.cast(fd.ops.linear(normed, w_gate), "float32")
+        up = fd.ops.cast(fd.ops.linear(normed, w_up), "float32")
+        down = fd.ops.linear(fd.ops.cast(fd.ops.silu(gate) * up, "bfloat16"), w_down)
+        out = fd.ops.cast(fd.ops.cast(down, "float32") + x32, "bfloat16")
+        fd.add_output(out)
+    for tensor, placement in ((x, Shard(0)), (w_gate, Shard(0)), (w_up, Shard(0)),
+                              (w_down, Shard(1)), (out, Shard(0))):  # fmt: skip
+        shard(tensor, mesh, [placement])
+    placed, _ = shard_fusion(placed_backward(fd.fusion).fusion)
+    twice = [e for e in placed.exprs if len(e.inputs) == 2 and e.inputs[0] is e.inputs[1]]
+    assert twice and all(e.inputs[0] in placed.tensors for e in twice)

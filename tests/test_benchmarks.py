@@ -45,15 +45,22 @@ def test_blocks_benchmark_smoke_run(tmp_path):
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
-    assert [row["block"] for row in rows] == ["mlp", "attention"] * 2
-    for row in rows:
+    assert [row["block"] for row in rows] == ["mlp", "attention", "mlp_train"] * 2
+    forward = [row for row in rows if row["block"] != "mlp_train"]
+    for row in forward:
         assert row["checked_every_rank"] and row["default_ms"] > 0 and row["t_star_ms"] > 0
         assert row["eager_ms"] > 0 and row["peers_left_out"] == {}, row
         assert "roof meter (this rank, the recorded run):" in row["plan_and_roof_meter_rank"]
-    for row in rows[::2]:  # the MLP: one all-gather (gate and up together), one reduce-scatter
+    for row in forward[::2]:  # the MLP: one all-gather (gate and up together), one reduce-scatter
         kinds = [text.split(" = ")[1].split("(")[0] for text in row["communications"]]
         assert kinds == ["Allgather", "ReduceScatter"], row["communications"]
         assert " + linear " in row["plan_and_roof_meter_rank"]
+    for row in rows[2::3]:  # forward and backward: every rank's gradients checked first
+        assert row["checked_every_rank"] and row["peers_left_out"] == {}, row
+        assert row["ours_ms"] > 0 and row["ours_saved_ms"] > 0 and row["eager_ms"] > 0
+        memory = row["saved_bytes_per_rank"]  # recomputing saves nothing; eager keeps most
+        assert memory["ours"] == 0 < memory["ours_saved"] < memory["eager"], memory
+        assert ": saved" not in row["backward_reads"] and ": recomputed" in row["backward_reads"]
 
 
 def _smoke(script: str, timeout: int) -> str:
