@@ -388,3 +388,15 @@ def test_the_executor_checks_strategy_names_before_running():
     inputs = make_inputs("rmsnorm_bwd", 3, 7, torch.bfloat16, "cpu", torch.Generator())
     with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
         executor.run(inputs)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_bwd"])
+def test_rows_of_one_column_and_more_rows_than_a_warp_has_threads(name):
+    """One column and 64 rows: a block of more rows than its threads left a row without
+    a thread (the heuristics divided by zero); every candidate gives each row a thread."""
+    scheduler, plan = _plan(name, 1)
+    params = scheduler.heuristics(plan, H200, [64, 1])
+    assert params.num_warps >= 1
+    fd, inputs, outputs, _ = _run(name, 1, "float32", rows=64)
+    for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
+        assert_close(actual, expected, reduction_extent=64)

@@ -77,6 +77,8 @@ def multiwave_params(
                 continue
             if block_rows > 1 and block_rows > next_power_of_two(rows):
                 continue
+            if block_rows > threads:  # every row needs a thread (a row of one column)
+                continue
             # buffered rows, plus a program's partial column sums when it keeps any
             sums = len(plan.column_sums) * max(1, width // threads)
             registers = plan.buffers * values + sums + OTHER_REGISTERS
