@@ -347,6 +347,14 @@ def checked_error(outputs, exact, what: str, ulps: int = ULPS) -> float:
     return worst
 
 
+def _failed_anywhere(failure: str | None, world: int) -> str | None:
+    """Every rank's verdict on a variant, before the next one runs: a variant that failed
+    on any rank is left out on all (its collectives would find no peer)."""
+    verdicts = [None] * world
+    dist.all_gather_object(verdicts, failure)
+    return next((verdict for verdict in verdicts if verdict is not None), None)
+
+
 # -- training rows ------------------------------------------------------------------
 
 
@@ -446,9 +454,7 @@ def run_training(communicator, shape, args) -> dict:
             if name.startswith("ours"):
                 raise
             failure = f"{type(error).__name__}: {str(error)[:300]}"
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, failure)
-        failed_somewhere = next((v for v in verdicts if v is not None), None)
+        failed_somewhere = _failed_anywhere(failure, world)
         if failed_somewhere is not None:
             failed[name] = failed_somewhere
             del forwards[name]
@@ -547,11 +553,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
             if name in ours:
                 raise
             failure = f"{type(error).__name__}: {str(error)[:300]}"
-        # every rank's verdict on this variant before the next one runs: a variant that
-        # failed on any rank is left out on all (its collectives would find no peer)
-        verdicts = [None] * world
-        dist.all_gather_object(verdicts, failure)
-        failed_somewhere = next((v for v in verdicts if v is not None), None)
+        failed_somewhere = _failed_anywhere(failure, world)
         if failed_somewhere is not None:
             failed[name] = failed_somewhere
             errors.pop(name, None)
