@@ -14,10 +14,12 @@ exprs backwards applying one rule per op family, registered in
 operand broadcast along an axis (extent 1 against a larger output) gets its gradient
 summed over that axis.
 
-An op without a rule raises ``DifferentiationError`` naming it and the tensor it makes,
-when the backward is built (never a wrong gradient): max/min reductions, maximum and
-minimum, where, slice, select and every cast from or to an fp8/fp4 type among them
-(a straight-through cast would be a silent choice; ask for it explicitly, later).
+A max or min shares its gradient evenly among the elements that reach it, maximum and
+minimum half to each operand where they are equal, as torch's. An op without a rule
+raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
+built (never a wrong gradient): slice, select, exact gelu, batched matmuls and every
+cast from or to an fp8/fp4 type among them (a straight-through cast would be a silent
+choice; ask for it explicitly, later).
 
 Example::
 
@@ -48,6 +50,7 @@ from fusion.exprs import (
     SetOp,
     UnaryOp,
     VarMeanOp,
+    WhereOp,
 )
 from fusion.ir import Fusion, Symbol, TensorView
 
@@ -204,6 +207,7 @@ _REPLAY: dict[type, Callable] = {
     ReductionOp: lambda e, o: getattr(ops, e.op_name)(o[0], list(e.dims)),
     MatmulOp: lambda e, o: ops.matmul(o[0], o[1]),
     LinearOp: lambda e, o: ops.linear(*o),
+    WhereOp: lambda e, o: ops.where(*o),
 }
 
 
@@ -267,12 +271,33 @@ def _pow(a, b, y, g):
     return grad_a, grad_b
 
 
+def _nonzero(t: TensorView) -> TensorView:
+    """1 where ``t`` is not zero (NaN included), else 0, in ``t``'s dtype."""
+    return ops.cast(ops.cast(t, "bool"), t.dtype)
+
+
+def _extreme_pair(sign: float):
+    """maximum (``sign`` 1) or minimum (-1): the gradient goes to the larger (smaller)
+    operand, half to each where they are equal, as torch's."""
+
+    def rule(a, b, y, g):
+        difference = ops.mul(ops.sub(a, b), sign)
+        wins = _positive(difference)
+        equal = ops.sub(1.0, _nonzero(difference))
+        share_a = ops.add(wins, ops.mul(equal, 0.5))
+        return ops.mul(g, share_a), ops.mul(g, ops.sub(1.0, share_a))
+
+    return rule
+
+
 BINARY_RULES: dict[str, Callable] = {
     "add": lambda a, b, y, g: (g, g),
     "sub": lambda a, b, y, g: (g, ops.neg(g)),
     "mul": lambda a, b, y, g: (ops.mul(g, b), ops.mul(g, a)),
     "div": lambda a, b, y, g: (ops.div(g, b), ops.neg(ops.div(ops.mul(g, y), b))),
     "pow": _pow,
+    "maximum": _extreme_pair(1.0),
+    "minimum": _extreme_pair(-1.0),
 }
 
 
@@ -291,9 +316,15 @@ def _cast(expr, mapped, given):
 def _reduction(expr, mapped, given):
     (g,) = given
     x = mapped[expr.inputs[0]]
-    spread = ops.expand(ops.broadcast(g, [d in expr.dims for d in range(x.ndim)]), _shape(x))
+    flags = [d in expr.dims for d in range(x.ndim)]
+    spread = ops.expand(ops.broadcast(g, flags), _shape(x))
     if expr.op_name == "mean":
         spread = ops.div(spread, float(_count(x, expr.dims)))
+    elif expr.op_name in ("max", "min"):  # shared evenly by the elements that reach it
+        reached = ops.broadcast(mapped[expr.output], flags)
+        at = ops.sub(1.0, _nonzero(ops.sub(x, reached)))
+        ties = ops.broadcast(ops.sum(at, list(expr.dims)), flags)
+        spread = ops.div(ops.mul(spread, at), ties)
     return [spread]
 
 
@@ -372,6 +403,17 @@ def _linear(expr, mapped, given):
     return grads
 
 
+def _where(expr, mapped, given):
+    (g,) = given
+    cond = mapped[expr.inputs[0]]
+    grads = [None]  # the condition has none
+    for position, operand in enumerate(expr.operands[1:]):
+        if isinstance(operand, TensorView):
+            taken = ops.where(cond, g, 0.0) if position == 0 else ops.where(cond, 0.0, g)
+            grads.append(taken)
+    return grads
+
+
 GRADIENT_RULES: dict[type, Callable] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
@@ -385,6 +427,7 @@ GRADIENT_RULES: dict[type, Callable] = {
     VarMeanOp: _var_mean,
     MatmulOp: _matmul,
     LinearOp: _linear,
+    WhereOp: _where,
 }
 
 
@@ -396,7 +439,7 @@ def _rule(expr: Expr) -> Callable:
         rule is None
         or (isinstance(expr, UnaryOp) and name not in UNARY_RULES)
         or (isinstance(expr, BinaryOp) and name not in BINARY_RULES)
-        or (isinstance(expr, ReductionOp) and name not in ("sum", "mean"))
+        or (isinstance(expr, ReductionOp) and name not in ("sum", "mean", "max", "min"))
         or (isinstance(expr, UnaryOp) and name == "gelu"
             and expr.attrs.get("approximate", "none") != "tanh")
     )  # fmt: skip
@@ -410,5 +453,6 @@ def _rule(expr: Expr) -> Callable:
 
 def _known() -> str:
     names = [*UNARY_RULES, *BINARY_RULES, "cast", "set", "broadcast", "expand", "reshape",
-             "permute", "sum", "mean", "var_mean", "matmul", "linear"]  # fmt: skip
+             "permute", "where", "sum", "mean", "max", "min", "var_mean", "matmul",
+             "linear"]  # fmt: skip
     return ", ".join(names)

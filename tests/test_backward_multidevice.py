@@ -59,6 +59,18 @@ def swiglu_block(world: int, tokens: int) -> FusionDefinition:
     return fd
 
 
+def split_extremes(world: int) -> FusionDefinition:
+    """An elementwise maximum and minimum on split pieces, summed over the split axis."""
+    with FusionDefinition("split_extremes") as fd:
+        x = fd.define_tensor([6, 4 * world + 1])
+        y = fd.define_tensor([6, 4 * world + 1])
+        top = fd.ops.maximum(x, y)
+        fd.add_output(fd.ops.sum(fd.ops.minimum(top, 0.25) * x, [1]))
+    shard(x, DeviceMesh(world), [Shard(1)])
+    shard(y, DeviceMesh(world), [Shard(1)])
+    return fd
+
+
 def data_and_tensor_parallel_mlp(world: int) -> FusionDefinition:
     """A 2 x 2 mesh: the batch split over "dp", Megatron's MLP over "tp"; the weights'
     gradients, partial over the batch pieces, are all-reduced over "dp" (cheaper than
@@ -91,6 +103,7 @@ SWIGLU_COMMUNICATIONS = ["Allgather(x)", "Allgather(x)", "ReduceScatter(x)", "Re
 BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "swiglu_even": lambda world: swiglu_block(world, 4 * world),
           "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1),
+          "split_extremes": split_extremes,
           "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
@@ -115,17 +128,36 @@ def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]
             for c in executor.communications]  # fmt: skip
 
 
-@pytest.mark.parametrize("kernels", ["reference", "generated"])
+KNOWN_WRONG = pytest.mark.xfail(
+    strict=True,
+    reason="found 2026-11-24, not understood yet: the backward of a sum over a split axis "
+    "(split_extremes), run with generated kernels on the pieces, gives wrong gradients on "
+    "every rank (right with the reference evaluator, and on one device)",
+)
+
+
+def _known(world: int, block: str, kernels: str):
+    marks = [KNOWN_WRONG] if (block, kernels) == ("split_extremes", "generated") else []
+    return pytest.param(world, block, kernels, marks=marks)
+
+
 @pytest.mark.parametrize(
-    ("world", "block"),
-    [(world, block) for world in (2, 4) for block in BLOCKS if block != "dp_tp_mlp"]
-    + [(4, "dp_tp_mlp")],
+    ("world", "block", "kernels"),
+    [
+        _known(world, block, kernels)
+        for kernels in ("reference", "generated")
+        for world, block in [(w, b) for w in (2, 4) for b in BLOCKS if b != "dp_tp_mlp"]
+        + [(4, "dp_tp_mlp")]
+    ],  # fmt: skip
 )
 def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, kernels):
     results = rank_pools(world).run(gradients_on_every_rank, block, kernels, timeout=120)
     for communications in results:
         assert communications == results[0]  # one program on every rank
-        if block == "dp_tp_mlp":
+        if block == "split_extremes":
+            # elementwise on the pieces: the gradients need nothing from other ranks
+            assert communications == [], communications
+        elif block == "dp_tp_mlp":
             # the weights' gradients all-reduced over "dp" (partial over the batch's
             # pieces); x's gradient from the hidden gradient and w1 gathered over "tp"
             # (at these sizes fewer bits than all-reducing x's partial gradient)
