@@ -54,7 +54,7 @@ from overlap.planner import OverlapPlan
 from schedulers.registry import KernelGroup, split_into_kernels
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
-from sharding.layout import Shard
+from sharding.layout import Shard, layout_of
 from sharding.rules import dim_map
 from sharding.segmentation import segment_fusion
 
@@ -165,6 +165,24 @@ def _runs(exprs: list[Expr], owners: dict[Expr, int]) -> list[_Run]:
     return runs
 
 
+def _split_dims(tensor: TensorView) -> tuple | None:
+    layout = layout_of(tensor)
+    if layout is None:
+        return None
+    return tuple(p.dim if isinstance(p, Shard) else None for p in layout.placements)
+
+
+def _splits_alike(group: list[Expr], expr: Expr) -> bool:
+    """Whether every output of ``expr`` is split as the group's outputs of its shape."""
+    held = {}
+    for member in group:
+        for out in member.outputs:
+            held.setdefault(tuple(out.shape), _split_dims(out))
+    return all(
+        held.get(tuple(out.shape), _split_dims(out)) == _split_dims(out) for out in expr.outputs
+    )
+
+
 def _is_contraction(expr: Expr) -> bool:
     return isinstance(expr, (MatmulOp, LinearOp))
 
@@ -228,12 +246,17 @@ class _Lowering:
     def _compute_kernels(
         self, exprs: list[Expr], aliases: dict[TensorView, TensorView] | None = None
     ) -> list[LaunchKernel]:
-        """Consecutive compute exprs on one mesh share a kernel; a contraction is alone."""
+        """Consecutive compute exprs on one mesh share a kernel; a contraction is alone,
+        and so are exprs whose outputs, of one whole shape, are split unlike the
+        kernel's (a kernel runs one iteration space: a whole tensor beside a piece of
+        the same shape would be written over the piece's extent only)."""
         groups: list[list[Expr]] = []
         for expr in exprs:
             alone = _is_contraction(expr)
             if groups and not alone and not _is_contraction(groups[-1][-1]):
-                if groups[-1][-1].outputs[0].mesh == expr.outputs[0].mesh:
+                if groups[-1][-1].outputs[0].mesh == expr.outputs[0].mesh and _splits_alike(
+                    groups[-1], expr
+                ):
                     groups[-1].append(expr)
                     continue
             groups.append([expr])

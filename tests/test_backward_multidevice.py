@@ -60,7 +60,10 @@ def swiglu_block(world: int, tokens: int) -> FusionDefinition:
 
 
 def split_extremes(world: int) -> FusionDefinition:
-    """An elementwise maximum and minimum on split pieces, summed over the split axis."""
+    """An elementwise maximum and minimum on split pieces, summed over the split axis.
+    Its backward spreads the sum's gradient (whole on every rank) over the pieces: with
+    generated kernels, the spread and the pieces' own work once shared a kernel, which
+    wrote the whole tensor over a piece's extent only (wrong gradients on every rank)."""
     with FusionDefinition("split_extremes") as fd:
         x = fd.define_tensor([6, 4 * world + 1])
         y = fd.define_tensor([6, 4 * world + 1])
@@ -128,23 +131,10 @@ def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]
             for c in executor.communications]  # fmt: skip
 
 
-KNOWN_WRONG = pytest.mark.xfail(
-    strict=True,
-    reason="found 2026-11-24, not understood yet: the backward of a sum over a split axis "
-    "(split_extremes), run with generated kernels on the pieces, gives wrong gradients on "
-    "every rank (right with the reference evaluator, and on one device)",
-)
-
-
-def _known(world: int, block: str, kernels: str):
-    marks = [KNOWN_WRONG] if (block, kernels) == ("split_extremes", "generated") else []
-    return pytest.param(world, block, kernels, marks=marks)
-
-
 @pytest.mark.parametrize(
     ("world", "block", "kernels"),
     [
-        _known(world, block, kernels)
+        (world, block, kernels)
         for kernels in ("reference", "generated")
         for world, block in [(w, b) for w in (2, 4) for b in BLOCKS if b != "dp_tp_mlp"]
         + [(4, "dp_tp_mlp")]
