@@ -264,10 +264,14 @@ def _binary(expr, mapped, given):
 
 
 def _pow(a, b, y, g):
-    """d(a^b)/da = b a^(b-1); d(a^b)/db = a^b log(a) (only where b is a tensor)."""
-    lower = ops.sub(b, 1.0) if isinstance(b, TensorView) else b - 1
-    grad_a = ops.mul(g, ops.mul(b, ops.pow(a, lower)))
-    grad_b = ops.mul(g, ops.mul(y, ops.log(a))) if isinstance(b, TensorView) else None
+    """d(a^b)/da = b a^(b-1); d(a^b)/db = a^b log(a), for whichever side is a tensor."""
+    grad_a = grad_b = None
+    if isinstance(a, TensorView):
+        lower = ops.sub(b, 1.0) if isinstance(b, TensorView) else b - 1
+        grad_a = ops.mul(g, ops.mul(b, ops.pow(a, lower)))
+    if isinstance(b, TensorView):
+        log_a = ops.log(a) if isinstance(a, TensorView) else math.log(a)
+        grad_b = ops.mul(g, ops.mul(y, log_a))
     return grad_a, grad_b
 
 

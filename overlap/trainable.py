@@ -48,6 +48,15 @@ class TrainableFusion:
         **executor_options: Any,
     ) -> None:
         self.fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
+        for position, tensor in enumerate(self.fusion.inputs):
+            if tensor.mesh is not None and len(tensor.mesh.ranks) != communicator.world_size:
+                # a rank without the input would decide alone that it wants no gradient
+                # and skip the backward its peers wait for in their collectives
+                raise NotImplementedError(
+                    f"TrainableFusion: input {position} ({tensor}) is on {tensor.mesh}, not "
+                    f"on all {communicator.world_size} ranks: inputs on some ranks only are "
+                    "not supported yet"
+                )
         self.communicator = communicator
         self.saved = list(saved)
         self.executor_options = executor_options
@@ -91,17 +100,22 @@ class _Apply(torch.autograd.Function):
     def forward(ctx, model: TrainableFusion, *local_inputs):
         everything = model.forward_executor.run(list(local_inputs))
         count = len(model.fusion.outputs)
-        outputs, ctx.saved = everything[:count], everything[count:]
+        outputs, saved = everything[:count], everything[count:]
         ctx.model = model
-        ctx.inputs = local_inputs  # kept as given: some are None (off this rank's mesh)
+        ctx.counts = (len(local_inputs), len(saved))
+        # saved for backward: an in-place change in between, or a second backward, raises
+        ctx.save_for_backward(*local_inputs, *saved)
         ctx.outputs = [None if o is None else (o.shape, o.dtype, o.device) for o in outputs]
         return tuple(outputs)
 
     @staticmethod
     def backward(ctx, *output_grads):
+        count, _ = ctx.counts
+        held = ctx.saved_tensors
+        inputs, saved = held[:count], held[count:]
         wrt = tuple(i for i, needed in enumerate(ctx.needs_input_grad[1:]) if needed)
         if not wrt:
-            return (None, *(None for _ in ctx.inputs))
+            return (None, *(None for _ in inputs))
         seeds = [
             grad
             if grad is not None or like is None
@@ -109,8 +123,8 @@ class _Apply(torch.autograd.Function):
             for grad, like in zip(output_grads, ctx.outputs, strict=True)
         ]
         executor = ctx.model.backward_executor(wrt)
-        local_grads = executor.run([*ctx.inputs, *ctx.saved, *seeds])
-        grads: list[torch.Tensor | None] = [None] * len(ctx.inputs)
+        local_grads = executor.run([*inputs, *saved, *seeds])
+        grads: list[torch.Tensor | None] = [None] * len(inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad
         return (None, *grads)

@@ -260,3 +260,10 @@ def test_where_sends_the_gradient_to_the_side_it_took():
     actual = evaluate(grads.fusion, [mask, *values, *seeds])
     for ours, theirs in zip(actual, expected, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
+
+
+def test_a_power_of_a_scalar_base():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4], "float64")
+        fd.add_output(fd.ops.pow(2.0, x) + fd.ops.pow(x, 3))
+    _check(fd, [[3, 4]])

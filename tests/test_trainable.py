@@ -108,3 +108,36 @@ def test_the_training_example_matches_one_device_under_each_launcher(launcher):
     first, last = float(steps[0][1]), float(steps[-1][1])
     assert last < 0.8 * first, (first, last)  # it trains
     assert "20 steps on 2 ranks match one device" in output
+
+
+def changed_in_place(communicator) -> str:
+    """A weight changed in place between the forward and the backward."""
+    fd = BLOCKS["tp_mlp"](communicator.world_size)
+    model = TrainableFusion(fd, communicator)
+    full = [torch.randn(list(t.shape)) for t in fd.fusion.inputs]
+    local = [piece.requires_grad_() for piece in model.shard_inputs(full)]
+    (y,) = model(*local)
+    with torch.no_grad():
+        local[1].mul_(2.0)
+    try:
+        y.sum().backward()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
+def test_an_input_changed_in_place_before_the_backward_is_refused(rank_pools):
+    for message in rank_pools(2).run(changed_in_place, timeout=60):
+        assert "modified by an inplace operation" in message, message
+
+
+def test_inputs_on_some_ranks_only_are_refused_before_anything_runs():
+    class World:
+        world_size, rank = 2, 0
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4])
+        fd.add_output(fd.ops.exp(x))
+    shard(x, DeviceMesh([0]), [Shard(0)])
+    with pytest.raises(NotImplementedError, match="not on all 2 ranks"):
+        TrainableFusion(fd, World())
