@@ -226,6 +226,22 @@ def check_devices(local_inputs: Sequence[torch.Tensor], device: torch.device) ->
         _check_device(position, value, device)
 
 
+def _value_shape(tensor: TensorView, rank: int, entry, where: InputAt) -> list[int]:
+    """``rank``'s described piece of input ``tensor`` (present, its dtype and rank
+    checked), in values (a packed piece's innermost extent unpacked)."""
+    if entry is None:
+        raise InputError(f"rank {rank}: {where} is on this rank but got None")
+    shape, dtype = entry
+    expected_dtype = str(tensor.dtype.torch_dtype)
+    if dtype != expected_dtype:
+        raise InputError(f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}")
+    if len(shape) != tensor.ndim:
+        raise InputError(f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}")
+    if tensor.dtype.is_packed:
+        shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
+    return list(shape)
+
+
 def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
     """What ``rank`` can check of its own described inputs without its peers: present
     where placed, dtype, rank and every static extent of its piece (the same words as
@@ -233,20 +249,7 @@ def check_own_inputs(fusion: Fusion, rank: int, described: list) -> None:
     for position, tensor in enumerate(fusion.inputs):
         if rank not in tensor.mesh.ranks:
             continue
-        where = InputAt(position, tensor)
-        entry = described[position]
-        if entry is None:
-            raise InputError(f"rank {rank}: {where} is on this rank but got None")
-        shape, dtype = entry
-        expected_dtype = str(tensor.dtype.torch_dtype)
-        if dtype != expected_dtype:
-            raise InputError(f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}")
-        if len(shape) != tensor.ndim:
-            raise InputError(
-                f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}"
-            )
-        if tensor.dtype.is_packed:
-            shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
+        shape = _value_shape(tensor, rank, described[position], InputAt(position, tensor))
         layout = layout_of(tensor)
         whole = [0 if isinstance(e, Symbol) else e for e in tensor.shape]
         expected = local_shape(layout, rank, whole)
@@ -289,41 +292,26 @@ def check_local_inputs(fusion: Fusion, everyone: list[list]) -> Bindings:
     Raises ``InputError`` naming the rank, the input and the mismatch.
     """
     bindings: Bindings = {}
+    pieces: list[dict[int, list[int]]] = []  # by input, each rank's shape in values
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
         where = InputAt(position, tensor)
-        expected_dtype = str(tensor.dtype.torch_dtype)
-        shapes: dict[int, list[int]] = {}
-        for rank in tensor.mesh.ranks:
-            entry = everyone[rank][position]
-            if entry is None:
-                raise InputError(f"rank {rank}: {where} is on this rank but got None")
-            shape, dtype = entry
-            if dtype != expected_dtype:
-                raise InputError(
-                    f"rank {rank}: {where}: expected dtype {expected_dtype}, got {dtype}"
-                )
-            if len(shape) != tensor.ndim:
-                raise InputError(
-                    f"rank {rank}: {where}: expected rank {tensor.ndim}, got shape {shape}"
-                )
-            if tensor.dtype.is_packed:
-                shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
-            shapes[rank] = shape
+        shapes = {
+            rank: _value_shape(tensor, rank, everyone[rank][position], where)
+            for rank in tensor.mesh.ranks
+        }
+        pieces.append(shapes)
         _bind_symbols(tensor, layout, shapes, bindings, where)
     check_constraints(fusion, bindings)
     for position, tensor in enumerate(fusion.inputs):
         layout = layout_of(tensor)
         whole = [resolve(e, bindings) for e in tensor.shape]
-        for rank in tensor.mesh.ranks:
-            shape, _ = everyone[rank][position]
-            if tensor.dtype.is_packed:
-                shape = shape[:-1] + [shape[-1] * tensor.dtype.values_per_storage_element]
+        for rank, shape in pieces[position].items():
             expected = local_shape(layout, rank, whole)
-            if list(shape) != expected:
+            if shape != expected:
                 raise InputError(
                     f"rank {rank}: input {position} ({tensor}) placed {layout}: expected the "
-                    f"local shape {expected} (of the whole {whole}), got {list(shape)}"
+                    f"local shape {expected} (of the whole {whole}), got {shape}"
                 )
     return bindings
 

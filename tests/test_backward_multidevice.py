@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipelined import swiglu_block  # RMSNorm, gathered gate and up, down, residual
 
 from fusion import FusionDefinition
 from fusion.reference import evaluate
@@ -32,30 +33,6 @@ def tensor_parallel_mlp(world: int) -> FusionDefinition:
     shard(w1, mesh, [Shard(0)])
     shard(w2, mesh, [Shard(1)])
     shard(y, mesh, [Replicate()])
-    return fd
-
-
-def swiglu_block(world: int, tokens: int) -> FusionDefinition:
-    """Sequence-parallel: RMSNorm, all-gather, gate and up, silu(gate) * up, down,
-    reduce-scatter, the residual; gamma placed by propagation."""
-    mesh = DeviceMesh(world)
-    hidden, ffn = 12, 8 * world
-    with FusionDefinition("swiglu_block") as fd:
-        x = fd.define_tensor([tokens, hidden])
-        gamma = fd.define_tensor([hidden])
-        w_gate = fd.define_tensor([ffn, hidden])
-        w_up = fd.define_tensor([ffn, hidden])
-        w_down = fd.define_tensor([hidden, ffn])
-        rms = fd.ops.rsqrt(fd.ops.mean(x * x, dims=[1], keepdim=True) + 1e-6)
-        normed = x * rms * fd.ops.broadcast(gamma, [True, False])
-        h = fd.ops.silu(fd.ops.linear(normed, w_gate)) * fd.ops.linear(normed, w_up)
-        out = fd.ops.linear(h, w_down) + x
-        fd.add_output(out)
-    shard(x, mesh, [Shard(0)])
-    shard(w_gate, mesh, [Shard(0)])
-    shard(w_up, mesh, [Shard(0)])
-    shard(w_down, mesh, [Shard(1)])
-    shard(out, mesh, [Shard(0)])
     return fd
 
 

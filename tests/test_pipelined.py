@@ -122,7 +122,7 @@ def test_the_copy_engine_transport_is_refused_on_cpu_before_any_communication(ra
 # A sequence-parallel SwiGLU block: one gathered tensor feeds two matmuls
 
 
-def _swiglu_block(world: int, tokens: int) -> FusionDefinition:
+def swiglu_block(world: int, tokens: int) -> FusionDefinition:
     """RMSNorm, all-gather, gate and up (column-parallel), silu(gate) * up, down
     (row-parallel), reduce-scatter, residual."""
     mesh = DeviceMesh(world)
@@ -188,7 +188,7 @@ def pipelined_block(
     communicator, block: str, tokens: int, chunks: int, transport: str, kernels: str
 ):
     world = communicator.world_size
-    fd = (_swiglu_block if block == "swiglu" else _attention_block)(world, tokens)
+    fd = (swiglu_block if block == "swiglu" else _attention_block)(world, tokens)
     options = OverlapOptions(overlap=True, num_chunks=chunks, transport=transport)
     executor = MultiDeviceExecutor(fd, communicator, options, kernels=kernels)
     generator = torch.Generator().manual_seed(23)
