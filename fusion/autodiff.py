@@ -17,7 +17,7 @@ summed over that axis.
 A max or min shares its gradient evenly among the elements that reach it, maximum and
 minimum half to each operand where they are equal, as torch's. An op without a rule
 raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
-built (never a wrong gradient): slice, select, exact gelu, batched matmuls and every
+built (never a wrong gradient): slice, select, batched matmuls and every
 cast from or to an fp8/fp4 type among them (a straight-through cast would be a silent
 choice; ask for it explicitly, later).
 
@@ -40,6 +40,7 @@ from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
     CastOp,
+    CompareOp,
     ExpandOp,
     Expr,
     LinearOp,
@@ -65,12 +66,16 @@ class Backward:
     """The backward fusion; ``wrt`` the forward inputs (positions) whose gradients are
     its outputs, in that order; ``saved`` the forward intermediates it takes as inputs
     (after the forward's inputs); ``read`` every forward intermediate the gradients
-    read, saved or recomputed."""
+    read, saved or recomputed; ``values`` and ``gradients``: per forward tensor, its
+    value in the backward fusion (an input, or the replayed expr's output) and its
+    gradient there (where one flows)."""
 
     fusion: Fusion
     wrt: list[int]
     saved: list[TensorView]
     read: list[TensorView]
+    values: dict[TensorView, TensorView]
+    gradients: dict[TensorView, TensorView]
 
     def explain(self) -> str:
         """Per intermediate the gradients read: saved by the forward or recomputed."""
@@ -151,7 +156,8 @@ def backward(
             if grad in fd.fusion.outputs or grad in fd.fusion.inputs:
                 grad = ops.set(grad)  # one gradient for two inputs, or an output's own
             fd.add_output(grad)
-    return Backward(fd.fusion, list(wrt), list(saved), _read(fd.fusion, mapped, computed))
+    read = _read(fd.fusion, mapped, computed)
+    return Backward(fd.fusion, list(wrt), list(saved), read, mapped, grads)
 
 
 def _read(backward_fusion: Fusion, mapped: dict, computed: set) -> list[TensorView]:
@@ -208,6 +214,7 @@ _REPLAY: dict[type, Callable] = {
     MatmulOp: lambda e, o: ops.matmul(o[0], o[1]),
     LinearOp: lambda e, o: ops.linear(*o),
     WhereOp: lambda e, o: ops.where(*o),
+    CompareOp: lambda e, o: getattr(ops, e.op_name)(o[0], o[1]),
 }
 
 
@@ -237,6 +244,17 @@ def _gelu_tanh(x, g):
     return ops.mul(g, ops.add(ops.mul(0.5, ops.add(1.0, t)), ops.mul(ops.mul(0.5, x), dt)))
 
 
+def _gelu_exact(x, g):
+    # d/dx x * Phi(x) = Phi(x) + x * phi(x)
+    cdf = ops.mul(0.5, ops.add(1.0, ops.erf(ops.mul(x, 1.0 / math.sqrt(2.0)))))
+    density = ops.mul(1.0 / math.sqrt(2.0 * math.pi), ops.exp(ops.mul(-0.5, ops.mul(x, x))))
+    return ops.mul(g, ops.add(cdf, ops.mul(x, density)))
+
+
+def _gelu(x, g, attrs):
+    return _gelu_tanh(x, g) if attrs.get("approximate") == "tanh" else _gelu_exact(x, g)
+
+
 UNARY_RULES: dict[str, Callable] = {
     "neg": lambda x, y, g, a: ops.neg(g),
     "exp": lambda x, y, g, a: ops.mul(g, y),
@@ -250,7 +268,10 @@ UNARY_RULES: dict[str, Callable] = {
     "silu": lambda x, y, g, a: ops.mul(
         g, ops.mul(ops.sigmoid(x), ops.add(1.0, ops.mul(x, ops.sub(1.0, ops.sigmoid(x)))))
     ),
-    "gelu": lambda x, y, g, a: _gelu_tanh(x, g),  # approximate="tanh" (see _rule)
+    "gelu": lambda x, y, g, a: _gelu(x, g, a),
+    "erf": lambda x, y, g, a: ops.mul(
+        g, ops.mul(2.0 / math.sqrt(math.pi), ops.exp(ops.neg(ops.mul(x, x))))
+    ),
     "abs": lambda x, y, g, a: ops.mul(g, ops.sub(_positive(x), _positive(ops.neg(x)))),
 }
 
@@ -275,21 +296,15 @@ def _pow(a, b, y, g):
     return grad_a, grad_b
 
 
-def _nonzero(t: TensorView) -> TensorView:
-    """1 where ``t`` is not zero (NaN included), else 0, in ``t``'s dtype."""
-    return ops.cast(ops.cast(t, "bool"), t.dtype)
-
-
 def _extreme_pair(sign: float):
-    """maximum (``sign`` 1) or minimum (-1): the gradient goes to the larger (smaller)
-    operand, half to each where they are equal, as torch's."""
+    """maximum (``sign`` 1) or minimum (-1), as torch's: the gradient goes to the larger
+    (smaller) operand, half to each where they are equal (infinities included), and to
+    both where either is NaN (neither loses a comparison with NaN)."""
 
     def rule(a, b, y, g):
-        difference = ops.mul(ops.sub(a, b), sign)
-        wins = _positive(difference)
-        equal = ops.sub(1.0, _nonzero(difference))
-        share_a = ops.add(wins, ops.mul(equal, 0.5))
-        return ops.mul(g, share_a), ops.mul(g, ops.sub(1.0, share_a))
+        shared = ops.where(ops.eq(a, b), ops.mul(g, 0.5), g)
+        a_loses, b_loses = (ops.lt(a, b), ops.gt(a, b))[:: int(sign)]
+        return ops.where(a_loses, 0.0, shared), ops.where(b_loses, 0.0, shared)
 
     return rule
 
@@ -326,7 +341,7 @@ def _reduction(expr, mapped, given):
         spread = ops.div(spread, float(_count(x, expr.dims)))
     elif expr.op_name in ("max", "min"):  # shared evenly by the elements that reach it
         reached = ops.broadcast(mapped[expr.output], flags)
-        at = ops.sub(1.0, _nonzero(ops.sub(x, reached)))
+        at = ops.cast(ops.eq(x, reached), x.dtype)  # none where it is NaN: NaN gradients
         ties = ops.broadcast(ops.sum(at, list(expr.dims)), flags)
         spread = ops.div(ops.mul(spread, at), ties)
     return [spread]
@@ -422,7 +437,9 @@ GRADIENT_RULES: dict[type, Callable] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
     CastOp: _cast,
-    SetOp: lambda expr, mapped, given: [given[0]],
+    # a copy of the gradient: where the forward's copy moves a tensor (to another mesh or
+    # layout), the gradient's copy moves it back
+    SetOp: lambda expr, mapped, given: [ops.set(given[0])],
     BroadcastOp: _broadcast,
     ExpandOp: _expand,
     ReshapeOp: _reshape,
@@ -432,6 +449,7 @@ GRADIENT_RULES: dict[type, Callable] = {
     MatmulOp: _matmul,
     LinearOp: _linear,
     WhereOp: _where,
+    CompareOp: lambda expr, mapped, given: [None] * len(expr.inputs),  # a bool has none
 }
 
 
@@ -444,9 +462,7 @@ def _rule(expr: Expr) -> Callable:
         or (isinstance(expr, UnaryOp) and name not in UNARY_RULES)
         or (isinstance(expr, BinaryOp) and name not in BINARY_RULES)
         or (isinstance(expr, ReductionOp) and name not in ("sum", "mean", "max", "min"))
-        or (isinstance(expr, UnaryOp) and name == "gelu"
-            and expr.attrs.get("approximate", "none") != "tanh")
-    )  # fmt: skip
+    )
     if missing:
         raise DifferentiationError(
             f"{name} ({expr.output if len(expr.outputs) == 1 else expr.outputs[0]}) has no "
@@ -456,7 +472,7 @@ def _rule(expr: Expr) -> Callable:
 
 
 def _known() -> str:
-    names = [*UNARY_RULES, *BINARY_RULES, "cast", "set", "broadcast", "expand", "reshape",
-             "permute", "where", "sum", "mean", "max", "min", "var_mean", "matmul",
-             "linear"]  # fmt: skip
+    names = [*UNARY_RULES, *BINARY_RULES, "eq", "ne", "lt", "le", "gt", "ge", "cast", "set",
+             "broadcast", "expand", "reshape", "permute", "where", "sum", "mean", "max", "min",
+             "var_mean", "matmul", "linear"]  # fmt: skip
     return ", ".join(names)

@@ -26,12 +26,14 @@ UNARY_OPS = (
     "relu",
     "gelu",
     "silu",
+    "erf",
 )
 # Unary ops that only make sense on floats; integer and bool inputs are promoted to float32.
 FLOAT_UNARY_OPS = frozenset(
-    {"exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "gelu", "silu"}
+    {"exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "gelu", "silu", "erf"}
 )
 BINARY_OPS = ("add", "sub", "mul", "div", "maximum", "minimum", "pow")
+COMPARE_OPS = ("eq", "ne", "lt", "le", "gt", "ge")
 REDUCTION_OPS = ("sum", "max", "min", "mean")
 
 
@@ -102,6 +104,23 @@ class BinaryOp(Expr):
     def __init__(
         self, op: str, lhs: TensorView | Scalar, rhs: TensorView | Scalar, out: TensorView
     ) -> None:
+        super().__init__(op, [lhs, rhs], [out])
+
+
+class CompareOp(Expr):
+    """``out = lhs op rhs`` elementwise, a bool; ``op`` one of ``COMPARE_OPS``. The
+    operands are compared in ``compared_in``, their promoted type (NaN compares unequal
+    to everything, itself included, as in IEEE arithmetic and torch)."""
+
+    def __init__(
+        self,
+        op: str,
+        lhs: TensorView | Scalar,
+        rhs: TensorView | Scalar,
+        out: TensorView,
+        compared_in: DataType,
+    ) -> None:
+        self.compared_in = compared_in
         super().__init__(op, [lhs, rhs], [out])
 
 

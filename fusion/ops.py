@@ -39,6 +39,7 @@ from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
     CastOp,
+    CompareOp,
     ExpandOp,
     LinearOp,
     MatmulOp,
@@ -56,9 +57,10 @@ from fusion.ir import Axis, Extent, ExtentConstraint, Fusion, IterType, Scalar, 
 
 __all__ = [
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu",
-    "gelu", "silu", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "where", "cast",
-    "set", "broadcast", "expand", "broadcast_in_dim", "reshape", "permute", "slice", "select",
-    "sum", "max", "min", "mean", "var_mean", "matmul", "linear",
+    "gelu", "silu", "erf", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne",
+    "lt", "le", "gt", "ge", "where", "cast", "set", "broadcast", "expand", "broadcast_in_dim",
+    "reshape", "permute", "slice", "select", "sum", "max", "min", "mean", "var_mean", "matmul",
+    "linear",
 ]  # fmt: skip
 
 # This module defines ops named like builtins (sum, max, min, abs, set, slice, pow);
@@ -342,6 +344,11 @@ def relu(x: TensorView) -> TensorView:
     return _unary("relu", x)
 
 
+def erf(x: TensorView) -> TensorView:
+    """The error function; integer inputs compute in float32."""
+    return _unary("erf", x)
+
+
 def gelu(x: TensorView, approximate: str = "none") -> TensorView:
     """GELU, exact (``approximate="none"``, with erf) or the ``"tanh"`` approximation."""
     if approximate not in ("none", "tanh"):
@@ -414,6 +421,46 @@ def minimum(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
 def pow(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:  # noqa: A001
     """``lhs ** rhs``."""
     return _binary("pow", lhs, rhs)
+
+
+def _compare(op_name: str, lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    lhs, rhs = _operand(op_name, "lhs", lhs), _operand(op_name, "rhs", rhs)
+    fusion = _fusion_of(op_name, [lhs, rhs])
+    compared_in = _result_dtype(op_name, [lhs, rhs])
+    tensors = [o for o in (lhs, rhs) if isinstance(o, TensorView)]
+    out = _output(op_name, fusion, bool_, _elementwise_axes(op_name, fusion, tensors))
+    CompareOp(op_name, lhs, rhs, out, compared_in)
+    return out
+
+
+def eq(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs == rhs`` (bool), compared in the operands' promoted type; NaN equals nothing."""
+    return _compare("eq", lhs, rhs)
+
+
+def ne(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs != rhs`` (bool); NaN differs from everything, itself included."""
+    return _compare("ne", lhs, rhs)
+
+
+def lt(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs < rhs`` (bool); false where either is NaN."""
+    return _compare("lt", lhs, rhs)
+
+
+def le(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs <= rhs`` (bool); false where either is NaN."""
+    return _compare("le", lhs, rhs)
+
+
+def gt(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs > rhs`` (bool); false where either is NaN."""
+    return _compare("gt", lhs, rhs)
+
+
+def ge(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
+    """``lhs >= rhs`` (bool); false where either is NaN."""
+    return _compare("ge", lhs, rhs)
 
 
 def where(cond: TensorView, x: TensorView | Scalar, y: TensorView | Scalar) -> TensorView:

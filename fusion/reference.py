@@ -39,6 +39,7 @@ from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
     CastOp,
+    CompareOp,
     ExpandOp,
     Expr,
     LinearOp,
@@ -128,6 +129,7 @@ _UNARY: dict[str, Callable[..., torch.Tensor]] = {
     "relu": torch.relu,
     "gelu": F.gelu,
     "silu": F.silu,
+    "erf": torch.erf,
 }
 
 _BINARY: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
@@ -151,6 +153,21 @@ def _binary(expr: BinaryOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     out = expr.output
     lhs, rhs = (_operand_value(o, values, out.dtype) for o in expr.operands)
     return _BINARY[expr.op_name](lhs, rhs).to(out.dtype.torch_dtype)
+
+
+_COMPARE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "eq": torch.eq,
+    "ne": torch.ne,
+    "lt": torch.lt,
+    "le": torch.le,
+    "gt": torch.gt,
+    "ge": torch.ge,
+}
+
+
+def _compare(expr: CompareOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    lhs, rhs = (_operand_value(o, values, expr.compared_in) for o in expr.operands)
+    return _COMPARE[expr.op_name](lhs, rhs)
 
 
 def _where(expr: WhereOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
@@ -252,6 +269,7 @@ def _linear(expr: LinearOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
 _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
+    CompareOp: _compare,
     WhereOp: _where,
     CastOp: _cast,
     SetOp: _set,

@@ -17,6 +17,7 @@ from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
     CastOp,
+    CompareOp,
     ExpandOp,
     Expr,
     ReductionOp,
@@ -27,7 +28,7 @@ from fusion.exprs import (
 )
 from fusion.ir import Extent, TensorView
 
-ELEMENTWISE = (UnaryOp, BinaryOp, WhereOp, CastOp, SetOp)
+ELEMENTWISE = (UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp)
 POINTWISE = ELEMENTWISE + (BroadcastOp, ExpandOp)
 
 Mapping = tuple[int | None, ...]  # per axis of a tensor: the axis of S it runs along

@@ -30,7 +30,17 @@ from fusion.dtypes import (
     float32,
     float64,
 )
-from fusion.exprs import BinaryOp, BroadcastOp, CastOp, ExpandOp, Expr, SetOp, UnaryOp, WhereOp
+from fusion.exprs import (
+    BinaryOp,
+    BroadcastOp,
+    CastOp,
+    CompareOp,
+    ExpandOp,
+    Expr,
+    SetOp,
+    UnaryOp,
+    WhereOp,
+)
 from fusion.ir import Scalar, TensorView
 from schedulers.analysis import NotSchedulable
 
@@ -45,6 +55,7 @@ TRITON_TYPES = {
     "uint8": "tl.uint8",
     "bool": "tl.int1",
 }
+_COMPARISONS = {"eq": "==", "ne": "!=", "lt": "<", "le": "<=", "gt": ">", "ge": ">="}
 _ENCODE = {
     float8_e4m3fn: "fp8e4m3_encode",
     float8_e5m2: "fp8e5m2_encode",
@@ -232,6 +243,8 @@ class Emitter:
             return [operands[0]]  # the same values, seen through another shape
         if isinstance(expr, CastOp):
             return [self._cast(operands[0], out.dtype)]
+        if isinstance(expr, CompareOp):
+            return [self._compare(expr, operands)]
         ctype = compute_dtype(out.dtype)
         args = [
             self.as_compute(o, ctype) if isinstance(o, Value) else _literal(o, ctype)
@@ -252,6 +265,14 @@ class Emitter:
         else:
             raise NotSchedulable(f"{expr.op_name} is not generated")
         return [self.rounded(text, ctype, out.dtype)]
+
+    def _compare(self, expr: CompareOp, operands: list[Value | Scalar]) -> Value:
+        ctype = compute_dtype(expr.compared_in)
+        lhs, rhs = (
+            self.as_compute(o, ctype) if isinstance(o, Value) else _literal(o, ctype)
+            for o in operands
+        )
+        return Value(self.assign(f"{lhs} {_COMPARISONS[expr.op_name]} {rhs}"), bool_)
 
     def _cast(self, value: Value, target: DataType) -> Value:
         source = value.dtype
@@ -297,6 +318,8 @@ class Emitter:
             return f"{sigmoid}({a})"
         if name == "silu":
             return f"{a} * {sigmoid}({a})"
+        if name == "erf":
+            return f"tl.math.erf({a})"
         if name == "gelu":
             return f"gelu_tanh({a})" if expr.attrs.get("approximate") == "tanh" else f"gelu({a})"
         raise NotSchedulable(f"{name} is not generated")

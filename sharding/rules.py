@@ -26,6 +26,7 @@ from fusion.exprs import (
     BinaryOp,
     BroadcastOp,
     CastOp,
+    CompareOp,
     ExpandOp,
     Expr,
     LinearOp,
@@ -182,7 +183,7 @@ def _same_rank_map(tensor: TensorView, out: TensorView) -> dict[int, int]:
     }
 
 
-@register(UnaryOp, BinaryOp, WhereOp, CastOp, SetOp)
+@register(UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp)
 def pointwise_rule(expr: Expr, parts: int) -> DimMap:
     """Elementwise ops (and copies, casts): a split passes axis for axis."""
     out = expr.outputs[0]

@@ -2,10 +2,13 @@
 
 Every scenario runs on 2 and 4 ranks with fresh random inputs, checks every rank's output
 piece against the reference evaluator's whole output (cut to that rank's piece), and
-asserts which communications the framework inserted. Each runs twice: with the compute
-evaluated by the reference evaluator, and with generated Triton kernels (under Triton's
-interpreter here, compiled on GPUs by ``benchmarks/check_gpu.py``), so that a kernel that
-is right only on rank 0's piece fails here.
+asserts which communications the framework inserted. Its backward
+(``overlap.backward.placed_backward``) runs too: every rank's piece of every input's
+gradient against torch autograd through the reference evaluator on one device. Each
+runs twice: with the compute evaluated by the reference evaluator, and with generated
+Triton kernels (under Triton's interpreter here, compiled on GPUs by
+``benchmarks/check_gpu.py``), so that a kernel that is right only on rank 0's piece
+fails here.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ import pytest
 import torch
 
 from fusion import FusionDefinition, to_fp4
+from fusion.reference import evaluate
 from fusion.testing import assert_close
+from overlap.backward import placed_backward
 from overlap.executor import MultiDeviceExecutor
 from overlap.host_ir import LaunchKernel, walk
 from sharding import DeviceMesh, Partial, Replicate, Shard, shard
@@ -45,12 +50,49 @@ def _check(communicator, fd, full_inputs, reduction_extent: int, kernels: str,
     whole = executor.gather_outputs(outputs)
     for actual, wanted in zip(whole, fd.execute(full_inputs), strict=True):
         assert_close(actual, wanted, reduction_extent=reduction_extent, partial_sums=partial_sums)
+    _check_gradients(communicator, fd, full_inputs, kernels)
     return [
         f"{c.op_name}({c.in_layout.mesh.axis_names[c.mesh_axis]})"
         if c.mesh_axis is not None
         else c.op_name
         for c in executor.communications
     ]
+
+
+def _check_gradients(communicator, fd, full_inputs, kernels: str) -> None:
+    """Every rank's piece of the gradient of every floating-point input, from the placed
+    backward, against torch autograd on one device (float64 seeds cast to each output's
+    dtype; a gradient sums over at most every element of the largest tensor, and every
+    rank's partial sums are rounded once)."""
+    leaves = [
+        t.detach().clone().requires_grad_(t.is_floating_point() and t.element_size() > 1)
+        for t in full_inputs
+    ]
+    outputs = evaluate(fd.fusion, leaves)
+    generator = torch.Generator().manual_seed(7)
+    seeds = [torch.randn(o.shape, generator=generator).to(o.device, o.dtype)
+             if o.is_floating_point() else torch.zeros_like(o) for o in outputs]  # fmt: skip
+    differentiated = [(o, s) for o, s in zip(outputs, seeds, strict=True) if o.requires_grad]
+    wrt = [leaf for leaf in leaves if leaf.requires_grad]
+    if not differentiated or not wrt:
+        return
+    expected = torch.autograd.grad(
+        [o for o, _ in differentiated], wrt, [s for _, s in differentiated], allow_unused=True
+    )
+    expected = [torch.zeros_like(w) if e is None else e for e, w in zip(expected, wrt, strict=True)]
+    grads = placed_backward(fd.fusion)
+    executor = MultiDeviceExecutor(grads.fusion, communicator, kernels=kernels)
+    local = executor.run(executor.shard_inputs([*full_inputs, *seeds]))
+    extent = max(t.numel() for t in full_inputs)
+    for position, actual, wanted in zip(
+        grads.wrt, local, executor.shard_outputs(expected), strict=True
+    ):
+        message = f"rank {communicator.rank}, gradient of input {position}"
+        if wanted is None:
+            assert actual is None, message
+        else:
+            assert_close(actual, wanted, reduction_extent=extent,
+                         partial_sums=communicator.world_size, message=message)  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

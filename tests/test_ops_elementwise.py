@@ -34,7 +34,7 @@ from fusion.dtypes import (
     uint8,
 )
 from fusion.errors import DefinitionError
-from fusion.exprs import BinaryOp, UnaryOp, WhereOp
+from fusion.exprs import BinaryOp, CompareOp, UnaryOp, WhereOp
 from fusion.ir import Symbol
 from fusion.testing import assert_close
 
@@ -112,6 +112,14 @@ UNARY = {
     "reciprocal": Unary(ops.reciprocal, torch.reciprocal, "reciprocal(T0)", None, (1, 100), True),
     "tanh": Unary(ops.tanh, torch.tanh, "tanh(T0)", (-5.0, 5.0), (-10, 10), True),
     "sigmoid": Unary(ops.sigmoid, torch.sigmoid, "sigmoid(T0)", (-10.0, 10.0), (-10, 10), True),
+    "erf": Unary(
+        ops.erf,
+        lambda x: torch.erf(as_float32_if_not_floating(x)),
+        "erf(T0)",
+        (-4.0, 4.0),
+        (-3, 3),
+        True,
+    ),
     "gelu": Unary(
         ops.gelu,
         lambda x: F.gelu(as_float32_if_not_floating(x)),
@@ -576,3 +584,54 @@ def test_elementwise_with_symbolic_batch(make_input, dtype):
         hidden_torch = F.gelu(xs * ws, approximate="tanh")
         expected = torch.where(conds, hidden_torch - ys, 0.5)
         assert_close(result, expected, message=f"batch {batch_size}")
+
+
+# ---------------------------------------------------------------------------
+# Comparisons: bool results, operands compared in their promoted type, NaN unequal
+
+
+COMPARISONS = ["eq", "ne", "lt", "le", "gt", "ge"]
+
+
+def _with_ties_and_specials(make_input, shape, dtype: DataType) -> torch.Tensor:
+    value = make_input(shape, dtype, -3, 3)
+    if dtype.is_floating:
+        value = (value * 2).round() / 2  # ties with the other operand
+        flat = value.view(-1)
+        flat[:: max(len(flat) // 3, 1)] = float("nan")
+        flat[1 :: max(len(flat) // 4, 1)] = float("inf")
+    return value
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=shape_id)
+@pytest.mark.parametrize("dtype", COMPUTE, ids=str)
+@pytest.mark.parametrize("op_name", COMPARISONS)
+def test_comparisons_give_bool_as_torch(make_input, op_name, dtype, shape):
+    lhs = _with_ties_and_specials(make_input, shape, dtype)
+    rhs = _with_ties_and_specials(make_input, shape, dtype)
+    fd = build([(shape, dtype), (shape, dtype)], getattr(ops, op_name))
+    result = run(fd, [lhs, rhs])
+    check_single_expr(fd, CompareOp, f"{op_name}(T0, T1)")
+    expected = getattr(torch, op_name)(lhs, rhs)
+    assert result.dtype is torch.bool and torch.equal(result, expected), (op_name, dtype)
+
+
+@pytest.mark.parametrize("dtypes", [(int32, float32), (bfloat16, float64), (bool_, int8),
+                                    (uint8, int64)], ids=str)  # fmt: skip
+@pytest.mark.parametrize("op_name", COMPARISONS)
+def test_comparisons_of_mixed_types_and_scalars_promote_like_torch(make_input, op_name, dtypes):
+    lhs = make_input((7, 1000), dtypes[0], -5, 5)
+    rhs = make_input((1, 1000), dtypes[1], -5, 5)
+    fd = build([((7, 1000), dtypes[0]), ((1, 1000), dtypes[1])], getattr(ops, op_name))
+    assert torch.equal(run(fd, [lhs, rhs]), getattr(torch, op_name)(lhs, rhs))
+    for scalar in (2, -0.5):  # an int tensor against a float scalar compares as floats
+        fd = build([((7, 1000), dtypes[0])], lambda t, s=scalar: getattr(ops, op_name)(t, s))
+        assert torch.equal(run(fd, [lhs]), getattr(torch, op_name)(lhs, scalar))
+        fd = build([((7, 1000), dtypes[0])], lambda t, s=scalar: getattr(ops, op_name)(s, t))
+        assert torch.equal(run(fd, [lhs]), getattr(torch, op_name)(torch.tensor(scalar), lhs))
+
+
+@pytest.mark.parametrize("dtype", STORAGE_ONLY, ids=str)
+def test_comparisons_refuse_storage_types(dtype):
+    with pytest.raises(DefinitionError, match="storage type"):
+        build([((7, 8), dtype), ((7, 8), dtype)], ops.eq)

@@ -98,6 +98,28 @@ def test_each_unary_op(op, dtype, rng):
     _check(fd, [_random((7, 1000), dtype, rng, 0.5, 4.0)])
 
 
+def test_comparisons_and_erf_are_generated_with_nan_and_infinities(rng):
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([7, 333], "bfloat16")
+        b = fd.define_tensor([1, 333], "float32")
+        n = fd.define_tensor([7, 1], "int32")
+        fd.add_output(fd.ops.eq(a, b))
+        fd.add_output(fd.ops.ne(a, 0.5))
+        fd.add_output(fd.ops.le(n, 2.5))  # an int against a float: compared as floats
+        fd.add_output(fd.ops.where(fd.ops.lt(a, b), a * 2.0, b))
+        fd.add_output(
+            fd.ops.cast(fd.ops.gt(a, b), "float32") + fd.ops.cast(fd.ops.ge(n, 3), "float32")
+        )
+        fd.add_output(fd.ops.erf(a))
+    a = (_random((7, 333), "float32", rng) * 2).round() / 2  # ties with b
+    a[0, :5] = torch.tensor([float("nan"), float("inf"), -float("inf"), 0.5, float("nan")])
+    b = (_random((1, 333), "float32", rng) * 2).round() / 2
+    b[0, :5] = torch.tensor([float("nan"), float("inf"), float("inf"), 0.5, 1.0])
+    n = torch.randint(-5, 6, (7, 1), generator=rng, dtype=torch.int32)
+    executor = _check(fd, [a.to(torch.bfloat16), b, n], reduction_extent=2)
+    assert set(_backends(executor)) == {"pointwise"}  # no reference fallback
+
+
 @pytest.mark.parametrize("dtype", ["int32", "int64", "int8"])
 def test_integer_pointwise_and_promotion(dtype, rng):
     with FusionDefinition() as fd:
