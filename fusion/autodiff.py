@@ -179,11 +179,19 @@ def _accumulate(grads: dict, tensor: TensorView, grad: TensorView) -> None:
 
 
 def _fit(grad: TensorView, like: TensorView) -> TensorView:
-    """``grad`` summed over the axes ``like`` broadcasts along, in ``like``'s dtype."""
+    """``grad`` summed over the axes ``like`` broadcasts along, in ``like``'s dtype (a
+    gradient widened exactly and narrowed back is the gradient itself: a bf16 residual
+    summed in float32 hands its bf16 gradient on, not a float32 copy of it)."""
     dims = [d for d in range(like.ndim) if like.shape[d] == 1 and grad.shape[d] != 1]
     if dims:
         grad = ops.sum(grad, dims, keepdim=True)
-    return grad if grad.dtype == like.dtype else ops.cast(grad, like.dtype)
+    if grad.dtype == like.dtype:
+        return grad
+    widened = grad.definition
+    if isinstance(widened, CastOp) and widened.inputs[0].dtype == like.dtype:
+        if like.dtype.is_floating and grad.dtype.bits > like.dtype.bits:
+            return widened.inputs[0]
+    return ops.cast(grad, like.dtype)
 
 
 # -- replaying the forward ----------------------------------------------------------------

@@ -5,9 +5,9 @@ places the backward fusion from the forward's layouts as sharding placed them: t
 forward's inputs where they are, each saved intermediate as the forward holds it (a
 partial sum cannot be saved: the forward would have to combine it), each output's
 gradient as that output is placed (a partial output is replicated), and each input's
-gradient as its input. Where the forward copies a tensor to another mesh or layout
-(``fd.ops.set``), the replayed copy is placed as the forward's and the gradients on both
-sides as their tensors, so the gradient's copy moves it back. Sharding the
+gradient as its input; each recomputed intermediate as the forward holds it, and each
+intermediate's gradient as its tensor (where the forward copies a tensor to another
+mesh or layout, ``fd.ops.set``, the gradient's copy moves it back). Sharding the
 backward then inserts what the gradients need: a replicated weight's gradient, partial
 on every rank, is all-reduced (or reduce-scattered, where its input is split); a
 sequence-split activation's gradient comes back split. Run it like any placed fusion:
@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fusion.autodiff import Backward, backward, forward_with_saved
-from fusion.exprs import SetOp
 from fusion.ir import Fusion, TensorView
 from sharding import ShardingError, shard
 from sharding.layout import layout_of
@@ -47,28 +46,25 @@ def placed_backward(
         _place_like(seed, output)
     for position, grad in zip(grads.wrt, grads.fusion.outputs, strict=True):
         _place_like(grad, placed.inputs[position])
-    _place_moves(fusion, grads, by_id)
+    _place_replayed(grads, by_id)
     return grads
 
 
-def _place_moves(fusion: Fusion, grads: Backward, by_id: dict[int, TensorView]) -> None:
-    """Each forward copy's operand and result replayed as the forward places them, and
-    their gradients placed like them (never a backward input: the caller's pieces)."""
+def _place_replayed(grads: Backward, by_id: dict[int, TensorView]) -> None:
+    """Each intermediate the backward recomputes placed as the forward placed it (the
+    forward's own program again, its pipelined all-gathers included), and each
+    intermediate's gradient as its tensor (resolved: a partial tensor's gradient is
+    replicated). A gradient shared by several tensors takes the first one's place; the
+    backward's inputs keep theirs (the caller's pieces)."""
     placed_here: set[TensorView] = set()
-    for expr in fusion.live_exprs():
-        if not isinstance(expr, SetOp):
-            continue
-        for tensor in (expr.inputs[0], expr.output):
-            forward = by_id[tensor.id]
-            value = grads.values.get(tensor)
-            if value is not None and not value.is_input and value not in placed_here:
-                layout = layout_of(forward)
-                shard(value, layout.mesh, list(layout.placements))
-                placed_here.add(value)
-            gradient = grads.gradients.get(tensor)
-            if gradient is not None and not gradient.is_input and gradient not in placed_here:
-                _place_like(gradient, forward)
-                placed_here.add(gradient)
+    for tensor, value in grads.values.items():
+        if not value.is_input:
+            layout = layout_of(by_id[tensor.id])
+            shard(value, layout.mesh, list(layout.placements))
+    for tensor, gradient in grads.gradients.items():
+        if not gradient.is_input and gradient not in placed_here:
+            _place_like(gradient, by_id[tensor.id])
+            placed_here.add(gradient)
 
 
 def _held(intermediate: TensorView, by_id: dict[int, TensorView]) -> TensorView:

@@ -129,13 +129,14 @@ def _pattern_owners(plan: OverlapPlan) -> dict[Expr, int]:
 
 
 def _pulled_into_loops(exprs: list[Expr], owners: dict[Expr, int]) -> list[Expr]:
-    """``exprs`` with each stream-parallel compute expr moved up to just after the last
-    expr of its loop key, when none of the exprs it would pass computes its inputs (they
-    cannot read its outputs: they came first)."""
+    """``exprs`` with each stream-parallel expr moved up to just after the last expr of
+    its loop key, when none of the exprs it would pass computes its inputs (they cannot
+    read its outputs: they came first). A reduce-scatter placed late (a backward's,
+    after the weight gradients computed beside it) joins the loop of its matmul."""
     order: list[Expr] = []
     for expr in exprs:
         key = _loop_key(expr, owners)
-        if key is not None and not isinstance(expr, Communication):
+        if key is not None:
             last = next(
                 (i for i in range(len(order) - 1, -1, -1) if _loop_key(order[i], owners) == key),
                 None,

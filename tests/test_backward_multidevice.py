@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pipelined import swiglu_block  # RMSNorm, gathered gate and up, down, residual
+from test_pipelined import _loops, swiglu_block  # swiglu: RMSNorm, gate, up, down, residual
 
 from fusion import FusionDefinition
 from fusion.reference import evaluate
 from fusion.testing import assert_close
 from overlap.backward import placed_backward
 from overlap.executor import MultiDeviceExecutor
+from overlap.planner import OverlapOptions
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 
 
@@ -87,9 +88,9 @@ BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
-def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]:
+def gradients_on_every_rank(communicator, block: str, kernels: str, options=None, fd=None):
     world = communicator.world_size
-    fd = BLOCKS[block](world)
+    fd = fd or BLOCKS[block](world)
     generator = torch.Generator().manual_seed(31)
     full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     full[1:] = [w / w.shape[-1] ** 0.5 if w.ndim == 2 else w for w in full[1:]]
@@ -98,12 +99,14 @@ def gradients_on_every_rank(communicator, block: str, kernels: str) -> list[str]
     leaves = [t.clone().requires_grad_() for t in full]
     expected = torch.autograd.grad(evaluate(fd.fusion, leaves), leaves, seeds)
     grads = placed_backward(fd.fusion)
-    executor = MultiDeviceExecutor(grads.fusion, communicator, kernels=kernels)
+    executor = MultiDeviceExecutor(grads.fusion, communicator, options, kernels=kernels)
     local = executor.run(executor.shard_inputs(full + seeds))
     wanted = executor.shard_outputs(list(expected))
     for position, (ours, theirs) in enumerate(zip(local, wanted, strict=True)):
         assert_close(ours, theirs, reduction_extent=64, partial_sums=world,
                      message=f"rank {communicator.rank}, gradient of input {position}")  # fmt: skip
+    if options is not None:
+        return _loops(executor.program)
     return [f"{c.op_name}({c.in_layout.mesh.axis_names[c.mesh_axis]})"
             for c in executor.communications]  # fmt: skip
 
@@ -140,6 +143,40 @@ def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, k
             # the sequence-split activations are gathered (forward again, and the
             # gradient's way back) and the gradients reduce-scattered to their rows
             assert communications == SWIGLU_COMMUNICATIONS, communications
+
+
+def pipelined_backward(communicator, tokens: int, chunks: int, transport: str, kernels: str):
+    fd = swiglu_block(communicator.world_size, tokens)
+    options = OverlapOptions(overlap=True, num_chunks=chunks, transport=transport)
+    return gradients_on_every_rank(communicator, "", kernels, options, fd)
+
+
+@pytest.mark.parametrize("kernels", ["reference", "generated"])
+@pytest.mark.parametrize(
+    ("tokens", "per_rank", "transport"),
+    [(16, 1, "collective"), (13, 2, "collective"), (13, 1, "ring")],
+)
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_swiglu_backward_pipelines_as_its_forward(
+    rank_pools, world, tokens, per_rank, transport, kernels
+):
+    """The backward's patterns go through the planner as the forward's: the normed rows
+    gathered again for gate and up (placed as the forward placed them), the output's
+    gradient gathered for the down projection's input gradient, and each projection's
+    input gradient reduce-scattered in its matmul's loop (a reduce-scatter the program
+    placed after the weight gradients is pulled into it). Every rank's gradients are
+    single-device autograd's."""
+    chunks = per_rank * world
+    results = rank_pools(world).run(pipelined_backward, tokens, chunks, transport, kernels,
+                                    timeout=120)  # fmt: skip
+    gathered = ["Allgather"] if transport == "ring" else []
+    for loops in results:
+        assert loops == [
+            [*gathered, "cublas", "cublas"],
+            [*gathered, "cublas"],
+            ["cublas", "ReduceScatter"],
+            ["cublas", "ReduceScatter"],
+        ], loops
 
 
 def test_a_bf16_block_backward_places_an_expr_reading_one_tensor_twice():
