@@ -65,20 +65,19 @@ def main(communicator) -> None:
     device, world = communicator.device, communicator.world_size
     fd = build(world)
     model = TrainableFusion(fd, communicator)
-    executor = model.forward_executor
     generator = torch.Generator().manual_seed(0)
     w1 = torch.randn(FFN, HIDDEN, generator=generator) / HIDDEN**0.5
     w2 = torch.randn(HIDDEN, FFN, generator=generator) / FFN**0.5
     # ours: this rank's pieces of the weights; one device: the whole weights
-    _, w1_piece, w2_piece = executor.shard_inputs([torch.zeros(TOKENS, HIDDEN), w1, w2])
+    _, w1_piece, w2_piece = model.shard_inputs([torch.zeros(TOKENS, HIDDEN), w1, w2])
     pieces = [torch.nn.Parameter(w.to(device)) for w in (w1_piece, w2_piece)]
     whole = [torch.nn.Parameter(w.clone().to(device)) for w in (w1, w2)]
     ours_optimizer = torch.optim.AdamW(pieces, lr=1e-2, weight_decay=0.01)
     whole_optimizer = torch.optim.AdamW(whole, lr=1e-2, weight_decay=0.01)
     worst = 0.0
     for step, (x, target) in enumerate(batches(args.steps, device)):
-        x_piece, _, _ = executor.shard_inputs([x, w1, w2])
-        (target_piece,) = executor.shard_outputs([target])
+        x_piece, _, _ = model.shard_inputs([x, w1, w2])
+        (target_piece,) = model.shard_outputs([target])
         (y_piece,) = model(x_piece, *pieces)
         # the mean squared error over the whole batch: each rank sums its piece's
         loss_piece = (y_piece - target_piece).square().sum() / target.numel()

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fusion.autodiff import Backward, backward, forward_with_saved
+from fusion.exprs import LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
 from sharding import ShardingError, shard
 from sharding.layout import layout_of
@@ -93,3 +94,33 @@ def placed_forward_with_saved(fusion: Fusion, saved: Sequence[TensorView]) -> Fu
     for tensor, output in zip(saved, copy.outputs[len(fusion.outputs) :], strict=True):
         _place_like(output, _held(tensor, by_id))
     return copy
+
+
+SAVE_POLICIES = {
+    "matmuls": "what a matmul or linear computes is saved (recomputing it would cost the "
+    "matmul again, and in a tensor-parallel block the all-gather before it), unless the "
+    "forward holds it as partial sums or returns it; everything else is recomputed "
+    "(pointwise work and statistics: memory-bound, cheap to redo)",
+    "nothing": "everything the gradients read is recomputed (least memory)",
+}
+
+
+def saved_by_policy(fusion: Fusion, policy: str) -> list[TensorView]:
+    """The intermediates of ``fusion`` that ``policy`` (a key of ``SAVE_POLICIES``) has
+    the forward hand to the backward."""
+    if policy not in SAVE_POLICIES:
+        raise ValueError(f"save policy {policy!r}: one of {sorted(SAVE_POLICIES)}, or a list "
+                         "of the fusion's intermediates")  # fmt: skip
+    if policy == "nothing":
+        return []
+    read = set(backward(fusion).read)
+    placed, _ = shard_fusion(fusion)
+    by_id = {tensor.id: tensor for tensor in placed.tensors}
+    return [
+        expr.output
+        for expr in fusion.live_exprs()
+        if isinstance(expr, (MatmulOp, LinearOp))
+        and expr.output in read
+        and expr.output not in fusion.outputs
+        and not layout_of(by_id[expr.output.id]).is_partial
+    ]

@@ -5,11 +5,13 @@ autograd history, and ``loss.backward()`` runs the fusion's backward program
 (``overlap.backward.placed_backward``) on every rank: each input that requires a
 gradient gets this rank's piece of it (a replicated input the whole, combined over the
 ranks). Inputs that need no gradient get none computed: the backward is built for the
-inputs that require one, once per such set, on first use. ``saved``: intermediates of
-the fusion the forward hands to the backward instead of the backward recomputing them
-(memory against time; by default the backward recomputes everything;
-``explain_backward()`` says which intermediates the gradients read and where each comes
-from). Every rank must call it and
+inputs that require one, once per such set, on first use. ``saved``: which
+intermediates of the fusion the forward hands to the backward instead of the backward
+recomputing them (memory against time): a policy of ``overlap.backward.SAVE_POLICIES``
+(default ``"matmuls"``: what matmuls compute is saved, the rest recomputed;
+``"nothing"``: everything recomputed) or a list of the fusion's intermediates.
+``explain_backward()`` prints the rule and, per intermediate the gradients read, whether
+it is saved or recomputed. Every rank must call it and
 its backward alike (SPMD), with the same inputs requiring gradients (else the ranks
 build different programs and every rank raises ``ProgramMismatch``).
 
@@ -30,7 +32,12 @@ import torch
 
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion, TensorView
-from overlap.backward import placed_backward, placed_forward_with_saved
+from overlap.backward import (
+    SAVE_POLICIES,
+    placed_backward,
+    placed_forward_with_saved,
+    saved_by_policy,
+)
 from overlap.communicator import Communicator
 from overlap.executor import MultiDeviceExecutor
 from sharding.pieces import local_piece
@@ -44,7 +51,7 @@ class TrainableFusion:
         self,
         fusion: Fusion | FusionDefinition,
         communicator: Communicator,
-        saved: Sequence[TensorView] = (),
+        saved: Sequence[TensorView] | str = "matmuls",
         **executor_options: Any,
     ) -> None:
         self.fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
@@ -58,9 +65,10 @@ class TrainableFusion:
                     "not supported yet"
                 )
         self.communicator = communicator
-        self.saved = list(saved)
+        self.policy = saved if isinstance(saved, str) else None
+        self.saved = saved_by_policy(self.fusion, saved) if self.policy else list(saved)
         self.executor_options = executor_options
-        forward = placed_forward_with_saved(self.fusion, self.saved) if saved else self.fusion
+        forward = placed_forward_with_saved(self.fusion, self.saved) if self.saved else self.fusion
         self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
 
@@ -80,9 +88,15 @@ class TrainableFusion:
         ]
 
     def explain_backward(self, wrt: Sequence[int] | None = None) -> str:
-        """Which intermediates the gradients (of the inputs at ``wrt``, default every
-        floating-point one) read, and whether each is saved or recomputed."""
-        return placed_backward(self.fusion, wrt, self.saved).explain()
+        """The save rule, then which intermediates the gradients (of the inputs at
+        ``wrt``, default every floating-point one) read and whether each is saved or
+        recomputed."""
+        rule = (
+            f"saved by policy {self.policy!r}: {SAVE_POLICIES[self.policy]}"
+            if self.policy
+            else f"saved as asked: {len(self.saved)} intermediates"
+        )
+        return f"{rule}\n{placed_backward(self.fusion, wrt, self.saved).explain()}"
 
     def backward_executor(self, wrt: tuple[int, ...]) -> MultiDeviceExecutor:
         """The executor of the backward for the inputs at ``wrt`` (built on first use:

@@ -17,14 +17,16 @@ from test_backward_multidevice import BLOCKS
 from fusion import FusionDefinition
 from fusion.reference import evaluate
 from fusion.testing import assert_close
+from overlap.backward import placed_backward, saved_by_policy
 from overlap.trainable import TrainableFusion
 from sharding import DeviceMesh, Shard, shard
 
 
-def trained_pieces(communicator, block: str, frozen: list[int], save: bool = False) -> list[str]:
+def trained_pieces(communicator, block: str, frozen: list[int], save: str) -> tuple[list, list]:
     """One forward and backward through a ``TrainableFusion``, inputs at ``frozen``
-    requiring no gradient, with ``save`` the first projections' outputs saved by the
-    forward (not recomputed); every piece checked. Returns what each input got."""
+    requiring no gradient, ``save``: "nothing" recomputed, "asked" the first
+    projections' outputs saved by the forward, "default" as the default policy saves;
+    every piece checked. Returns what each input got and what was saved."""
     world = communicator.world_size
     fd = BLOCKS[block](world)
     linears = [e.output for e in fd.fusion.live_exprs() if e.op_name == "linear"]
@@ -38,7 +40,12 @@ def trained_pieces(communicator, block: str, frozen: list[int], save: bool = Fal
     expected = dict(zip([i for i in range(len(full)) if i not in frozen],
                         torch.autograd.grad(outputs, wanting, seeds), strict=True))  # fmt: skip
 
-    model = TrainableFusion(fd, communicator, saved=linears[:-1] if save else ())
+    asked = {"nothing": (), "asked": linears[:-1]}
+    model = (
+        TrainableFusion(fd, communicator)
+        if save == "default"
+        else TrainableFusion(fd, communicator, saved=asked[save])
+    )
     local = [piece.requires_grad_(i not in frozen)
              for i, piece in enumerate(model.shard_inputs(full))]  # fmt: skip
     local_outputs = model(*local)
@@ -55,17 +62,25 @@ def trained_pieces(communicator, block: str, frozen: list[int], save: bool = Fal
         assert_close(piece.grad, grad_pieces[position], reduction_extent=64, partial_sums=world,
                      message=f"rank {communicator.rank}, input {position}")  # fmt: skip
         got.append("checked")
-    return got
+    rule = model.explain_backward().splitlines()[0]
+    assert rule.startswith("saved by policy 'matmuls'" if save == "default" else "saved as asked")
+    return got, [linears.index(t) for t in model.saved]
 
 
-@pytest.mark.parametrize("save", [False, True], ids=["recomputed", "saved"])
+@pytest.mark.parametrize("save", ["nothing", "asked", "default"])
 @pytest.mark.parametrize("frozen", [[], [0]], ids=["every input", "all but the activation"])
 @pytest.mark.parametrize("block", ["tp_mlp", "swiglu_uneven"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_backward_gives_every_rank_its_gradient_pieces(rank_pools, world, block, frozen, save):
     results = rank_pools(world).run(trained_pieces, block, frozen, save, timeout=120)
     count = len(BLOCKS[block](world).fusion.inputs)
-    assert results == [["none" if i in frozen else "checked" for i in range(count)]] * world
+    # by default the projections whose outputs each rank holds whole are saved (tp_mlp:
+    # the first; swiglu: gate and up), never the row-parallel one's partial sums
+    saved = {"nothing": [], "asked": {"tp_mlp": [0], "swiglu_uneven": [0, 1]}[block]}
+    saved["default"] = saved["asked"]
+    for got, kept in results:
+        assert got == ["none" if i in frozen else "checked" for i in range(count)]
+        assert kept == saved[save]
 
 
 def save_a_partial_sum(communicator) -> None:
@@ -141,3 +156,15 @@ def test_inputs_on_some_ranks_only_are_refused_before_anything_runs():
     shard(x, DeviceMesh([0]), [Shard(0)])
     with pytest.raises(NotImplementedError, match="not on all 2 ranks"):
         TrainableFusion(fd, World())
+
+
+def test_the_save_policies_name_what_they_keep():
+    fd = BLOCKS["swiglu_even"](2)
+    gate, up, down = (e.output for e in fd.fusion.live_exprs() if e.op_name == "linear")
+    assert saved_by_policy(fd.fusion, "matmuls") == [gate, up]  # down: partial sums
+    assert saved_by_policy(fd.fusion, "nothing") == []
+    with pytest.raises(ValueError, match="save policy 'all'"):
+        saved_by_policy(fd.fusion, "all")
+    lines = placed_backward(fd.fusion, saved=[gate, up]).explain().splitlines()
+    assert any(line.startswith(f"{gate} (linear,") and line.endswith(": saved") for line in lines)
+    assert any(line.endswith(": recomputed") for line in lines)  # the norm, silu, ...
