@@ -3,9 +3,11 @@
     torchrun --nproc-per-node 2 benchmarks/check_gpu.py [--out results/check_gpu.json]
 
 Runs every scenario of ``tests/test_multidevice.py`` (the examples' normalizations and the
-demo's MLP among them) with the reference evaluator and with generated (compiled Triton)
-kernels, and the pipelines of ``tests/test_pipelined.py`` over every transport, with NCCL
-and CUDA tensors. Each scenario checks **every rank's** output piece against the
+demo's MLP among them, each with its backward) and the gradients of
+``tests/test_backward_multidevice.py`` with the reference evaluator and with generated
+(compiled Triton) kernels, and the pipelines of ``tests/test_pipelined.py`` and the
+pipelined SwiGLU backward over every transport, with NCCL and CUDA tensors. Each
+scenario checks **every rank's** output piece against the
 single-device reference (and the communications the framework inserted); every rank
 reports its verdict, and the table shows them side by side. Run it whenever a change
 touches kernels, the executor or the launchers. Exits 1 if any rank failed any check.
@@ -31,6 +33,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import test_backward_multidevice as backward  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
 
@@ -68,6 +71,9 @@ def checks(world: int, cuda: bool):
         for norm in scenarios.NORMALIZATIONS:
             yield f"example {norm}, rows split", scenarios.row_split_normalization, (norm, 25, k)
         yield "demo MLP", scenarios.demo_mlp, (26, k)
+        two_by_two = world >= 4 and world % 2 == 0  # the data x tensor parallel mesh
+        for block in [b for b in backward.BLOCKS if b != "dp_tp_mlp" or two_by_two]:
+            yield f"gradients: {block}", backward.gradients_on_every_rank, (block, k)
     for pattern in ("ag", "rs") if world > 1 else ():  # one rank has nothing to pipeline
         for transport, per_rank in (
             ("collective", 2), ("ring", 1), ("ring", 2), ("copy_engine", 1), ("copy_engine", 3)
@@ -77,6 +83,9 @@ def checks(world: int, cuda: bool):
             chunks = per_rank * world
             name = f"pipelined {pattern} {transport} {chunks} chunks"
             yield name, pipelined.pipelined, (pattern, 13, chunks, transport, 21)
+            if pattern == "ag":  # the SwiGLU backward: both patterns, twice each
+                name = f"pipelined backward {transport} {chunks} chunks"
+                yield name, backward.pipelined_backward, (13, chunks, transport, "generated")
 
 
 def _kernels_of(args: tuple) -> str:
