@@ -232,9 +232,22 @@ _REPLAY: dict[type, Callable] = {
 # per tensor input, shaped like the output (broadcast operands are summed by ``_fit``).
 
 
+# Rules that move a gradient as it is (or negated) keep its dtype; the others compute a
+# 16-bit float gradient in float32 and round once at the end (``_fit``), as torch's
+# kernels do: rounding after every op of a gelu's derivative loses several bf16 bits.
+_EXACT = frozenset({"neg", "add", "sub"})
+
+
+def _widened(operand, exact: bool):
+    if exact or not isinstance(operand, TensorView) or operand.dtype.bits >= 32:
+        return operand
+    return ops.cast(operand, "float32") if operand.dtype.is_floating else operand
+
+
 def _unary(expr, mapped, given):
     (g,) = given
-    x, y = mapped[expr.inputs[0]], mapped[expr.output]
+    exact = expr.op_name in _EXACT
+    x, y, g = (_widened(t, exact) for t in (mapped[expr.inputs[0]], mapped[expr.output], g))
     return [UNARY_RULES[expr.op_name](x, y, g, expr.attrs)]
 
 
@@ -286,8 +299,11 @@ UNARY_RULES: dict[str, Callable] = {
 
 def _binary(expr, mapped, given):
     (g,) = given
-    lhs, rhs = (mapped[o] if isinstance(o, TensorView) else o for o in expr.operands)
-    grads = BINARY_RULES[expr.op_name](lhs, rhs, mapped[expr.output], g)
+    exact = expr.op_name in _EXACT
+    lhs, rhs = (_widened(mapped[o], exact) if isinstance(o, TensorView) else o
+                for o in expr.operands)  # fmt: skip
+    y, g = _widened(mapped[expr.output], exact), _widened(g, exact)
+    grads = BINARY_RULES[expr.op_name](lhs, rhs, y, g)
     return [grad for operand, grad in zip(expr.operands, grads, strict=True)
             if isinstance(operand, TensorView)]  # fmt: skip
 

@@ -95,6 +95,7 @@ def gradients_on_every_rank(communicator, block: str, kernels: str, options=None
     full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     full[1:] = [w / w.shape[-1] ** 0.5 if w.ndim == 2 else w for w in full[1:]]
     seeds = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.outputs]
+    full, seeds = ([t.to(communicator.device) for t in ts] for ts in (full, seeds))
     # single device: torch autograd through the reference evaluator
     leaves = [t.clone().requires_grad_() for t in full]
     expected = torch.autograd.grad(evaluate(fd.fusion, leaves), leaves, seeds)
