@@ -44,8 +44,9 @@ RMS goes in the row (``max_error``). Figures go to ``benchmarks/results/blocks.j
 
 Training rows (``mlp_train``, in ``--blocks`` by default): the MLP block's forward and
 backward, from the same leaves and output gradient, as ``TrainableFusion`` gives it by
-default (the matmuls' outputs saved: gate and up) and with everything recomputed
-(``saved="nothing"``), against PyTorch eager autograd over functional collectives and that under
+default (the matmuls' outputs saved: gate and up), with everything recomputed
+(``saved="nothing"``) and, on GPUs, replayed from CUDA graphs (``cuda_graph=True``),
+against PyTorch eager autograd over functional collectives and that under
 torch.compile with async TP. Every rank's gradients are checked against float32 autograd
 of the whole block first (``GRAD_ULPS`` bf16 epsilons). The limit T* counts the
 forward's and the backward's compute (PyTorch's, communications left out) and twice the
@@ -400,6 +401,8 @@ def run_training(communicator, shape, args) -> dict:
     exact = torch.autograd.grad(whole_out, wide, seed.float())
     models = {"ours": TrainableFusion(fd, communicator),
               "ours_recompute": TrainableFusion(fd, communicator, saved="nothing")}  # fmt: skip
+    if device.type == "cuda":  # the host's issuing replaced by CUDA-graph replay
+        models["ours_graph"] = TrainableFusion(fd, communicator, cuda_graph=True)
     exact_pieces = models["ours"].shard_inputs(list(exact))
     (seed_piece,) = models["ours"].shard_outputs([seed])
     leaves = [t.clone().requires_grad_() for t in models["ours"].shard_inputs(full)]
@@ -486,7 +489,7 @@ def _saved_pieces(model: TrainableFusion, leaves) -> list[torch.Tensor]:
 
 
 def print_training_table(rows: list[dict]) -> None:
-    columns = ["ours", "ours_recompute", "eager", "compile_async_tp", "t_star"]
+    columns = ["ours", "ours_recompute", "ours_graph", "eager", "compile_async_tp", "t_star"]
     names = " ".join(f"{c[:12]:>12}" for c in columns)
     print(f"\n{'forward+backward':<20} {'tokens,hidden,ffn':<20} {names} {'ours/T*':>8}  "
           "saved MB a rank (ours, recompute, eager)")  # fmt: skip

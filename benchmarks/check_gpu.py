@@ -36,6 +36,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import test_backward_multidevice as backward  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
+import test_trainable as trainable  # noqa: E402
 
 from overlap.communicator import Communicator  # noqa: E402
 
@@ -74,6 +75,8 @@ def checks(world: int, cuda: bool):
         two_by_two = world >= 4 and world % 2 == 0  # the data x tensor parallel mesh
         for block in [b for b in backward.BLOCKS if b != "dp_tp_mlp" or two_by_two]:
             yield f"gradients: {block}", backward.gradients_on_every_rank, (block, k)
+        if cuda:
+            yield "training steps from CUDA graphs", trainable.trained_from_cuda_graphs, (k,)
     for pattern in ("ag", "rs") if world > 1 else ():  # one rank has nothing to pipeline
         for transport, per_rank in (
             ("collective", 2), ("ring", 1), ("ring", 2), ("copy_engine", 1), ("copy_engine", 3)

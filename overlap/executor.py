@@ -375,6 +375,9 @@ class MultiDeviceExecutor:
             self._graphs[graph_key] = (graph, outputs)
         graph, outputs = self._graphs[graph_key]
         graph.replay()
+        # the buffers were written: autograd then refuses a backward that saved them
+        # before this replay (its values are gone) instead of reading the new ones
+        torch.autograd.graph.increment_version([o for o in outputs if o is not None])
         return list(outputs)
 
     def _rank_program(self, bindings: Bindings) -> RankProgram:

@@ -15,6 +15,14 @@ it is saved or recomputed. Every rank must call it and
 its backward alike (SPMD), with the same inputs requiring gradients (else the ranks
 build different programs and every rank raises ``ProgramMismatch``).
 
+Under ``cuda_graph=True`` (CUDA only) the forward and the backward replay CUDA graphs:
+an input whose buffer moved since the first call (activations and output gradients,
+new every step) is copied into a buffer of the fusion's own, so that the graphs are
+keyed by buffers that stay (weights updated in place stay where they are) and two
+captures per program suffice; what the user gets (outputs, gradients) is copied out of
+the graphs' buffers, and a second forward before the first one's backward makes that
+backward raise (the saved buffers were overwritten) instead of reading the new values.
+
 Example (on every rank)::
 
     mlp = TrainableFusion(fd, communicator)
@@ -71,6 +79,9 @@ class TrainableFusion:
         forward = placed_forward_with_saved(self.fusion, self.saved) if self.saved else self.fusion
         self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
+        graphs = executor_options.get("cuda_graph", False) and communicator.device.type == "cuda"
+        self._staging: dict[int, _Staging] | None = {} if graphs else None
+        self._forwards = 0  # forwards replayed from a graph
 
     def __call__(self, *local_inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
         return list(_Apply.apply(self, *local_inputs))
@@ -108,14 +119,60 @@ class TrainableFusion:
             )
         return self._backward_executors[wrt]
 
+    def _run(self, executor: MultiDeviceExecutor, inputs: list, kept: int) -> list:
+        """``executor.run``; replaying CUDA graphs, from staged inputs, the first ``kept``
+        outputs copied out of the graph's buffers."""
+        if self._staging is None:
+            return executor.run(inputs)
+        if executor is self.forward_executor:
+            self._forwards += 1
+        staging = self._staging.setdefault(id(executor), _Staging())
+        outputs = executor.run(staging.stage(inputs))
+        return [o if o is None or i >= kept else o.clone() for i, o in enumerate(outputs)]
+
+    def _check_saved(self, forward: int) -> None:
+        if self._staging is not None and self.saved and forward != self._forwards:
+            raise RuntimeError(
+                "TrainableFusion(cuda_graph=True): another forward ran before this one's "
+                "backward and overwrote the CUDA graph's buffers holding what this forward "
+                "saved for it. Run each backward before the next forward (accumulate "
+                "gradients micro-batch by micro-batch), or save nothing (saved='nothing'), "
+                "or run without cuda_graph"
+            )
+
+
+class _Staging:
+    """Buffers that stay for the inputs whose buffers move between calls."""
+
+    def __init__(self) -> None:
+        self.first: list[int | None] | None = None
+        self.buffers: dict[int, torch.Tensor] = {}
+
+    def stage(self, inputs: list) -> list:
+        addresses = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
+        if self.first is None:
+            self.first = addresses
+        staged = []
+        for position, tensor in enumerate(inputs):
+            moved = position in self.buffers or addresses[position] != self.first[position]
+            if tensor is None or not moved:
+                staged.append(tensor)
+                continue
+            buffer = self.buffers.get(position)
+            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
+                buffer = self.buffers[position] = torch.empty_like(tensor)
+            buffer.copy_(tensor)
+            staged.append(buffer)
+        return staged
+
 
 class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model: TrainableFusion, *local_inputs):
-        everything = model.forward_executor.run(list(local_inputs))
         count = len(model.fusion.outputs)
+        everything = model._run(model.forward_executor, list(local_inputs), kept=count)
         outputs, saved = everything[:count], everything[count:]
-        ctx.model = model
+        ctx.model, ctx.forward = model, model._forwards
         ctx.counts = (len(local_inputs), len(saved))
         # saved for backward: an in-place change in between, or a second backward, raises
         ctx.save_for_backward(*local_inputs, *saved)
@@ -125,6 +182,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *output_grads):
         count, _ = ctx.counts
+        ctx.model._check_saved(ctx.forward)
         held = ctx.saved_tensors
         inputs, saved = held[:count], held[count:]
         wrt = tuple(i for i, needed in enumerate(ctx.needs_input_grad[1:]) if needed)
@@ -137,7 +195,7 @@ class _Apply(torch.autograd.Function):
             for grad, like in zip(output_grads, ctx.outputs, strict=True)
         ]
         executor = ctx.model.backward_executor(wrt)
-        local_grads = executor.run([*inputs, *saved, *seeds])
+        local_grads = ctx.model._run(executor, [*inputs, *saved, *seeds], kept=len(wrt))
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad

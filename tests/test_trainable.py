@@ -168,3 +168,43 @@ def test_the_save_policies_name_what_they_keep():
     lines = placed_backward(fd.fusion, saved=[gate, up]).explain().splitlines()
     assert any(line.startswith(f"{gate} (linear,") and line.endswith(": saved") for line in lines)
     assert any(line.endswith(": recomputed") for line in lines)  # the norm, silu, ...
+
+
+def trained_from_cuda_graphs(communicator, kernels: str = "generated") -> list[str]:
+    """Four steps of the SwiGLU block replayed from CUDA graphs (new activations and
+    output gradients every step, weights changed in place as an optimizer does) give the
+    gradients the step-by-step program gives; a second forward before the first one's
+    backward makes that backward raise. CUDA only (``benchmarks/check_gpu.py``)."""
+    fd = BLOCKS["swiglu_uneven"](communicator.world_size)
+    graphed = TrainableFusion(fd, communicator, cuda_graph=True, kernels=kernels)
+    plain = TrainableFusion(fd, communicator, kernels=kernels)
+    generator = torch.Generator().manual_seed(43)
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    weights = [w.to(communicator.device).requires_grad_() for w in plain.shard_inputs(full)[1:]]
+    done = []
+    for step in range(4):
+        x = torch.randn(list(fd.fusion.inputs[0].shape), generator=generator)
+        seed = torch.randn(list(fd.fusion.outputs[0].shape), generator=generator)
+        (x_piece,) = plain.shard_inputs([x, *full[1:]])[:1]
+        (seed_piece,) = plain.shard_outputs([seed])
+        results = []
+        for model in (graphed, plain):
+            leaves = [x_piece.to(communicator.device).requires_grad_(), *weights]
+            for leaf in leaves:
+                leaf.grad = None
+            (out,) = model(*leaves)
+            out.backward(seed_piece.to(communicator.device))
+            results.append([out.detach().clone(), *(leaf.grad.clone() for leaf in leaves)])
+        for position, (ours, theirs) in enumerate(zip(*results, strict=True)):
+            assert_close(ours, theirs, reduction_extent=64,
+                         message=f"step {step}, rank {communicator.rank}, {position}")  # fmt: skip
+        with torch.no_grad():  # in place, as an optimizer's step
+            for weight in weights:
+                weight.mul_(0.9)
+        done.append(f"step {step}")
+    leaves = [x_piece.to(communicator.device).requires_grad_(), *weights]
+    (first,) = graphed(*leaves)
+    graphed(*leaves)
+    with pytest.raises(RuntimeError, match="another forward ran before this one's backward"):
+        first.sum().backward()
+    return [*done, "refused"]
