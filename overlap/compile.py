@@ -42,7 +42,7 @@ from overlap.host_ir import HostProgram
 from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
-from overlap.recompute import recompute_widened_inputs
+from overlap.recompute import gather_pointwise, recompute_widened_inputs
 from sharding.errors import ShardingError
 from sharding.layout import is_placed
 from sharding.propagation import explain
@@ -118,6 +118,10 @@ def _recompute(state: _Compilation) -> None:
     recompute_widened_inputs(state.fusion)
 
 
+def _gather(state: _Compilation) -> None:
+    gather_pointwise(state.fusion)
+
+
 def _plan(state: _Compilation) -> None:
     state.plan = plan_overlap(state.fusion, state.figures, state.options, state.replayed)
 
@@ -138,6 +142,7 @@ def _deallocate(state: _Compilation) -> None:
 PASSES: tuple[tuple[str, Callable[[_Compilation], None]], ...] = (
     ("shard", _shard),
     ("recompute widened inputs", _recompute),
+    ("gather pointwise work", _gather),
     ("plan overlap", _plan),
     ("apply the plan", _apply),
     ("lower", _lower),

@@ -1,54 +1,110 @@
-"""Recomputing a widened input instead of keeping it: one pass over memory less.
+"""Two passes over the placed fusion that keep intermediates out of memory.
 
-A block that casts its bf16 input to float32 for a norm and adds the same float32 copy
-back as the residual after its matmuls would keep that copy in memory between the two
-kernels: written at 4 bytes an element, read back at 4, where the residual's kernel
-could read the input again at 2 and widen it itself. This pass gives each later use of
-such a cast (one in another kernel: a matmul or a communication lies between them, and
-the use is pointwise work a generated kernel takes) its own cast, placed just before
-it, so the cast runs inside the use's kernel. The widened copy is then no kernel's
-output. Layouts are the original cast's.
+``recompute_widened_inputs``: a block that casts its bf16 input to float32 for a norm
+and adds the same float32 copy back as the residual after its matmuls would keep that
+copy in memory between the two kernels: written at 4 bytes an element, read back at 4,
+where the residual's kernel could read the input again at 2 and widen it itself. Each
+later use of such a widened input (one in another kernel: a matmul or a communication
+lies between them, and the use is pointwise work a generated kernel takes) gets its own
+copy of the chain that made it, placed just before it, so it runs inside the use's
+kernel. The chain is a widening cast of a fusion input and the unary ops after it (a
+backward's ``silu(float32(gate))``, with gate saved in bf16, is read by the forward's
+recompute and again by silu's gradient after the matmuls). The widened result is then
+no kernel's output. Layouts are the original exprs'.
+
+``gather_pointwise``: a pointwise expr the program order puts after a matmul or a
+communication, though what it reads was computed before them (a backward casts a
+gradient to bf16 only after the matmuls that read its sibling), moves up to just after
+the last expr computing its inputs, where it joins that kernel: the wide value it reads
+is then not written out and read back by a kernel of its own.
 """
 
 from __future__ import annotations
 
 from fusion import ops
-from fusion.exprs import CastOp, Expr, LinearOp, MatmulOp
+from fusion.exprs import BinaryOp, CastOp, CompareOp, Expr, LinearOp, MatmulOp, UnaryOp, WhereOp
 from fusion.ir import Fusion
 from sharding.communication import Communication
 from sharding.layout import apply_layout, layout_of
 
+MAX_CHAIN = 4
+_POINTWISE = (UnaryOp, BinaryOp, CastOp, CompareOp, WhereOp)
+
 
 def recompute_widened_inputs(fusion: Fusion) -> list[Expr]:
-    """Give later uses of a widening cast of a fusion input their own cast (see the
-    module); returns the casts added."""
+    """Give later uses of a widened fusion input their own chain (see the module);
+    returns the exprs added."""
     added = []
     exprs = fusion.live_exprs()
     for position, expr in enumerate(exprs):
-        (source,) = expr.inputs if isinstance(expr, CastOp) else (None,)
-        if source is None or not source.is_input or expr.output in fusion.outputs:
-            continue
-        if expr.output.dtype.bits <= source.dtype.bits:
+        chain = _widening_chain(expr)
+        if chain is None or expr.output in fusion.outputs:
             continue
         barrier = False
         for later in exprs[position + 1 :]:
             barrier |= _ends_a_kernel(later)
             if barrier and expr.output in later.inputs and not _ends_a_kernel(later):
-                added.append(_own_cast(fusion, expr, later))
+                added += _own_chain(fusion, chain, later)
     return added
+
+
+def _widening_chain(expr: Expr) -> list[Expr] | None:
+    """The exprs from a fusion input to ``expr``'s output, when they are a widening cast
+    and unary ops after it, and the output is wider than the input."""
+    chain: list[Expr] = []
+    while isinstance(expr, (CastOp, UnaryOp)) and len(chain) < MAX_CHAIN:
+        chain.insert(0, expr)
+        (source,) = expr.inputs
+        if source.is_input:
+            first = chain[0]
+            widening = isinstance(first, CastOp) and first.output.dtype.bits > source.dtype.bits
+            return chain if widening else None
+        expr = source.definition
+    return None
 
 
 def _ends_a_kernel(expr: Expr) -> bool:
     return isinstance(expr, (MatmulOp, LinearOp, Communication))
 
 
-def _own_cast(fusion: Fusion, cast: CastOp, use: Expr) -> Expr:
-    """A copy of ``cast`` just before ``use``, which reads it instead."""
-    widened = cast.output
+def _own_chain(fusion: Fusion, chain: list[Expr], use: Expr) -> list[Expr]:
+    """A copy of ``chain`` just before ``use``, which reads its result instead."""
+    value = chain[0].inputs[0]
+    copies = []
     with fusion.editing():
-        copy = ops.cast(cast.inputs[0], widened.dtype)
-    if widened.mesh is not None:
-        apply_layout(copy, layout_of(widened))
-    fusion.move_before([copy.definition], use)
-    fusion.replace_input(use, widened, copy)
-    return copy.definition
+        for expr in chain:
+            if isinstance(expr, CastOp):
+                value = ops.cast(value, expr.output.dtype)
+            else:
+                value = getattr(ops, expr.op_name)(value, **expr.attrs)
+            if expr.output.mesh is not None:
+                apply_layout(value, layout_of(expr.output))
+            copies.append(value.definition)
+    fusion.move_before(copies, use)
+    fusion.replace_input(use, chain[-1].output, value)
+    return copies
+
+
+def gather_pointwise(fusion: Fusion) -> list[Expr]:
+    """Move each pointwise expr that a matmul or communication separates from what it
+    reads up to the kernel computing its inputs (see the module); returns those moved."""
+    moved = []
+    for expr in list(fusion.live_exprs()):
+        if not isinstance(expr, _POINTWISE):
+            continue
+        order = fusion.exprs
+        here = order.index(expr)
+        producers = [order.index(t.definition) for t in expr.inputs if t.definition in order]
+        if not producers:
+            continue
+        last = max(producers)
+        anchor = order[last]
+        between = order[last + 1 : here]
+        if (
+            isinstance(anchor, _POINTWISE)
+            and anchor.outputs[0].mesh == expr.outputs[0].mesh
+            and any(_ends_a_kernel(e) for e in between)
+        ):
+            fusion.move_after([expr], anchor)
+            moved.append(expr)
+    return moved

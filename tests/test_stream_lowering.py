@@ -9,10 +9,15 @@ import pytest
 import torch
 
 from fusion import FusionDefinition, ParallelType
+from fusion.autodiff import backward
+from fusion.reference import evaluate
+from fusion.testing import assert_close
+from overlap.backward import placed_backward
 from overlap.compile import compile_program
 from overlap.cost_model import predict
 from overlap.executor import MultiDeviceExecutor
 from overlap.figures import CPU_FIGURES, H200_FIGURES
+from overlap.host_ir import LaunchKernel, walk
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, plan_overlap
 from overlap.timeline import Timeline
@@ -414,3 +419,51 @@ def test_a_widened_input_is_recomputed_by_the_kernel_that_uses_it_again(world):
     if world is None:
         (out,) = MultiDeviceExecutor(fd, None, kernels="reference").run(full)
         assert torch.equal(out, fd.execute(full)[0])
+
+
+# ---------------------------------------------------------------------------
+# A bf16 SwiGLU backward keeps no float32 value of the ffn's width between kernels
+
+
+def _bf16_swiglu(world: int | None, tokens: int = 16, hidden: int = 32, ffn: int = 64):
+    with FusionDefinition("bf16_swiglu") as fd:
+        x = fd.define_tensor([tokens, hidden], "bfloat16")
+        w_gate = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_up = fd.define_tensor([ffn, hidden], "bfloat16")
+        w_down = fd.define_tensor([hidden, ffn], "bfloat16")
+        gate = fd.ops.linear(x, w_gate)
+        up = fd.ops.linear(x, w_up)
+        hidden_act = fd.ops.silu(fd.ops.cast(gate, "float32")) * fd.ops.cast(up, "float32")
+        out = fd.ops.linear(fd.ops.cast(hidden_act, "bfloat16"), w_down)
+        fd.add_output(out)
+    if world is not None:
+        mesh = DeviceMesh(world)
+        for tensor, placement in ((x, Replicate()), (w_gate, Shard(0)), (w_up, Shard(0)),
+                                  (w_down, Shard(1)), (out, Replicate())):  # fmt: skip
+            shard(tensor, mesh, [placement])
+    return fd, [gate, up]
+
+
+@pytest.mark.parametrize("world", [None, 2], ids=["one device", "two ranks"])
+def test_a_swiglu_backward_writes_no_float32_value_of_the_ffn_width(world, monkeypatch):
+    """Gate and up saved in bf16: silu(gate) in float32 is read by the recomputed forward
+    and, after the matmuls, by silu's gradient; gate's gradient is cast to bf16 only
+    after the matmuls reading up's. Each float32 [tokens, ffn] value stays inside the
+    kernel that computes it (the chain recomputed where it is read again, the cast
+    gathered into the kernel of its input), and the generated program computes what the
+    reference evaluator does."""
+    fd, saved = _bf16_swiglu(world)
+    grads = placed_backward(fd.fusion, saved=saved) if world else backward(fd.fusion, saved=saved)
+    compiled = compile_program(grads.fusion, world or 1, None, H200_FIGURES, schedule=True)
+    kernels = [i for i in walk(compiled.host.instructions) if isinstance(i, LaunchKernel)]
+    wide = [t for k in kernels for t in k.outputs if t.dtype.bits == 32 and 64 in t.shape]
+    assert wide == [], [f"{k.name}: {k.outputs}" for k in kernels]
+    if world is None:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")  # generated kernels on CPU
+        generator = torch.Generator().manual_seed(5)
+        values = [(torch.randn([int(e) for e in t.shape], generator=generator) / 4).bfloat16()
+                  for t in grads.fusion.inputs]  # fmt: skip
+        expected = evaluate(grads.fusion, values)
+        actual = MultiDeviceExecutor(grads.fusion, None, kernels="generated").run(values)
+        for ours, theirs in zip(actual, expected, strict=True):
+            assert_close(ours, theirs, reduction_extent=64)
