@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_pipelined import _loops, swiglu_block  # swiglu: RMSNorm, gate, up, down, residual
+from test_pipelined import SWIGLU_PIPELINES, _loops, swiglu_block
 
 from fusion import FusionDefinition
 from fusion.reference import evaluate
@@ -153,10 +153,7 @@ def pipelined_backward(communicator, tokens: int, chunks: int, transport: str, k
 
 
 @pytest.mark.parametrize("kernels", ["reference", "generated"])
-@pytest.mark.parametrize(
-    ("tokens", "per_rank", "transport"),
-    [(16, 1, "collective"), (13, 2, "collective"), (13, 1, "ring")],
-)
+@pytest.mark.parametrize(("tokens", "per_rank", "transport"), SWIGLU_PIPELINES)
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_swiglu_backward_pipelines_as_its_forward(
     rank_pools, world, tokens, per_rank, transport, kernels

@@ -211,11 +211,12 @@ def pipelined_block(
     )
 
 
+# (tokens, chunks per rank, transport): even and uneven rows, one and two chunks a rank
+SWIGLU_PIPELINES = [(16, 1, "collective"), (13, 2, "collective"), (13, 1, "ring")]
+
+
 @pytest.mark.parametrize("kernels", ["reference", "generated"])
-@pytest.mark.parametrize(
-    ("tokens", "per_rank", "transport"),
-    [(16, 1, "collective"), (13, 2, "collective"), (13, 1, "ring")],
-)
+@pytest.mark.parametrize(("tokens", "per_rank", "transport"), SWIGLU_PIPELINES)
 @pytest.mark.parametrize("world", [2, 4])
 def test_the_gate_and_up_projections_share_each_gathered_chunk(
     rank_pools, world, tokens, per_rank, transport, kernels
