@@ -17,7 +17,7 @@ summed over that axis.
 A max or min shares its gradient evenly among the elements that reach it, maximum and
 minimum half to each operand where they are equal, as torch's. An op without a rule
 raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
-built (never a wrong gradient): slice, select, batched matmuls and every
+built (never a wrong gradient): slice, select and every
 cast from or to an fp8/fp4 type among them (a straight-through cast would be a silent
 choice; ask for it explicitly, later).
 
@@ -424,25 +424,30 @@ def _transpose_last(t: TensorView) -> TensorView:
 def _matmul(expr, mapped, given):
     (g,) = given
     a, b = (mapped[t] for t in expr.inputs)
-    if a.ndim != 2 or b.ndim != 2:
-        raise DifferentiationError(
-            f"matmul of {expr.inputs[0]} and {expr.inputs[1]}: gradients of batched or "
-            "vector matmuls are not written yet (2-D only)"
-        )
-    return [ops.matmul(g, _transpose_last(b)), ops.matmul(_transpose_last(a), g)]
+    # batch axes broadcast: each operand's gradient summed over the batch axes it lacks
+    # (``_fit`` then sums those it has at extent 1)
+    da = _summed_to_rank(ops.matmul(g, _transpose_last(b)), a.ndim)
+    db = _summed_to_rank(ops.matmul(_transpose_last(a), g), b.ndim)
+    return [da, db]
+
+
+def _summed_to_rank(grad: TensorView, ndim: int) -> TensorView:
+    extra = grad.ndim - ndim
+    return ops.sum(grad, list(range(extra))) if extra > 0 else grad
 
 
 def _linear(expr, mapped, given):
     (g,) = given
     x, weight = mapped[expr.inputs[0]], mapped[expr.inputs[1]]
-    if x.ndim != 2:
+    if x.ndim < 2:
         raise DifferentiationError(
-            f"linear of {expr.inputs[0]}: gradients of a linear over more than 2-D inputs "
-            "are not written yet (reshape to 2-D first)"
+            f"linear of the vector {expr.inputs[0]}: its gradient is not written yet "
+            "(broadcast it to [1, K] first)"
         )
-    grads = [ops.matmul(g, weight), ops.matmul(_transpose_last(g), x)]
+    # x: [..., in], weight: [out, in]; the weight's gradient sums over every leading axis
+    grads = [ops.matmul(g, weight), _summed_to_rank(ops.matmul(_transpose_last(g), x), 2)]
     if len(expr.inputs) == 3:
-        grads.append(ops.sum(g, [0]))
+        grads.append(ops.sum(g, list(range(g.ndim - 1))))
     return grads
 
 

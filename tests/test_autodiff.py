@@ -318,3 +318,16 @@ def test_a_bf16_gradient_rounds_once_as_torch_kernels_do(approximate):
     actual = evaluate(backward(fd.fusion).fusion, [*values, seed])
     for position, (ours, theirs) in enumerate(zip(actual, expected, strict=True)):
         assert_close(ours, theirs, reduction_extent=32, message=f"input {position}")
+
+
+def test_batched_matmuls_with_broadcast_batch_axes_and_a_3d_linear():
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([2, 3, 4, 5], "float64")
+        b = fd.define_tensor([5, 6], "float64")  # broadcast over both batch axes
+        c = fd.define_tensor([2, 1, 6, 3], "float64")  # extent 1 against 3
+        x = fd.define_tensor([2, 4, 5], "float64")
+        w = fd.define_tensor([7, 5], "float64")
+        bias = fd.define_tensor([7], "float64")
+        fd.add_output(fd.ops.matmul(fd.ops.matmul(a, b), c))
+        fd.add_output(fd.ops.linear(x, w, bias))
+    _check(fd, [[2, 3, 4, 5], [5, 6], [2, 1, 6, 3], [2, 4, 5], [7, 5], [7]])
