@@ -52,6 +52,20 @@ def split_extremes(world: int) -> FusionDefinition:
     return fd
 
 
+def heads_attention(world: int) -> FusionDefinition:
+    """Batched matmuls with the heads split over the ranks: tanh(q k^T) v per head, the
+    keys shared by pairs of heads (their batch axis at extent 1 against the heads')."""
+    with FusionDefinition("heads") as fd:
+        q = fd.define_tensor([2 * world, 2, 5, 3])
+        k = fd.define_tensor([2 * world, 1, 5, 3])
+        v = fd.define_tensor([2 * world, 2, 5, 4])
+        scores = fd.ops.matmul(q, fd.ops.permute(k, [0, 1, 3, 2]))
+        fd.add_output(fd.ops.matmul(fd.ops.tanh(scores), v))
+    for tensor in (q, k, v):
+        shard(tensor, DeviceMesh(world), [Shard(0)])
+    return fd
+
+
 def data_and_tensor_parallel_mlp(world: int) -> FusionDefinition:
     """A 2 x 2 mesh: the batch split over "dp", Megatron's MLP over "tp"; the weights'
     gradients, partial over the batch pieces, are all-reduced over "dp" (cheaper than
@@ -85,6 +99,7 @@ BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "swiglu_even": lambda world: swiglu_block(world, 4 * world),
           "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1),
           "split_extremes": split_extremes,
+          "heads": heads_attention,
           "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
@@ -125,8 +140,8 @@ def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, k
     results = rank_pools(world).run(gradients_on_every_rank, block, kernels, timeout=120)
     for communications in results:
         assert communications == results[0]  # one program on every rank
-        if block == "split_extremes":
-            # elementwise on the pieces: the gradients need nothing from other ranks
+        if block in ("split_extremes", "heads"):
+            # on the pieces alone: the gradients need nothing from other ranks
             assert communications == [], communications
         elif block == "dp_tp_mlp":
             # the weights' gradients all-reduced over "dp" (partial over the batch's
