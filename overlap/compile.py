@@ -42,7 +42,7 @@ from overlap.host_ir import HostProgram
 from overlap.inputs import check_packed_pieces
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
-from overlap.recompute import gather_pointwise, recompute_widened_inputs
+from overlap.recompute import drop_dead_exprs, gather_pointwise, recompute_widened_inputs
 from sharding.errors import ShardingError
 from sharding.layout import is_placed
 from sharding.propagation import explain
@@ -120,6 +120,7 @@ def _recompute(state: _Compilation) -> None:
 
 def _gather(state: _Compilation) -> None:
     gather_pointwise(state.fusion)
+    drop_dead_exprs(state.fusion)
 
 
 def _plan(state: _Compilation) -> None:

@@ -16,13 +16,26 @@ no kernel's output. Layouts are the original exprs'.
 communication, though what it reads was computed before them (a backward casts a
 gradient to bf16 only after the matmuls that read its sibling), moves up to just after
 the last expr computing its inputs, where it joins that kernel: the wide value it reads
-is then not written out and read back by a kernel of its own.
+is then not written out and read back by a kernel of its own. It ends by dropping the
+exprs no output depends on (``drop_dead_exprs``): a dead reader would make a kernel
+write out a value nothing reads.
 """
 
 from __future__ import annotations
 
 from fusion import ops
-from fusion.exprs import BinaryOp, CastOp, CompareOp, Expr, LinearOp, MatmulOp, UnaryOp, WhereOp
+from fusion.exprs import (
+    BinaryOp,
+    CastOp,
+    CompareOp,
+    Expr,
+    LinearOp,
+    MatmulOp,
+    ReductionOp,
+    UnaryOp,
+    VarMeanOp,
+    WhereOp,
+)
 from fusion.ir import Fusion
 from sharding.communication import Communication
 from sharding.layout import apply_layout, layout_of
@@ -42,20 +55,21 @@ def recompute_widened_inputs(fusion: Fusion) -> list[Expr]:
             continue
         barrier = False
         for later in exprs[position + 1 :]:
-            barrier |= _ends_a_kernel(later)
+            barrier |= _kernel_boundary(later)
             if barrier and expr.output in later.inputs and not _ends_a_kernel(later):
                 added += _own_chain(fusion, chain, later)
     return added
 
 
 def _widening_chain(expr: Expr) -> list[Expr] | None:
-    """The exprs from a fusion input to ``expr``'s output, when they are a widening cast
-    and unary ops after it, and the output is wider than the input."""
+    """The exprs from a value held in memory anyway (a fusion input, or what a matmul or
+    a communication wrote) to ``expr``'s output, when they are a widening cast and unary
+    ops after it."""
     chain: list[Expr] = []
     while isinstance(expr, (CastOp, UnaryOp)) and len(chain) < MAX_CHAIN:
         chain.insert(0, expr)
         (source,) = expr.inputs
-        if source.is_input:
+        if source.is_input or _ends_a_kernel(source.definition):
             first = chain[0]
             widening = isinstance(first, CastOp) and first.output.dtype.bits > source.dtype.bits
             return chain if widening else None
@@ -63,8 +77,14 @@ def _widening_chain(expr: Expr) -> list[Expr] | None:
     return None
 
 
-def _ends_a_kernel(expr: Expr) -> bool:
+def _ends_a_kernel(expr: Expr | None) -> bool:
     return isinstance(expr, (MatmulOp, LinearOp, Communication))
+
+
+def _kernel_boundary(expr: Expr) -> bool:
+    """An expr a generated pointwise kernel does not run: a matmul, a communication or a
+    reduction (the reduction schedulers take those)."""
+    return _ends_a_kernel(expr) or isinstance(expr, (ReductionOp, VarMeanOp))
 
 
 def _own_chain(fusion: Fusion, chain: list[Expr], use: Expr) -> list[Expr]:
@@ -108,3 +128,15 @@ def gather_pointwise(fusion: Fusion) -> list[Expr]:
             fusion.move_after([expr], anchor)
             moved.append(expr)
     return moved
+
+
+def drop_dead_exprs(fusion: Fusion) -> int:
+    """Remove the exprs no output depends on (a backward's replay of the forward's own
+    outputs, a chain every use of which now has its copy): a kernel writes out what
+    exprs outside it read, and a dead reader would keep a wide value in memory that
+    nothing reads. Returns how many were removed."""
+    live = set(fusion.live_exprs())
+    dead = [expr for expr in fusion.exprs if expr not in live]
+    for expr in reversed(dead):
+        fusion.remove_expr(expr)
+    return len(dead)
