@@ -426,6 +426,8 @@ def pow(lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:  # no
 def _compare(op_name: str, lhs: TensorView | Scalar, rhs: TensorView | Scalar) -> TensorView:
     lhs, rhs = _operand(op_name, "lhs", lhs), _operand(op_name, "rhs", rhs)
     fusion = _fusion_of(op_name, [lhs, rhs])
+    # an integer scalar outside the tensor's type is refused: torch wraps it around (an
+    # int8 against 300 compares with 44), which no one means
     compared_in = _result_dtype(op_name, [lhs, rhs])
     tensors = [o for o in (lhs, rhs) if isinstance(o, TensorView)]
     out = _output(op_name, fusion, bool_, _elementwise_axes(op_name, fusion, tensors))

@@ -166,7 +166,13 @@ _COMPARE: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def _compare(expr: CompareOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
-    lhs, rhs = (_operand_value(o, values, expr.compared_in) for o in expr.operands)
+    # both operands rounded to the type they are compared in (a bf16 tensor against 0.1
+    # compares with bf16's 0.1, as torch does), then compared exactly
+    dtype = expr.compared_in.torch_dtype
+    lhs, rhs = (
+        values[o].to(dtype) if isinstance(o, TensorView) else torch.tensor(o, dtype=dtype)
+        for o in expr.operands
+    )
     return _COMPARE[expr.op_name](lhs, rhs)
 
 

@@ -63,7 +63,9 @@ def _place_replayed(grads: Backward, by_id: dict[int, TensorView]) -> None:
             layout = layout_of(by_id[tensor.id])
             shard(value, layout.mesh, list(layout.placements))
     for tensor, gradient in grads.gradients.items():
-        if not gradient.is_input and gradient not in placed_here:
+        # placed already: an input's gradient (an add hands one to its input and to its
+        # result), or the first tensor's of several
+        if not gradient.is_input and gradient not in placed_here and gradient.mesh is None:
             _place_like(gradient, by_id[tensor.id])
             placed_here.add(gradient)
 

@@ -372,12 +372,14 @@ class MultiDeviceExecutor:
                 gc.enable()
             if len(self._graphs) >= 8:  # inputs keep moving: drop the oldest graphs
                 self._graphs.pop(next(iter(self._graphs)))
-            self._graphs[graph_key] = (graph, outputs)
-        graph, outputs = self._graphs[graph_key]
+            # the graph's own buffers (an input passed through is the caller's)
+            owned = [o for o in outputs if o is not None and all(o is not i for i in local_inputs)]
+            self._graphs[graph_key] = (graph, outputs, owned)
+        graph, outputs, owned = self._graphs[graph_key]
         graph.replay()
-        # the buffers were written: autograd then refuses a backward that saved them
-        # before this replay (its values are gone) instead of reading the new ones
-        torch.autograd.graph.increment_version([o for o in outputs if o is not None])
+        # its buffers were written: autograd then refuses a backward that saved them
+        # before this replay (their values are gone) instead of reading the new ones
+        torch.autograd.graph.increment_version(owned)
         return list(outputs)
 
     def _rank_program(self, bindings: Bindings) -> RankProgram:

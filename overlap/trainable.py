@@ -15,13 +15,14 @@ it is saved or recomputed. Every rank must call it and
 its backward alike (SPMD), with the same inputs requiring gradients (else the ranks
 build different programs and every rank raises ``ProgramMismatch``).
 
-Under ``cuda_graph=True`` (CUDA only) the forward and the backward replay CUDA graphs:
-an input whose buffer moved since the first call (activations and output gradients,
-new every step) is copied into a buffer of the fusion's own, so that the graphs are
-keyed by buffers that stay (weights updated in place stay where they are) and two
-captures per program suffice; what the user gets (outputs, gradients) is copied out of
-the graphs' buffers, and a second forward before the first one's backward makes that
-backward raise (the saved buffers were overwritten) instead of reading the new values.
+Under ``cuda_graph=True`` (CUDA only) the forward and the backward replay CUDA graphs,
+keyed by the buffers they read: weights (leaves that require a gradient, updated in
+place by optimizers) and what the forward saved are read where they are; every other
+input (data, activations, output gradients: new every step) is copied into a buffer of
+the fusion's own, so one capture per program suffices. What the user gets (outputs,
+gradients) is copied out of the graphs' buffers, and a second forward before the first
+one's backward makes that backward raise (the saved buffers were overwritten) instead
+of reading the new values.
 
 Example (on every rank)::
 
@@ -119,15 +120,18 @@ class TrainableFusion:
             )
         return self._backward_executors[wrt]
 
-    def _run(self, executor: MultiDeviceExecutor, inputs: list, kept: int) -> list:
-        """``executor.run``; replaying CUDA graphs, from staged inputs, the first ``kept``
-        outputs copied out of the graph's buffers."""
+    def _run(
+        self, executor: MultiDeviceExecutor, inputs: list, kept: int, stay: range = range(0)
+    ) -> list:
+        """``executor.run``; replaying CUDA graphs, from staged inputs (but weights and
+        the positions in ``stay``), the first ``kept`` outputs copied out of the graph's
+        buffers."""
         if self._staging is None:
             return executor.run(inputs)
         if executor is self.forward_executor:
             self._forwards += 1
         staging = self._staging.setdefault(id(executor), _Staging())
-        outputs = executor.run(staging.stage(inputs))
+        outputs = executor.run(staging.stage(inputs, stay))
         return [o if o is None or i >= kept else o.clone() for i, o in enumerate(outputs)]
 
     def _check_saved(self, forward: int) -> None:
@@ -142,20 +146,16 @@ class TrainableFusion:
 
 
 class _Staging:
-    """Buffers that stay for the inputs whose buffers move between calls."""
+    """Buffers that stay, for the inputs that are new every call."""
 
     def __init__(self) -> None:
-        self.first: list[int | None] | None = None
         self.buffers: dict[int, torch.Tensor] = {}
 
-    def stage(self, inputs: list) -> list:
-        addresses = [t.data_ptr() if isinstance(t, torch.Tensor) else None for t in inputs]
-        if self.first is None:
-            self.first = addresses
+    def stage(self, inputs: list, stay: range) -> list:
         staged = []
         for position, tensor in enumerate(inputs):
-            moved = position in self.buffers or addresses[position] != self.first[position]
-            if tensor is None or not moved:
+            weight = tensor is not None and tensor.is_leaf and tensor.requires_grad
+            if tensor is None or weight or position in stay:
                 staged.append(tensor)
                 continue
             buffer = self.buffers.get(position)
@@ -195,7 +195,8 @@ class _Apply(torch.autograd.Function):
             for grad, like in zip(output_grads, ctx.outputs, strict=True)
         ]
         executor = ctx.model.backward_executor(wrt)
-        local_grads = ctx.model._run(executor, [*inputs, *saved, *seeds], kept=len(wrt))
+        kept = range(len(inputs), len(inputs) + len(saved))  # the forward graph's buffers
+        local_grads = ctx.model._run(executor, [*inputs, *saved, *seeds], len(wrt), kept)
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad

@@ -267,11 +267,19 @@ class Emitter:
         return [self.rounded(text, ctype, out.dtype)]
 
     def _compare(self, expr: CompareOp, operands: list[Value | Scalar]) -> Value:
-        ctype = compute_dtype(expr.compared_in)
-        lhs, rhs = (
-            self.as_compute(o, ctype) if isinstance(o, Value) else _literal(o, ctype)
-            for o in operands
-        )
+        """Both operands rounded to the type they are compared in first (as torch: a
+        bf16 tensor against 0.1 compares with bf16's 0.1), then compared exactly."""
+        dtype = expr.compared_in
+        ctype = compute_dtype(dtype)
+        sides = []
+        for operand in operands:
+            if isinstance(operand, Value):
+                sides.append(self.as_compute(self._cast(operand, dtype), ctype))
+                continue
+            rounded = torch.tensor(operand, dtype=dtype.torch_dtype).item()
+            # a typed constant: Triton would make a bare float literal a float32 one
+            sides.append(f"tl.full([], {_literal(rounded, ctype)}, {TRITON_TYPES[ctype.name]})")
+        lhs, rhs = sides
         return Value(self.assign(f"{lhs} {_COMPARISONS[expr.op_name]} {rhs}"), bool_)
 
     def _cast(self, value: Value, target: DataType) -> Value:

@@ -66,6 +66,18 @@ def heads_attention(world: int) -> FusionDefinition:
     return fd
 
 
+def shared_gradient(world: int) -> FusionDefinition:
+    """An add hands one gradient to both operands and to its result: a replicated x and
+    a row-split b (the gradient is placed once, as b's rows; x's is gathered from it)."""
+    with FusionDefinition("shared_gradient") as fd:
+        x = fd.define_tensor([4 * world + 1, 3])
+        b = fd.define_tensor([4 * world + 1, 3])
+        fd.add_output(fd.ops.exp(fd.ops.add(x, b)))
+    shard(x, DeviceMesh(world), [Replicate()])
+    shard(b, DeviceMesh(world), [Shard(0)])
+    return fd
+
+
 def data_and_tensor_parallel_mlp(world: int) -> FusionDefinition:
     """A 2 x 2 mesh: the batch split over "dp", Megatron's MLP over "tp"; the weights'
     gradients, partial over the batch pieces, are all-reduced over "dp" (cheaper than
@@ -100,6 +112,7 @@ BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "swiglu_uneven": lambda world: swiglu_block(world, 4 * world - 1),
           "split_extremes": split_extremes,
           "heads": heads_attention,
+          "shared_gradient": shared_gradient,
           "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
@@ -143,6 +156,8 @@ def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, k
         if block in ("split_extremes", "heads"):
             # on the pieces alone: the gradients need nothing from other ranks
             assert communications == [], communications
+        elif block == "shared_gradient":
+            assert communications == ["Allgather(x)"], communications
         elif block == "dp_tp_mlp":
             # the weights' gradients all-reduced over "dp" (partial over the batch's
             # pieces); x's gradient from the hidden gradient and w1 gathered over "tp"

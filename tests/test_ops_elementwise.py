@@ -635,3 +635,30 @@ def test_comparisons_of_mixed_types_and_scalars_promote_like_torch(make_input, o
 def test_comparisons_refuse_storage_types(dtype):
     with pytest.raises(DefinitionError, match="storage type"):
         build([((7, 8), dtype), ((7, 8), dtype)], ops.eq)
+
+
+@pytest.mark.parametrize("scalar", [0.1, 1 / 3, -2.7], ids=repr)
+@pytest.mark.parametrize("dtype", [bfloat16, float16, float32, float64], ids=str)
+@pytest.mark.parametrize("op_name", COMPARISONS)
+def test_a_float_scalar_is_rounded_to_the_tensors_type_first(op_name, dtype, scalar):
+    """As torch: a bf16 tensor against 0.1 compares with bf16's 0.1 (values at the
+    rounded scalar and at its neighbours, the scalar on either side)."""
+    rounded = torch.tensor(scalar, dtype=dtype.torch_dtype)
+    up = rounded.double().nextafter(torch.tensor(9.0, dtype=torch.float64))
+    down = rounded.double().nextafter(torch.tensor(-9.0, dtype=torch.float64))
+    values = torch.stack([rounded, up.to(rounded.dtype), down.to(rounded.dtype),
+                          torch.tensor(scalar, dtype=torch.float64).to(rounded.dtype)])  # fmt: skip
+    for side in (0, 1):
+        operands = (lambda t: (t, scalar)) if side == 0 else (lambda t: (scalar, t))
+        fd = build([((4,), dtype)], lambda t, pick=operands: getattr(ops, op_name)(*pick(t)))
+        scalar_tensor = torch.full_like(values, scalar)
+        pair = (values, scalar_tensor) if side == 0 else (scalar_tensor, values)
+        expected = getattr(torch, op_name)(*pair)
+        assert torch.equal(run(fd, [values]), expected), (op_name, dtype, scalar, side)
+
+
+@pytest.mark.parametrize(("dtype", "scalar"), [(int8, 300), (uint8, -1), (int32, 2**40)], ids=str)
+def test_an_integer_scalar_out_of_the_tensors_range_is_refused(dtype, scalar):
+    """torch wraps it around (an int8 against 300 compares with 44): refused instead."""
+    with pytest.raises(DefinitionError, match=f"scalar {scalar} does not fit"):
+        build([((7, 9), dtype)], lambda t: ops.lt(t, scalar))

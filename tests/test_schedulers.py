@@ -120,6 +120,35 @@ def test_comparisons_and_erf_are_generated_with_nan_and_infinities(rng):
     assert set(_backends(executor)) == {"pointwise"}  # no reference fallback
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_comparisons_with_inexact_scalars_round_them_to_the_tensors_type(dtype, rng):
+    """A bf16 tensor against 0.1 compares with bf16's 0.1, a float64 one with float64's
+    (a bare literal would be a float32 constant in Triton); either side; an int64
+    tensor against a bf16 one compares in bf16."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 333], dtype)
+        n = fd.define_tensor([4, 333], "int64")
+        w = fd.define_tensor([4, 333], "bfloat16")
+        for scalar in (0.1, 1 / 3):
+            fd.add_output(fd.ops.eq(x, scalar))
+            fd.add_output(fd.ops.lt(scalar, x))
+            fd.add_output(fd.ops.ge(x, scalar))
+        fd.add_output(fd.ops.eq(n, w))
+    torch_dtype = as_dtype(dtype).torch_dtype
+    picks = torch.tensor([0.1, 1 / 3], dtype=torch.float64)
+    near = torch.cat([picks.to(torch_dtype).double(), picks.float().double(), picks])
+    x = near[torch.randint(0, 6, (4, 333), generator=rng)].to(torch_dtype)
+    n = torch.randint(250, 262, (4, 333), generator=rng)  # 257..261 round in bf16
+    w = n.to(torch.bfloat16)
+    executor = _check(fd, [x, n, w])
+    assert set(_backends(executor)) == {"pointwise"}
+    outputs = executor.run([x, n, w])
+    for position, scalar in enumerate((0.1, 1 / 3)):
+        assert torch.equal(outputs[3 * position], torch.eq(x, scalar))
+        assert torch.equal(outputs[3 * position + 1], torch.lt(torch.full_like(x, scalar), x))
+    assert torch.equal(outputs[-1], torch.eq(n, w))
+
+
 @pytest.mark.parametrize("dtype", ["int32", "int64", "int8"])
 def test_integer_pointwise_and_promotion(dtype, rng):
     with FusionDefinition() as fd:

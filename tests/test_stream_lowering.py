@@ -467,3 +467,41 @@ def test_a_swiglu_backward_writes_no_float32_value_of_the_ffn_width(world, monke
         actual = MultiDeviceExecutor(grads.fusion, None, kernels="generated").run(values)
         for ours, theirs in zip(actual, expected, strict=True):
             assert_close(ours, theirs, reduction_extent=64)
+
+
+def test_a_pointwise_expr_after_a_matmul_joins_the_kernel_computing_its_inputs(monkeypatch):
+    """The last output reads only ``a``, computed before the matmul (from two inputs:
+    no chain to recompute), but comes after it: it moves up into ``a``'s kernel, so the
+    float32 ``a`` is no kernel's output (written for a kernel of its own, read back)."""
+    with FusionDefinition("late_pointwise") as fd:
+        x = fd.define_tensor([8, 16], "bfloat16")
+        y = fd.define_tensor([8, 16], "bfloat16")
+        w = fd.define_tensor([4, 16], "bfloat16")
+        a = fd.ops.exp(fd.ops.cast(x, "float32") * fd.ops.cast(y, "float32"))
+        m = fd.ops.linear(y, w)
+        fd.add_output(m)
+        fd.add_output(fd.ops.cast(fd.ops.mul(a, 3.0), "bfloat16"))
+    compiled = compile_program(fd.fusion, 1, None, H200_FIGURES, schedule=True)
+    kernels = [i for i in walk(compiled.host.instructions) if isinstance(i, LaunchKernel)]
+    assert [[e.op_name for e in k.exprs] for k in kernels] == [
+        ["cast", "cast", "mul", "exp", "mul", "cast"],
+        ["linear"],
+    ], [str(k) for k in kernels]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # generated kernels on CPU
+    generator = torch.Generator().manual_seed(3)
+    full = [torch.randn(s, generator=generator).bfloat16() for s in ([8, 16], [8, 16], [4, 16])]
+    outputs = MultiDeviceExecutor(fd, None, kernels="generated").run(full)
+    for ours, theirs in zip(outputs, fd.execute(full), strict=True):
+        assert_close(ours, theirs, reduction_extent=16)
+
+
+def test_a_swiglu_forward_keeps_silu_of_its_gate_inside_one_kernel():
+    """silu(float32(gate)) sits between the gate and up matmuls in program order; the
+    widened matmul result is recomputed where it is read, so one kernel reads both bf16
+    results and nothing writes a float32 value of the ffn's width."""
+    fd, _ = _bf16_swiglu(None)
+    compiled = compile_program(fd.fusion, 1, None, H200_FIGURES, schedule=True)
+    kernels = [i for i in walk(compiled.host.instructions) if isinstance(i, LaunchKernel)]
+    wide = [t for k in kernels for t in k.outputs if t.dtype.bits == 32]
+    assert wide == [], [str(k) for k in kernels]
+    assert [k.backend for k in kernels] == ["cublas", "cublas", "pointwise", "cublas"]
