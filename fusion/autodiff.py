@@ -17,7 +17,9 @@ summed over that axis.
 A max or min shares its gradient evenly among the elements that reach it, maximum and
 minimum half to each operand where they are equal, as torch's. An op without a rule
 raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
-built (never a wrong gradient): slice, select and every
+built (never a wrong gradient), where a gradient would flow through it (an expr reading
+nothing computed from the differentiated inputs is only replayed: a slice of a frozen
+table is fine): slice, select and every
 cast from or to an fp8/fp4 type among them (a straight-through cast would be a silent
 choice; ask for it explicitly, later).
 
@@ -48,7 +50,9 @@ from fusion.exprs import (
     PermuteOp,
     ReductionOp,
     ReshapeOp,
+    SelectOp,
     SetOp,
+    SliceOp,
     UnaryOp,
     VarMeanOp,
     WhereOp,
@@ -119,7 +123,14 @@ def backward(
                 "of a compute type have gradients"
             )
     live = fusion.live_exprs()
-    for expr in live:  # every rule exists before anything is built
+    # a gradient flows only through exprs that read something computed from the inputs
+    # at ``wrt``: the others (a frozen input's slice, say) are replayed, never differentiated
+    reached = {fusion.inputs[p] for p in wrt}
+    for expr in live:
+        if any(t in reached for t in expr.inputs):
+            reached.update(expr.outputs)
+    flowing = [e for e in live if any(t in reached for t in e.inputs)]
+    for expr in flowing:  # every rule exists before anything is built
         _rule(expr)
     computed = {t for expr in live for t in expr.outputs}
     for tensor in saved:
@@ -139,7 +150,7 @@ def backward(
             seed = fd.define_tensor(_shape(output), output.dtype)
             if _differentiable(output):
                 _accumulate(grads, output, seed)
-        for expr in reversed(live):
+        for expr in reversed(flowing):
             given = [grads.get(out) for out in expr.outputs]
             if all(g is None for g in given):
                 continue
@@ -223,7 +234,22 @@ _REPLAY: dict[type, Callable] = {
     LinearOp: lambda e, o: ops.linear(*o),
     WhereOp: lambda e, o: ops.where(*o),
     CompareOp: lambda e, o: getattr(ops, e.op_name)(o[0], o[1]),
+    SliceOp: lambda e, o: ops.slice(o[0], list(e.starts), _stops(e), list(e.steps)),
+    SelectOp: lambda e, o: ops.select(o[0], e.dim, e.index),
 }
+
+
+def _stops(expr: SliceOp) -> list[int | None]:
+    """A slice's stops as ``ops.slice`` takes them (None: to the axis's end)."""
+    stops: list[int | None] = []
+    for axis, stop in zip(expr.inputs[0].logical_axes, expr.stops, strict=True):
+        if stop == axis.extent:
+            stops.append(None)
+        elif isinstance(stop, int):
+            stops.append(stop)
+        else:
+            raise DifferentiationError(f"slice {expr.output}: a symbolic stop is not replayed")
+    return stops
 
 
 # -- the rules ----------------------------------------------------------------------------

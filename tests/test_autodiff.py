@@ -331,3 +331,28 @@ def test_batched_matmuls_with_broadcast_batch_axes_and_a_3d_linear():
         fd.add_output(fd.ops.matmul(fd.ops.matmul(a, b), c))
         fd.add_output(fd.ops.linear(x, w, bias))
     _check(fd, [[2, 3, 4, 5], [5, 6], [2, 1, 6, 3], [2, 4, 5], [7, 5], [7]])
+
+
+def test_a_slice_or_select_of_what_needs_no_gradient_is_replayed_not_refused():
+    """A rotary table sliced to the sequence (a frozen input): the gradient of x flows
+    around the slice, so it needs no rule; sliced on x's own path it is refused."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([5, 4], "float64")
+        table = fd.define_tensor([9, 4], "float64")
+        rows = fd.define_tensor([3, 5, 4], "float64")
+        cos = fd.ops.slice(table, [2, 0], [7, 4])
+        fd.add_output(x * cos + fd.ops.select(rows, 0, 1))
+    generator = torch.Generator().manual_seed(8)
+    values = [torch.randn(s, generator=generator, dtype=torch.float64)
+              for s in ([5, 4], [9, 4], [3, 5, 4])]  # fmt: skip
+    leaf = values[0].clone().requires_grad_()
+    (out,) = evaluate(fd.fusion, [leaf, values[1], values[2]])
+    seed = torch.randn(out.shape, generator=generator, dtype=torch.float64)
+    (expected,) = torch.autograd.grad(out, [leaf], seed)
+    grads = backward(fd.fusion, wrt=[0])
+    (actual,) = evaluate(grads.fusion, [*values, seed])
+    torch.testing.assert_close(actual, expected, rtol=1e-12, atol=1e-12)
+    with pytest.raises(DifferentiationError, match="^slice "):
+        backward(fd.fusion, wrt=[0, 1])  # the table's gradient would flow through it
+    with pytest.raises(DifferentiationError, match="^select "):
+        backward(fd.fusion, wrt=[0, 2])
