@@ -19,7 +19,7 @@ minimum half to each operand where they are equal, as torch's. An op without a r
 raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
 built (never a wrong gradient), where a gradient would flow through it (an expr reading
 nothing computed from the differentiated inputs is only replayed: a slice of a frozen
-table is fine): slice, select and every
+table is fine): a slice with a step, a select on a symbolic axis and every
 cast from or to an fp8/fp4 type among them (a straight-through cast would be a silent
 choice; ask for it explicitly, later).
 
@@ -47,6 +47,7 @@ from fusion.exprs import (
     Expr,
     LinearOp,
     MatmulOp,
+    PadOp,
     PermuteOp,
     ReductionOp,
     ReshapeOp,
@@ -236,6 +237,7 @@ _REPLAY: dict[type, Callable] = {
     CompareOp: lambda e, o: getattr(ops, e.op_name)(o[0], o[1]),
     SliceOp: lambda e, o: ops.slice(o[0], list(e.starts), _stops(e), list(e.steps)),
     SelectOp: lambda e, o: ops.select(o[0], e.dim, e.index),
+    PadOp: lambda e, o: ops.pad(o[0], list(e.before), list(e.after)),
 }
 
 
@@ -488,6 +490,43 @@ def _where(expr, mapped, given):
     return grads
 
 
+def _slice_grad(expr, mapped, given):
+    """Zeros where the slice took nothing: the gradient padded back to the input."""
+    (g,) = given
+    x = expr.inputs[0]
+    if any(step != 1 for step in expr.steps):
+        raise DifferentiationError(
+            f"slice {expr.output}: the gradient of a slice with a step is not written yet"
+        )
+    after = [
+        _extent(axis.extent) - stop for axis, stop in zip(x.logical_axes, expr.stops, strict=True)
+    ]
+    return [ops.pad(g, list(expr.starts), [a if isinstance(a, int) else 0 for a in after])]
+
+
+def _select_grad(expr, mapped, given):
+    """The gradient put back at ``index`` of the removed axis, zeros elsewhere on it."""
+    (g,) = given
+    x = expr.inputs[0]
+    extent = x.axis(expr.dim).extent
+    if not isinstance(extent, int):
+        raise DifferentiationError(
+            f"select {expr.output}: the gradient of a select on a symbolic axis is not written yet"
+        )
+    restored = ops.broadcast(g, [d == expr.dim for d in range(x.ndim)])
+    before = [expr.index if d == expr.dim else 0 for d in range(x.ndim)]
+    after = [extent - expr.index - 1 if d == expr.dim else 0 for d in range(x.ndim)]
+    return [ops.pad(restored, before, after)]
+
+
+def _pad_grad(expr, mapped, given):
+    (g,) = given
+    x = expr.inputs[0]
+    padded = zip(x.logical_axes, expr.before, expr.after, strict=True)
+    stops = [b + _extent(axis.extent) if (b or a) else None for axis, b, a in padded]
+    return [ops.slice(g, list(expr.before), stops)]
+
+
 GRADIENT_RULES: dict[type, Callable] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
@@ -505,6 +544,9 @@ GRADIENT_RULES: dict[type, Callable] = {
     LinearOp: _linear,
     WhereOp: _where,
     CompareOp: lambda expr, mapped, given: [None] * len(expr.inputs),  # a bool has none
+    SliceOp: _slice_grad,
+    SelectOp: _select_grad,
+    PadOp: _pad_grad,
 }
 
 
@@ -528,6 +570,6 @@ def _rule(expr: Expr) -> Callable:
 
 def _known() -> str:
     names = [*UNARY_RULES, *BINARY_RULES, "eq", "ne", "lt", "le", "gt", "ge", "cast", "set",
-             "broadcast", "expand", "reshape", "permute", "where", "sum", "mean", "max", "min",
-             "var_mean", "matmul", "linear"]  # fmt: skip
+             "broadcast", "expand", "reshape", "permute", "slice", "select", "pad", "where",
+             "sum", "mean", "max", "min", "var_mean", "matmul", "linear"]  # fmt: skip
     return ", ".join(names)

@@ -202,6 +202,16 @@ class SliceOp(Expr):
         )
 
 
+class PadOp(Expr):
+    """Per axis, ``before`` zeros, ``x``, ``after`` zeros (a slice's gradient)."""
+
+    def __init__(
+        self, x: TensorView, out: TensorView, before: Sequence[int], after: Sequence[int]
+    ) -> None:
+        self.before, self.after = tuple(before), tuple(after)
+        super().__init__("pad", [x], [out], before=list(self.before), after=list(self.after))
+
+
 class SelectOp(Expr):
     """Take index ``index`` of axis ``dim``, removing that axis."""
 

@@ -43,6 +43,7 @@ from fusion.exprs import (
     ExpandOp,
     LinearOp,
     MatmulOp,
+    PadOp,
     PermuteOp,
     ReductionOp,
     ReshapeOp,
@@ -59,8 +60,8 @@ __all__ = [
     "neg", "abs", "exp", "log", "sqrt", "rsqrt", "reciprocal", "tanh", "sigmoid", "relu",
     "gelu", "silu", "erf", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne",
     "lt", "le", "gt", "ge", "where", "cast", "set", "broadcast", "expand", "broadcast_in_dim",
-    "reshape", "permute", "slice", "select", "sum", "max", "min", "mean", "var_mean", "matmul",
-    "linear",
+    "reshape", "permute", "slice", "select", "pad", "sum", "max", "min", "mean", "var_mean",
+    "matmul", "linear",
 ]  # fmt: skip
 
 # This module defines ops named like builtins (sum, max, min, abs, set, slice, pow);
@@ -704,6 +705,36 @@ def slice(  # noqa: A001 - the IR's name
         axes.append(fusion.new_axis(-(-(end - begin) // step)))
     out = _output("slice", fusion, x.dtype, axes, [x])
     SliceOp(x, out, norm_starts, norm_stops, steps)
+    return out
+
+
+def pad(x: TensorView, before: Sequence[int], after: Sequence[int]) -> TensorView:
+    """``x`` with ``before[d]`` zeros ahead of it and ``after[d]`` zeros behind it along
+    each axis ``d`` (non-negative ints; a padded axis must have a static extent)."""
+    x = _tensor("pad", "input", x)
+    fusion = _fusion_of("pad", [x])
+    _require_compute_type("pad", x)
+    if not len(before) == len(after) == x.ndim:
+        raise DefinitionError(
+            f"pad: before and after need {x.ndim} entries each for {x}, got "
+            f"{len(before)}, {len(after)}"
+        )
+    axes: list[Axis] = []
+    for index, (axis, ahead, behind) in enumerate(zip(x.logical_axes, before, after, strict=True)):
+        for amount in (ahead, behind):
+            if not isinstance(amount, int) or isinstance(amount, bool) or amount < 0:
+                raise DefinitionError(f"pad: {amount!r} on axis {index} must be an int >= 0")
+        if ahead == behind == 0:
+            axes.extend(_copy_axes(fusion, [axis]))
+        elif isinstance(axis.extent, Symbol):
+            raise DefinitionError(
+                f"pad: axis {index} of {x} has symbolic extent {axis.extent}; only axes of "
+                "static extent can be padded"
+            )
+        else:
+            axes.append(fusion.new_axis(ahead + axis.extent + behind))
+    out = _output("pad", fusion, x.dtype, axes, [x])
+    PadOp(x, out, before, after)
     return out
 
 

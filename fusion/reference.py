@@ -44,6 +44,7 @@ from fusion.exprs import (
     Expr,
     LinearOp,
     MatmulOp,
+    PadOp,
     PermuteOp,
     ReductionOp,
     ReshapeOp,
@@ -233,6 +234,13 @@ def _slice(expr: SliceOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return values[source][tuple(index)]
 
 
+def _pad(expr: PadOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    # F.pad takes (before, after) pairs from the last axis to the first
+    pads = [amount for d in reversed(range(len(expr.before)))
+            for amount in (expr.before[d], expr.after[d])]  # fmt: skip
+    return F.pad(values[expr.inputs[0]], pads)
+
+
 def _select(expr: SelectOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return values[expr.inputs[0]].select(expr.dim, expr.index)
 
@@ -284,6 +292,7 @@ _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, .
     ReshapeOp: _reshape,
     PermuteOp: _permute,
     SliceOp: _slice,
+    PadOp: _pad,
     SelectOp: _select,
     ReductionOp: _reduction,
     VarMeanOp: _var_mean,

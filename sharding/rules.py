@@ -31,6 +31,7 @@ from fusion.exprs import (
     Expr,
     LinearOp,
     MatmulOp,
+    PadOp,
     PermuteOp,
     ReductionOp,
     ReshapeOp,
@@ -227,6 +228,14 @@ def slice_rule(expr: SliceOp, parts: int) -> DimMap:
         if start == 0 and step == 1 and stop == axis.extent
     }
     return DimMap("slice", [{d: d for d in whole}])
+
+
+@register(PadOp)
+def pad_rule(expr: PadOp, parts: int) -> DimMap:
+    """Axes not padded pass a split; a padded axis must be whole on every rank."""
+    (x,) = expr.inputs
+    kept = {d for d in range(x.ndim) if expr.before[d] == expr.after[d] == 0}
+    return DimMap("pad", [{d: d for d in kept}])
 
 
 @register(SelectOp)

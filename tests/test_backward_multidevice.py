@@ -78,6 +78,21 @@ def shared_gradient(world: int) -> FusionDefinition:
     return fd
 
 
+def fused_projection(world: int) -> FusionDefinition:
+    """A fused projection split in three by slices (q * sigmoid(k) + v), its weight's rows
+    split over the ranks: the slices' gradients are padded back into one gradient."""
+    with FusionDefinition("fused_projection") as fd:
+        x = fd.define_tensor([5, 6])
+        w = fd.define_tensor([3 * 4 * world, 6])
+        fused = fd.ops.linear(x, w)
+        width = 4 * world
+        q, k, v = (fd.ops.slice(fused, [0, i * width], [5, (i + 1) * width]) for i in range(3))
+        fd.add_output(q * fd.ops.sigmoid(k) + v)
+    shard(x, DeviceMesh(world), [Replicate()])
+    shard(w, DeviceMesh(world), [Shard(0)])
+    return fd
+
+
 def data_and_tensor_parallel_mlp(world: int) -> FusionDefinition:
     """A 2 x 2 mesh: the batch split over "dp", Megatron's MLP over "tp"; the weights'
     gradients, partial over the batch pieces, are all-reduced over "dp" (cheaper than
@@ -113,6 +128,7 @@ BLOCKS = {"tp_mlp": lambda world: tensor_parallel_mlp(world),
           "split_extremes": split_extremes,
           "heads": heads_attention,
           "shared_gradient": shared_gradient,
+          "fused_projection": fused_projection,
           "dp_tp_mlp": data_and_tensor_parallel_mlp}  # fmt: skip
 
 
@@ -158,6 +174,11 @@ def test_every_rank_gets_its_piece_of_every_gradient(rank_pools, world, block, k
             assert communications == [], communications
         elif block == "shared_gradient":
             assert communications == ["Allgather(x)"], communications
+        elif block == "fused_projection":
+            # the slices need whole columns: the projection's column pieces trade for row
+            # pieces (all-to-all), its gradient trades back, x's partial gradient is
+            # all-reduced
+            assert communications == ["AllToAll(x)"] * 2 + ["Allreduce(x)"], communications
         elif block == "dp_tp_mlp":
             # the weights' gradients all-reduced over "dp" (partial over the batch's
             # pieces); x's gradient from the hidden gradient and w1 gathered over "tp"

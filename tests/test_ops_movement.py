@@ -30,6 +30,7 @@ from fusion.dtypes import (
     int32,
     uint8,
 )
+from fusion.errors import DefinitionError
 from fusion.fp4 import unpack_fp4
 from fusion.ir import Symbol
 from fusion.testing import assert_close
@@ -617,3 +618,24 @@ def test_movement_with_symbolic_batch(make_input, dtype):
         ]
         for index, (result, want) in enumerate(zip(results, expected, strict=True)):
             assert_same_bytes(result, want, f"output {index} at batch {batch_size}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int32, torch.bool])
+def test_pad_puts_zeros_around_each_axis(dtype):
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([3, 4], DataType.from_torch(dtype))
+        fd.add_output(fd.ops.pad(x, [1, 0], [2, 3]))
+    value = (torch.randn(3, 4) * 4).to(dtype)
+    (out,) = fd.execute([value])
+    assert out.shape == (6, 7) and out.dtype == dtype
+    assert torch.equal(out, torch.nn.functional.pad(value, [0, 3, 1, 2]))
+
+
+def test_pad_refuses_negative_amounts_and_symbolic_axes():
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 4])
+        with pytest.raises(DefinitionError, match="must be an int >= 0"):
+            fd.ops.pad(x, [0, -1], [0, 0])
+        with pytest.raises(DefinitionError, match="symbolic extent"):
+            fd.ops.pad(x, [1, 0], [0, 0])
+        fd.add_output(fd.ops.pad(x, [0, 1], [0, 1]))  # the symbolic axis left alone

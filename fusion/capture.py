@@ -1,0 +1,300 @@
+"""Capturing a PyTorch module as a fusion: ``torch.export``'s ATen graph, op by op.
+
+``capture(module, example_inputs)`` exports the module (its parameters and buffers
+lifted to inputs) and translates every ATen op of the graph into the IR through
+``ATEN``, a table from op to a function building it with ``fusion.ops``. Before anything
+is built, every op of the graph is looked up: ops without a translation raise one
+``CaptureError`` listing each of them with the submodules it is used in. Broadcasting
+follows torch's (operands of lower rank get leading axes), negative dims count from the
+last, ``keepdim`` is kept.
+
+The fusion's inputs are the module's parameters and buffers, in the order the export
+lifted them, then the example inputs' positions; ``Captured.inputs(module, *args)``
+lists the tensors to run it with, ``Captured.parameter_names`` names the first ones.
+
+Example::
+
+    captured = capture(block, [x])
+    (y,) = captured.fd.execute(captured.inputs(block, x))  # == block(x)
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from fusion import ops
+from fusion.definition import FusionDefinition
+from fusion.dtypes import DataType
+from fusion.errors import FusionError
+from fusion.ir import TensorView
+
+
+class CaptureError(FusionError):
+    """The module cannot be captured: ops without a translation (all of them, each with
+    where it is used), or a graph the export could not produce."""
+
+
+@dataclass
+class Captured:
+    """A captured module: ``fd`` its fusion; ``parameter_names`` the module's parameters
+    and buffers that are the fusion's first inputs, in order; the example inputs follow."""
+
+    fd: FusionDefinition
+    parameter_names: list[str]
+
+    def inputs(self, module: torch.nn.Module, *args: torch.Tensor) -> list[torch.Tensor]:
+        """The fusion's inputs: ``module``'s current parameters and buffers, then ``args``."""
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        return [state[name].detach() for name in self.parameter_names] + list(args)
+
+
+def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> Captured:
+    """``module`` as a fusion (see the module)."""
+    try:
+        exported = torch.export.export(module, tuple(example_inputs))
+    except Exception as error:  # torch's own reasons: data-dependent control flow, ...
+        raise CaptureError(
+            f"torch.export could not export {type(module).__name__}: {error}"
+        ) from error
+    graph = exported.graph_module.graph
+    _check_translations(graph)
+    signature = exported.graph_signature
+    lifted = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
+    names: list[str] = []
+    values: dict[str, object] = {}
+    with FusionDefinition(type(module).__name__) as fd:
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                value = node.meta["val"]
+                shape = [int(e) if isinstance(e, int) else str(e) for e in value.shape]
+                values[node.name] = fd.define_tensor(shape, DataType.from_torch(value.dtype))
+                if node.name in lifted:
+                    names.append(lifted[node.name])
+            elif node.op == "call_function":
+                if node.target in _IGNORED:
+                    continue
+                args = _resolve(node.args, values)
+                kwargs = _resolve(dict(node.kwargs), values)
+                values[node.name] = _translation(node.target)(*args, **kwargs)
+            elif node.op == "output":
+                for out in node.args[0]:
+                    fd.add_output(values[out.name])
+    return Captured(fd, names)
+
+
+def _check_translations(graph) -> None:
+    missing: dict[str, list[str]] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target not in _IGNORED:
+            if _translation(node.target, strict=False) is None:
+                where = node.meta.get("nn_module_stack") or {}
+                path = list(where.values())[-1][0] if where else ""
+                missing.setdefault(str(node.target), []).append(path or "the module itself")
+    if missing:
+        lines = [f"  {op}: in {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
+        raise CaptureError(
+            f"{len(missing)} ATen op(s) have no translation into the IR yet:\n" + "\n".join(lines)
+        )
+
+
+def _resolve(value, values: dict[str, object]):
+    if isinstance(value, torch.fx.Node):
+        return values[value.name]
+    if isinstance(value, (list, tuple)):
+        return type(value)(_resolve(v, values) for v in value)
+    if isinstance(value, dict):
+        return {k: _resolve(v, values) for k, v in value.items()}
+    return value
+
+
+def _translation(target, strict: bool = True) -> Callable | None:
+    found = ATEN.get(target) or ATEN.get(getattr(target, "overloadpacket", None))
+    if found is None and strict:
+        raise CaptureError(f"{target}: no translation")
+    return found
+
+
+# -- translations --------------------------------------------------------------------
+
+
+def _dims(x: TensorView, dims) -> list[int]:
+    dims = [dims] if isinstance(dims, int) else list(dims or range(x.ndim))
+    return [d % x.ndim for d in dims]
+
+
+def _aligned(*operands):
+    """Operands of lower rank broadcast with leading axes, as torch's elementwise ops."""
+    rank = max((o.ndim for o in operands if isinstance(o, TensorView)), default=0)
+    return [
+        ops.broadcast(o, [True] * (rank - o.ndim) + [False] * o.ndim)
+        if isinstance(o, TensorView) and o.ndim < rank
+        else o
+        for o in operands
+    ]
+
+
+def _binary(op: Callable) -> Callable:
+    return lambda a, b, **_: op(*_aligned(a, b))
+
+
+def _add(a, b, alpha=1):
+    return ops.add(*_aligned(a, ops.mul(b, alpha) if alpha != 1 else b))
+
+
+def _sub(a, b, alpha=1):
+    return ops.sub(*_aligned(a, ops.mul(b, alpha) if alpha != 1 else b))
+
+
+def _div(a, b, rounding_mode=None):
+    if rounding_mode is not None:
+        raise CaptureError(f"div with rounding_mode={rounding_mode!r}: no translation yet")
+    return ops.div(*_aligned(a, b))
+
+
+def _reduction(op: str) -> Callable:
+    def build(x, dims=None, keepdim=False, dtype=None):
+        if dtype is not None:
+            x = ops.cast(x, DataType.from_torch(dtype))
+        return getattr(ops, op)(x, _dims(x, dims), keepdim=keepdim)
+
+    return build
+
+
+def _var(x, dims=None, correction=None, keepdim=False, unbiased=None):
+    correction = 1 if correction is None else correction
+    var, _ = ops.var_mean(x, _dims(x, dims), correction=correction, keepdim=keepdim)
+    return var
+
+
+def _softmax(x, dim, half_to_float=False):
+    dim = dim % x.ndim
+    shifted = ops.sub(x, ops.max(x, [dim], keepdim=True))
+    exp = ops.exp(shifted)
+    return ops.div(exp, ops.sum(exp, [dim], keepdim=True))
+
+
+def _transpose(x, a, b):
+    dims = list(range(x.ndim))
+    dims[a % x.ndim], dims[b % x.ndim] = dims[b % x.ndim], dims[a % x.ndim]
+    return ops.permute(x, dims)
+
+
+def _unsqueeze(x, dim):
+    dim = dim % (x.ndim + 1)
+    return ops.broadcast(x, [d == dim for d in range(x.ndim + 1)])
+
+
+def _squeeze(x, dims=None):
+    dims = _dims(x, dims) if dims is not None else [d for d in range(x.ndim) if x.shape[d] == 1]
+    kept = [e for d, e in enumerate(x.shape) if not (d in dims and e == 1)]
+    return ops.reshape(x, [e if isinstance(e, int) else str(e) for e in kept])
+
+
+def _reshape(x, shape):
+    return ops.reshape(x, [e if isinstance(e, int) else str(e) for e in shape])
+
+
+def _slice(x, dim=0, start=None, end=None, step=1):
+    dim = dim % x.ndim
+    starts, stops, steps = [0] * x.ndim, [None] * x.ndim, [1] * x.ndim
+    starts[dim], steps[dim] = start or 0, step
+    stops[dim] = None if end is None or end >= 2**62 else end
+    return ops.slice(x, starts, stops, steps)
+
+
+def _split(x, sizes, dim=0):
+    """torch's split (a size per piece, or one size for all but a shorter last piece)."""
+    dim = dim % x.ndim
+    extent = x.shape[dim]
+    if isinstance(sizes, int):
+        sizes = [min(sizes, extent - start) for start in range(0, extent, sizes)]
+    pieces, start = [], 0
+    for size in sizes:
+        pieces.append(_slice(x, dim, start, start + size))
+        start += size
+    return pieces
+
+
+def _to(x, dtype=None, *_, **kwargs):
+    dtype = dtype if isinstance(dtype, torch.dtype) else kwargs.get("dtype")
+    return x if dtype is None else ops.cast(x, DataType.from_torch(dtype))
+
+
+def _gelu(x, approximate="none"):
+    return ops.gelu(x, approximate=approximate)
+
+
+def _linear(x, weight, bias=None):
+    return ops.linear(x, weight, bias)
+
+
+aten = torch.ops.aten
+ATEN: dict[object, Callable] = {
+    aten.add: _add,
+    aten.sub: _sub,
+    aten.rsub: lambda a, b, alpha=1: _sub(b, a, alpha),
+    aten.mul: _binary(ops.mul),
+    aten.div: _div,
+    aten.pow: _binary(ops.pow),
+    aten.maximum: _binary(ops.maximum),
+    aten.minimum: _binary(ops.minimum),
+    aten.eq: _binary(ops.eq),
+    aten.ne: _binary(ops.ne),
+    aten.lt: _binary(ops.lt),
+    aten.le: _binary(ops.le),
+    aten.gt: _binary(ops.gt),
+    aten.ge: _binary(ops.ge),
+    aten.where: lambda c, x, y: ops.where(*_aligned(c, x, y)),
+    aten.neg: ops.neg,
+    aten.abs: ops.abs,
+    aten.exp: ops.exp,
+    aten.log: ops.log,
+    aten.sqrt: ops.sqrt,
+    aten.rsqrt: ops.rsqrt,
+    aten.reciprocal: ops.reciprocal,
+    aten.tanh: ops.tanh,
+    aten.sigmoid: ops.sigmoid,
+    aten.relu: ops.relu,
+    aten.silu: ops.silu,
+    aten.erf: ops.erf,
+    aten.gelu: _gelu,
+    aten.sum: _reduction("sum"),
+    aten.mean: _reduction("mean"),
+    aten.amax: _reduction("max"),
+    aten.amin: _reduction("min"),
+    aten.var: _var,
+    aten.softmax: _softmax,
+    aten._softmax: _softmax,
+    aten.linear: _linear,
+    aten.mm: ops.matmul,
+    aten.bmm: ops.matmul,
+    aten.matmul: ops.matmul,
+    aten.t: lambda x: ops.permute(x, [1, 0]),
+    aten.permute: lambda x, dims: ops.permute(x, [d % x.ndim for d in dims]),
+    aten.transpose: _transpose,
+    aten.view: _reshape,
+    aten.reshape: _reshape,
+    aten._unsafe_view: _reshape,
+    aten.expand: lambda x, shape, implicit=False: ops.expand(
+        *_aligned(x), [e if e != -1 else x.shape[d] for d, e in enumerate(shape)]
+    ),
+    aten.unsqueeze: _unsqueeze,
+    aten.squeeze: _squeeze,
+    aten.slice: _slice,
+    aten.split: _split,
+    aten.split_with_sizes: _split,
+    aten.select: lambda x, dim, index: ops.select(x, dim % x.ndim, index),
+    aten.to: _to,
+    aten._to_copy: _to,
+    aten.clone: lambda x, **_: ops.set(x),
+    aten.contiguous: lambda x, **_: x,
+    aten.alias: lambda x: x,
+    aten.detach: lambda x: x,
+    operator.getitem: lambda values, index: values[index],
+}
+# ops of the graph that compute nothing (metadata checks)
+_IGNORED = {aten._assert_tensor_metadata.default}
