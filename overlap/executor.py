@@ -39,6 +39,7 @@ from overlap import roof
 from overlap.autograd import refusing_backward
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
+from overlap.dtensors import as_dtensors, local_pieces
 from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import HostProgram, Transport
 from overlap.inputs import InputCheck, addresses, check_bound_extents, check_devices, check_mode
@@ -298,7 +299,10 @@ class MultiDeviceExecutor:
     ) -> list[torch.Tensor | None]:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
-        With a ``timeline``, every kernel and communication is recorded per stream.
+        An input may be a DTensor placed as the fusion places that input (checked, then
+        its local piece is used; ``overlap.dtensors``); outputs on a mesh such inputs
+        came on are then DTensors too. With a ``timeline``, every kernel and
+        communication is recorded per stream.
         ``check_inputs`` says when the ranks exchange their inputs' shapes (a small host
         all-gather) so that a bad input fails everywhere before any collective:
         ``"changes"`` (default) at the first run and whenever this rank's inputs differ
@@ -313,6 +317,7 @@ class MultiDeviceExecutor:
         graphs are keyed by every rank's input buffers. Every rank must use the same
         setting.
         """
+        local_inputs, torch_meshes = local_pieces(self.fusion, local_inputs)
         mode = check_mode(check_inputs)
         replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
         # A graph is captured per set of input buffers, and capturing runs the program
@@ -351,7 +356,7 @@ class MultiDeviceExecutor:
                 outputs = self._replay(compiled, (key, tuple(every_buffers)), local_inputs)
             else:
                 outputs = compiled.run(local_inputs, timeline)
-        return refusing_backward(outputs, local_inputs)
+        return as_dtensors(refusing_backward(outputs, local_inputs), self.fusion, torch_meshes)
 
     def _replay(self, compiled: RankProgram, key: tuple, local_inputs) -> list:
         """Run through a CUDA graph captured for these extents and every rank's input

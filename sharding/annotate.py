@@ -38,9 +38,9 @@ def shard(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement])
     """
     if not isinstance(tensor, TensorView):
         raise ShardingError(f"shard: expected a TensorView, got {type(tensor).__name__}")
-    mesh = _our_mesh(mesh)
+    mesh = as_mesh(mesh)
     try:
-        layout = Layout(mesh, tuple(_our_placement(p, tensor.ndim) for p in placements))
+        layout = Layout(mesh, tuple(as_placement(p, tensor.ndim) for p in placements))
     except ValueError as error:
         raise ShardingError(f"shard: {tensor}: {error}") from None
     for placement in layout.placements:
@@ -77,7 +77,7 @@ def _torch_class(value: object) -> str | None:
     return type(value).__name__ if module.startswith("torch.distributed") else None
 
 
-def _our_mesh(mesh: object) -> DeviceMesh:
+def as_mesh(mesh: object) -> DeviceMesh:
     if isinstance(mesh, DeviceMesh):
         return mesh
     if _torch_class(mesh) == "DeviceMesh":
@@ -89,7 +89,7 @@ def _our_mesh(mesh: object) -> DeviceMesh:
     )
 
 
-def _our_placement(placement: object, ndim: int) -> Placement:
+def as_placement(placement: object, ndim: int) -> Placement:
     """Ours as is; torch's Shard/Replicate/Partial as ours; anything else refused
     (``ValueError``, which ``shard`` reports with the tensor). A negative shard axis
     counts from the last, as in DTensor."""

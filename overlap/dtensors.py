@@ -1,0 +1,136 @@
+"""DTensors in and out of ``MultiDeviceExecutor.run``.
+
+A DTensor passed as an input is taken as this rank's piece (``to_local()``) once its
+mesh (torch's ``DeviceMesh``: the same ranks in the same shape) and placements (torch's
+``Shard``, ``Replicate``, ``Partial``) are those the fusion gives that input, and its
+global shape the input's; anything else raises ``InputError`` naming the input and both
+layouts, before any collective (never reinterpreted). When the inputs came as DTensors,
+each output placed on the mesh of one of them comes back as a DTensor on that mesh
+(its pieces, the fusion's placements, the global shape), the others as pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fusion.errors import InputError
+from fusion.ir import Fusion, TensorView
+from sharding.annotate import as_mesh, as_placement
+from sharding.layout import Layout, Partial, Replicate, Shard, layout_of
+
+
+def is_dtensor(value: object) -> bool:
+    return type(value).__name__ == "DTensor" and type(value).__module__.startswith(
+        "torch.distributed"
+    )
+
+
+def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
+    """The inputs with each DTensor checked against the fusion and replaced by its local
+    piece; and the torch meshes seen, by our mesh (for ``as_dtensors``)."""
+    pieces, meshes = [], {}
+    for position, (value, tensor) in enumerate(zip(inputs, fusion.inputs, strict=False)):
+        if not is_dtensor(value):
+            pieces.append(value)
+            continue
+        given = Layout(
+            as_mesh(value.device_mesh),
+            tuple(as_placement(p, value.ndim) for p in value.placements),
+        )
+        expected = layout_of(tensor)
+        if expected is None or not _alike(given, expected):
+            raise InputError(
+                f"input {position} ({tensor}): a DTensor placed {_describe(given)}, but the "
+                f"fusion places this input {_describe(expected)}: redistribute it first "
+                "(DTensor.redistribute) or annotate the fusion as it is"
+            )
+        static = [e for e in tensor.shape if isinstance(e, int)]
+        if len(value.shape) != tensor.ndim or any(
+            isinstance(e, int) and e != g for e, g in zip(tensor.shape, value.shape, strict=True)
+        ):
+            raise InputError(
+                f"input {position} ({tensor}): a DTensor of global shape "
+                f"{list(value.shape)}, expected {static if len(static) == tensor.ndim else tensor}"
+            )
+        meshes[expected.mesh] = value.device_mesh
+        pieces.append(value.to_local())
+    return pieces, meshes
+
+
+def as_dtensors(outputs: list, fusion: Fusion, meshes: dict) -> list:
+    """Each output on a mesh the inputs' DTensors came on, as a DTensor there."""
+    if not meshes:
+        return outputs
+    from torch.distributed.tensor import DTensor
+
+    wrapped = []
+    for piece, tensor in zip(outputs, fusion.outputs, strict=True):
+        layout = layout_of(tensor)
+        torch_mesh = meshes.get(layout.mesh) if layout is not None else None
+        if piece is None or torch_mesh is None:
+            wrapped.append(piece)
+            continue
+        shape = torch.Size(int(e) for e in _global_shape(tensor, piece, layout))
+        wrapped.append(
+            DTensor.from_local(
+                piece,
+                torch_mesh,
+                [_torch_placement(p) for p in layout.placements],
+                run_check=False,
+                shape=shape,
+                stride=_contiguous_strides(shape),
+            )  # fmt: skip
+        )
+    return wrapped
+
+
+def _alike(given: Layout, expected: Layout) -> bool:
+    """The same ranks in the same shape (axis names aside), the same placements."""
+    return (
+        given.mesh.shape == expected.mesh.shape
+        and given.mesh.ranks == expected.mesh.ranks
+        and given.placements == expected.placements
+    )
+
+
+def _describe(layout: Layout | None) -> str:
+    if layout is None:
+        return "nowhere (it is not annotated)"
+    placements = ", ".join(str(p) for p in layout.placements)
+    return f"[{placements}] on ranks {list(layout.mesh.ranks)} of shape {list(layout.mesh.shape)}"
+
+
+def _global_shape(tensor: TensorView, piece: torch.Tensor, layout: Layout) -> list[int]:
+    shape = []
+    for dim, extent in enumerate(tensor.shape):
+        if isinstance(extent, int):
+            shape.append(extent)
+            continue
+        split = [p for p in layout.placements if isinstance(p, Shard) and p.dim == dim]
+        if split:  # a symbolic extent split over ranks: its whole is not known here
+            raise InputError(f"output {tensor}: a symbolic split extent has no DTensor shape")
+        shape.append(piece.shape[dim])
+    return shape
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for extent in reversed(shape):
+        strides.append(step)
+        step *= max(int(extent), 1)
+    return tuple(reversed(strides))
+
+
+def _torch_placement(placement):
+    from torch.distributed.tensor import Partial as TorchPartial
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    if isinstance(placement, Shard):
+        return TorchShard(placement.dim)
+    if isinstance(placement, Partial):
+        return TorchPartial(placement.op)
+    assert isinstance(placement, Replicate)
+    return TorchReplicate()
