@@ -1,0 +1,159 @@
+"""``parallelize``: a PyTorch module run over the ranks as an overlapped, trainable program.
+
+The module is captured (``fusion.capture``), its parameters placed by a plan in the
+vocabulary of PyTorch's tensor parallelism, and run by a ``TrainableFusion``: forward
+and backward are the framework's host programs on every rank. The plan maps submodule
+names to a style:
+
+- ``"colwise"`` (``ColwiseParallel``): the weight's rows (output features) split, a bias
+  split alike;
+- ``"rowwise"`` (``RowwiseParallel``): the weight's columns (input features) split, a
+  bias whole;
+- unnamed parameters (norm weights, ...) whole on every rank.
+
+``inputs`` and ``outputs`` give each example input's and output's placement:
+``"replicate"`` (default) or ``"sequence"`` (``SequenceParallel``: split along the first
+axis). torch's style objects are accepted for the plan's values, read by class name.
+Sharding propagates the rest and inserts the communications (a sequence-parallel block's
+all-gather and reduce-scatter, pipelined with its matmuls where the planner finds it
+pays).
+
+The result is an ``nn.Module``: ``forward`` takes this rank's pieces of the inputs and
+returns its pieces of the outputs; its parameters are this rank's pieces, so any
+optimizer steps them as it would the whole. ``full_state(module)`` hands this rank's
+pieces of an unparallelized module's state, to load or compare.
+
+Example (on every rank)::
+
+    block = parallelize(SwiGLU(4096, 14336), [x], communicator,
+                        plan={"gate": "colwise", "up": "colwise", "down": "rowwise"},
+                        inputs=["sequence"], outputs=["sequence"])
+    y_piece = block(x_piece)
+    y_piece.square().sum().backward()
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from fusion.capture import capture
+from overlap.communicator import Communicator
+from overlap.trainable import TrainableFusion
+from sharding import DeviceMesh, Replicate, Shard, shard
+
+STYLES = ("colwise", "rowwise")
+PLACEMENTS = ("replicate", "sequence")
+
+
+class ParallelModule(torch.nn.Module):
+    """A captured module run by a ``TrainableFusion`` (see the module)."""
+
+    def __init__(self, model: TrainableFusion, names: list[str], pieces: list[torch.Tensor]):
+        super().__init__()
+        self.model = model
+        self.names = names
+        self.pieces = torch.nn.ParameterDict(
+            {_key(name): torch.nn.Parameter(p) for name, p in zip(names, pieces, strict=True)}
+        )
+
+    def forward(self, *local_inputs: torch.Tensor):
+        parameters = [self.pieces[_key(name)] for name in self.names]
+        outputs = self.model(*parameters, *local_inputs)
+        return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def full_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """This rank's pieces of ``module``'s parameters and buffers (or of tensors of
+        their shapes, ``{name: tensor}``: their gradients, say), by name."""
+        state = module if isinstance(module, Mapping) else {
+            **dict(module.named_parameters()), **dict(module.named_buffers())
+        }  # fmt: skip
+        whole = [state[name].detach() for name in self.names]
+        inputs = self.model.fusion.inputs[len(self.names) :]
+        pieces = self.model.shard_inputs(whole + [_stand_in(t) for t in inputs])
+        return dict(zip(self.names, pieces, strict=False))
+
+    def input_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
+        """This rank's pieces of whole inputs of ``forward``."""
+        count = len(self.names)
+        parameters = [_stand_in(t) for t in self.model.fusion.inputs[:count]]
+        return self.model.shard_inputs(parameters + list(whole))[count:]
+
+    def output_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
+        """This rank's pieces of whole outputs of ``forward``."""
+        return self.model.shard_outputs(list(whole))
+
+
+def parallelize(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    communicator: Communicator,
+    plan: Mapping[str, Any],
+    inputs: Sequence[str] = (),
+    outputs: Sequence[str] = (),
+    **trainable_options: Any,
+) -> ParallelModule:
+    """``module`` over ``communicator``'s ranks by ``plan`` (see the module); the other
+    options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``, ...)."""
+    styles = {name: _style(name, style) for name, style in plan.items()}
+    captured = capture(module, example_inputs)
+    fusion = captured.fd.fusion
+    mesh = DeviceMesh(communicator.world_size)
+    known = {name.rsplit(".", 1)[0] for name in captured.parameter_names}
+    unknown = sorted(set(styles) - known)
+    if unknown:
+        raise ValueError(f"parallelize: the plan names {unknown}, which hold no parameters "
+                         f"of the module; submodules with parameters: {sorted(known)}")  # fmt: skip
+    count = len(captured.parameter_names)
+    for name, tensor in zip(captured.parameter_names, fusion.inputs[:count], strict=True):
+        owner, kind = name.rsplit(".", 1) if "." in name else ("", name)
+        shard(tensor, mesh, [_parameter_placement(styles.get(owner), kind, tensor.ndim)])
+    for tensor, placement in zip(fusion.inputs[count:], _placements(inputs, "input"),
+                                 strict=False):  # fmt: skip
+        shard(tensor, mesh, [placement])
+    for tensor, placement in zip(fusion.outputs, _placements(outputs, "output"), strict=False):
+        shard(tensor, mesh, [placement])
+    model = TrainableFusion(captured.fd, communicator, **trainable_options)
+    state = captured.inputs(module)
+    pieces = model.shard_inputs(state + [_stand_in(t) for t in fusion.inputs[count:]])[:count]
+    pieces = [piece.to(communicator.device) for piece in pieces]
+    return ParallelModule(model, captured.parameter_names, pieces)
+
+
+def _style(name: str, style: Any) -> str:
+    text = style if isinstance(style, str) else type(style).__name__
+    text = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}.get(text, text)
+    if text not in STYLES:
+        raise ValueError(f"parallelize: {name}: style {style!r} is not one of {STYLES} "
+                         "(or torch's ColwiseParallel, RowwiseParallel)")  # fmt: skip
+    return text
+
+
+def _parameter_placement(style: str | None, kind: str, ndim: int):
+    if style == "colwise":
+        return Shard(0)  # a weight's rows (output features) and a bias alike
+    if style == "rowwise" and kind == "weight" and ndim == 2:
+        return Shard(1)
+    return Replicate()
+
+
+def _placements(names: Sequence[str], what: str) -> list:
+    placements = []
+    for name in names:
+        text = name if isinstance(name, str) else type(name).__name__
+        text = {"SequenceParallel": "sequence", "Replicate": "replicate"}.get(text, text)
+        if text not in PLACEMENTS:
+            raise ValueError(f"parallelize: {what} placement {name!r} is not one of {PLACEMENTS}")
+        placements.append(Shard(0) if text == "sequence" else Replicate())
+    return placements + [Replicate()] * 16  # the rest whole
+
+
+def _key(name: str) -> str:
+    return name.replace(".", "__")
+
+
+def _stand_in(tensor) -> torch.Tensor:
+    """A whole tensor of ``tensor``'s static shape (cut only to size pieces)."""
+    return torch.zeros([e if isinstance(e, int) else 1 for e in tensor.shape])

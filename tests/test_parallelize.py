@@ -1,0 +1,77 @@
+"""``overlap.parallelize``: a PyTorch module captured, placed by a tensor-parallel plan and
+trained on real gloo ranks; every rank's output piece and gradient pieces equal the
+unparallelized module's under torch autograd, cut to that rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_capture import SwiGLU
+
+from fusion.testing import assert_close
+from overlap.parallelize import parallelize
+
+PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
+
+
+def parallel_swiglu(communicator, tokens: int, style_objects: bool) -> list[str]:
+    world = communicator.world_size
+    torch.manual_seed(0)  # the same module on every rank
+    module = SwiGLU(16, 8 * world)
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
+    seed = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
+    plan = PLAN
+    if style_objects:  # torch's own styles, read by name
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    block = parallelize(module, [x], communicator, plan, inputs=["sequence"],
+                        outputs=["sequence"])  # fmt: skip
+    # one device: the module itself under torch autograd
+    x_whole = x.clone().requires_grad_()
+    y_whole = module(x_whole)
+    names = [name for name, _ in module.named_parameters()]
+    expected = torch.autograd.grad(y_whole, [*module.parameters(), x_whole], seed)
+    # every rank: its pieces
+    (x_piece,) = block.input_pieces(x)
+    x_piece.requires_grad_()
+    y_piece = block(x_piece)
+    (wanted,) = block.output_pieces(y_whole.detach())
+    assert_close(y_piece, wanted, reduction_extent=8 * world, partial_sums=world,
+                 message=f"rank {communicator.rank} output")  # fmt: skip
+    (seed_piece,) = block.output_pieces(seed)
+    y_piece.backward(seed_piece)
+    grads = block.full_state(dict(zip(names, expected[:-1], strict=True)))
+    checked = []
+    for name in block.names:
+        ours = block.pieces[name.replace(".", "__")].grad
+        assert_close(ours, grads[name], reduction_extent=8 * world * tokens, partial_sums=world,
+                     message=f"rank {communicator.rank}, {name}")  # fmt: skip
+        checked.append(f"{name} {list(ours.shape)}")
+    (x_grad,) = block.input_pieces(expected[-1])
+    assert_close(x_piece.grad, x_grad, reduction_extent=8 * world, partial_sums=world)
+    return checked
+
+
+@pytest.mark.parametrize(("world", "tokens", "style_objects"),
+                         [(2, 8, False), (2, 7, True), (4, 9, False)])  # fmt: skip
+def test_a_sequence_parallel_swiglu_module_trains_as_the_module(
+    rank_pools, world, tokens, style_objects
+):
+    results = rank_pools(world).run(parallel_swiglu, tokens, style_objects, timeout=120)
+    ffn = 8 * world
+    # gate and up by rows, down by columns: each rank a world-th of each; the norm whole
+    assert results == [[
+        "norm.weight [16]", f"gate.weight [{ffn // world}, 16]",
+        f"up.weight [{ffn // world}, 16]", f"down.weight [16, {ffn // world}]",
+    ]] * world  # fmt: skip
+
+
+def test_a_plan_naming_no_submodule_with_parameters_is_refused():
+    class World:
+        world_size, rank, device = 2, 0, torch.device("cpu")
+
+    with pytest.raises(ValueError, match=r"the plan names \['gate_proj'\]"):
+        parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate_proj": "colwise"})
+    with pytest.raises(ValueError, match="style 'diagonal'"):
+        parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate": "diagonal"})
