@@ -29,7 +29,10 @@ def is_dtensor(value: object) -> bool:
 
 def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
     """The inputs with each DTensor checked against the fusion and replaced by its local
-    piece; and the torch meshes seen, by our mesh (for ``as_dtensors``)."""
+    piece; and the torch meshes seen, by our mesh (for ``as_dtensors``). Anything but a
+    list or tuple is handed back as it is, for the input checks to refuse."""
+    if not isinstance(inputs, (list, tuple)) or not any(map(is_dtensor, inputs)):
+        return inputs, {}
     pieces, meshes = [], {}
     for position, (value, tensor) in enumerate(zip(inputs, fusion.inputs, strict=False)):
         if not is_dtensor(value):
