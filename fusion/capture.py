@@ -6,7 +6,8 @@ lifted to inputs) and translates every ATen op of the graph into the IR through
 is built, every op of the graph is looked up: ops without a translation raise one
 ``CaptureError`` listing each of them with the submodules it is used in. Broadcasting
 follows torch's (operands of lower rank get leading axes), negative dims count from the
-last, ``keepdim`` is kept.
+last, ``keepdim`` is kept; a concatenation is a sum of zero-padded pieces (``ops.pad``:
+its gradient takes each piece back).
 
 The fusion's inputs are the module's parameters and buffers, in the order the export
 lifted them, then the example inputs' positions; ``Captured.inputs(module, *args)``
@@ -219,6 +220,26 @@ def _split(x, sizes, dim=0):
     return pieces
 
 
+def _cat(tensors, dim=0):
+    """Concatenation as a sum of pads: each piece padded with zeros to the whole extent
+    (its gradient, a pad's, is the slice it takes back)."""
+    tensors = [t for t in tensors if t.shape[dim % t.ndim] != 0]
+    dim = dim % tensors[0].ndim
+    total = sum(t.shape[dim] for t in tensors)
+    result, start = None, 0
+    for tensor in tensors:
+        before = [start if d == dim else 0 for d in range(tensor.ndim)]
+        after = [total - start - tensor.shape[dim] if d == dim else 0 for d in range(tensor.ndim)]
+        padded = ops.pad(tensor, before, after)
+        result = padded if result is None else ops.add(result, padded)
+        start += tensor.shape[dim]
+    return result
+
+
+def _masked_fill(x, mask, value):
+    return ops.where(*_aligned(mask, value, x))
+
+
 def _to(x, dtype=None, *_, **kwargs):
     dtype = dtype if isinstance(dtype, torch.dtype) else kwargs.get("dtype")
     return x if dtype is None else ops.cast(x, DataType.from_torch(dtype))
@@ -287,6 +308,8 @@ ATEN: dict[object, Callable] = {
     aten.slice: _slice,
     aten.split: _split,
     aten.split_with_sizes: _split,
+    aten.cat: _cat,
+    aten.masked_fill: _masked_fill,
     aten.select: lambda x, dim, index: ops.select(x, dim % x.ndim, index),
     aten.to: _to,
     aten._to_copy: _to,
