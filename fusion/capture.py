@@ -42,10 +42,12 @@ class CaptureError(FusionError):
 @dataclass
 class Captured:
     """A captured module: ``fd`` its fusion; ``parameter_names`` the module's parameters
-    and buffers that are the fusion's first inputs, in order; the example inputs follow."""
+    and buffers that are the fusion's first inputs, in order (``buffers`` names the
+    latter); the example inputs follow."""
 
     fd: FusionDefinition
     parameter_names: list[str]
+    buffers: frozenset[str] = frozenset()
 
     def inputs(self, module: torch.nn.Module, *args: torch.Tensor) -> list[torch.Tensor]:
         """The fusion's inputs: ``module``'s current parameters and buffers, then ``args``."""
@@ -84,7 +86,7 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
             elif node.op == "output":
                 for out in node.args[0]:
                     fd.add_output(values[out.name])
-    return Captured(fd, names)
+    return Captured(fd, names, frozenset(signature.inputs_to_buffers.values()))
 
 
 def _check_translations(graph) -> None:

@@ -51,16 +51,31 @@ PLACEMENTS = ("replicate", "sequence")
 class ParallelModule(torch.nn.Module):
     """A captured module run by a ``TrainableFusion`` (see the module)."""
 
-    def __init__(self, model: TrainableFusion, names: list[str], pieces: list[torch.Tensor]):
+    def __init__(
+        self,
+        model: TrainableFusion,
+        names: list[str],
+        pieces: list[torch.Tensor],
+        buffers: frozenset[str] = frozenset(),
+    ) -> None:
         super().__init__()
         self.model = model
         self.names = names
         self.pieces = torch.nn.ParameterDict(
-            {_key(name): torch.nn.Parameter(p) for name, p in zip(names, pieces, strict=True)}
-        )
+            {_key(name): torch.nn.Parameter(piece)
+             for name, piece in zip(names, pieces, strict=True) if name not in buffers}
+        )  # fmt: skip
+        self.buffer_pieces = {
+            _key(n): p for n, p in zip(names, pieces, strict=True) if n in buffers
+        }
+        for key, piece in self.buffer_pieces.items():
+            self.register_buffer(key, piece)
 
     def forward(self, *local_inputs: torch.Tensor):
-        parameters = [self.pieces[_key(name)] for name in self.names]
+        parameters = [
+            self.pieces[_key(n)] if _key(n) in self.pieces else getattr(self, _key(n))
+            for n in self.names
+        ]
         outputs = self.model(*parameters, *local_inputs)
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
 
@@ -70,10 +85,13 @@ class ParallelModule(torch.nn.Module):
         state = module if isinstance(module, Mapping) else {
             **dict(module.named_parameters()), **dict(module.named_buffers())
         }  # fmt: skip
-        whole = [state[name].detach() for name in self.names]
-        inputs = self.model.fusion.inputs[len(self.names) :]
+        tensors = self.model.fusion.inputs
+        whole = [state[name].detach() if name in state else _stand_in(tensor)
+                 for name, tensor in zip(self.names, tensors, strict=False)]  # fmt: skip
+        inputs = tensors[len(self.names) :]
         pieces = self.model.shard_inputs(whole + [_stand_in(t) for t in inputs])
-        return dict(zip(self.names, pieces, strict=False))
+        return {name: piece for name, piece in zip(self.names, pieces, strict=False)
+                if name in state}  # fmt: skip
 
     def input_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's pieces of whole inputs of ``forward``."""
@@ -119,7 +137,7 @@ def parallelize(
     state = captured.inputs(module)
     pieces = model.shard_inputs(state + [_stand_in(t) for t in fusion.inputs[count:]])[:count]
     pieces = [piece.to(communicator.device) for piece in pieces]
-    return ParallelModule(model, captured.parameter_names, pieces)
+    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers)
 
 
 def _style(name: str, style: Any) -> str:

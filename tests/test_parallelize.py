@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_capture import SwiGLU
+from test_capture import RotaryAttention, SwiGLU
 
 from fusion.testing import assert_close
 from overlap.parallelize import parallelize
@@ -75,3 +75,49 @@ def test_a_plan_naming_no_submodule_with_parameters_is_refused():
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate_proj": "colwise"})
     with pytest.raises(ValueError, match="style 'diagonal'"):
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate": "diagonal"})
+
+
+def parallel_attention(communicator, tokens: int, placement: str) -> tuple[list, list]:
+    """Llama attention (rotary tables and a causal mask as buffers) with its heads split:
+    q, k and v column-wise, the output projection row-wise."""
+    world = communicator.world_size
+    torch.manual_seed(0)
+    module = RotaryAttention(16, 2 * world)
+    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
+    seed = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
+    plan = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
+    block = parallelize(module, [x], communicator, plan, inputs=[placement],
+                        outputs=[placement])  # fmt: skip
+    x_whole = x.clone().requires_grad_()
+    y_whole = module(x_whole)
+    names = [name for name, _ in module.named_parameters()]
+    expected = torch.autograd.grad(y_whole, [*module.parameters(), x_whole], seed)
+    (x_piece,) = block.input_pieces(x)
+    x_piece.requires_grad_()
+    y_piece = block(x_piece)
+    (wanted,) = block.output_pieces(y_whole.detach())
+    assert_close(y_piece, wanted, reduction_extent=64, partial_sums=world,
+                 message=f"rank {communicator.rank} output")  # fmt: skip
+    (seed_piece,) = block.output_pieces(seed)
+    y_piece.backward(seed_piece)
+    grads = block.full_state(dict(zip(names, expected[:-1], strict=True)))
+    shapes = []
+    for name in names:
+        ours = block.pieces[name.replace(".", "__")].grad
+        assert_close(ours, grads[name], reduction_extent=64 * tokens, partial_sums=world,
+                     message=f"rank {communicator.rank}, {name}")  # fmt: skip
+        shapes.append(list(ours.shape))
+    (x_grad,) = block.input_pieces(expected[-1])
+    assert_close(x_piece.grad, x_grad, reduction_extent=64, partial_sums=world)
+    return shapes, [c.op_name for c in block.model.forward_executor.communications]
+
+
+@pytest.mark.parametrize("placement", ["replicate", "sequence"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_heads_parallel_rotary_attention_trains_as_the_module(rank_pools, world, placement):
+    results = rank_pools(world).run(parallel_attention, 2 * world + 1, placement, timeout=120)
+    width = 16 // world
+    # Megatron's communications: one all-reduce of the output projection's partial sums,
+    # or with the tokens split, an all-gather before q, k and v and a reduce-scatter after
+    kinds = ["Allreduce"] if placement == "replicate" else ["Allgather", "ReduceScatter"]
+    assert results == [([[width, 16]] * 3 + [[16, width]], kinds)] * world
