@@ -136,7 +136,9 @@ def parallelize(
     model = TrainableFusion(captured.fd, communicator, **trainable_options)
     state = captured.inputs(module)
     pieces = model.shard_inputs(state + [_stand_in(t) for t in fusion.inputs[count:]])[:count]
-    pieces = [piece.to(communicator.device) for piece in pieces]
+    # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
+    # stepping the pieces would change under the module it came from
+    pieces = [piece.to(communicator.device).clone() for piece in pieces]
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers)
 
 

@@ -50,6 +50,12 @@ def parallel_swiglu(communicator, tokens: int, style_objects: bool) -> list[str]
         checked.append(f"{name} {list(ours.shape)}")
     (x_grad,) = block.input_pieces(expected[-1])
     assert_close(x_piece.grad, x_grad, reduction_extent=8 * world, partial_sums=world)
+    # the pieces are the block's own: stepping them leaves the module as it was
+    before = [p.detach().clone() for p in module.parameters()]
+    torch.optim.SGD(block.parameters(), lr=1.0).step()
+    for name, (kept, now) in zip(names, zip(before, module.parameters(), strict=True),
+                                 strict=True):  # fmt: skip
+        assert torch.equal(kept, now), f"{name} changed with the block's step"
     return checked
 
 

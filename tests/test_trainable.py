@@ -125,6 +125,26 @@ def test_the_training_example_matches_one_device_under_each_launcher(launcher):
     assert "20 steps on 2 ranks match one device" in output
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("launcher", ["local", "ray"])
+def test_the_llama_block_example_matches_one_device_under_each_launcher(launcher):
+    """``examples/llama_block.py``: a Llama decoder block written as PyTorch modules,
+    parallelized by a plan, 10 AdamW steps on 2 ranks, every step's loss within the
+    example's tolerance of the module trained whole (the example fails otherwise)."""
+    if launcher == "ray":
+        pytest.importorskip("ray")
+    command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher, "--nproc",
+               "2", str(ROOT / "examples" / "llama_block.py"), "--steps", "10"]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                            env=environment)  # fmt: skip
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    steps = re.findall(r"step +(\d+) +loss ([\d.]+) +one device ([\d.]+)", output)
+    assert [int(step) for step, _, _ in steps] == list(range(10)), output[-3000:]
+    assert "10 steps on 2 ranks match one device" in output
+
+
 def changed_in_place(communicator) -> str:
     """A weight changed in place between the forward and the backward."""
     fd = BLOCKS["tp_mlp"](communicator.world_size)
