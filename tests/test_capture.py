@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from examples.llama_block import Attention as RotaryAttention
 from fusion.autodiff import backward
 from fusion.capture import CaptureError, capture
 from fusion.reference import evaluate
@@ -159,44 +160,9 @@ def test_a_fused_projection_split_in_three_and_its_gradient():
     _check(Fused(), torch.randn(3, 8), extent=8)  # the split's gradient: its slices padded
 
 
-class RotaryAttention(torch.nn.Module):
-    """Llama-style attention: q and k rotated (rotate_half by a cat, the tables buffers
-    sliced to the sequence), a causal mask buffer applied by masked_fill, softmax, the
-    output projection."""
-
-    def __init__(self, hidden: int, heads: int, longest: int = 16) -> None:
-        super().__init__()
-        self.heads, self.dim = heads, hidden // heads
-        self.q, self.k, self.v, self.o = (
-            torch.nn.Linear(hidden, hidden, bias=False) for _ in "qkvo"
-        )
-        angles = torch.arange(longest)[:, None] / 10000 ** (torch.arange(0, self.dim, 2) / self.dim)
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
-        self.register_buffer("mask", torch.ones(longest, longest).triu(1).bool())
-
-    def rotate(self, t, tokens):
-        half = self.dim // 2
-        turned = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
-        return t * self.cos[:tokens] + turned * self.sin[:tokens]
-
-    def forward(self, x):
-        tokens, hidden = x.shape
-        q, k, v = (
-            proj(x).view(tokens, self.heads, self.dim).transpose(0, 1)
-            for proj in (self.q, self.k, self.v)
-        )
-        q, k = self.rotate(q, tokens), self.rotate(k, tokens)
-        scores = q @ k.transpose(-2, -1) / self.dim**0.5
-        scores = scores.masked_fill(self.mask[:tokens, :tokens], float("-inf"))
-        out = torch.softmax(scores, dim=-1) @ v
-        return self.o(out.transpose(0, 1).reshape(tokens, hidden))
-
-
 def test_rotary_attention_with_a_causal_mask_buffer():
     torch.manual_seed(3)
-    module = RotaryAttention(16, 2)
+    module = RotaryAttention(16, 2)  # examples/llama_block.py's
     captured = capture(module, [torch.randn(5, 16)])
     assert captured.parameter_names[-3:] == ["cos", "sin", "mask"]  # buffers after
     _check(module, torch.randn(5, 16), extent=16)

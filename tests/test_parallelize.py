@@ -12,21 +12,19 @@ from fusion.testing import assert_close
 from overlap.parallelize import parallelize
 
 PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
+HEADS_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
 
 
-def parallel_swiglu(communicator, tokens: int, style_objects: bool) -> list[str]:
+def trained_pieces(communicator, module, plan, tokens: int, placement: str, extent: int):
+    """One forward and backward of ``module`` parallelized by ``plan`` on this rank, its
+    output and every gradient piece checked against the module under torch autograd;
+    then the block's pieces stepped, the module left as it was. Returns each parameter
+    piece's shape and the forward's communications."""
     world = communicator.world_size
-    torch.manual_seed(0)  # the same module on every rank
-    module = SwiGLU(16, 8 * world)
     x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
     seed = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
-    plan = PLAN
-    if style_objects:  # torch's own styles, read by name
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-        plan = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
-    block = parallelize(module, [x], communicator, plan, inputs=["sequence"],
-                        outputs=["sequence"])  # fmt: skip
+    block = parallelize(module, [x], communicator, plan, inputs=[placement],
+                        outputs=[placement])  # fmt: skip
     # one device: the module itself under torch autograd
     x_whole = x.clone().requires_grad_()
     y_whole = module(x_whole)
@@ -37,26 +35,45 @@ def parallel_swiglu(communicator, tokens: int, style_objects: bool) -> list[str]
     x_piece.requires_grad_()
     y_piece = block(x_piece)
     (wanted,) = block.output_pieces(y_whole.detach())
-    assert_close(y_piece, wanted, reduction_extent=8 * world, partial_sums=world,
+    assert_close(y_piece, wanted, reduction_extent=extent, partial_sums=world,
                  message=f"rank {communicator.rank} output")  # fmt: skip
     (seed_piece,) = block.output_pieces(seed)
     y_piece.backward(seed_piece)
     grads = block.full_state(dict(zip(names, expected[:-1], strict=True)))
-    checked = []
-    for name in block.names:
+    shapes = []
+    for name in names:
         ours = block.pieces[name.replace(".", "__")].grad
-        assert_close(ours, grads[name], reduction_extent=8 * world * tokens, partial_sums=world,
+        assert_close(ours, grads[name], reduction_extent=extent * tokens, partial_sums=world,
                      message=f"rank {communicator.rank}, {name}")  # fmt: skip
-        checked.append(f"{name} {list(ours.shape)}")
+        shapes.append(f"{name} {list(ours.shape)}")
     (x_grad,) = block.input_pieces(expected[-1])
-    assert_close(x_piece.grad, x_grad, reduction_extent=8 * world, partial_sums=world)
+    assert_close(x_piece.grad, x_grad, reduction_extent=extent, partial_sums=world)
     # the pieces are the block's own: stepping them leaves the module as it was
     before = [p.detach().clone() for p in module.parameters()]
     torch.optim.SGD(block.parameters(), lr=1.0).step()
-    for name, (kept, now) in zip(names, zip(before, module.parameters(), strict=True),
-                                 strict=True):  # fmt: skip
+    for name, kept, now in zip(names, before, module.parameters(), strict=True):
         assert torch.equal(kept, now), f"{name} changed with the block's step"
-    return checked
+    return shapes, [c.op_name for c in block.model.forward_executor.communications]
+
+
+def parallel_swiglu(communicator, tokens: int, style_objects: bool):
+    world = communicator.world_size
+    torch.manual_seed(0)  # the same module on every rank
+    module = SwiGLU(16, 8 * world)
+    plan = PLAN
+    if style_objects:  # torch's own styles, read by name
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+        plan = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+    return trained_pieces(communicator, module, plan, tokens, "sequence", 8 * world)
+
+
+def parallel_attention(communicator, tokens: int, placement: str):
+    """Llama attention (rotary tables and a causal mask as buffers) with its heads split:
+    q, k and v column-wise, the output projection row-wise."""
+    torch.manual_seed(0)
+    module = RotaryAttention(16, 2 * communicator.world_size)
+    return trained_pieces(communicator, module, HEADS_PLAN, tokens, placement, 64)
 
 
 @pytest.mark.parametrize(("world", "tokens", "style_objects"),
@@ -65,12 +82,23 @@ def test_a_sequence_parallel_swiglu_module_trains_as_the_module(
     rank_pools, world, tokens, style_objects
 ):
     results = rank_pools(world).run(parallel_swiglu, tokens, style_objects, timeout=120)
-    ffn = 8 * world
+    width = 8 * world // world
     # gate and up by rows, down by columns: each rank a world-th of each; the norm whole
-    assert results == [[
-        "norm.weight [16]", f"gate.weight [{ffn // world}, 16]",
-        f"up.weight [{ffn // world}, 16]", f"down.weight [16, {ffn // world}]",
-    ]] * world  # fmt: skip
+    shapes = ["norm.weight [16]", f"gate.weight [{width}, 16]", f"up.weight [{width}, 16]",
+              f"down.weight [16, {width}]"]  # fmt: skip
+    assert results == [(shapes, ["Allgather", "ReduceScatter"])] * world
+
+
+@pytest.mark.parametrize("placement", ["replicate", "sequence"])
+@pytest.mark.parametrize("world", [2, 4])
+def test_heads_parallel_rotary_attention_trains_as_the_module(rank_pools, world, placement):
+    results = rank_pools(world).run(parallel_attention, 2 * world + 1, placement, timeout=120)
+    width = 16 // world
+    shapes = [f"{name}.weight [{width}, 16]" for name in "qkv"] + [f"o.weight [16, {width}]"]
+    # Megatron's communications: one all-reduce of the output projection's partial sums,
+    # or with the tokens split, an all-gather before q, k and v and a reduce-scatter after
+    kinds = ["Allreduce"] if placement == "replicate" else ["Allgather", "ReduceScatter"]
+    assert results == [(shapes, kinds)] * world
 
 
 def test_a_plan_naming_no_submodule_with_parameters_is_refused():
@@ -81,49 +109,3 @@ def test_a_plan_naming_no_submodule_with_parameters_is_refused():
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate_proj": "colwise"})
     with pytest.raises(ValueError, match="style 'diagonal'"):
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate": "diagonal"})
-
-
-def parallel_attention(communicator, tokens: int, placement: str) -> tuple[list, list]:
-    """Llama attention (rotary tables and a causal mask as buffers) with its heads split:
-    q, k and v column-wise, the output projection row-wise."""
-    world = communicator.world_size
-    torch.manual_seed(0)
-    module = RotaryAttention(16, 2 * world)
-    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
-    seed = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
-    plan = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
-    block = parallelize(module, [x], communicator, plan, inputs=[placement],
-                        outputs=[placement])  # fmt: skip
-    x_whole = x.clone().requires_grad_()
-    y_whole = module(x_whole)
-    names = [name for name, _ in module.named_parameters()]
-    expected = torch.autograd.grad(y_whole, [*module.parameters(), x_whole], seed)
-    (x_piece,) = block.input_pieces(x)
-    x_piece.requires_grad_()
-    y_piece = block(x_piece)
-    (wanted,) = block.output_pieces(y_whole.detach())
-    assert_close(y_piece, wanted, reduction_extent=64, partial_sums=world,
-                 message=f"rank {communicator.rank} output")  # fmt: skip
-    (seed_piece,) = block.output_pieces(seed)
-    y_piece.backward(seed_piece)
-    grads = block.full_state(dict(zip(names, expected[:-1], strict=True)))
-    shapes = []
-    for name in names:
-        ours = block.pieces[name.replace(".", "__")].grad
-        assert_close(ours, grads[name], reduction_extent=64 * tokens, partial_sums=world,
-                     message=f"rank {communicator.rank}, {name}")  # fmt: skip
-        shapes.append(list(ours.shape))
-    (x_grad,) = block.input_pieces(expected[-1])
-    assert_close(x_piece.grad, x_grad, reduction_extent=64, partial_sums=world)
-    return shapes, [c.op_name for c in block.model.forward_executor.communications]
-
-
-@pytest.mark.parametrize("placement", ["replicate", "sequence"])
-@pytest.mark.parametrize("world", [2, 4])
-def test_heads_parallel_rotary_attention_trains_as_the_module(rank_pools, world, placement):
-    results = rank_pools(world).run(parallel_attention, 2 * world + 1, placement, timeout=120)
-    width = 16 // world
-    # Megatron's communications: one all-reduce of the output projection's partial sums,
-    # or with the tokens split, an all-gather before q, k and v and a reduce-scatter after
-    kinds = ["Allreduce"] if placement == "replicate" else ["Allgather", "ReduceScatter"]
-    assert results == [([[width, 16]] * 3 + [[16, width]], kinds)] * world

@@ -105,44 +105,28 @@ ROOT = Path(__file__).resolve().parent.parent
 
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_the_training_example_matches_one_device_under_each_launcher(launcher):
-    """``examples/train_mlp.py``: 20 AdamW steps on 2 ranks, every step's loss within
-    the example's tolerance of the same model trained whole on one device (the example
-    fails otherwise), under the local launcher and a Ray pool."""
+@pytest.mark.parametrize(("example", "steps"), [("train_mlp", 20), ("llama_block", 10)])
+def test_each_training_example_matches_one_device_under_each_launcher(example, steps, launcher):
+    """``examples/train_mlp.py`` (a fusion written as IR) and ``examples/llama_block.py``
+    (a Llama decoder block written as PyTorch modules, parallelized by a plan): AdamW
+    steps on 2 ranks, every step's loss within the example's tolerance of the same model
+    trained whole on one device (the example fails otherwise), under the local launcher
+    and a Ray pool."""
     if launcher == "ray":
         pytest.importorskip("ray")
     command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher, "--nproc",
-               "2", str(ROOT / "examples" / "train_mlp.py"), "--steps", "20"]  # fmt: skip
+               "2", str(ROOT / "examples" / f"{example}.py"), "--steps", str(steps)]  # fmt: skip
     environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env=environment)  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
-    steps = re.findall(r"step +(\d+) +loss ([\d.]+) +one device ([\d.]+)", output)
-    assert [int(step) for step, _, _ in steps] == list(range(20)), output[-3000:]
-    first, last = float(steps[0][1]), float(steps[-1][1])
-    assert last < 0.8 * first, (first, last)  # it trains
-    assert "20 steps on 2 ranks match one device" in output
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_the_llama_block_example_matches_one_device_under_each_launcher(launcher):
-    """``examples/llama_block.py``: a Llama decoder block written as PyTorch modules,
-    parallelized by a plan, 10 AdamW steps on 2 ranks, every step's loss within the
-    example's tolerance of the module trained whole (the example fails otherwise)."""
-    if launcher == "ray":
-        pytest.importorskip("ray")
-    command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher, "--nproc",
-               "2", str(ROOT / "examples" / "llama_block.py"), "--steps", "10"]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "RAY_USAGE_STATS_ENABLED": "0"}
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                            env=environment)  # fmt: skip
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-3000:]
-    steps = re.findall(r"step +(\d+) +loss ([\d.]+) +one device ([\d.]+)", output)
-    assert [int(step) for step, _, _ in steps] == list(range(10)), output[-3000:]
-    assert "10 steps on 2 ranks match one device" in output
+    found = re.findall(r"step +(\d+) +loss ([\d.]+) +one device ([\d.]+)", output)
+    assert [int(step) for step, _, _ in found] == list(range(steps)), output[-3000:]
+    if example == "train_mlp":
+        first, last = float(found[0][1]), float(found[-1][1])
+        assert last < 0.8 * first, (first, last)  # it trains
+    assert f"{example}: {steps} steps on 2 ranks match one device" in output
 
 
 def changed_in_place(communicator) -> str:
