@@ -17,14 +17,12 @@ import torch
 
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
-from sharding.annotate import as_mesh, as_placement
+from sharding.annotate import as_mesh, as_placement, torch_class
 from sharding.layout import Layout, Partial, Replicate, Shard, layout_of
 
 
 def is_dtensor(value: object) -> bool:
-    return type(value).__name__ == "DTensor" and type(value).__module__.startswith(
-        "torch.distributed"
-    )
+    return torch_class(value) == "DTensor"
 
 
 def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
@@ -49,13 +47,12 @@ def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
                 f"fusion places this input {_describe(expected)}: redistribute it first "
                 "(DTensor.redistribute) or annotate the fusion as it is"
             )
-        static = [e for e in tensor.shape if isinstance(e, int)]
         if len(value.shape) != tensor.ndim or any(
             isinstance(e, int) and e != g for e, g in zip(tensor.shape, value.shape, strict=True)
         ):
             raise InputError(
                 f"input {position} ({tensor}): a DTensor of global shape "
-                f"{list(value.shape)}, expected {static if len(static) == tensor.ndim else tensor}"
+                f"{list(value.shape)}, expected {tensor}"
             )
         meshes[expected.mesh] = value.device_mesh
         pieces.append(value.to_local())

@@ -43,6 +43,7 @@ from fusion.capture import capture
 from overlap.communicator import Communicator
 from overlap.trainable import TrainableFusion
 from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding.pieces import local_piece
 
 STYLES = ("colwise", "rowwise")
 PLACEMENTS = ("replicate", "sequence")
@@ -85,19 +86,15 @@ class ParallelModule(torch.nn.Module):
         state = module if isinstance(module, Mapping) else {
             **dict(module.named_parameters()), **dict(module.named_buffers())
         }  # fmt: skip
-        tensors = self.model.fusion.inputs
-        whole = [state[name].detach() if name in state else _stand_in(tensor)
-                 for name, tensor in zip(self.names, tensors, strict=False)]  # fmt: skip
-        inputs = tensors[len(self.names) :]
-        pieces = self.model.shard_inputs(whole + [_stand_in(t) for t in inputs])
-        return {name: piece for name, piece in zip(self.names, pieces, strict=False)
+        rank, tensors = self.model.communicator.rank, self.model.fusion.inputs
+        return {name: local_piece(state[name].detach(), tensor, rank)
+                for name, tensor in zip(self.names, tensors, strict=False)
                 if name in state}  # fmt: skip
 
     def input_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's pieces of whole inputs of ``forward``."""
-        count = len(self.names)
-        parameters = [_stand_in(t) for t in self.model.fusion.inputs[:count]]
-        return self.model.shard_inputs(parameters + list(whole))[count:]
+        rank, tensors = self.model.communicator.rank, self.model.fusion.inputs[len(self.names) :]
+        return [local_piece(v, t, rank) for v, t in zip(whole, tensors, strict=True)]
 
     def output_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's pieces of whole outputs of ``forward``."""
@@ -134,11 +131,11 @@ def parallelize(
     for tensor, placement in zip(fusion.outputs, _placements(outputs, "output"), strict=False):
         shard(tensor, mesh, [placement])
     model = TrainableFusion(captured.fd, communicator, **trainable_options)
-    state = captured.inputs(module)
-    pieces = model.shard_inputs(state + [_stand_in(t) for t in fusion.inputs[count:]])[:count]
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from
-    pieces = [piece.to(communicator.device).clone() for piece in pieces]
+    rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
+    pieces = [local_piece(value, tensor, rank).to(device).clone()
+              for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers)
 
 
@@ -172,8 +169,3 @@ def _placements(names: Sequence[str], what: str) -> list:
 
 def _key(name: str) -> str:
     return name.replace(".", "__")
-
-
-def _stand_in(tensor) -> torch.Tensor:
-    """A whole tensor of ``tensor``'s static shape (cut only to size pieces)."""
-    return torch.zeros([e if isinstance(e, int) else 1 for e in tensor.shape])

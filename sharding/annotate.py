@@ -71,7 +71,7 @@ def replicate(tensor: TensorView, mesh: DeviceMesh) -> TensorView:
     return shard(tensor, mesh, [Replicate()] * mesh.ndim)
 
 
-def _torch_class(value: object) -> str | None:
+def torch_class(value: object) -> str | None:
     """The class name of a torch.distributed object, or None for anything else."""
     module = type(value).__module__ or ""
     return type(value).__name__ if module.startswith("torch.distributed") else None
@@ -80,7 +80,7 @@ def _torch_class(value: object) -> str | None:
 def as_mesh(mesh: object) -> DeviceMesh:
     if isinstance(mesh, DeviceMesh):
         return mesh
-    if _torch_class(mesh) == "DeviceMesh":
+    if torch_class(mesh) == "DeviceMesh":
         # torch's mesh of ranks, with its axis names when it has them
         return DeviceMesh(mesh.mesh.tolist(), getattr(mesh, "mesh_dim_names", None))
     raise ShardingError(
@@ -93,7 +93,7 @@ def as_placement(placement: object, ndim: int) -> Placement:
     """Ours as is; torch's Shard/Replicate/Partial as ours; anything else refused
     (``ValueError``, which ``shard`` reports with the tensor). A negative shard axis
     counts from the last, as in DTensor."""
-    name = _torch_class(placement)
+    name = torch_class(placement)
     if name == "Shard":  # not _StridedShard: its name differs and it is refused below
         placement = Shard(placement.dim)
     if isinstance(placement, Shard) and -ndim <= placement.dim < 0:

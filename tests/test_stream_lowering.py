@@ -447,11 +447,10 @@ def _bf16_swiglu(world: int | None, tokens: int = 16, hidden: int = 32, ffn: int
 @pytest.mark.parametrize("world", [None, 2], ids=["one device", "two ranks"])
 def test_a_swiglu_backward_writes_no_float32_value_of_the_ffn_width(world, monkeypatch):
     """Gate and up saved in bf16: silu(gate) in float32 is read by the recomputed forward
-    and, after the matmuls, by silu's gradient; gate's gradient is cast to bf16 only
-    after the matmuls reading up's. Each float32 [tokens, ffn] value stays inside the
-    kernel that computes it (the chain recomputed where it is read again, the cast
-    gathered into the kernel of its input), and the generated program computes what the
-    reference evaluator does."""
+    and, after the matmuls, by silu's gradient. Each float32 [tokens, ffn] value stays
+    inside the kernel that computes it (the chain recomputed where it is read again;
+    ``gather_pointwise`` has a test of its own below), and the generated program
+    computes what the reference evaluator does."""
     fd, saved = _bf16_swiglu(world)
     grads = placed_backward(fd.fusion, saved=saved) if world else backward(fd.fusion, saved=saved)
     compiled = compile_program(grads.fusion, world or 1, None, H200_FIGURES, schedule=True)
