@@ -39,12 +39,18 @@ from fusion import ops
 from fusion.definition import FusionDefinition
 from fusion.errors import FusionError
 from fusion.exprs import (
+    AttentionGradOp,
+    AttentionOp,
     BinaryOp,
     BroadcastOp,
     CastOp,
     CompareOp,
+    DetachOp,
+    EmbeddingGradOp,
+    EmbeddingOp,
     ExpandOp,
     Expr,
+    IotaOp,
     LinearOp,
     MatmulOp,
     PadOp,
@@ -131,6 +137,12 @@ def backward(
         if any(t in reached for t in expr.inputs):
             reached.update(expr.outputs)
     flowing = [e for e in live if any(t in reached for t in e.inputs)]
+    for expr in flowing:
+        if isinstance(expr, AttentionOp) and expr.has_mask and expr.inputs[3] in reached:
+            raise DifferentiationError(
+                f"attention ({expr.output}): its mask {expr.inputs[3]} is computed from "
+                "differentiated inputs, and a mask has no gradient rule"
+            )
     for expr in flowing:  # every rule exists before anything is built
         _rule(expr)
     computed = {t for expr in live for t in expr.outputs}
@@ -145,7 +157,7 @@ def backward(
             mapped[tensor] = fd.define_tensor(_shape(tensor), tensor.dtype)
         for expr in live:
             if any(out not in mapped for out in expr.outputs):
-                _replay(expr, mapped)
+                _replay(expr, mapped, fd.fusion)
         grads: dict[TensorView, TensorView] = {}
         for output in fusion.outputs:
             seed = fd.define_tensor(_shape(output), output.dtype)
@@ -209,12 +221,17 @@ def _fit(grad: TensorView, like: TensorView) -> TensorView:
 # -- replaying the forward ----------------------------------------------------------------
 
 
-def _replay(expr: Expr, mapped: dict[TensorView, TensorView]) -> None:
-    """``expr`` again in the backward fusion, on its mapped operands (an output saved
+def _replay(expr: Expr, mapped: dict[TensorView, TensorView], fusion: Fusion) -> None:
+    """``expr`` again in the backward ``fusion``, on its mapped operands (an output saved
     keeps its saved value)."""
     operands = [mapped[o] if isinstance(o, TensorView) else o for o in expr.operands]
     if isinstance(expr, VarMeanOp):
         results = ops.var_mean(operands[0], list(expr.dims), expr.correction)
+    elif isinstance(expr, IotaOp):
+        results = (ops.iota(fusion, _shape(expr.output)[0], expr.output.dtype),)
+    elif isinstance(expr, AttentionGradOp):
+        mask = operands[4] if expr.has_mask else None
+        results = ops.attention_grad(*operands[:4], mask, expr.causal, expr.scale)
     else:
         results = (_REPLAY[type(expr)](expr, operands),)
     for out, result in zip(expr.outputs, results, strict=True):
@@ -238,6 +255,12 @@ _REPLAY: dict[type, Callable] = {
     SliceOp: lambda e, o: ops.slice(o[0], list(e.starts), _stops(e), list(e.steps)),
     SelectOp: lambda e, o: ops.select(o[0], e.dim, e.index),
     PadOp: lambda e, o: ops.pad(o[0], list(e.before), list(e.after)),
+    DetachOp: lambda e, o: ops.detach(o[0]),
+    EmbeddingOp: lambda e, o: ops.embedding(o[0], o[1], e.padding_idx, rows=o[2]),
+    EmbeddingGradOp: lambda e, o: ops.embedding_grad(*o, e.padding_idx),
+    AttentionOp: lambda e, o: ops.attention(
+        *o[:3], o[3] if e.has_mask else None, e.causal, e.scale
+    ),
 }
 
 
@@ -527,6 +550,19 @@ def _pad_grad(expr, mapped, given):
     return [ops.slice(g, list(expr.before), stops)]
 
 
+def _embedding_grad(expr, mapped, given):
+    (g,) = given
+    table, indices, rows = (mapped[t] for t in expr.inputs)
+    return [ops.embedding_grad(g, indices, rows, expr.padding_idx), None, None]
+
+
+def _attention_grad(expr, mapped, given):
+    (g,) = given
+    q, k, v, *mask = (mapped[t] for t in expr.inputs)
+    grads = ops.attention_grad(g, q, k, v, mask[0] if mask else None, expr.causal, expr.scale)
+    return [*grads, *[None] * len(mask)]
+
+
 GRADIENT_RULES: dict[type, Callable] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
@@ -547,6 +583,9 @@ GRADIENT_RULES: dict[type, Callable] = {
     SliceOp: _slice_grad,
     SelectOp: _select_grad,
     PadOp: _pad_grad,
+    DetachOp: lambda expr, mapped, given: [None],  # a stop-gradient
+    EmbeddingOp: _embedding_grad,
+    AttentionOp: _attention_grad,
 }
 
 
@@ -571,5 +610,6 @@ def _rule(expr: Expr) -> Callable:
 def _known() -> str:
     names = [*UNARY_RULES, *BINARY_RULES, "eq", "ne", "lt", "le", "gt", "ge", "cast", "set",
              "broadcast", "expand", "reshape", "permute", "slice", "select", "pad", "where",
-             "sum", "mean", "max", "min", "var_mean", "matmul", "linear"]  # fmt: skip
+             "sum", "mean", "max", "min", "var_mean", "matmul", "linear", "detach",
+             "embedding", "attention"]  # fmt: skip
     return ", ".join(names)

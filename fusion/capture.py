@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -82,7 +83,10 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
                     continue
                 args = _resolve(node.args, values)
                 kwargs = _resolve(dict(node.kwargs), values)
-                values[node.name] = _translation(node.target)(*args, **kwargs)
+                translate = _translation(node.target)
+                if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
+                    kwargs["fusion"] = fd
+                values[node.name] = translate(*args, **kwargs)
             elif node.op == "output":
                 for out in node.args[0]:
                     fd.add_output(values[out.name])
@@ -174,10 +178,111 @@ def _var(x, dims=None, correction=None, keepdim=False, unbiased=None):
 
 
 def _softmax(x, dim, half_to_float=False):
-    dim = dim % x.ndim
-    shifted = ops.sub(x, ops.max(x, [dim], keepdim=True))
+    dim = dim % x.ndim  # the max a stop-gradient: its gradient cancels exactly
+    shifted = ops.sub(x, ops.detach(ops.max(x, [dim], keepdim=True)))
     exp = ops.exp(shifted)
     return ops.div(exp, ops.sum(exp, [dim], keepdim=True))
+
+
+def _log_softmax(x, dim, half_to_float=False, dtype=None):
+    """``x - max - log(sum(exp(x - max)))`` along ``dim`` (16-bit floats in float32,
+    rounded once), the max a stop-gradient (its gradient cancels exactly)."""
+    if dtype is not None:
+        x = ops.cast(x, DataType.from_torch(dtype))
+    wide = ops.cast(x, DataType.float32) if x.dtype.bits < 32 else x
+    dim = dim % x.ndim
+    shifted = ops.sub(wide, ops.detach(ops.max(wide, [dim], keepdim=True)))
+    result = ops.sub(shifted, ops.log(ops.sum(ops.exp(shifted), [dim], keepdim=True)))
+    return result if result.dtype == x.dtype else ops.cast(result, x.dtype)
+
+
+def _class_loss(logp, target, weight, reduction, ignore_index, label_smoothing, name):
+    """The negative log-likelihood of integer ``target`` classes (axis 1 of ``logp``, or
+    its only axis), reduced as torch's (0 none, 1 mean over the counted, 2 sum)."""
+    classes = 1 if logp.ndim >= 2 else 0
+    count = logp.shape[classes]
+    if not target.dtype.is_integer:  # class probabilities
+        if weight is not None or label_smoothing:
+            raise CaptureError(f"{name} with probabilities and a weight or label smoothing: "
+                               "no translation yet")  # fmt: skip
+        per = ops.neg(ops.sum(ops.mul(logp, target), [classes]))
+        if reduction == 1:
+            return ops.div(ops.sum(per), math.prod(per.shape) if per.ndim else 1)
+        return ops.sum(per) if reduction == 2 else per
+    if weight is not None and label_smoothing:
+        raise CaptureError(f"{name} with a weight and label smoothing: no translation yet")
+    # each class's index along the class axis, each target along it: equal where picked
+    indices = ops.broadcast(ops.iota(logp, count), [d != classes for d in range(logp.ndim)])
+    targets = ops.broadcast(target, [d == classes for d in range(logp.ndim)])
+    chosen = ops.eq(indices, targets)
+    per = ops.neg(ops.sum(ops.where(chosen, logp, 0.0), [classes]))
+    counted = ops.ne(target, ignore_index)
+    if weight is not None:
+        weight = ops.broadcast(weight, [d != classes for d in range(logp.ndim)])
+        weights = ops.sum(ops.where(chosen, weight, 0.0), [classes])
+        per = ops.mul(per, weights)
+    if label_smoothing:
+        smooth = ops.div(ops.neg(ops.sum(logp, [classes])), count)
+        per = ops.add(ops.mul(per, 1.0 - label_smoothing), ops.mul(smooth, label_smoothing))
+    per = ops.where(counted, per, 0.0)
+    if reduction == 0:
+        return per
+    total = ops.sum(per)
+    if reduction == 2:
+        return total
+    counts = ops.cast(counted, per.dtype) if weight is None else ops.where(counted, weights, 0.0)
+    return ops.div(total, ops.sum(counts))
+
+
+def _cross_entropy(x, target, weight=None, reduction=1, ignore_index=-100, label_smoothing=0.0):
+    """torch's cross-entropy: ``log_softmax`` over the classes, then the loss of the
+    targets; a class axis split over ranks (a vocabulary-parallel head) needs no gather:
+    its max and sums are combined across ranks, the rest stays split."""
+    logp = _log_softmax(x, 1 if x.ndim >= 2 else 0)
+    wide = ops.cast(logp, DataType.float32) if logp.dtype.bits < 32 else logp
+    loss = _class_loss(wide, target, weight, reduction, ignore_index, label_smoothing,
+                       "cross_entropy")  # fmt: skip
+    return loss if loss.dtype == x.dtype else ops.cast(loss, x.dtype)
+
+
+def _nll_loss(logp, target, weight=None, reduction=1, ignore_index=-100):
+    wide = ops.cast(logp, DataType.float32) if logp.dtype.bits < 32 else logp
+    loss = _class_loss(wide, target, weight, reduction, ignore_index, 0.0, "nll_loss")
+    return loss if loss.dtype == logp.dtype else ops.cast(loss, logp.dtype)
+
+
+def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    if scale_grad_by_freq or sparse:
+        raise CaptureError("embedding with scale_grad_by_freq or sparse: no translation yet")
+    return ops.embedding(weight, indices, None if padding_idx == -1 else padding_idx)
+
+
+def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+               enable_gqa=False):  # fmt: skip
+    if dropout_p or enable_gqa:
+        raise CaptureError("scaled_dot_product_attention with dropout or enable_gqa: no "
+                           "translation yet (capture the module in eval mode)")  # fmt: skip
+    if attn_mask is not None and attn_mask.ndim < q.ndim:
+        attn_mask = ops.broadcast(attn_mask, [True] * (q.ndim - attn_mask.ndim)
+                                  + [False] * attn_mask.ndim)  # fmt: skip
+    return ops.attention(q, k, v, attn_mask, causal=is_causal, scale=scale)
+
+
+def _arange(start, end=None, step=1, dtype=None, fusion=None, **_):
+    """``iota`` scaled and shifted (int64 unless a float bound or ``dtype``)."""
+    if end is None:
+        start, end = 0, start
+    count = max(0, math.ceil((end - start) / step))
+    floating = any(isinstance(b, float) for b in (start, end, step))
+    result = ops.iota(fusion, count)
+    if floating:
+        result = ops.cast(result, DataType.float32)
+    if step != 1:
+        result = ops.mul(result, step)
+    if start != 0:
+        result = ops.add(result, start)
+    wanted = DataType.from_torch(dtype) if dtype is not None else result.dtype
+    return result if result.dtype == wanted else ops.cast(result, wanted)
 
 
 def _transpose(x, a, b):
@@ -292,6 +397,14 @@ ATEN: dict[object, Callable] = {
     aten.var: _var,
     aten.softmax: _softmax,
     aten._softmax: _softmax,
+    aten.log_softmax: _log_softmax,
+    aten._log_softmax: _log_softmax,
+    aten.cross_entropy_loss: _cross_entropy,
+    aten.nll_loss: _nll_loss,
+    aten.nll_loss_nd: _nll_loss,
+    aten.embedding: _embedding,
+    aten.scaled_dot_product_attention: _attention,
+    aten.arange: _arange,
     aten.linear: _linear,
     aten.mm: ops.matmul,
     aten.bmm: ops.matmul,
@@ -321,5 +434,7 @@ ATEN: dict[object, Callable] = {
     aten.detach: lambda x: x,
     operator.getitem: lambda values, index: values[index],
 }
+# translations that make a tensor from nothing (they are handed the fusion)
+_MAKERS = {_arange}
 # ops of the graph that compute nothing (metadata checks)
 _IGNORED = {aten._assert_tensor_metadata.default}

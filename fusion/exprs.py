@@ -254,3 +254,97 @@ class LinearOp(Expr):
         self.has_bias = bias is not None
         operands = [x, weight] if bias is None else [x, weight, bias]
         super().__init__("linear", operands, [out])
+
+
+class IotaOp(Expr):
+    """``out = [0, 1, ..., n - 1]`` (an index along an axis, ``out.dtype``): no operands.
+    Split over ranks, each piece holds its own global indices."""
+
+    def __init__(self, out: TensorView) -> None:
+        super().__init__("iota", [], [out])
+
+
+class DetachOp(Expr):
+    """``out = x``, through which no gradient flows (a stop-gradient). Not a ``SetOp``:
+    sharding places it as an elementwise op, where a copy between layouts would become
+    a communication."""
+
+    def __init__(self, x: TensorView, out: TensorView) -> None:
+        super().__init__("detach", [x], [out])
+
+
+class EmbeddingOp(Expr):
+    """``out[..., :] = table[indices[...], :]``, where ``rows`` (an iota over the table's
+    rows) numbers the table's rows: a piece of the table holding rows ``rows[0]`` onward
+    gives the rows it holds and zeros for the others (so that pieces split by rows sum to
+    the whole lookup). ``padding_idx`` (or None) gets no gradient; ``count`` is the
+    table's whole row count (indices outside it are an error)."""
+
+    def __init__(
+        self,
+        table: TensorView,
+        indices: TensorView,
+        rows: TensorView,
+        out: TensorView,
+        padding_idx: int | None,
+        count: int,
+    ) -> None:
+        self.padding_idx, self.count = padding_idx, count
+        super().__init__("embedding", [table, indices, rows], [out], padding_idx=padding_idx)
+
+
+class EmbeddingGradOp(Expr):
+    """The gradient of a table from ``grad`` (shaped like an embedding's output): row
+    ``rows[r]`` sums ``grad`` where ``indices`` equals it (never at ``padding_idx``)."""
+
+    def __init__(
+        self,
+        grad: TensorView,
+        indices: TensorView,
+        rows: TensorView,
+        out: TensorView,
+        padding_idx: int | None,
+    ) -> None:
+        self.padding_idx = padding_idx
+        super().__init__("embedding_grad", [grad, indices, rows], [out], padding_idx=padding_idx)
+
+
+class AttentionOp(Expr):
+    """Scaled dot-product attention ``softmax(q @ k^T * scale + mask) @ v`` over the last
+    two axes (``causal``: a query sees keys up to its own position), run by PyTorch's
+    attention kernels; leading axes (batch, heads) are independent. ``mask`` (optional):
+    bool (True: attend) or added to the scores."""
+
+    def __init__(
+        self,
+        q: TensorView,
+        k: TensorView,
+        v: TensorView,
+        mask: TensorView | None,
+        out: TensorView,
+        causal: bool,
+        scale: float,
+    ) -> None:
+        self.causal, self.scale, self.has_mask = causal, scale, mask is not None
+        operands = [q, k, v] if mask is None else [q, k, v, mask]
+        super().__init__("attention", operands, [out], causal=causal, scale=scale)
+
+
+class AttentionGradOp(Expr):
+    """The gradients of an ``AttentionOp``'s ``q``, ``k`` and ``v`` from the gradient of
+    its output: three outputs."""
+
+    def __init__(
+        self,
+        grad: TensorView,
+        q: TensorView,
+        k: TensorView,
+        v: TensorView,
+        mask: TensorView | None,
+        outs: Sequence[TensorView],
+        causal: bool,
+        scale: float,
+    ) -> None:
+        self.causal, self.scale, self.has_mask = causal, scale, mask is not None
+        operands = [grad, q, k, v] if mask is None else [grad, q, k, v, mask]
+        super().__init__("attention_grad", operands, outs, causal=causal, scale=scale)

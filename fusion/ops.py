@@ -61,7 +61,8 @@ __all__ = [
     "gelu", "silu", "erf", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne",
     "lt", "le", "gt", "ge", "where", "cast", "set", "broadcast", "expand", "broadcast_in_dim",
     "reshape", "permute", "slice", "select", "pad", "sum", "max", "min", "mean", "var_mean",
-    "matmul", "linear",
+    "matmul", "linear", "iota", "detach", "embedding", "embedding_grad", "attention",
+    "attention_grad",
 ]  # fmt: skip
 
 # This module defines ops named like builtins (sum, max, min, abs, set, slice, pow);
@@ -946,3 +947,15 @@ def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) ->
     out = _output("linear", fusion, dtype, axes)
     LinearOp(x, weight, bias, out)
     return out
+
+
+# Ops of network blocks (an index, a stop-gradient, embeddings, attention): their own
+# module, which builds on the helpers above.
+from fusion.nn_ops import (  # noqa: E402
+    attention,
+    attention_grad,
+    detach,
+    embedding,
+    embedding_grad,
+    iota,
+)

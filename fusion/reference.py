@@ -36,12 +36,18 @@ from fusion.dtypes import (
     float32,
 )
 from fusion.exprs import (
+    AttentionGradOp,
+    AttentionOp,
     BinaryOp,
     BroadcastOp,
     CastOp,
     CompareOp,
+    DetachOp,
+    EmbeddingGradOp,
+    EmbeddingOp,
     ExpandOp,
     Expr,
+    IotaOp,
     LinearOp,
     MatmulOp,
     PadOp,
@@ -75,8 +81,13 @@ def evaluate(fusion: Fusion, inputs: Sequence[torch.Tensor]) -> list[torch.Tenso
     def shape_of(tensor: TensorView) -> list[int]:
         return [resolve(extent, bindings) for extent in tensor.shape]
 
+    device = inputs[0].device if len(inputs) else torch.device("cpu")
     for expr in fusion.live_exprs():
-        evaluate_expr(expr, values, shape_of)
+        if expr.inputs:
+            evaluate_expr(expr, values, shape_of)
+        else:  # an op without operands (an iota) makes its value where the inputs are
+            with device:
+                evaluate_expr(expr, values, shape_of)
     input_storages = {value.untyped_storage().data_ptr() for value in inputs}
     outputs = []
     for tv in fusion.outputs:
@@ -280,13 +291,114 @@ def _linear(expr: LinearOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return F.linear(*tensors).to(out.dtype.torch_dtype)
 
 
+def _iota(expr: IotaOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    (extent,) = shape_of(expr.output)
+    return torch.arange(extent, dtype=expr.output.dtype.torch_dtype)
+
+
+def _embedding(expr: EmbeddingOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    table, indices, rows = (values[t] for t in expr.inputs)
+    return embedding_rows(table, indices, rows, expr.count, expr.padding_idx)
+
+
+def embedding_rows(
+    table: torch.Tensor,
+    indices: torch.Tensor,
+    rows: torch.Tensor,
+    count: int,
+    padding_idx: int | None = None,
+) -> torch.Tensor:
+    """The lookup of ``indices`` in the piece ``table`` of a ``count``-row table whose rows
+    are numbered ``rows`` (consecutive, as an iota's piece): zeros for the rows it does
+    not hold. An index outside the whole table fails (on CUDA, asynchronously). The whole
+    table's lookup is torch's, ``padding_idx`` given (autograd through it skips that row)."""
+    indices = indices.to(torch.int64)
+    torch._assert_async(((indices >= 0) & (indices < count)).all(),
+                        f"embedding: an index is outside the table's {count} rows")  # fmt: skip
+    if table.shape[0] == count:  # the whole table
+        return F.embedding(indices, table, padding_idx)
+    held = table.shape[0]
+    if not held:
+        return table.new_zeros([*indices.shape, table.shape[1]])
+    local = indices - rows[0]
+    inside = (local >= 0) & (local < held)
+    looked_up = F.embedding(torch.where(inside, local, 0), table)
+    return looked_up * inside.unsqueeze(-1).to(table.dtype)
+
+
+def _embedding_grad(expr: EmbeddingGradOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    grad, indices, rows = (values[t] for t in expr.inputs)
+    return embedding_rows_grad(grad, indices, rows, expr.padding_idx)
+
+
+def embedding_rows_grad(
+    grad: torch.Tensor, indices: torch.Tensor, rows: torch.Tensor, padding_idx: int | None
+) -> torch.Tensor:
+    """Per row of ``rows``, the sum of ``grad`` where ``indices`` is that row (summed in
+    float32 at least, rounded once); ``padding_idx``'s row gets none."""
+    held, features = rows.shape[0], grad.shape[-1]
+    accumulate = compute_dtype(DataType.from_torch(grad.dtype)).torch_dtype
+    total = torch.zeros(held, features, dtype=accumulate, device=grad.device)
+    if held:
+        indices = indices.reshape(-1).to(torch.int64)
+        local = indices - rows[0]
+        keep = (local >= 0) & (local < held)
+        if padding_idx is not None:
+            keep &= indices != padding_idx
+        flat = grad.reshape(-1, features).to(accumulate)
+        total.index_add_(0, local[keep], flat[keep])
+    return total.to(grad.dtype)
+
+
+def attention_value(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
+    """torch's scaled dot-product attention (its kernels, in the operands' dtype)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                          scale=scale)  # fmt: skip
+
+
+def attention_grads(grad, q, k, v, mask, causal: bool, scale: float) -> tuple[torch.Tensor, ...]:
+    """The gradients of ``attention_value``'s q, k and v from its output's ``grad``
+    (torch's attention backward, after its forward again)."""
+    with torch.inference_mode(False), torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out = attention_value(*leaves, mask, causal, scale)
+        return torch.autograd.grad(out, leaves, grad)
+
+
+def _attention_operands(expr: Expr, values: Values, first: int) -> list[torch.Tensor | None]:
+    """q, k, v (and mask) in their compute type (float32 for 16-bit floats)."""
+    tensors = [values[t] for t in expr.inputs[first:]]
+    ctype = compute_dtype(expr.inputs[first].dtype).torch_dtype
+    converted = [t.to(ctype) if t.is_floating_point() else t for t in tensors]
+    return converted + [None] * (4 - len(converted))
+
+
+def _attention(expr: AttentionOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    q, k, v, mask = _attention_operands(expr, values, 0)
+    out = attention_value(q, k, v, mask, expr.causal, expr.scale)
+    return out.to(expr.output.dtype.torch_dtype)
+
+
+def _attention_grad(expr: AttentionGradOp, values: Values, shape_of: ShapeOf):
+    q, k, v, mask = _attention_operands(expr, values, 1)
+    grad = values[expr.inputs[0]].to(q.dtype)
+    grads = attention_grads(grad, q, k, v, mask, expr.causal, expr.scale)
+    return tuple(g.to(out.dtype.torch_dtype) for g, out in zip(grads, expr.outputs, strict=True))
+
+
 _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
+    IotaOp: _iota,
+    EmbeddingOp: _embedding,
+    EmbeddingGradOp: _embedding_grad,
+    AttentionOp: _attention,
+    AttentionGradOp: _attention_grad,
     UnaryOp: _unary,
     BinaryOp: _binary,
     CompareOp: _compare,
     WhereOp: _where,
     CastOp: _cast,
     SetOp: _set,
+    DetachOp: _set,
     BroadcastOp: _broadcast,
     ExpandOp: _expand,
     ReshapeOp: _reshape,

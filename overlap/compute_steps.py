@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import torch
 
-from fusion.exprs import Expr, LinearOp, MatmulOp, ReductionOp
+from fusion.exprs import AttentionGradOp, AttentionOp, Expr, IotaOp, LinearOp, MatmulOp, ReductionOp
 from fusion.ir import TensorView
-from fusion.reference import evaluate_expr
+from fusion.reference import attention_grads, attention_value, evaluate_expr
 from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, unpacked
 from overlap import progress
 from overlap.communications import identity
 from overlap.host_ir import LaunchKernel
 from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range
+from sharding.pieces import local_piece
 
 
 class ComputeSteps:
@@ -141,6 +142,8 @@ class ComputeSteps:
                 values.values[key] = packed(source, piece)
 
             return shard_locally
+        if isinstance(expr, IotaOp):
+            return self._iota(expr, outputs)
         if _partial_extreme(expr) and self._reduces_nothing_here(expr):
             # this rank's piece of the reduced axis is empty: the identity, which leaves
             # the other ranks' partial results as they are (chunk loops cut kept axes only)
@@ -155,6 +158,21 @@ class ComputeSteps:
             return identity_here
         return self._evaluated_plainly(expr, aliases)
 
+    def _iota(self, expr: IotaOp, outputs):
+        """This rank's indices: its piece of the whole iota (each piece its global ones)."""
+        ((out, key, into_chunk),) = outputs
+        if into_chunk:
+            raise NotImplementedError(f"iota {out}: chunked by a stream loop")
+        program = self.program
+        (extent,) = program.ctx.global_shape(out)
+        whole = torch.arange(extent, dtype=out.dtype.torch_dtype, device=program.ctx.device)
+        piece = local_piece(whole, out, program.rank)
+
+        def index_here() -> None:
+            program.values[key] = piece
+
+        return index_here
+
     def _reduces_nothing_here(self, expr: ReductionOp) -> bool:
         shape = self.program.local_shape(expr.inputs[0])
         return any(shape[d] == 0 for d in expr.dims)
@@ -166,6 +184,8 @@ class ComputeSteps:
             return values.values[aliases.get(tensor, tensor)]
 
         outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
+        if isinstance(expr, (AttentionOp, AttentionGradOp)):
+            return self._attention(expr, read, outputs)
         if isinstance(expr, (MatmulOp, LinearOp)):
             ((_, key, into_chunk),) = outputs
 
@@ -201,6 +221,27 @@ class ComputeSteps:
                     values.values[key] = result
 
         return evaluate
+
+    def _attention(self, expr: Expr, read, outputs):
+        """Attention (or its gradients) by torch's kernels, natively in its dtype."""
+        values = self.program
+
+        def attend() -> None:
+            operands = [read(t) for t in expr.inputs]
+            if not expr.has_mask:
+                operands.append(None)
+            if isinstance(expr, AttentionOp):
+                results = [attention_value(*operands, expr.causal, expr.scale)]
+            else:
+                results = attention_grads(*operands, expr.causal, expr.scale)
+            for (_, key, into_chunk), result in zip(outputs, results, strict=True):
+                destination = values.values.get(key) if into_chunk else None
+                if destination is None:
+                    values.values[key] = result
+                else:
+                    destination.copy_(result)
+
+        return attend
 
 
 def _partial_extreme(expr: Expr) -> bool:

@@ -9,6 +9,9 @@ names to a style:
   split alike;
 - ``"rowwise"`` (``RowwiseParallel``): the weight's columns (input features) split, a
   bias whole;
+- an ``nn.Embedding``, as torch's styles place it: ``"rowwise"`` splits the vocabulary
+  (each rank looks up the rows it holds; the lookups are summed), ``"colwise"`` the
+  features;
 - unnamed parameters (norm weights, ...) whole on every rank.
 
 ``inputs`` and ``outputs`` give each example input's and output's placement:
@@ -124,7 +127,9 @@ def parallelize(
     count = len(captured.parameter_names)
     for name, tensor in zip(captured.parameter_names, fusion.inputs[:count], strict=True):
         owner, kind = name.rsplit(".", 1) if "." in name else ("", name)
-        shard(tensor, mesh, [_parameter_placement(styles.get(owner), kind, tensor.ndim)])
+        owner_module = module.get_submodule(owner) if owner else module
+        placement = _parameter_placement(styles.get(owner), kind, tensor.ndim, owner_module)
+        shard(tensor, mesh, [placement])
     for tensor, placement in zip(fusion.inputs[count:], _placements(inputs, "input"),
                                  strict=False):  # fmt: skip
         shard(tensor, mesh, [placement])
@@ -148,7 +153,11 @@ def _style(name: str, style: Any) -> str:
     return text
 
 
-def _parameter_placement(style: str | None, kind: str, ndim: int):
+def _parameter_placement(style: str | None, kind: str, ndim: int, owner: torch.nn.Module):
+    if isinstance(owner, torch.nn.Embedding) and style is not None:
+        # torch's styles for an embedding: row-wise splits the vocabulary (a partial
+        # lookup, summed across ranks), column-wise the features
+        return Shard(0) if style == "rowwise" else Shard(1)
     if style == "colwise":
         return Shard(0)  # a weight's rows (output features) and a bias alike
     if style == "rowwise" and kind == "weight" and ndim == 2:

@@ -110,6 +110,11 @@ class TrainableFusion:
         )
         return f"{rule}\n{placed_backward(self.fusion, wrt, self.saved).explain()}"
 
+    @property
+    def executors(self) -> list[MultiDeviceExecutor]:
+        """The forward's executor, then each backward's built so far."""
+        return [self.forward_executor, *self._backward_executors.values()]
+
     def backward_executor(self, wrt: tuple[int, ...]) -> MultiDeviceExecutor:
         """The executor of the backward for the inputs at ``wrt`` (built on first use:
         collective, every rank alike)."""

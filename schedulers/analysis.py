@@ -18,6 +18,7 @@ from fusion.exprs import (
     BroadcastOp,
     CastOp,
     CompareOp,
+    DetachOp,
     ExpandOp,
     Expr,
     ReductionOp,
@@ -28,7 +29,7 @@ from fusion.exprs import (
 )
 from fusion.ir import Extent, TensorView
 
-ELEMENTWISE = (UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp)
+ELEMENTWISE = (UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp, DetachOp)
 POINTWISE = ELEMENTWISE + (BroadcastOp, ExpandOp)
 
 Mapping = tuple[int | None, ...]  # per axis of a tensor: the axis of S it runs along

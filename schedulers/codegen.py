@@ -35,6 +35,7 @@ from fusion.exprs import (
     BroadcastOp,
     CastOp,
     CompareOp,
+    DetachOp,
     ExpandOp,
     Expr,
     SetOp,
@@ -239,7 +240,7 @@ class Emitter:
     def expr(self, expr: Expr, operands: list[Value | Scalar]) -> list[Value]:
         """Emit ``expr`` on ``operands`` (values for tensors, Python scalars as they are)."""
         out = expr.outputs[0]
-        if isinstance(expr, (SetOp, BroadcastOp, ExpandOp)):
+        if isinstance(expr, (SetOp, DetachOp, BroadcastOp, ExpandOp)):
             return [operands[0]]  # the same values, seen through another shape
         if isinstance(expr, CastOp):
             return [self._cast(operands[0], out.dtype)]

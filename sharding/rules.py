@@ -23,12 +23,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from fusion.exprs import (
+    AttentionGradOp,
+    AttentionOp,
     BinaryOp,
     BroadcastOp,
     CastOp,
     CompareOp,
+    DetachOp,
+    EmbeddingGradOp,
+    EmbeddingOp,
     ExpandOp,
     Expr,
+    IotaOp,
     LinearOp,
     MatmulOp,
     PadOp,
@@ -57,6 +63,8 @@ class DimMap:
     partial result combined by ``partial_op``. ``order`` ranks the inputs when
     several are split (weights before activations). ``free_output_dims`` may be
     split with every input replicated (``expand`` computes its local piece).
+    ``selectors`` are inputs that stay whole where the output is partial (an embedding's
+    indices: they choose the rows each rank's piece of the table adds).
     """
 
     rule: str
@@ -65,6 +73,7 @@ class DimMap:
     partial_op: str = "sum"
     order: list[int] | None = None
     free_output_dims: set[int] = field(default_factory=set)
+    selectors: set[int] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         if not self.partial:
@@ -91,9 +100,11 @@ class DimMap:
         if isinstance(output, Partial):
             # every input must carry the reduction: one outside it (a linear's bias) would
             # be added whole on every rank
-            if output.op != self.partial_op or not all(self.partial):
+            summands = [p for i, p in enumerate(self.partial) if i not in self.selectors]
+            if output.op != self.partial_op or not all(summands):
                 return None
-            return [Shard(min(dims)) for dims in self.partial]
+            return [Replicate() if i in self.selectors else Shard(min(dims))
+                    for i, dims in enumerate(self.partial)]  # fmt: skip
         sources = [
             [d for d, o in sorted(mapping.items()) if o == output.dim] for mapping in self.maps
         ]
@@ -184,7 +195,7 @@ def _same_rank_map(tensor: TensorView, out: TensorView) -> dict[int, int]:
     }
 
 
-@register(UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp)
+@register(UnaryOp, BinaryOp, CompareOp, WhereOp, CastOp, SetOp, DetachOp)
 def pointwise_rule(expr: Expr, parts: int) -> DimMap:
     """Elementwise ops (and copies, casts): a split passes axis for axis."""
     out = expr.outputs[0]
@@ -377,3 +388,51 @@ def linear_rule(expr: LinearOp, parts: int) -> DimMap:
         partial.append(set())
     order = [1, 2, 0] if bias else [1, 0]
     return DimMap("linear", maps, partial, order=order)
+
+
+@register(IotaOp)
+def iota_rule(expr: IotaOp, parts: int) -> DimMap:
+    """No operands: the output may be split (each rank makes its own indices)."""
+    return DimMap("iota", [], free_output_dims={0})
+
+
+@register(EmbeddingOp)
+def embedding_rule(expr: EmbeddingOp, parts: int) -> DimMap:
+    """Index axes pass a split to the output, the features axis the table's; a table split
+    by rows (with its row numbers) leaves a partial sum, the indices whole (a
+    vocabulary-parallel embedding: each rank adds the rows it holds)."""
+    table, indices, _ = expr.inputs
+    features = expr.output.ndim - 1
+    return DimMap(
+        "embedding",
+        [{1: features}, {d: d for d in range(indices.ndim)}, {}],
+        [{0}, set(), {0}],
+        order=[0, 2, 1],
+        selectors={1},
+    )
+
+
+@register(EmbeddingGradOp)
+def embedding_grad_rule(expr: EmbeddingGradOp, parts: int) -> DimMap:
+    """The table's rows split with their row numbers (each rank sums its rows), the
+    features with the gradient's; split index axes leave a partial sum (the row numbers
+    whole)."""
+    grad, indices, _ = expr.inputs
+    index_axes = set(range(indices.ndim))
+    return DimMap(
+        "embedding_grad",
+        [{grad.ndim - 1: 1}, {}, {0: 0}],
+        [set(index_axes), set(index_axes), set()],
+        order=[2, 0, 1],
+        selectors={2},
+    )
+
+
+@register(AttentionOp, AttentionGradOp)
+def attention_rule(expr: Expr, parts: int) -> DimMap:
+    """Leading axes (batch, heads) pass a split; the query, key and feature axes must be
+    whole (attention over a split sequence is another algorithm)."""
+    out = expr.outputs[0]
+    leading = out.ndim - 2
+    maps = [{d: o for d, o in _same_rank_map(t, out).items() if d < leading} for t in expr.inputs]
+    return DimMap("attention", maps)

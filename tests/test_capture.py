@@ -62,31 +62,40 @@ class Attention(torch.nn.Module):
         return self.out((scores @ v).transpose(0, 1).reshape(tokens, hidden))
 
 
-def _check(module: torch.nn.Module, x: torch.Tensor, extent: int) -> None:
-    """The captured fusion computes the module's output and its gradients."""
-    captured = capture(module, [x])
-    inputs = captured.inputs(module, x)
-    (ours,) = captured.fd.execute(inputs)
-    theirs = module(x)
-    assert_close(ours, theirs.detach(), reduction_extent=extent)
-    seed = torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
-    seed = seed.to(theirs.dtype)
+def _check(module: torch.nn.Module, x, extent: int) -> None:
+    """The captured fusion computes the module's outputs and their gradients (``x``: the
+    input, or a tuple of them; the floating-point ones get gradients)."""
+    args = list(x) if isinstance(x, tuple) else [x]
+    captured = capture(module, args)
+    inputs = captured.inputs(module, *args)
+    ours = captured.fd.execute(inputs)
+    theirs = module(*args)
+    theirs = list(theirs) if isinstance(theirs, tuple) else [theirs]
+    for index, (mine, wanted) in enumerate(zip(ours, theirs, strict=True)):
+        assert_close(mine, wanted.detach(), reduction_extent=extent, message=f"output {index}")
+    generator = torch.Generator().manual_seed(1)
+    seeds = [torch.randn(t.shape, generator=generator).to(t.dtype) for t in theirs]
     leaves = [t.clone().requires_grad_(t.is_floating_point()) for t in inputs]
     wanting = [leaf for leaf in leaves if leaf.requires_grad]
-    through_ours = torch.autograd.grad(evaluate(captured.fd.fusion, leaves), wanting, [seed])
+    through_ours = torch.autograd.grad(evaluate(captured.fd.fusion, leaves), wanting, seeds)
     positions = [i for i, leaf in enumerate(leaves) if leaf.requires_grad]
     expected = dict(zip(positions, through_ours, strict=True))
     named = dict(module.named_parameters())
-    x_leaf = x.clone().requires_grad_()
-    through_torch = torch.autograd.grad(module(x_leaf), [*named.values(), x_leaf], seed)
-    by_name = dict(zip([*named, "x"], through_torch, strict=True))
+    arg_leaves = [a.clone().requires_grad_(a.is_floating_point()) for a in args]
+    arg_names = [f"input {i}" for i, a in enumerate(args) if a.is_floating_point()]
+    outputs = module(*arg_leaves)
+    outputs = list(outputs) if isinstance(outputs, tuple) else [outputs]
+    floats = [a for a in arg_leaves if a.requires_grad]
+    through_torch = torch.autograd.grad(outputs, [*named.values(), *floats], seeds)
+    by_name = dict(zip([*named, *arg_names], through_torch, strict=True))
     grads = backward(captured.fd.fusion)
-    actual = evaluate(grads.fusion, [*inputs, seed])
+    actual = evaluate(grads.fusion, [*inputs, *seeds])
+    names = [*captured.parameter_names, *[f"input {i}" for i in range(len(args))]]
     for position, ours_grad in zip(grads.wrt, actual, strict=True):
-        name = ([*captured.parameter_names, "x"])[position]
+        name = names[position]
         # our backward against autograd through our fusion, and through the module
         assert_close(ours_grad, expected[position], reduction_extent=extent, message=name)
-        if name in by_name:  # a parameter or the input (buffers have no grad in torch)
+        if name in by_name:  # a parameter or an input (buffers have no grad in torch)
             assert_close(ours_grad, by_name[name], reduction_extent=4 * extent, message=name)
 
 
@@ -166,3 +175,61 @@ def test_rotary_attention_with_a_causal_mask_buffer():
     captured = capture(module, [torch.randn(5, 16)])
     assert captured.parameter_names[-3:] == ["cos", "sin", "mask"]  # buffers after
     _check(module, torch.randn(5, 16), extent=16)
+
+
+class LanguageModel(torch.nn.Module):
+    """An embedding (a padding row), attention by ``scaled_dot_product_attention`` (causal,
+    or with a mask), positions from ``arange``, a head, cross-entropy in several forms."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = torch.nn.Embedding(vocab, hidden, padding_idx=1)
+        self.qkv = torch.nn.Linear(hidden, 3 * hidden, bias=False)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+        self.register_buffer("weights", torch.linspace(0.5, 1.5, vocab))
+
+    def forward(self, tokens, targets, probabilities):
+        count, hidden = tokens.shape[0], self.embed.embedding_dim
+        h = self.embed(tokens) + torch.arange(count)[:, None] * 0.01
+        q, k, v = (t.view(count, self.heads, -1).transpose(0, 1)
+                   for t in self.qkv(h).split(hidden, -1))  # fmt: skip
+        causal = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        keep = torch.arange(count)[None, :] <= torch.arange(count)[:, None] + 1
+        masked = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=0.3)
+        h = h + (causal + masked).transpose(0, 1).reshape(count, hidden)
+        logits = self.head(h)
+        return (
+            F.cross_entropy(logits, targets),
+            F.cross_entropy(logits, targets, ignore_index=2, label_smoothing=0.1),
+            F.cross_entropy(logits, targets, weight=self.weights, reduction="sum"),
+            F.cross_entropy(logits, targets, reduction="none"),
+            F.cross_entropy(logits, probabilities),
+            F.nll_loss(torch.log_softmax(logits, -1), targets),
+        )
+
+
+def test_embedding_attention_and_cross_entropy_forms_with_their_gradients():
+    torch.manual_seed(4)
+    module = LanguageModel(23, 16, 2)
+    generator = torch.Generator().manual_seed(5)
+    tokens = torch.tensor([0, 1, 5, 22, 1, 7, 3])  # the padding row (1) twice
+    targets = torch.tensor([2, 9, 2, 22, 0, 4, 2])  # the ignored class (2) three times
+    probabilities = torch.softmax(torch.randn(7, 23, generator=generator), -1)
+    _check(module, (tokens, targets, probabilities), extent=23)
+
+
+def test_an_index_outside_the_embedding_table_fails():
+    module = torch.nn.Embedding(5, 4)
+    captured = capture(module, [torch.tensor([0, 1])])
+    with pytest.raises(RuntimeError, match="outside the table's 5 rows"):
+        captured.fd.execute(captured.inputs(module, torch.tensor([0, 5])))
+
+
+def test_attention_dropout_is_refused_at_capture():
+    class Dropping(torch.nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, dropout_p=0.1)
+
+    with pytest.raises(CaptureError, match="dropout"):
+        capture(Dropping(), [torch.randn(2, 3, 4)])

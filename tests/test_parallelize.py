@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_capture import RotaryAttention, SwiGLU
+import torch.nn.functional as F
+from test_capture import RMSNorm, RotaryAttention, SwiGLU
 
 from fusion.testing import assert_close
 from overlap.parallelize import parallelize
@@ -99,6 +100,93 @@ def test_heads_parallel_rotary_attention_trains_as_the_module(rank_pools, world,
     # or with the tokens split, an all-gather before q, k and v and a reduce-scatter after
     kinds = ["Allreduce"] if placement == "replicate" else ["Allgather", "ReduceScatter"]
     assert results == [(shapes, kinds)] * world
+
+
+class VocabularyHead(torch.nn.Module):
+    """A language model's ends: an embedding, RMSNorm, the head's logits, cross-entropy."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.norm = RMSNorm(hidden)
+        self.head = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.head(self.norm(self.embed(tokens))), targets)
+
+
+VOCABULARY = 37  # an extent no other axis has: a communication of the logits would show
+
+
+def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str):
+    """The embedding and the head split by vocabulary (torch's row-wise embedding,
+    column-wise head): loss and every gradient piece against the module's; returns the
+    shapes of every communication, forward and backward."""
+    torch.manual_seed(0)
+    module = VocabularyHead(VOCABULARY, 16)
+    generator = torch.Generator().manual_seed(1)
+    ids, targets = (torch.randint(0, VOCABULARY, (tokens,), generator=generator) for _ in "it")
+    model = parallelize(module, [ids, targets], communicator, {"embed": "rowwise", "head":
+                        "colwise"}, inputs=[placement, placement], kernels=kernels)  # fmt: skip
+    loss = module(ids, targets)
+    names = [name for name, _ in module.named_parameters()]
+    expected = torch.autograd.grad(loss, list(module.parameters()))
+    ours = model(*model.input_pieces(ids, targets))
+    rank = communicator.rank
+    assert_close(ours, loss.detach(), reduction_extent=VOCABULARY, message=f"rank {rank} loss")
+    ours.backward()
+    grads = model.full_state(dict(zip(names, expected, strict=True)))
+    for name in names:
+        ours = model.pieces[name.replace(".", "__")].grad
+        assert_close(ours, grads[name], reduction_extent=VOCABULARY * tokens,
+                     message=f"rank {rank}, {name}")  # fmt: skip
+    executors = model.model.executors
+    return sorted({str(c.output.shape) for e in executors for c in e.communications})
+
+
+@pytest.mark.parametrize(("world", "placement", "kernels"),
+                         [(2, "replicate", "reference"), (2, "sequence", "generated"),
+                          (4, "sequence", "reference")])  # fmt: skip
+def test_a_vocabulary_parallel_embedding_and_cross_entropy_never_gather_the_logits(
+    rank_pools, world, placement, kernels
+):
+    results = rank_pools(world).run(vocabulary_parallel, 9, placement, kernels, timeout=180)
+    assert results[0] and all(result == results[0] for result in results)
+    gathered = [shape for shape in results[0] if str(VOCABULARY) in shape]
+    # the lookups' partial sums, the max and sums over the vocabulary: never [tokens, vocab]
+    assert not gathered, results[0]
+
+
+class TorchAttention(torch.nn.Module):
+    """Heads by ``scaled_dot_product_attention`` (PyTorch's kernels), causal."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (
+            torch.nn.Linear(hidden, hidden, bias=False) for _ in "qkvo"
+        )
+
+    def forward(self, x):
+        tokens, hidden = x.shape
+        q, k, v = (proj(x).view(tokens, self.heads, -1).transpose(0, 1)
+                   for proj in (self.q, self.k, self.v))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(0, 1).reshape(tokens, hidden))
+
+
+def parallel_torch_attention(communicator, tokens: int):
+    torch.manual_seed(0)
+    module = TorchAttention(16, 2 * communicator.world_size)
+    return trained_pieces(communicator, module, HEADS_PLAN, tokens, "sequence", 64)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_scaled_dot_product_attention_splits_by_heads(rank_pools, world):
+    results = rank_pools(world).run(parallel_torch_attention, 2 * world + 1, timeout=120)
+    width = 16 // world
+    shapes = [f"{name}.weight [{width}, 16]" for name in "qkv"] + [f"o.weight [16, {width}]"]
+    assert results == [(shapes, ["Allgather", "ReduceScatter"])] * world
 
 
 def test_a_plan_naming_no_submodule_with_parameters_is_refused():
