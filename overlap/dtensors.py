@@ -7,6 +7,11 @@ global shape the input's; anything else raises ``InputError`` naming the input a
 layouts, before any collective (never reinterpreted). When the inputs came as DTensors,
 each output placed on the mesh of one of them comes back as a DTensor on that mesh
 (its pieces, the fusion's placements, the global shape), the others as pieces.
+
+An uneven split is cut by balanced sizes here (9 rows over 4 ranks: 3, 2, 2, 2) and by
+``torch.chunk`` in DTensor (3, 3, 3, 0). Where the two differ, a DTensor could not stand
+for the pieces: such an input or output raises ``InputError`` (``torch_split_differs``
+names it), never a DTensor torch would read differently.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import torch
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from sharding.annotate import as_mesh, as_placement, torch_class
-from sharding.layout import Layout, Partial, Replicate, Shard, layout_of
+from sharding.layout import Layout, Partial, Replicate, Shard, layout_of, split_sizes
 
 
 def is_dtensor(value: object) -> bool:
@@ -54,6 +59,9 @@ def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
                 f"input {position} ({tensor}): a DTensor of global shape "
                 f"{list(value.shape)}, expected {tensor}"
             )
+        differs = torch_split_differs(expected, [int(e) for e in value.shape])
+        if differs:
+            raise InputError(f"input {position} ({tensor}): {differs}")
         meshes[expected.mesh] = value.device_mesh
         pieces.append(value.to_local())
     return pieces, meshes
@@ -73,17 +81,37 @@ def as_dtensors(outputs: list, fusion: Fusion, meshes: dict) -> list:
             wrapped.append(piece)
             continue
         shape = torch.Size(int(e) for e in _global_shape(tensor, piece, layout))
+        differs = torch_split_differs(layout, list(shape))
+        if differs:
+            raise InputError(f"output {tensor}: {differs}")
         wrapped.append(
             DTensor.from_local(
                 piece,
                 torch_mesh,
-                [_torch_placement(p) for p in layout.placements],
+                [torch_placement(p) for p in layout.placements],
                 run_check=False,
                 shape=shape,
                 stride=_contiguous_strides(shape),
             )  # fmt: skip
         )
     return wrapped
+
+
+def torch_split_differs(layout: Layout, shape: Sequence[int]) -> str | None:
+    """Why DTensor would cut a tensor of global ``shape`` placed ``layout`` into other
+    pieces than ours (an uneven split that ``torch.chunk`` sizes differently), or None."""
+    for mesh_axis, placement in enumerate(layout.placements):
+        if not isinstance(placement, Shard):
+            continue
+        extent, parts = shape[placement.dim], layout.mesh.shape[mesh_axis]
+        ours = split_sizes(extent, parts)
+        step = -(-extent // parts)
+        theirs = [max(0, min(step, extent - index * step)) for index in range(parts)]
+        if ours != theirs:
+            return (f"axis {placement.dim} ({extent}) split over {parts} ranks is cut "
+                    f"{ours} here but {theirs} by DTensor (torch.chunk), so no DTensor "
+                    "can hold these pieces; use an extent that splits alike")  # fmt: skip
+    return None
 
 
 def _alike(given: Layout, expected: Layout) -> bool:
@@ -123,7 +151,8 @@ def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(strides))
 
 
-def _torch_placement(placement):
+def torch_placement(placement):
+    """torch's placement for one of ours."""
     from torch.distributed.tensor import Partial as TorchPartial
     from torch.distributed.tensor import Replicate as TorchReplicate
     from torch.distributed.tensor import Shard as TorchShard

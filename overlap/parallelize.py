@@ -22,9 +22,14 @@ all-gather and reduce-scatter, pipelined with its matmuls where the planner find
 pays).
 
 The result is an ``nn.Module``: ``forward`` takes this rank's pieces of the inputs and
-returns its pieces of the outputs; its parameters are this rank's pieces, so any
-optimizer steps them as it would the whole. ``full_state(module)`` hands this rank's
-pieces of an unparallelized module's state, to load or compare.
+returns its pieces of the outputs. Its parameters are DTensors on a torch
+``DeviceMesh`` of the ranks (``dtensors=True``, the default where torch.distributed is
+initialized): their local pieces are this rank's, their placements the plan's, so
+optimizers, gradient clipping and ``torch.distributed.checkpoint`` treat them as
+tensor-parallel parameters; with ``dtensors=False`` they are the plain pieces. An uneven
+split that DTensor would cut otherwise (``overlap.dtensors.torch_split_differs``) is
+refused, naming the parameter. ``full_state(module)`` hands this rank's pieces of an
+unparallelized module's state, to load or compare.
 
 Example (on every rank)::
 
@@ -41,11 +46,14 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from fusion.capture import capture
 from overlap.communicator import Communicator
+from overlap.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.trainable import TrainableFusion
 from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding.layout import layout_of
 from sharding.pieces import local_piece
 
 STYLES = ("colwise", "rowwise")
@@ -61,13 +69,17 @@ class ParallelModule(torch.nn.Module):
         names: list[str],
         pieces: list[torch.Tensor],
         buffers: frozenset[str] = frozenset(),
+        torch_mesh: object | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.names = names
+        self.torch_mesh = torch_mesh  # where the parameters are DTensors (None: pieces)
+        tensors = model.fusion.inputs
         self.pieces = torch.nn.ParameterDict(
-            {_key(name): torch.nn.Parameter(piece)
-             for name, piece in zip(names, pieces, strict=True) if name not in buffers}
+            {_key(name): torch.nn.Parameter(self._as_dtensor(piece, tensor))
+             for name, piece, tensor in zip(names, pieces, tensors, strict=False)
+             if name not in buffers}
         )  # fmt: skip
         self.buffer_pieces = {
             _key(n): p for n, p in zip(names, pieces, strict=True) if n in buffers
@@ -75,9 +87,20 @@ class ParallelModule(torch.nn.Module):
         for key, piece in self.buffer_pieces.items():
             self.register_buffer(key, piece)
 
+    def _as_dtensor(self, piece: torch.Tensor, tensor) -> torch.Tensor:
+        if self.torch_mesh is None:
+            return piece
+        from torch.distributed.tensor import DTensor
+
+        placements = [torch_placement(p) for p in layout_of(tensor).placements]
+        shape = torch.Size(int(e) for e in tensor.shape)
+        strides = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(piece, self.torch_mesh, placements, run_check=False,
+                                  shape=shape, stride=strides)  # fmt: skip
+
     def forward(self, *local_inputs: torch.Tensor):
         parameters = [
-            self.pieces[_key(n)] if _key(n) in self.pieces else getattr(self, _key(n))
+            _local(self.pieces[_key(n)]) if _key(n) in self.pieces else getattr(self, _key(n))
             for n in self.names
         ]
         outputs = self.model(*parameters, *local_inputs)
@@ -111,10 +134,13 @@ def parallelize(
     plan: Mapping[str, Any],
     inputs: Sequence[str] = (),
     outputs: Sequence[str] = (),
+    dtensors: bool | None = None,
     **trainable_options: Any,
 ) -> ParallelModule:
-    """``module`` over ``communicator``'s ranks by ``plan`` (see the module); the other
-    options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``, ...)."""
+    """``module`` over ``communicator``'s ranks by ``plan`` (see the module); parameters as
+    DTensors unless ``dtensors`` is False (None: where torch.distributed is initialized);
+    the other options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``,
+    ...)."""
     styles = {name: _style(name, style) for name, style in plan.items()}
     captured = capture(module, example_inputs)
     fusion = captured.fd.fusion
@@ -135,13 +161,26 @@ def parallelize(
         shard(tensor, mesh, [placement])
     for tensor, placement in zip(fusion.outputs, _placements(outputs, "output"), strict=False):
         shard(tensor, mesh, [placement])
+    if dtensors is None:
+        dtensors = dist.is_available() and dist.is_initialized()
+    if dtensors:
+        for name, tensor in zip(captured.parameter_names, fusion.inputs, strict=False):
+            differs = torch_split_differs(layout_of(tensor), [int(e) for e in tensor.shape])
+            if differs and name not in captured.buffers:
+                raise ValueError(f"parallelize: parameter {name}: {differs} (or pass "
+                                 "dtensors=False for plain pieces)")  # fmt: skip
     model = TrainableFusion(captured.fd, communicator, **trainable_options)
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from
     rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
     pieces = [local_piece(value, tensor, rank).to(device).clone()
               for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
-    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers)
+    torch_mesh = None
+    if dtensors:
+        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+        torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
+    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
 
 
 def _style(name: str, style: Any) -> str:
@@ -174,6 +213,12 @@ def _placements(names: Sequence[str], what: str) -> list:
             raise ValueError(f"parallelize: {what} placement {name!r} is not one of {PLACEMENTS}")
         placements.append(Shard(0) if text == "sequence" else Replicate())
     return placements + [Replicate()] * 16  # the rest whole
+
+
+def _local(parameter: torch.Tensor) -> torch.Tensor:
+    """A DTensor parameter's local piece (differentiable: its gradient comes back as a
+    DTensor placed alike), a plain one as it is."""
+    return parameter.to_local() if is_dtensor(parameter) else parameter
 
 
 def _key(name: str) -> str:

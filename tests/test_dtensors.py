@@ -54,3 +54,28 @@ def test_a_dtensor_placed_otherwise_is_refused_on_every_rank(rank_pools, wrong, 
     assert sorted(messages) == [0, 1], messages
     for message in messages.values():
         assert "InputError: input " in message and says in message, message
+
+
+def uneven_dtensor_run(communicator) -> None:
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor import distribute_tensor, init_device_mesh
+
+    from fusion import DataType, FusionDefinition
+    from sharding import DeviceMesh, Shard, shard
+
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([10, 4], DataType.float32)
+        shard(x, DeviceMesh(communicator.world_size), [Shard(0)])
+        fd.add_output(fd.ops.mul(x, 2.0))
+    mesh = init_device_mesh("cpu", (communicator.world_size,))
+    MultiDeviceExecutor(fd, communicator).run([distribute_tensor(torch.randn(10, 4), mesh,
+                                                                 [TorchShard(0)])])  # fmt: skip
+
+
+def test_a_dtensor_whose_uneven_split_torch_cuts_otherwise_is_refused_on_every_rank(rank_pools):
+    with pytest.raises(RankError) as failure:
+        rank_pools(4).run(uneven_dtensor_run, timeout=120)
+    messages = failure.value.messages()
+    assert sorted(messages) == [0, 1, 2, 3], messages
+    for message in messages.values():
+        assert "is cut [3, 3, 2, 2] here but [3, 3, 3, 1] by DTensor" in message, message

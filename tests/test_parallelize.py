@@ -42,10 +42,15 @@ def trained_pieces(communicator, module, plan, tokens: int, placement: str, exte
     y_piece.backward(seed_piece)
     grads = block.full_state(dict(zip(names, expected[:-1], strict=True)))
     shapes = []
-    for name in names:
-        ours = block.pieces[name.replace(".", "__")].grad
+    for name, whole in zip(names, expected, strict=False):
+        # a DTensor parameter: its gradient a DTensor placed alike, whole as torch sees it
+        grad = block.pieces[name.replace(".", "__")].grad
+        assert type(grad).__name__ == "DTensor", type(grad)
+        ours = grad.to_local()
         assert_close(ours, grads[name], reduction_extent=extent * tokens, partial_sums=world,
                      message=f"rank {communicator.rank}, {name}")  # fmt: skip
+        assert_close(grad.full_tensor(), whole, reduction_extent=extent * tokens,
+                     partial_sums=world, message=f"{name} whole")  # fmt: skip
         shapes.append(f"{name} {list(ours.shape)}")
     (x_grad,) = block.input_pieces(expected[-1])
     assert_close(x_piece.grad, x_grad, reduction_extent=extent, partial_sums=world)
@@ -126,8 +131,11 @@ def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str)
     module = VocabularyHead(VOCABULARY, 16)
     generator = torch.Generator().manual_seed(1)
     ids, targets = (torch.randint(0, VOCABULARY, (tokens,), generator=generator) for _ in "it")
+    # 37 rows over 4 ranks: 10, 9, 9, 9 here, 10, 10, 10, 7 by DTensor: plain pieces
+    dtensors = communicator.world_size == 2
     model = parallelize(module, [ids, targets], communicator, {"embed": "rowwise", "head":
-                        "colwise"}, inputs=[placement, placement], kernels=kernels)  # fmt: skip
+                        "colwise"}, inputs=[placement, placement], kernels=kernels,
+                        dtensors=dtensors)  # fmt: skip
     loss = module(ids, targets)
     names = [name for name, _ in module.named_parameters()]
     expected = torch.autograd.grad(loss, list(module.parameters()))
@@ -138,6 +146,7 @@ def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str)
     grads = model.full_state(dict(zip(names, expected, strict=True)))
     for name in names:
         ours = model.pieces[name.replace(".", "__")].grad
+        ours = ours.to_local() if dtensors else ours
         assert_close(ours, grads[name], reduction_extent=VOCABULARY * tokens,
                      message=f"rank {rank}, {name}")  # fmt: skip
     executors = model.model.executors
@@ -197,3 +206,14 @@ def test_a_plan_naming_no_submodule_with_parameters_is_refused():
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate_proj": "colwise"})
     with pytest.raises(ValueError, match="style 'diagonal'"):
         parallelize(SwiGLU(16, 32), [torch.randn(4, 16)], World(), {"gate": "diagonal"})
+
+
+def test_a_split_dtensor_would_cut_otherwise_is_refused_naming_the_parameter():
+    class World:
+        world_size, rank, device = 4, 0, torch.device("cpu")
+
+    # 18 rows over 4 ranks: 5, 5, 4, 4 here, but 5, 5, 5, 3 by DTensor (torch.chunk)
+    with pytest.raises(ValueError, match=r"parameter gate.weight: axis 0 \(18\) split over 4 "
+                       r"ranks is cut \[5, 5, 4, 4\] here but \[5, 5, 5, 3\]"):  # fmt: skip
+        parallelize(SwiGLU(16, 18), [torch.randn(4, 16)], World(), {"gate": "colwise"},
+                    dtensors=True)  # fmt: skip
