@@ -9,11 +9,13 @@ device.
 The block: RMSNorm, attention (rotary embeddings, a causal mask, heads split over the
 ranks: q, k and v column-wise, the output projection row-wise), a residual, RMSNorm, a
 SwiGLU MLP (gate and up column-wise, down row-wise), a residual; the tokens split over
-the ranks between the blocks (sequence parallel). ``overlap.parallelize`` captures it
+the ranks between the blocks (sequence parallel). The plan is PyTorch's own, in its
+``torch.distributed.tensor.parallel`` styles. ``overlap.parallelize`` captures the block
 (``torch.export``), places it by the plan and runs its forward and backward as
-overlapped programs on every rank. Every rank also trains the module whole, on its own
-device, from the same weights and data; rank 0 prints both losses per step, and the job
-fails unless they agree within ``TOLERANCE`` at every step.
+overlapped programs on every rank; its parameters are DTensors, stepped by AdamW.
+Every rank also trains the module whole, on its own device, from the same weights and
+data; rank 0 prints both losses per step, and the job fails unless they agree within
+``TOLERANCE`` at every step.
 """
 
 from __future__ import annotations
@@ -25,6 +27,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -32,10 +41,20 @@ from overlap.parallelize import parallelize  # noqa: E402
 
 TOKENS, HIDDEN, FFN, HEADS = 24, 32, 64, 4
 TOLERANCE = 1e-4  # relative, per step's loss (float32; the ranks sum in another order)
+# PyTorch's tensor-parallel plan for the block, as a torch user writes it for
+# ``parallelize_module`` (the tokens are axis 0 here): the norms sequence-parallel, the
+# attention's and the MLP's inputs gathered whole, q, k, v, gate and up column-wise, the
+# output projections row-wise with their outputs reduce-scattered back into the split
 PLAN = {
-    "attention.q": "colwise", "attention.k": "colwise", "attention.v": "colwise",
-    "attention.o": "rowwise", "mlp.gate": "colwise", "mlp.up": "colwise",
-    "mlp.down": "rowwise",
+    "attention_norm": SequenceParallel(sequence_dim=0),
+    "attention": PrepareModuleInput(input_layouts=(Shard(0),),
+                                    desired_input_layouts=(Replicate(),)),
+    "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(),
+    "attention.v": ColwiseParallel(), "attention.o": RowwiseParallel(output_layouts=Shard(0)),
+    "mlp_norm": SequenceParallel(sequence_dim=0),
+    "mlp": PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),)),
+    "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+    "mlp.down": RowwiseParallel(output_layouts=Shard(0)),
 }  # fmt: skip
 
 
@@ -119,8 +138,10 @@ def main(communicator) -> None:
     torch.manual_seed(0)  # the same module on every rank
     whole = Block().to(device)
     example = torch.zeros(TOKENS, HIDDEN, device=device)
-    block = parallelize(whole, [example], communicator, PLAN, inputs=["sequence"],
-                        outputs=["sequence"])  # fmt: skip
+    block = parallelize(whole, [example], communicator, PLAN, outputs=["sequence"])
+    if communicator.rank == 0:
+        kinds = [c.op_name for e in block.model.executors for c in e.communications]
+        print(f"forward communications: {kinds}", flush=True)
     ours_optimizer = torch.optim.AdamW(block.parameters(), lr=1e-2, weight_decay=0.01)
     whole_optimizer = torch.optim.AdamW(whole.parameters(), lr=1e-2, weight_decay=0.01)
     worst = 0.0

@@ -12,6 +12,8 @@ its gradient takes each piece back).
 The fusion's inputs are the module's parameters and buffers, in the order the export
 lifted them, then the example inputs' positions; ``Captured.inputs(module, *args)``
 lists the tensors to run it with, ``Captured.parameter_names`` names the first ones.
+``Captured.boundaries`` gives, per submodule, the tensors that cross into it and out of
+it (what a plan's per-module layouts place).
 
 Example::
 
@@ -24,7 +26,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,12 +34,24 @@ from fusion import ops
 from fusion.definition import FusionDefinition
 from fusion.dtypes import DataType
 from fusion.errors import FusionError
+from fusion.exprs import Expr
 from fusion.ir import TensorView
 
 
 class CaptureError(FusionError):
     """The module cannot be captured: ops without a translation (all of them, each with
     where it is used), or a graph the export could not produce."""
+
+
+@dataclass
+class Boundary:
+    """A submodule in the fusion: the tensors it reads from outside (parameters and
+    buffers aside) and those it hands out, in the order the graph meets them, and the
+    exprs its ops became."""
+
+    reads: list[TensorView]
+    hands: list[TensorView]
+    exprs: list[Expr]
 
 
 @dataclass
@@ -49,6 +63,7 @@ class Captured:
     fd: FusionDefinition
     parameter_names: list[str]
     buffers: frozenset[str] = frozenset()
+    boundaries: dict[str, Boundary] = field(default_factory=dict)  # by submodule path
 
     def inputs(self, module: torch.nn.Module, *args: torch.Tensor) -> list[torch.Tensor]:
         """The fusion's inputs: ``module``'s current parameters and buffers, then ``args``."""
@@ -70,6 +85,7 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
     lifted = {**signature.inputs_to_parameters, **signature.inputs_to_buffers}
     names: list[str] = []
     values: dict[str, object] = {}
+    made: dict[str, list[Expr]] = {}  # per node, the exprs it became
     with FusionDefinition(type(module).__name__) as fd:
         for node in graph.nodes:
             if node.op == "placeholder":
@@ -86,11 +102,38 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
                 translate = _translation(node.target)
                 if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
                     kwargs["fusion"] = fd
+                before = len(fd.fusion.exprs)
                 values[node.name] = translate(*args, **kwargs)
+                made[node.name] = fd.fusion.exprs[before:]
             elif node.op == "output":
                 for out in node.args[0]:
                     fd.add_output(values[out.name])
-    return Captured(fd, names, frozenset(signature.inputs_to_buffers.values()))
+    buffers = frozenset(signature.inputs_to_buffers.values())
+    return Captured(fd, names, buffers, _boundaries(graph, values, made, set(lifted)))
+
+
+def _boundaries(graph, values: dict, made: dict, lifted: set[str]) -> dict[str, Boundary]:
+    """Per submodule path, the tensors crossing into it and out of it, and its exprs."""
+    inside: dict[str, set[str]] = {}
+    for node in graph.nodes:
+        for path, _ in (node.meta.get("nn_module_stack") or {}).values():
+            if path:
+                inside.setdefault(path, set()).add(node.name)
+    found = {}
+    for path, names in inside.items():
+        reads, hands = [], []
+        for node in graph.nodes:
+            if node.name in names:
+                for arg in node.all_input_nodes:
+                    if arg.name not in names and arg.name not in lifted:
+                        reads.append(arg.name)
+                if any(user.name not in names for user in node.users):
+                    hands.append(node.name)
+        tensors = [[values.get(n) for n in dict.fromkeys(group)] for group in (reads, hands)]
+        reads, hands = ([t for t in group if isinstance(t, TensorView)] for group in tensors)
+        exprs = [e for node in graph.nodes if node.name in names for e in made.get(node.name, [])]
+        found[path] = Boundary(reads, hands, exprs)
+    return found
 
 
 def _check_translations(graph) -> None:

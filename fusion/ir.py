@@ -289,8 +289,17 @@ class Fusion:
         return self.symbols.setdefault(name, Symbol(name))
 
     def clone(self) -> Fusion:
-        """A deep copy; passes rewrite a copy and leave the user's fusion as it was."""
-        return copy.deepcopy(self)
+        """A deep copy; passes rewrite a copy and leave the user's fusion as it was.
+
+        Copied in two steps, so that a long chain of exprs (a big backward) does not
+        recurse once per link as ``copy.deepcopy`` alone would: the fusion, its tensors
+        and its exprs copied shallowly first, then each one's attributes deep-copied
+        with those already in the memo."""
+        graph: list[object] = [self, *self.tensors, *self.exprs]
+        memo: dict[int, object] = {id(obj): copy.copy(obj) for obj in graph}
+        for obj in graph:
+            memo[id(obj)].__dict__ = copy.deepcopy(obj.__dict__, memo)
+        return memo[id(self)]
 
     @contextlib.contextmanager
     def editing(self) -> Iterator[Fusion]:

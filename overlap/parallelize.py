@@ -12,14 +12,21 @@ names to a style:
 - an ``nn.Embedding``, as torch's styles place it: ``"rowwise"`` splits the vocabulary
   (each rank looks up the rows it holds; the lookups are summed), ``"colwise"`` the
   features;
+- ``"sequence"`` (``SequenceParallel``): parameters whole, the submodule's inputs and
+  outputs split along the sequence (the first axis; torch's ``sequence_dim``);
 - unnamed parameters (norm weights, ...) whole on every rank.
 
-``inputs`` and ``outputs`` give each example input's and output's placement:
-``"replicate"`` (default) or ``"sequence"`` (``SequenceParallel``: split along the first
-axis). torch's style objects are accepted for the plan's values, read by class name.
-Sharding propagates the rest and inserts the communications (a sequence-parallel block's
-all-gather and reduce-scatter, pipelined with its matmuls where the planner finds it
-pays).
+torch's style objects are read as torch means them: ``ColwiseParallel`` and
+``RowwiseParallel`` place their outputs as ``output_layouts`` says (a row-wise
+projection's ``Shard(1)``: a reduce-scatter into the sequence split, its default
+``Replicate()``: an all-reduce), ``SequenceParallel`` as above,
+``PrepareModuleInput``/``PrepareModuleOutput`` place a submodule's inputs/outputs as
+their ``desired_*_layouts`` say. ``inputs`` and ``outputs`` give each example input's
+and output's placement: ``"replicate"`` or ``"sequence"`` (split along the first axis);
+those neither they nor the plan place are whole. Two different placements asked for one
+tensor are refused. Sharding propagates the rest and inserts the communications (a
+sequence-parallel block's all-gather and reduce-scatter, pipelined with its matmuls
+where the planner finds it pays).
 
 The result is an ``nn.Module``: ``forward`` takes this rank's pieces of the inputs and
 returns its pieces of the outputs. Its parameters are DTensors on a torch
@@ -43,20 +50,23 @@ Example (on every rank)::
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from fusion.capture import capture
+from fusion import ops
+from fusion.capture import Boundary, capture
 from overlap.communicator import Communicator
 from overlap.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.trainable import TrainableFusion
 from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding.annotate import as_placement
 from sharding.layout import layout_of
 from sharding.pieces import local_piece
 
-STYLES = ("colwise", "rowwise")
+STYLES = ("colwise", "rowwise", "sequence")
 PLACEMENTS = ("replicate", "sequence")
 
 
@@ -141,26 +151,54 @@ def parallelize(
     DTensors unless ``dtensors`` is False (None: where torch.distributed is initialized);
     the other options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``,
     ...)."""
-    styles = {name: _style(name, style) for name, style in plan.items()}
+    styles = {name: _read_style(name, style) for name, style in plan.items()}
     captured = capture(module, example_inputs)
     fusion = captured.fd.fusion
     mesh = DeviceMesh(communicator.world_size)
-    known = {name.rsplit(".", 1)[0] for name in captured.parameter_names}
-    unknown = sorted(set(styles) - known)
+    owners = {name.rsplit(".", 1)[0] if "." in name else "" for name in captured.parameter_names}
+    unknown = sorted(
+        name for name, style in styles.items()
+        if name not in (owners if style.parameters else {*owners, *captured.boundaries})
+    )  # fmt: skip
     if unknown:
         raise ValueError(f"parallelize: the plan names {unknown}, which hold no parameters "
-                         f"of the module; submodules with parameters: {sorted(known)}")  # fmt: skip
+                         f"of the module; submodules with parameters: {sorted(owners)}"
+                         )  # fmt: skip
     count = len(captured.parameter_names)
     for name, tensor in zip(captured.parameter_names, fusion.inputs[:count], strict=True):
         owner, kind = name.rsplit(".", 1) if "." in name else ("", name)
         owner_module = module.get_submodule(owner) if owner else module
-        placement = _parameter_placement(styles.get(owner), kind, tensor.ndim, owner_module)
-        shard(tensor, mesh, [placement])
-    for tensor, placement in zip(fusion.inputs[count:], _placements(inputs, "input"),
-                                 strict=False):  # fmt: skip
-        shard(tensor, mesh, [placement])
-    for tensor, placement in zip(fusion.outputs, _placements(outputs, "output"), strict=False):
-        shard(tensor, mesh, [placement])
+        style = styles[owner].parameters if owner in styles else None
+        shard(tensor, mesh, [_parameter_placement(style, kind, tensor.ndim, owner_module)])
+    # the placements asked for, tensor -> (placement, who asked): first as given (the
+    # inputs) or produced (submodules' outputs), then as consumed (a submodule's inputs:
+    # a tensor produced otherwise is copied for it, the copy placed as it needs)
+    placed: dict = {}
+    for position, (tensor, placement) in enumerate(zip(fusion.inputs[count:],
+                                                       _placements(inputs, "input"),
+                                                       strict=False)):  # fmt: skip
+        _place(placed, tensor, placement, f"parallelize's inputs[{position}]")
+    for name, style in styles.items():
+        for position, tensor in enumerate(_boundary(captured, name).hands):
+            _place(placed, tensor, _nth(style.outputs, position), f"{name}'s output {position}")
+    for position, (tensor, placement) in enumerate(zip(fusion.outputs,
+                                                       _placements(outputs, "output"),
+                                                       strict=False)):  # fmt: skip
+        _place(placed, tensor, placement, f"parallelize's outputs[{position}]")
+    for name, style in styles.items():
+        boundary = _boundary(captured, name)
+        for position, tensor in enumerate(boundary.reads):
+            wanted = _nth(style.inputs, position)
+            if wanted is None:
+                continue
+            ours = as_placement(wanted, tensor.ndim)
+            if tensor in placed and placed[tensor][0] != ours:
+                tensor = _copy_for(fusion, tensor, boundary.exprs)
+            _place(placed, tensor, ours, f"{name}'s input {position}")
+    for tensor in [*fusion.inputs[count:], *fusion.outputs]:
+        placed.setdefault(tensor, (Replicate(), "the default"))
+    for tensor, (placement, _) in placed.items():
+        shard(tensor, mesh, [as_placement(placement, tensor.ndim)])
     if dtensors is None:
         dtensors = dist.is_available() and dist.is_initialized()
     if dtensors:
@@ -183,13 +221,71 @@ def parallelize(
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
 
 
-def _style(name: str, style: Any) -> str:
-    text = style if isinstance(style, str) else type(style).__name__
-    text = {"ColwiseParallel": "colwise", "RowwiseParallel": "rowwise"}.get(text, text)
-    if text not in STYLES:
-        raise ValueError(f"parallelize: {name}: style {style!r} is not one of {STYLES} "
-                         "(or torch's ColwiseParallel, RowwiseParallel)")  # fmt: skip
-    return text
+@dataclass(frozen=True)
+class _Style:
+    """A plan entry: how its parameters split (None: whole), the placements its inputs
+    and outputs must take (None: free; a placement alone: every one of them)."""
+
+    parameters: str | None = None
+    inputs: object = None
+    outputs: object = None
+
+
+def _read_style(name: str, style: Any) -> _Style:
+    kind = style if isinstance(style, str) else type(style).__name__
+    if kind in ("colwise", "rowwise"):
+        return _Style(kind)
+    if kind == "sequence":
+        return _Style(None, Shard(0), Shard(0))
+    if kind in ("ColwiseParallel", "RowwiseParallel"):
+        return _Style(kind[:3].lower() + "wise", None, list(style.output_layouts))
+    if kind == "SequenceParallel":
+        (placement,) = style.sequence_sharding
+        return _Style(None, placement, placement)
+    if kind == "PrepareModuleInput":
+        return _Style(None, list(style.desired_input_layouts), None)
+    if kind == "PrepareModuleOutput":
+        return _Style(None, None, list(style.desired_output_layouts))
+    raise ValueError(
+        f"parallelize: {name}: style {style!r} is not one of {STYLES} (or torch's "
+        "ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, "
+        "PrepareModuleOutput)"
+    )
+
+
+def _boundary(captured, name: str):
+    return captured.boundaries.get(name) or Boundary([], [], [])
+
+
+def _copy_for(fusion, tensor, exprs: list) -> object:
+    """A copy of ``tensor`` that ``exprs`` (a submodule's) read instead of it."""
+    mine = set(exprs)
+    consumers = [e for e in fusion.exprs if e in mine and tensor in e.inputs]
+    with fusion.editing():
+        copy = ops.set(tensor)
+    for consumer in consumers:
+        for index, read in enumerate(list(consumer.inputs)):
+            if read is tensor:
+                fusion.replace_input_at(consumer, index, copy)
+    fusion.move_before([copy.definition], consumers[0])
+    return copy
+
+
+def _nth(wanted: object, position: int) -> object:
+    if wanted is None or not isinstance(wanted, list):
+        return wanted  # free, or one placement for all
+    return wanted[position] if position < len(wanted) else None
+
+
+def _place(placed: dict, tensor, placement: object, who: str) -> None:
+    """Record that ``who`` wants ``tensor`` placed so; two different wishes are refused."""
+    if placement is None:
+        return
+    ours = as_placement(placement, tensor.ndim)
+    if tensor in placed and placed[tensor][0] != ours:
+        raise ValueError(f"parallelize: {who} places {tensor} {ours}, but "
+                         f"{placed[tensor][1]} places it {placed[tensor][0]}")  # fmt: skip
+    placed.setdefault(tensor, (ours, who))
 
 
 def _parameter_placement(style: str | None, kind: str, ndim: int, owner: torch.nn.Module):
@@ -212,7 +308,7 @@ def _placements(names: Sequence[str], what: str) -> list:
         if text not in PLACEMENTS:
             raise ValueError(f"parallelize: {what} placement {name!r} is not one of {PLACEMENTS}")
         placements.append(Shard(0) if text == "sequence" else Replicate())
-    return placements + [Replicate()] * 16  # the rest whole
+    return placements
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:

@@ -16,14 +16,15 @@ PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 HEADS_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
 
 
-def trained_pieces(communicator, module, plan, tokens: int, placement: str, extent: int):
+def trained_pieces(communicator, module, plan, tokens: int, placement: str, extent: int,
+                   hidden: int = 16):  # fmt: skip
     """One forward and backward of ``module`` parallelized by ``plan`` on this rank, its
     output and every gradient piece checked against the module under torch autograd;
     then the block's pieces stepped, the module left as it was. Returns each parameter
     piece's shape and the forward's communications."""
     world = communicator.world_size
-    x = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(1))
-    seed = torch.randn(tokens, 16, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
+    seed = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
     block = parallelize(module, [x], communicator, plan, inputs=[placement],
                         outputs=[placement])  # fmt: skip
     # one device: the module itself under torch autograd
@@ -67,10 +68,12 @@ def parallel_swiglu(communicator, tokens: int, style_objects: bool):
     torch.manual_seed(0)  # the same module on every rank
     module = SwiGLU(16, 8 * world)
     plan = PLAN
-    if style_objects:  # torch's own styles, read by name
+    if style_objects:  # torch's own styles, read as torch means them
+        from torch.distributed.tensor import Shard
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-        plan = {"gate": ColwiseParallel(), "up": ColwiseParallel(), "down": RowwiseParallel()}
+        plan = {"gate": ColwiseParallel(), "up": ColwiseParallel(),
+                "down": RowwiseParallel(output_layouts=Shard(0))}  # fmt: skip
     return trained_pieces(communicator, module, plan, tokens, "sequence", 8 * world)
 
 
@@ -196,6 +199,47 @@ def test_scaled_dot_product_attention_splits_by_heads(rank_pools, world):
     width = 16 // world
     shapes = [f"{name}.weight [{width}, 16]" for name in "qkv"] + [f"o.weight [16, {width}]"]
     assert results == [(shapes, ["Allgather", "ReduceScatter"])] * world
+
+
+def llama_block_by_torch_plan(communicator, tokens: int):
+    """examples/llama_block.py's block under its plan, written in torch's styles
+    (SequenceParallel norms, PrepareModuleInput, row-wise outputs into Shard(0))."""
+    from examples.llama_block import PLAN, Block
+
+    torch.manual_seed(0)
+    return trained_pieces(communicator, Block(), PLAN, tokens, "sequence", 64, hidden=32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_llama_block_under_torchs_own_plan_trains_as_the_block(rank_pools, world):
+    results = rank_pools(world).run(llama_block_by_torch_plan, 2 * world + 1, timeout=180)
+    shapes, kinds = results[0]
+    assert all(result == results[0] for result in results)
+    width = 32 // world
+    assert f"attention.q.weight [{width}, 32]" in shapes and "mlp_norm.weight [32]" in shapes
+    # Megatron's sequence parallelism, as torch's plan asks: a gather before the
+    # attention and the MLP, a reduce-scatter after each
+    assert kinds == ["Allgather", "ReduceScatter", "Allgather", "ReduceScatter"]
+
+
+def test_two_placements_asked_for_one_tensor_are_refused():
+    from torch.distributed.tensor import Shard as TorchShard
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    from examples.llama_block import MLP
+
+    class World:
+        world_size, rank, device = 2, 0, torch.device("cpu")
+
+    plan = {
+        "gate": "colwise",
+        "up": "colwise",
+        "down": RowwiseParallel(output_layouts=TorchShard(0)),
+    }
+    with pytest.raises(ValueError, match=r"parallelize's outputs\[0\] places T\d+_f32\[.*\] R, "
+                       r"but down's output 0 places it S\(0\)"):  # fmt: skip
+        parallelize(MLP(16, 32), [torch.randn(4, 16)], World(), plan, outputs=["replicate"],
+                    dtensors=False)  # fmt: skip
 
 
 def test_a_plan_naming_no_submodule_with_parameters_is_refused():
