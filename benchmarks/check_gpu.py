@@ -6,7 +6,9 @@ Runs every scenario of ``tests/test_multidevice.py`` (the examples' normalizatio
 demo's MLP among them, each with its backward) and the gradients of
 ``tests/test_backward_multidevice.py`` with the reference evaluator and with generated
 (compiled Triton) kernels, and the pipelines of ``tests/test_pipelined.py`` and the
-pipelined SwiGLU backward over every transport, with NCCL and CUDA tensors. Each
+pipelined SwiGLU backward over every transport, and modules parallelized from
+PyTorch (``tests/test_parallelize.py``: a vocabulary-parallel head, the Llama block under
+torch's plan, attention by ``scaled_dot_product_attention``), with NCCL and CUDA tensors. Each
 scenario checks **every rank's** output piece against the
 single-device reference (and the communications the framework inserted); every rank
 reports its verdict, and the table shows them side by side. Run it whenever a change
@@ -35,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_backward_multidevice as backward  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
+import test_parallelize as parallel  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
 import test_trainable as trainable  # noqa: E402
 
@@ -77,6 +80,12 @@ def checks(world: int, cuda: bool):
             yield f"gradients: {block}", backward.gradients_on_every_rank, (block, k)
         if cuda:
             yield "training steps from CUDA graphs", trainable.trained_from_cuda_graphs, (k,)
+        for placement in ("replicate", "sequence"):
+            name = f"parallelize: vocabulary-parallel head ({placement})"
+            yield name, parallel.vocabulary_parallel, (9, placement, k)
+    # parallelized modules with the default kernels (generated on CUDA)
+    yield "parallelize: Llama block, torch's plan", parallel.llama_block_by_torch_plan, (9,)
+    yield "parallelize: sdpa heads", parallel.parallel_torch_attention, (2 * world + 1,)
     for pattern in ("ag", "rs") if world > 1 else ():  # one rank has nothing to pipeline
         for transport, per_rank in (
             ("collective", 2), ("ring", 1), ("ring", 2), ("copy_engine", 1), ("copy_engine", 3)

@@ -101,6 +101,24 @@ def test_norms_benchmark_smoke_run():
     assert "ours[stages=3]" in stdout and "ours[warps=" in stdout
 
 
+def test_parallel_block_benchmark_smoke_run():
+    """``benchmarks/parallel_block.py`` at tiny shapes on 2 gloo ranks: ours and PyTorch's
+    tensor parallelism, each variant's output and gradients checked on every rank first
+    (a wrong one fails the run)."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "benchmarks" / "parallel_block.py"), "--smoke", "--rounds", "1",
+        "--iterations", "1",
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    variants = [line.split()[0] for line in result.stdout.splitlines()[1:]]
+    assert variants == ["ours", "torch_tp"], result.stdout
+
+
 def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     """``benchmarks/check_gpu.py`` on 2 CPU ranks (kernels in the interpreter): every
     check passes on every rank, and the JSON holds each rank's verdict."""

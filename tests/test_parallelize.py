@@ -22,9 +22,10 @@ def trained_pieces(communicator, module, plan, tokens: int, placement: str, exte
     output and every gradient piece checked against the module under torch autograd;
     then the block's pieces stepped, the module left as it was. Returns each parameter
     piece's shape and the forward's communications."""
-    world = communicator.world_size
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1))
-    seed = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2))
+    world, device = communicator.world_size, communicator.device
+    module = module.to(device)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(device)
+    seed = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device)
     block = parallelize(module, [x], communicator, plan, inputs=[placement],
                         outputs=[placement])  # fmt: skip
     # one device: the module itself under torch autograd
@@ -131,9 +132,10 @@ def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str)
     column-wise head): loss and every gradient piece against the module's; returns the
     shapes of every communication, forward and backward."""
     torch.manual_seed(0)
-    module = VocabularyHead(VOCABULARY, 16)
+    module = VocabularyHead(VOCABULARY, 16).to(communicator.device)
     generator = torch.Generator().manual_seed(1)
-    ids, targets = (torch.randint(0, VOCABULARY, (tokens,), generator=generator) for _ in "it")
+    ids, targets = (torch.randint(0, VOCABULARY, (tokens,), generator=generator)
+                    .to(communicator.device) for _ in "it")  # fmt: skip
     # 37 rows over 4 ranks: 10, 9, 9, 9 here, 10, 10, 10, 7 by DTensor: plain pieces
     dtensors = communicator.world_size == 2
     model = parallelize(module, [ids, targets], communicator, {"embed": "rowwise", "head":

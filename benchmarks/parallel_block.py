@@ -1,0 +1,261 @@
+"""A Llama decoder block parallelized from PyTorch: ``overlap.parallelize`` against
+PyTorch's own tensor parallelism, eager and compiled, one training step each.
+
+    torchrun --nproc-per-node 2 benchmarks/parallel_block.py [--smoke]
+
+The block is ordinary PyTorch modules in bf16: RMSNorm, attention (q, k, v, rotary
+embeddings, ``scaled_dot_product_attention``, causal; the output projection), residual,
+RMSNorm, a SwiGLU MLP, residual; the tokens split over the ranks between blocks. One
+plan in torch's styles places it for both frameworks: the norms ``SequenceParallel``,
+the attention's and the MLP's inputs gathered (``PrepareModuleInput``), q, k, v, gate
+and up column-wise, o and down row-wise into ``Shard(0)``. A step is the forward and
+the backward from a fixed output gradient. Variants, timed side by side (interleaved
+rounds, the median of each, the slowest rank's):
+
+- ``ours``: ``parallelize(block, [x], communicator, PLAN, outputs=["sequence"])`` with
+  nothing else set: what a user gets (parameters as DTensors);
+- ``torch_tp``: ``torch.distributed.tensor.parallel.parallelize_module(block, mesh,
+  PLAN)``, eager (DTensor);
+- ``torch_tp_compile``: that under ``torch.compile``, with inductor's async tensor
+  parallelism (``_micro_pipeline_tp``) on more than one rank (CUDA only);
+- ``eager`` and ``compile``: the whole block unparallelized (one rank only, where these
+  are the peers).
+
+Before anything is timed, every variant's output piece and every gradient (parameters
+as whole tensors, through ``DTensor.full_tensor``, and the input's piece) is checked on
+every rank against float32 autograd of the whole block: the largest error over the
+expected tensor's root mean square must stay within ``TOLERANCE`` (bf16 steps round at
+different places in each implementation); each variant's worst goes in its row.
+Figures go to ``benchmarks/results/parallel_block.json``. ``--smoke`` runs tiny shapes
+on gloo ranks (no compiled variant): a check of this script, no figures worth keeping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
+from benchmarks.kernels import write_results  # noqa: E402
+from overlap.parallelize import parallelize  # noqa: E402
+
+TOLERANCE = 0.0625  # largest error over the expected RMS: 16 bf16 epsilons
+SHAPE = (4096, 4096, 32, 14336)  # tokens (whole), hidden, heads, ffn: a Llama-3 8B block
+SMOKE_SHAPE = (16, 32, 4, 64)
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+
+    def forward(self, x):
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * (
+            self.weight
+        )
+
+
+class Attention(torch.nn.Module):
+    """Heads by a view with -1: whole heads on one device, a rank's heads under torch's
+    column-wise projections."""
+
+    def __init__(self, hidden: int, heads: int, longest: int) -> None:
+        super().__init__()
+        self.dim = hidden // heads
+        self.q, self.k, self.v, self.o = (
+            torch.nn.Linear(hidden, hidden, bias=False) for _ in "qkvo"
+        )
+        frequencies = 10000 ** -(torch.arange(0, self.dim, 2) / self.dim)
+        angles = torch.arange(longest)[:, None] * frequencies
+        angles = torch.cat([angles, angles], dim=-1)
+        self.register_buffer("cos", angles.cos())
+        self.register_buffer("sin", angles.sin())
+
+    def rotate(self, t, tokens):
+        half = self.dim // 2
+        turned = torch.cat([-t[..., half:], t[..., :half]], dim=-1)
+        return (t * self.cos[:tokens] + turned * self.sin[:tokens]).to(t.dtype)
+
+    def forward(self, x):
+        tokens = x.shape[0]
+        q, k, v = (
+            proj(x).view(tokens, -1, self.dim).transpose(0, 1) for proj in (self.q, self.k, self.v)
+        )
+        q, k = self.rotate(q, tokens), self.rotate(k, tokens)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(out.transpose(0, 1).reshape(tokens, -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.gate = torch.nn.Linear(hidden, ffn, bias=False)
+        self.up = torch.nn.Linear(hidden, ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(torch.nn.Module):
+    def __init__(self, hidden: int, heads: int, ffn: int, longest: int) -> None:
+        super().__init__()
+        self.attention_norm, self.mlp_norm = RMSNorm(hidden), RMSNorm(hidden)
+        self.attention, self.mlp = Attention(hidden, heads, longest), MLP(hidden, ffn)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.mlp(self.mlp_norm(h))
+
+
+def plan():
+    """torch's tensor-parallel plan for the block (the tokens are axis 0)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    def gathered():
+        return PrepareModuleInput(input_layouts=(Shard(0),), desired_input_layouts=(Replicate(),))
+
+    return {
+        "attention_norm": SequenceParallel(sequence_dim=0), "attention": gathered(),
+        "attention.q": ColwiseParallel(), "attention.k": ColwiseParallel(),
+        "attention.v": ColwiseParallel(), "attention.o": RowwiseParallel(output_layouts=Shard(0)),
+        "mlp_norm": SequenceParallel(sequence_dim=0), "mlp": gathered(),
+        "mlp.gate": ColwiseParallel(), "mlp.up": ColwiseParallel(),
+        "mlp.down": RowwiseParallel(output_layouts=Shard(0)),
+    }  # fmt: skip
+
+
+def parameter(module: torch.nn.Module, variant: str, name: str) -> torch.Tensor:
+    """The variant's parameter for the block's parameter ``name``."""
+    if variant == "ours":
+        return module.pieces[name.replace(".", "__")]
+    named = {key.removeprefix("_orig_mod."): p for key, p in module.named_parameters()}
+    return named[name]
+
+
+def error_over_rms(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    expected = expected.float()
+    rms = expected.square().mean().sqrt().clamp_min(1e-30)
+    return ((actual.float() - expected).abs().max() / rms).item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU (gloo)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks/results/parallel_block.json"))
+    args = parser.parse_args()
+    communicator = torchrun_communicator(args.smoke)
+    device, world, rank = communicator.device, communicator.world_size, communicator.rank
+    tokens, hidden, heads, ffn = SMOKE_SHAPE if args.smoke else SHAPE
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    torch.manual_seed(0)
+    reference = Block(hidden, heads, ffn, tokens).to(device)  # float32: the ground truth
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(tokens, hidden, generator=generator).to(device)
+    seed = torch.randn(tokens, hidden, generator=generator).to(device)
+    x_leaf = x.clone().requires_grad_()
+    y_whole = reference(x_leaf)
+    names = [name for name, _ in reference.named_parameters()]
+    expected = torch.autograd.grad(y_whole, [*reference.parameters(), x_leaf], seed)
+    piece = slice(rank * tokens // world, (rank + 1) * tokens // world)
+
+    def torch_tp():
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = init_device_mesh(device.type, (world,))
+        return parallelize_module(copy.deepcopy(reference).to(dtype), mesh, plan())
+
+    variants = {
+        "ours": lambda: parallelize(
+            copy.deepcopy(reference).to(dtype),
+            [x.to(dtype)],
+            communicator,
+            plan(),
+            outputs=["sequence"],
+        ),  # fmt: skip
+        "torch_tp": torch_tp,
+    }
+    if device.type == "cuda":
+        variants["torch_tp_compile"] = lambda: torch.compile(torch_tp())
+        if world > 1:
+            from torch._inductor import config
+            from torch.distributed._symmetric_memory import enable_symm_mem_for_group
+
+            config._micro_pipeline_tp = True
+            enable_symm_mem_for_group(dist.group.WORLD.group_name)
+    if world == 1:
+        variants["eager"] = lambda: copy.deepcopy(reference).to(dtype)
+        if device.type == "cuda":
+            variants["compile"] = lambda: torch.compile(copy.deepcopy(reference).to(dtype))
+    rows, steps = [], {}
+    for name, build in variants.items():
+        module = build()
+        x_piece = x[piece].to(dtype).clone().requires_grad_()
+        seed_piece = seed[piece].to(dtype)
+
+        def step(module=module, x_piece=x_piece, seed_piece=seed_piece):
+            module.zero_grad(set_to_none=True)
+            x_piece.grad = None
+            module(x_piece).backward(seed_piece)
+
+        out = module(x_piece)
+        out.backward(seed_piece)
+        errors = {"output": error_over_rms(out.detach(), y_whole.detach()[piece]),
+                  "x": error_over_rms(x_piece.grad, expected[-1][piece])}  # fmt: skip
+        for whole_name, wanted in zip(names, expected, strict=False):
+            grad = parameter(module, name, whole_name).grad
+            whole = grad.full_tensor() if type(grad).__name__ == "DTensor" else grad
+            errors[whole_name] = error_over_rms(whole, wanted)
+        worst = max(errors.values())
+        worst_everywhere = torch.tensor([worst], device=device)
+        dist.all_reduce(worst_everywhere, op=dist.ReduceOp.MAX)
+        if worst_everywhere.item() > TOLERANCE:
+            raise AssertionError(f"{name}: an output or gradient is off by "
+                                 f"{worst_everywhere.item():.3g} of its RMS on some rank "
+                                 f"(rank {rank}: {errors})")  # fmt: skip
+        steps[name] = step
+        rows.append({"variant": name, "max_error": round(worst_everywhere.item(), 5)})
+    timer = Timer(device, args.iterations)
+    for function in steps.values():
+        function()  # warm-up (compilations)
+    for _ in range(args.rounds):
+        for name, function in steps.items():
+            timer.time(name, function)
+    times = slowest(timer.medians(), device)
+    for row in rows:
+        row.update(tokens=tokens, hidden=hidden, heads=heads, ffn=ffn, world=world,
+                   ms=round(times[row["variant"]], 4),
+                   vs_ours=round(times[row["variant"]] / times["ours"], 3))  # fmt: skip
+    if rank == 0:
+        print(f"{'variant':18s} {'step ms':>9s} {'x ours':>7s} {'max error/RMS':>14s}")
+        for row in rows:
+            print(f"{row['variant']:18s} {row['ms']:9.3f} {row['vs_ours']:7.2f} "
+                  f"{row['max_error']:14.4f}")  # fmt: skip
+        if not args.smoke:
+            write_results(args.out, device, 0.0, rows)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    main()
