@@ -24,8 +24,11 @@ rounds, the median of each, the slowest rank's):
 Before anything is timed, every variant's output piece and every gradient (parameters
 as whole tensors, through ``DTensor.full_tensor``, and the input's piece) is checked on
 every rank against float32 autograd of the whole block: the largest error over the
-expected tensor's root mean square must stay within ``TOLERANCE`` (bf16 steps round at
-different places in each implementation); each variant's worst goes in its row.
+expected tensor's root mean square. The yardstick is the same block unparallelized in
+eager bf16 (its worst error, ``eager_error`` in every row): a variant more than
+``TOLERANCE`` times as far off (plus 16 epsilons) fails the run (each implementation
+rounds its bf16 steps at its own places, so none is bitwise anyone's reference); each
+variant's worst goes in its row.
 Figures go to ``benchmarks/results/parallel_block.json``. ``--smoke`` runs tiny shapes
 on gloo ranks (no compiled variant): a check of this script, no figures worth keeping.
 """
@@ -49,7 +52,7 @@ from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: 
 from benchmarks.kernels import write_results  # noqa: E402
 from overlap.parallelize import parallelize  # noqa: E402
 
-TOLERANCE = 0.0625  # largest error over the expected RMS: 16 bf16 epsilons
+TOLERANCE = 2.0  # a variant's worst error over eager bf16's
 SHAPE = (4096, 4096, 32, 14336)  # tokens (whole), hidden, heads, ffn: a Llama-3 8B block
 SMOKE_SHAPE = (16, 32, 4, 64)
 
@@ -67,8 +70,8 @@ class RMSNorm(torch.nn.Module):
 
 
 class Attention(torch.nn.Module):
-    """Heads by a view with -1: whole heads on one device, a rank's heads under torch's
-    column-wise projections."""
+    """A batch of one, heads by a view with -1 (whole heads on one device, a rank's under
+    torch's column-wise projections): [batch, heads, tokens, dim] for the attention."""
 
     def __init__(self, hidden: int, heads: int, longest: int) -> None:
         super().__init__()
@@ -90,11 +93,12 @@ class Attention(torch.nn.Module):
     def forward(self, x):
         tokens = x.shape[0]
         q, k, v = (
-            proj(x).view(tokens, -1, self.dim).transpose(0, 1) for proj in (self.q, self.k, self.v)
+            proj(x).view(1, tokens, -1, self.dim).transpose(1, 2)
+            for proj in (self.q, self.k, self.v)
         )
         q, k = self.rotate(q, tokens), self.rotate(k, tokens)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(out.transpose(0, 1).reshape(tokens, -1))
+        return self.o(out.transpose(1, 2).reshape(tokens, -1))
 
 
 class MLP(torch.nn.Module):
@@ -207,11 +211,14 @@ def main() -> None:
         variants["eager"] = lambda: copy.deepcopy(reference).to(dtype)
         if device.type == "cuda":
             variants["compile"] = lambda: torch.compile(copy.deepcopy(reference).to(dtype))
-    rows, steps = [], {}
-    for name, build in variants.items():
+    rows, steps, checked = [], {}, {}
+    # the yardstick: the block unparallelized in bf16, on every rank (timed on one rank)
+    yardstick = {"eager_bf16": lambda: copy.deepcopy(reference).to(dtype)}
+    for name, build in {**yardstick, **variants}.items():
         module = build()
-        x_piece = x[piece].to(dtype).clone().requires_grad_()
-        seed_piece = seed[piece].to(dtype)
+        part = piece if name != "eager_bf16" else slice(None)
+        x_piece = x[part].to(dtype).clone().requires_grad_()
+        seed_piece = seed[part].to(dtype)
 
         def step(module=module, x_piece=x_piece, seed_piece=seed_piece):
             module.zero_grad(set_to_none=True)
@@ -220,21 +227,26 @@ def main() -> None:
 
         out = module(x_piece)
         out.backward(seed_piece)
-        errors = {"output": error_over_rms(out.detach(), y_whole.detach()[piece]),
-                  "x": error_over_rms(x_piece.grad, expected[-1][piece])}  # fmt: skip
+        errors = {"output": error_over_rms(out.detach(), y_whole.detach()[part]),
+                  "x": error_over_rms(x_piece.grad, expected[-1][part])}  # fmt: skip
         for whole_name, wanted in zip(names, expected, strict=False):
             grad = parameter(module, name, whole_name).grad
             whole = grad.full_tensor() if type(grad).__name__ == "DTensor" else grad
             errors[whole_name] = error_over_rms(whole, wanted)
-        worst = max(errors.values())
-        worst_everywhere = torch.tensor([worst], device=device)
-        dist.all_reduce(worst_everywhere, op=dist.ReduceOp.MAX)
-        if worst_everywhere.item() > TOLERANCE:
-            raise AssertionError(f"{name}: an output or gradient is off by "
-                                 f"{worst_everywhere.item():.3g} of its RMS on some rank "
-                                 f"(rank {rank}: {errors})")  # fmt: skip
-        steps[name] = step
-        rows.append({"variant": name, "max_error": round(worst_everywhere.item(), 5)})
+        worst = torch.tensor([max(errors.values())], device=device)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)  # the worst rank's
+        checked[name] = (worst.item(), errors)
+        if name in variants:
+            steps[name] = step
+    eager_error = checked["eager_bf16"][0]
+    for name, (worst, errors) in checked.items():
+        if worst > TOLERANCE * eager_error + 16 * torch.finfo(dtype).eps:
+            raise AssertionError(f"{name}: an output or gradient is off by {worst:.3g} of its "
+                                 f"RMS on some rank, eager bf16 by {eager_error:.3g} (rank "
+                                 f"{rank}: {errors})")  # fmt: skip
+        if name in steps:
+            rows.append({"variant": name, "max_error": round(worst, 5),
+                         "eager_error": round(eager_error, 5)})  # fmt: skip
     timer = Timer(device, args.iterations)
     for function in steps.values():
         function()  # warm-up (compilations)

@@ -351,7 +351,14 @@ def embedding_rows_grad(
 
 
 def attention_value(q, k, v, mask, causal: bool, scale: float) -> torch.Tensor:
-    """torch's scaled dot-product attention (its kernels, in the operands' dtype)."""
+    """torch's scaled dot-product attention (its kernels, in the operands' dtype). Three
+    axes get a leading one: torch's fused kernels (flash, memory-efficient) take four,
+    and a [heads, tokens, dim] attention would fall back to its unfused math."""
+    if q.dim() == 3:
+        mask = mask.unsqueeze(0) if mask is not None else None
+        out = attention_value(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), mask, causal,
+                              scale)  # fmt: skip
+        return out.squeeze(0)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
                                           scale=scale)  # fmt: skip
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fusion.autodiff import Backward, backward, forward_with_saved
-from fusion.exprs import LinearOp, MatmulOp
+from fusion.exprs import AttentionOp, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
 from sharding import ShardingError, shard
 from sharding.layout import layout_of
@@ -99,8 +99,9 @@ def placed_forward_with_saved(fusion: Fusion, saved: Sequence[TensorView]) -> Fu
 
 
 SAVE_POLICIES = {
-    "matmuls": "what a matmul or linear computes is saved (recomputing it would cost the "
-    "matmul again, and in a tensor-parallel block the all-gather before it), unless the "
+    "matmuls": "what a matmul, linear or attention computes is saved (recomputing it would "
+    "cost the matmul again, and in a tensor-parallel block the all-gather before it), "
+    "unless the "
     "forward holds it as partial sums or returns it; everything else is recomputed "
     "(pointwise work and statistics: memory-bound, cheap to redo)",
     "nothing": "everything the gradients read is recomputed (least memory)",
@@ -121,7 +122,7 @@ def saved_by_policy(fusion: Fusion, policy: str) -> list[TensorView]:
     return [
         expr.output
         for expr in fusion.live_exprs()
-        if isinstance(expr, (MatmulOp, LinearOp))
+        if isinstance(expr, (MatmulOp, LinearOp, AttentionOp))
         and expr.output in read
         and expr.output not in fusion.outputs
         and not layout_of(by_id[expr.output.id]).is_partial
