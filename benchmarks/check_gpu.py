@@ -156,7 +156,13 @@ def main() -> None:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     dist.destroy_process_group()
-    sys.exit(1 if failures else 0)
+    # Leave without the interpreter's finalization: since the checks capture modules with
+    # torch.export, it aborted in about one CPU run in four ("terminate called without an
+    # active exception", SIGABRT, after every verdict was in and the groups destroyed;
+    # under investigation). The verdicts and the JSON are written by now.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

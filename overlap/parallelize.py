@@ -194,6 +194,8 @@ def parallelize(
             ours = as_placement(wanted, tensor.ndim)
             if tensor in placed and placed[tensor][0] != ours:
                 tensor = _copy_for(fusion, tensor, boundary.exprs)
+                if tensor is None:  # no op of the submodule reads it: nothing to place
+                    continue
             _place(placed, tensor, ours, f"{name}'s input {position}")
     for tensor in [*fusion.inputs[count:], *fusion.outputs]:
         placed.setdefault(tensor, (Replicate(), "the default"))
@@ -258,9 +260,12 @@ def _boundary(captured, name: str):
 
 
 def _copy_for(fusion, tensor, exprs: list) -> object:
-    """A copy of ``tensor`` that ``exprs`` (a submodule's) read instead of it."""
+    """A copy of ``tensor`` that ``exprs`` (a submodule's) read instead of it (None when
+    none of them reads it)."""
     mine = set(exprs)
     consumers = [e for e in fusion.exprs if e in mine and tensor in e.inputs]
+    if not consumers:
+        return None
     with fusion.editing():
         copy = ops.set(tensor)
     for consumer in consumers:
