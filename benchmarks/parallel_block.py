@@ -50,6 +50,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
+from examples.llama_block import MLP  # noqa: E402  (the example's SwiGLU MLP)
 from overlap.parallelize import parallelize  # noqa: E402
 
 TOLERANCE = 2.0  # a variant's worst error over eager bf16's
@@ -99,17 +100,6 @@ class Attention(torch.nn.Module):
         q, k = self.rotate(q, tokens), self.rotate(k, tokens)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o(out.transpose(1, 2).reshape(tokens, -1))
-
-
-class MLP(torch.nn.Module):
-    def __init__(self, hidden: int, ffn: int) -> None:
-        super().__init__()
-        self.gate = torch.nn.Linear(hidden, ffn, bias=False)
-        self.up = torch.nn.Linear(hidden, ffn, bias=False)
-        self.down = torch.nn.Linear(ffn, hidden, bias=False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
 class Block(torch.nn.Module):
