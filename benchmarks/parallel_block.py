@@ -13,7 +13,9 @@ the backward from a fixed output gradient. Variants, timed side by side (interle
 rounds, the median of each, the slowest rank's):
 
 - ``ours``: ``parallelize(block, [x], communicator, PLAN, outputs=["sequence"])`` with
-  nothing else set: what a user gets (parameters as DTensors);
+  nothing else set: what a user gets (parameters as DTensors); ``ours_save_everything``
+  with ``saved="everything"`` (the forward keeps what the backward reads, as eager
+  autograd does), ``ours_cuda_graph`` with ``cuda_graph=True`` (CUDA only);
 - ``torch_tp``: ``torch.distributed.tensor.parallel.parallelize_module(block, mesh,
   PLAN)``, eager (DTensor);
 - ``torch_tp_compile``: that under ``torch.compile``, with inductor's async tensor
@@ -138,7 +140,7 @@ def plan():
 
 def parameter(module: torch.nn.Module, variant: str, name: str) -> torch.Tensor:
     """The variant's parameter for the block's parameter ``name``."""
-    if variant == "ours":
+    if variant.startswith("ours"):
         return module.pieces[name.replace(".", "__")]
     named = {key.removeprefix("_orig_mod."): p for key, p in module.named_parameters()}
     return named[name]
@@ -179,16 +181,15 @@ def main() -> None:
         mesh = init_device_mesh(device.type, (world,))
         return parallelize_module(copy.deepcopy(reference).to(dtype), mesh, plan())
 
-    variants = {
-        "ours": lambda: parallelize(
-            copy.deepcopy(reference).to(dtype),
-            [x.to(dtype)],
-            communicator,
-            plan(),
-            outputs=["sequence"],
-        ),  # fmt: skip
-        "torch_tp": torch_tp,
-    }
+    def ours(**options):
+        block = [x.to(dtype)]
+        return lambda: parallelize(copy.deepcopy(reference).to(dtype), block, communicator,
+                                   plan(), outputs=["sequence"], **options)  # fmt: skip
+
+    variants = {"ours": ours(), "ours_save_everything": ours(saved="everything")}
+    if device.type == "cuda":
+        variants["ours_cuda_graph"] = ours(cuda_graph=True)
+    variants["torch_tp"] = torch_tp
     if device.type == "cuda":
         variants["torch_tp_compile"] = lambda: torch.compile(torch_tp())
         if world > 1:
@@ -249,9 +250,9 @@ def main() -> None:
                    ms=round(times[row["variant"]], 4),
                    vs_ours=round(times[row["variant"]] / times["ours"], 3))  # fmt: skip
     if rank == 0:
-        print(f"{'variant':18s} {'step ms':>9s} {'x ours':>7s} {'max error/RMS':>14s}")
+        print(f"{'variant':22s} {'step ms':>9s} {'x ours':>7s} {'max error/RMS':>14s}")
         for row in rows:
-            print(f"{row['variant']:18s} {row['ms']:9.3f} {row['vs_ours']:7.2f} "
+            print(f"{row['variant']:22s} {row['ms']:9.3f} {row['vs_ours']:7.2f} "
                   f"{row['max_error']:14.4f}")  # fmt: skip
         if not args.smoke:
             write_results(args.out, device, 0.0, rows)

@@ -22,7 +22,19 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fusion.autodiff import Backward, backward, forward_with_saved
-from fusion.exprs import AttentionOp, LinearOp, MatmulOp
+from fusion.exprs import (
+    AttentionOp,
+    BroadcastOp,
+    DetachOp,
+    ExpandOp,
+    LinearOp,
+    MatmulOp,
+    PermuteOp,
+    ReshapeOp,
+    SelectOp,
+    SetOp,
+    SliceOp,
+)
 from fusion.ir import Fusion, TensorView
 from sharding import ShardingError, shard
 from sharding.layout import layout_of
@@ -105,7 +117,14 @@ SAVE_POLICIES = {
     "forward holds it as partial sums or returns it; everything else is recomputed "
     "(pointwise work and statistics: memory-bound, cheap to redo)",
     "nothing": "everything the gradients read is recomputed (least memory)",
+    "everything": "everything the gradients read is saved, as eager autograd keeps it "
+    "(most memory, least recomputation), but data movement (views, copies: replayed from "
+    "what they move) and what the forward holds as partial sums or returns",
 }
+
+
+# data movement: replayed from what it moves, never worth a buffer of its own
+_VIEWS = (BroadcastOp, ExpandOp, ReshapeOp, PermuteOp, SliceOp, SelectOp, SetOp, DetachOp)
 
 
 def saved_by_policy(fusion: Fusion, policy: str) -> list[TensorView]:
@@ -119,10 +138,15 @@ def saved_by_policy(fusion: Fusion, policy: str) -> list[TensorView]:
     read = set(backward(fusion).read)
     placed, _ = shard_fusion(fusion)
     by_id = {tensor.id: tensor for tensor in placed.tensors}
+    everything = policy == "everything"
     return [
         expr.output
         for expr in fusion.live_exprs()
-        if isinstance(expr, (MatmulOp, LinearOp, AttentionOp))
+        if (
+            isinstance(expr, (MatmulOp, LinearOp, AttentionOp))
+            or (everything and not isinstance(expr, _VIEWS))
+        )
+        and len(expr.outputs) == 1
         and expr.output in read
         and expr.output not in fusion.outputs
         and not layout_of(by_id[expr.output.id]).is_partial

@@ -116,7 +116,7 @@ def test_parallel_block_benchmark_smoke_run():
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     variants = [line.split()[0] for line in result.stdout.splitlines()[1:]]
-    assert variants == ["ours", "torch_tp"], result.stdout
+    assert variants == ["ours", "ours_save_everything", "torch_tp"], result.stdout
 
 
 def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
