@@ -111,10 +111,10 @@ def placed_forward_with_saved(fusion: Fusion, saved: Sequence[TensorView]) -> Fu
 
 
 SAVE_POLICIES = {
-    "matmuls": "what a matmul, linear or attention computes is saved (recomputing it would "
-    "cost the matmul again, and in a tensor-parallel block the all-gather before it), "
-    "unless the "
-    "forward holds it as partial sums or returns it; everything else is recomputed "
+    "matmuls": "what a matmul, linear or attention computes, and what an attention reads, "
+    "is saved (recomputing it would cost the matmul again, and in a tensor-parallel block "
+    "the all-gather before it; an attention's backward reads its operands anyway), unless "
+    "the forward holds it as partial sums or returns it; everything else is recomputed "
     "(pointwise work and statistics: memory-bound, cheap to redo)",
     "nothing": "everything the gradients read is recomputed (least memory)",
     "everything": "everything the gradients read is saved, as eager autograd keeps it "
@@ -127,24 +127,42 @@ SAVE_POLICIES = {
 _VIEWS = (BroadcastOp, ExpandOp, ReshapeOp, PermuteOp, SliceOp, SelectOp, SetOp, DetachOp)
 
 
-def saved_by_policy(fusion: Fusion, policy: str) -> list[TensorView]:
+def _through_views(tensor: TensorView) -> TensorView:
+    """The tensor ``tensor`` is a view (or copy) of, through every view."""
+    while tensor.definition is not None and isinstance(tensor.definition, _VIEWS):
+        tensor = tensor.definition.inputs[0]
+    return tensor
+
+
+def saved_by_policy(
+    fusion: Fusion, policy: str, wrt: Sequence[int] | None = None
+) -> list[TensorView]:
     """The intermediates of ``fusion`` that ``policy`` (a key of ``SAVE_POLICIES``) has
-    the forward hand to the backward."""
+    the forward hand to the backward, for the gradients of the inputs at ``wrt`` (default
+    every floating-point one; a backward for others recomputes what it misses)."""
     if policy not in SAVE_POLICIES:
         raise ValueError(f"save policy {policy!r}: one of {sorted(SAVE_POLICIES)}, or a list "
                          "of the fusion's intermediates")  # fmt: skip
     if policy == "nothing":
         return []
-    read = set(backward(fusion).read)
+    everything = policy == "everything"
+    live = fusion.live_exprs()
+    # what an attention reads (through views), kept: its backward reads it anyway, and
+    # recomputing it would redo the work before it (a rotary embedding's copies)
+    fed = set() if everything else {
+        _through_views(t) for e in live if isinstance(e, AttentionOp) for t in e.inputs[:3]
+    }  # fmt: skip
+    fed = {t for t in fed if t.definition is not None}
+    read = set(backward(fusion, wrt, [t for t in fusion.tensors if t in fed]).read)
     placed, _ = shard_fusion(fusion)
     by_id = {tensor.id: tensor for tensor in placed.tensors}
-    everything = policy == "everything"
     return [
         expr.output
-        for expr in fusion.live_exprs()
+        for expr in live
         if (
             isinstance(expr, (MatmulOp, LinearOp, AttentionOp))
             or (everything and not isinstance(expr, _VIEWS))
+            or expr.outputs[0] in fed
         )
         and len(expr.outputs) == 1
         and expr.output in read

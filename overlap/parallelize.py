@@ -209,6 +209,8 @@ def parallelize(
             if differs and name not in captured.buffers:
                 raise ValueError(f"parallelize: parameter {name}: {differs} (or pass "
                                  "dtensors=False for plain pieces)")  # fmt: skip
+    buffers = [i for i, n in enumerate(captured.parameter_names) if n in captured.buffers]
+    trainable_options.setdefault("frozen", buffers)  # buffers get no gradient
     model = TrainableFusion(captured.fd, communicator, **trainable_options)
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from

@@ -8,7 +8,8 @@ ranks). Inputs that need no gradient get none computed: the backward is built fo
 inputs that require one, once per such set, on first use. ``saved``: which
 intermediates of the fusion the forward hands to the backward instead of the backward
 recomputing them (memory against time): a policy of ``overlap.backward.SAVE_POLICIES``
-(default ``"matmuls"``: what matmuls compute is saved, the rest recomputed;
+(default ``"matmuls"``: what matmuls compute is saved, the rest recomputed; chosen for
+the gradients of every floating-point input but those at ``frozen`` positions;
 ``"nothing"``: everything recomputed) or a list of the fusion's intermediates.
 ``explain_backward()`` prints the rule and, per intermediate the gradients read, whether
 it is saved or recomputed. Every rank must call it and
@@ -61,6 +62,7 @@ class TrainableFusion:
         fusion: Fusion | FusionDefinition,
         communicator: Communicator,
         saved: Sequence[TensorView] | str = "matmuls",
+        frozen: Sequence[int] = (),
         **executor_options: Any,
     ) -> None:
         self.fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
@@ -75,7 +77,11 @@ class TrainableFusion:
                 )
         self.communicator = communicator
         self.policy = saved if isinstance(saved, str) else None
-        self.saved = saved_by_policy(self.fusion, saved) if self.policy else list(saved)
+        # the policy chooses for the gradients of every floating-point input but the
+        # ``frozen`` ones (buffers: a backward asked for them recomputes what it misses)
+        wrt = [i for i, t in enumerate(self.fusion.inputs)
+               if t.dtype.is_floating and not t.dtype.storage_only and i not in frozen]  # fmt: skip
+        self.saved = saved_by_policy(self.fusion, saved, wrt) if self.policy else list(saved)
         self.executor_options = executor_options
         forward = placed_forward_with_saved(self.fusion, self.saved) if self.saved else self.fusion
         self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
