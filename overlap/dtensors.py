@@ -64,6 +64,13 @@ def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
             raise InputError(f"input {position} ({tensor}): {differs}")
         meshes[expected.mesh] = value.device_mesh
         pieces.append(value.to_local())
+    for tensor in fusion.outputs:  # those to come back as DTensors, before anything runs
+        layout = layout_of(tensor)
+        if layout is not None and layout.mesh in meshes:
+            static = [e if isinstance(e, int) else 0 for e in tensor.shape]
+            differs = torch_split_differs(layout, static)
+            if differs:
+                raise InputError(f"output {tensor} would come back as a DTensor, but {differs}")
     return pieces, meshes
 
 

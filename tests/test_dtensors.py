@@ -56,26 +56,36 @@ def test_a_dtensor_placed_otherwise_is_refused_on_every_rank(rank_pools, wrong, 
         assert "InputError: input " in message and says in message, message
 
 
-def uneven_dtensor_run(communicator) -> None:
+def uneven_dtensor_run(communicator, split: str) -> None:
+    """10 rows over 4 ranks, the input (``split="input"``) or only the output split."""
+    from torch.distributed.tensor import Replicate as TorchReplicate
     from torch.distributed.tensor import Shard as TorchShard
     from torch.distributed.tensor import distribute_tensor, init_device_mesh
 
     from fusion import DataType, FusionDefinition
-    from sharding import DeviceMesh, Shard, shard
+    from sharding import DeviceMesh, Replicate, Shard, shard
 
+    mesh = DeviceMesh(communicator.world_size)
     with FusionDefinition() as fd:
         x = fd.define_tensor([10, 4], DataType.float32)
-        shard(x, DeviceMesh(communicator.world_size), [Shard(0)])
-        fd.add_output(fd.ops.mul(x, 2.0))
-    mesh = init_device_mesh("cpu", (communicator.world_size,))
-    MultiDeviceExecutor(fd, communicator).run([distribute_tensor(torch.randn(10, 4), mesh,
-                                                                 [TorchShard(0)])])  # fmt: skip
+        shard(x, mesh, [Shard(0) if split == "input" else Replicate()])
+        y = fd.ops.mul(x, 2.0)
+        shard(y, mesh, [Shard(0)])
+        fd.add_output(y)
+    torch_mesh = init_device_mesh("cpu", (communicator.world_size,))
+    given = TorchShard(0) if split == "input" else TorchReplicate()
+    MultiDeviceExecutor(fd, communicator).run([distribute_tensor(torch.randn(10, 4), torch_mesh,
+                                                                 [given])])  # fmt: skip
 
 
-def test_a_dtensor_whose_uneven_split_torch_cuts_otherwise_is_refused_on_every_rank(rank_pools):
+@pytest.mark.parametrize("split", ["input", "output"])
+def test_a_dtensor_whose_uneven_split_torch_cuts_otherwise_is_refused_on_every_rank(
+    rank_pools, split
+):
     with pytest.raises(RankError) as failure:
-        rank_pools(4).run(uneven_dtensor_run, timeout=120)
+        rank_pools(4).run(uneven_dtensor_run, split, timeout=120)
     messages = failure.value.messages()
     assert sorted(messages) == [0, 1, 2, 3], messages
     for message in messages.values():
         assert "is cut [3, 3, 2, 2] here but [3, 3, 3, 1] by DTensor" in message, message
+        assert f"InputError: {split}" in message or "would come back" in message, message

@@ -127,10 +127,11 @@ class VocabularyHead(torch.nn.Module):
 VOCABULARY = 37  # an extent no other axis has: a communication of the logits would show
 
 
-def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str):
-    """The embedding and the head split by vocabulary (torch's row-wise embedding,
-    column-wise head): loss and every gradient piece against the module's; returns the
-    shapes of every communication, forward and backward."""
+def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str,
+                        embedding: str = "rowwise"):  # fmt: skip
+    """The head split by vocabulary (column-wise), the embedding by vocabulary (torch's
+    row-wise) or by features (column-wise): loss and every gradient piece against the
+    module's; returns the shapes of every communication, forward and backward."""
     torch.manual_seed(0)
     module = VocabularyHead(VOCABULARY, 16).to(communicator.device)
     generator = torch.Generator().manual_seed(1)
@@ -138,7 +139,7 @@ def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str)
                     .to(communicator.device) for _ in "it")  # fmt: skip
     # 37 rows over 4 ranks: 10, 9, 9, 9 here, 10, 10, 10, 7 by DTensor: plain pieces
     dtensors = communicator.world_size == 2
-    model = parallelize(module, [ids, targets], communicator, {"embed": "rowwise", "head":
+    model = parallelize(module, [ids, targets], communicator, {"embed": embedding, "head":
                         "colwise"}, inputs=[placement, placement], kernels=kernels,
                         dtensors=dtensors)  # fmt: skip
     loss = module(ids, targets)
@@ -158,13 +159,16 @@ def vocabulary_parallel(communicator, tokens: int, placement: str, kernels: str)
     return sorted({str(c.output.shape) for e in executors for c in e.communications})
 
 
-@pytest.mark.parametrize(("world", "placement", "kernels"),
-                         [(2, "replicate", "reference"), (2, "sequence", "generated"),
-                          (4, "sequence", "reference")])  # fmt: skip
+@pytest.mark.parametrize(("world", "placement", "kernels", "embedding"),
+                         [(2, "replicate", "reference", "rowwise"),
+                          (2, "sequence", "generated", "rowwise"),
+                          (2, "sequence", "reference", "colwise"),
+                          (4, "sequence", "reference", "rowwise")])  # fmt: skip
 def test_a_vocabulary_parallel_embedding_and_cross_entropy_never_gather_the_logits(
-    rank_pools, world, placement, kernels
+    rank_pools, world, placement, kernels, embedding
 ):
-    results = rank_pools(world).run(vocabulary_parallel, 9, placement, kernels, timeout=180)
+    results = rank_pools(world).run(vocabulary_parallel, 9, placement, kernels, embedding,
+                                    timeout=180)  # fmt: skip
     assert results[0] and all(result == results[0] for result in results)
     gathered = [shape for shape in results[0] if str(VOCABULARY) in shape]
     # the lookups' partial sums, the max and sums over the vocabulary: never [tokens, vocab]
