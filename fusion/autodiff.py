@@ -45,6 +45,7 @@ from fusion.exprs import (
     BroadcastOp,
     CastOp,
     CompareOp,
+    ConcatOp,
     DetachOp,
     EmbeddingGradOp,
     EmbeddingOp,
@@ -256,6 +257,7 @@ _REPLAY: dict[type, Callable] = {
     SelectOp: lambda e, o: ops.select(o[0], e.dim, e.index),
     PadOp: lambda e, o: ops.pad(o[0], list(e.before), list(e.after)),
     DetachOp: lambda e, o: ops.detach(o[0]),
+    ConcatOp: lambda e, o: ops.cat(o, e.dim),
     EmbeddingOp: lambda e, o: ops.embedding(o[0], o[1], e.padding_idx, rows=o[2]),
     EmbeddingGradOp: lambda e, o: ops.embedding_grad(*o, e.padding_idx),
     AttentionOp: lambda e, o: ops.attention(
@@ -550,6 +552,19 @@ def _pad_grad(expr, mapped, given):
     return [ops.slice(g, list(expr.before), stops)]
 
 
+def _cat_grad(expr, mapped, given):
+    """Each piece's gradient: its slice of the joined axis."""
+    (g,) = given
+    grads, start = [], 0
+    for tensor in expr.inputs:
+        extent = tensor.shape[expr.dim]
+        starts = [start if d == expr.dim else 0 for d in range(g.ndim)]
+        stops = [start + extent if d == expr.dim else None for d in range(g.ndim)]
+        grads.append(ops.slice(g, starts, stops))
+        start += extent
+    return grads
+
+
 def _embedding_grad(expr, mapped, given):
     (g,) = given
     table, indices, rows = (mapped[t] for t in expr.inputs)
@@ -584,6 +599,7 @@ GRADIENT_RULES: dict[type, Callable] = {
     SelectOp: _select_grad,
     PadOp: _pad_grad,
     DetachOp: lambda expr, mapped, given: [None],  # a stop-gradient
+    ConcatOp: _cat_grad,
     EmbeddingOp: _embedding_grad,
     AttentionOp: _attention_grad,
 }
@@ -610,6 +626,6 @@ def _rule(expr: Expr) -> Callable:
 def _known() -> str:
     names = [*UNARY_RULES, *BINARY_RULES, "eq", "ne", "lt", "le", "gt", "ge", "cast", "set",
              "broadcast", "expand", "reshape", "permute", "slice", "select", "pad", "where",
-             "sum", "mean", "max", "min", "var_mean", "matmul", "linear", "detach",
+             "sum", "mean", "max", "min", "var_mean", "matmul", "linear", "detach", "cat",
              "embedding", "attention"]  # fmt: skip
     return ", ".join(names)

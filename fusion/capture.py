@@ -6,8 +6,7 @@ lifted to inputs) and translates every ATen op of the graph into the IR through
 is built, every op of the graph is looked up: ops without a translation raise one
 ``CaptureError`` listing each of them with the submodules it is used in. Broadcasting
 follows torch's (operands of lower rank get leading axes), negative dims count from the
-last, ``keepdim`` is kept; a concatenation is a sum of zero-padded pieces (``ops.pad``:
-its gradient takes each piece back).
+last, ``keepdim`` is kept.
 
 The fusion's inputs are the module's parameters and buffers, in the order the export
 lifted them, then the example inputs' positions; ``Captured.inputs(module, *args)``
@@ -371,19 +370,9 @@ def _split(x, sizes, dim=0):
 
 
 def _cat(tensors, dim=0):
-    """Concatenation as a sum of pads: each piece padded with zeros to the whole extent
-    (its gradient, a pad's, is the slice it takes back)."""
+    """torch's cat (empty pieces left out; one piece is itself)."""
     tensors = [t for t in tensors if t.shape[dim % t.ndim] != 0]
-    dim = dim % tensors[0].ndim
-    total = sum(t.shape[dim] for t in tensors)
-    result, start = None, 0
-    for tensor in tensors:
-        before = [start if d == dim else 0 for d in range(tensor.ndim)]
-        after = [total - start - tensor.shape[dim] if d == dim else 0 for d in range(tensor.ndim)]
-        padded = ops.pad(tensor, before, after)
-        result = padded if result is None else ops.add(result, padded)
-        start += tensor.shape[dim]
-    return result
+    return tensors[0] if len(tensors) == 1 else ops.cat(tensors, dim % tensors[0].ndim)
 
 
 def _masked_fill(x, mask, value):

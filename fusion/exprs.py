@@ -212,6 +212,14 @@ class PadOp(Expr):
         super().__init__("pad", [x], [out], before=list(self.before), after=list(self.after))
 
 
+class ConcatOp(Expr):
+    """The inputs joined along axis ``dim`` (equal extents elsewhere)."""
+
+    def __init__(self, xs: Sequence[TensorView], out: TensorView, dim: int) -> None:
+        self.dim = dim
+        super().__init__("cat", list(xs), [out], dim=dim)
+
+
 class SelectOp(Expr):
     """Take index ``index`` of axis ``dim``, removing that axis."""
 

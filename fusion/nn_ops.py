@@ -1,7 +1,7 @@
 """Ops of neural-network blocks that are not elementwise, reductions or contractions:
-an index (``iota``), a stop-gradient (``detach``), an embedding lookup and scaled
-dot-product attention, each with its gradient's op. ``fusion.ops`` exports them all
-(``fd.ops.embedding(table, indices)``, ...).
+an index (``iota``), a stop-gradient (``detach``), a concatenation (``cat``), an
+embedding lookup and scaled dot-product attention, each with its gradient's op.
+``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``, ...).
 
 Split over ranks, each keeps the single-device meaning: an ``iota``'s piece holds its own
 global indices, an embedding over a piece of the table's rows gives the rows that piece
@@ -18,12 +18,14 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 from fusion.dtypes import DataType, as_dtype, int64
 from fusion.errors import DefinitionError
 from fusion.exprs import (
     AttentionGradOp,
     AttentionOp,
+    ConcatOp,
     DetachOp,
     EmbeddingGradOp,
     EmbeddingOp,
@@ -34,6 +36,7 @@ from fusion.ops import (
     _as_extent,
     _copy_axes,
     _fusion_of,
+    _normalize_dim,
     _output,
     _require_compute_type,
     _require_float,
@@ -60,6 +63,32 @@ def detach(x: TensorView) -> TensorView:
     fusion = _fusion_of("detach", [x])
     out = _output("detach", fusion, x.dtype, _copy_axes(fusion, x.logical_axes), [x])
     DetachOp(x, out)
+    return out
+
+
+def cat(tensors: Sequence[TensorView], dim: int) -> TensorView:
+    """``tensors`` joined along axis ``dim`` (torch's ``cat``): one dtype, one rank, equal
+    extents on the other axes; the joined axis static."""
+    tensors = [_tensor("cat", f"tensor {i}", t) for i, t in enumerate(tensors)]
+    if not tensors:
+        raise DefinitionError("cat: needs at least one tensor")
+    fusion = _fusion_of("cat", tensors)
+    first = tensors[0]
+    dim = _normalize_dim("cat", first, dim)
+    for tensor in tensors[1:]:
+        if tensor.ndim != first.ndim or tensor.dtype != first.dtype:
+            raise DefinitionError(f"cat: {tensor} and {first} differ in rank or dtype")
+        for axis in range(first.ndim):
+            if axis != dim:
+                _unify_extent("cat", fusion, first.shape[axis], tensor.shape[axis],
+                              f"axis {axis} of {first} and {tensor}")  # fmt: skip
+    extents = [t.shape[dim] for t in tensors]
+    if not all(isinstance(e, int) for e in extents):
+        raise DefinitionError(f"cat: the joined axis {dim} must be static, got {extents}")
+    axes = _copy_axes(fusion, first.logical_axes)
+    axes[dim] = fusion.new_axis(sum(extents))
+    out = _output("cat", fusion, first.dtype, axes, tensors)
+    ConcatOp(tensors, out, dim)
     return out
 
 
@@ -227,4 +256,6 @@ def _open_fusion(op_name: str, source: object) -> Fusion:
     return fusion
 
 
-__all__ = ["attention", "attention_grad", "detach", "embedding", "embedding_grad", "iota"]
+__all__ = [
+    "attention", "attention_grad", "cat", "detach", "embedding", "embedding_grad", "iota",
+]  # fmt: skip

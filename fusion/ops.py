@@ -61,7 +61,7 @@ __all__ = [
     "gelu", "silu", "erf", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne",
     "lt", "le", "gt", "ge", "where", "cast", "set", "broadcast", "expand", "broadcast_in_dim",
     "reshape", "permute", "slice", "select", "pad", "sum", "max", "min", "mean", "var_mean",
-    "matmul", "linear", "iota", "detach", "embedding", "embedding_grad", "attention",
+    "matmul", "linear", "iota", "detach", "cat", "embedding", "embedding_grad", "attention",
     "attention_grad",
 ]  # fmt: skip
 
@@ -954,6 +954,7 @@ def linear(x: TensorView, weight: TensorView, bias: TensorView | None = None) ->
 from fusion.nn_ops import (  # noqa: E402
     attention,
     attention_grad,
+    cat,
     detach,
     embedding,
     embedding_grad,

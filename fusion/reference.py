@@ -42,6 +42,7 @@ from fusion.exprs import (
     BroadcastOp,
     CastOp,
     CompareOp,
+    ConcatOp,
     DetachOp,
     EmbeddingGradOp,
     EmbeddingOp,
@@ -291,6 +292,10 @@ def _linear(expr: LinearOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return F.linear(*tensors).to(out.dtype.torch_dtype)
 
 
+def _cat(expr: ConcatOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    return torch.cat([values[t] for t in expr.inputs], expr.dim)
+
+
 def _iota(expr: IotaOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     (extent,) = shape_of(expr.output)
     return torch.arange(extent, dtype=expr.output.dtype.torch_dtype)
@@ -395,6 +400,7 @@ def _attention_grad(expr: AttentionGradOp, values: Values, shape_of: ShapeOf):
 
 _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     IotaOp: _iota,
+    ConcatOp: _cat,
     EmbeddingOp: _embedding,
     EmbeddingGradOp: _embedding_grad,
     AttentionOp: _attention,

@@ -29,6 +29,7 @@ from fusion.exprs import (
     BroadcastOp,
     CastOp,
     CompareOp,
+    ConcatOp,
     DetachOp,
     EmbeddingGradOp,
     EmbeddingOp,
@@ -247,6 +248,12 @@ def pad_rule(expr: PadOp, parts: int) -> DimMap:
     (x,) = expr.inputs
     kept = {d for d in range(x.ndim) if expr.before[d] == expr.after[d] == 0}
     return DimMap("pad", [{d: d for d in kept}])
+
+
+@register(ConcatOp)
+def concat_rule(expr: ConcatOp, parts: int) -> DimMap:
+    """The other axes pass a split; the joined axis must be whole on every rank."""
+    return DimMap("cat", [{d: d for d in range(t.ndim) if d != expr.dim} for t in expr.inputs])
 
 
 @register(SelectOp)

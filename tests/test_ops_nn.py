@@ -85,3 +85,22 @@ def test_attention_refuses_mismatched_operands():
         with pytest.raises(DefinitionError, match="mask .* must be bool or float32"):
             fd.ops.attention(q, k, v, fd.ops.cast(mask, "int32"))
     assert out.definition.scale == pytest.approx(8**-0.5)
+
+
+def test_cat_joins_along_an_axis_and_its_gradient_slices_it_back():
+    from fusion.autodiff import backward
+    from fusion.reference import evaluate
+
+    with FusionDefinition() as fd:
+        pieces = [fd.define_tensor([2, n], DataType.float32) for n in (3, 1, 2)]
+        fd.add_output(fd.ops.mul(fd.ops.cat(pieces, -1), 2.0))
+        with pytest.raises(DefinitionError, match="differ in rank or dtype"):
+            fd.ops.cat([pieces[0], fd.ops.cast(pieces[1], "bfloat16")], 1)
+        with pytest.raises(DefinitionError, match="extent mismatch"):
+            fd.ops.cat(pieces, 0)
+    values = [torch.randn(2, n) for n in (3, 1, 2)]
+    (joined,) = fd.execute(values)
+    assert torch.equal(joined, torch.cat(values, -1) * 2)
+    seed = torch.randn(2, 6)
+    grads = evaluate(backward(fd.fusion).fusion, [*values, seed])
+    assert [g.tolist() for g in grads] == [(s * 2).tolist() for s in seed.split([3, 1, 2], -1)]
