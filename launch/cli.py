@@ -22,29 +22,43 @@ def main(argv: list[str] | None = None) -> int:
         prog="overlap", description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
     )  # fmt: skip
+    parser.add_argument("--version", action="version", version=f"overlap {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
+    from launch.demo import CPU_SIZES, GPU_SIZES
+    from overlap.dump import count
+
     demo = commands.add_parser("demo", help="the tensor-parallel MLP demo on local devices")
-    demo.add_argument("--tokens", type=int, default=None)
-    demo.add_argument("--hidden", type=int, default=None)
-    demo.add_argument("--ffn", type=int, default=None)
-    demo.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
+    for index, (name, what) in enumerate(
+        [("tokens", "rows of the input, split over the ranks"), ("hidden", "model width"),
+         ("ffn", "the MLP's inner width, split over the ranks")]
+    ):  # fmt: skip
+        demo.add_argument(f"--{name}", type=count, default=None,
+                          help=f"{what} (default {GPU_SIZES[index]} on GPUs, "
+                          f"{CPU_SIZES[index]} on CPUs)")  # fmt: skip
+    demo.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
     run = commands.add_parser("run", help="run a script's main(communicator) on N ranks")
-    run.add_argument("--launcher", choices=["local", "torchrun", "ray"], default="local")
-    run.add_argument("--nproc", type=int, default=None, help="ranks (default: GPUs, or 2)")
-    run.add_argument("--address", default=None, help="ray: an existing cluster's address")
-    run.add_argument("--timeout", type=float, default=None, help="seconds before giving up")
-    run.add_argument("script")
-    run.add_argument("args", nargs=argparse.REMAINDER)
+    run.add_argument("--launcher", choices=["local", "torchrun", "ray"], default="local",
+                     help="local processes, torchrun or a Ray pool (default local)")  # fmt: skip
+    run.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
+    run.add_argument("--address", default=None,
+                     help="ray: a running cluster's address (default: start one here)")  # fmt: skip
+    run.add_argument("--timeout", type=float, default=None,
+                     help="seconds before giving up (default: none; Ray 600)")  # fmt: skip
+    run.add_argument("script", help="a Python file defining main(communicator)")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     from overlap.dump import add_arguments
 
     add_arguments(commands.add_parser("dump", help="print a script's programs, without running"))
     args = parser.parse_args(argv)
     from launch.env import LaunchError
+    from launch.local import fits_the_devices
     from overlap import progress
 
     progress.enable()  # long steps (compiling kernels) say so, in every rank started
 
     try:
+        if args.command in ("demo", "run"):
+            fits_the_devices(args.nproc, getattr(args, "launcher", "local"))
         if args.command == "demo":
             from launch.demo import run_demo
 
@@ -55,6 +69,18 @@ def main(argv: list[str] | None = None) -> int:
     except LaunchError as error:
         print(f"overlap {args.command}: {error}", file=sys.stderr)
         return 2
+
+
+NPROC_HELP = "ranks, at least 1 (default: the GPUs, or 2 processes on CPUs)"
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("overlap")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def _run(args) -> int:

@@ -54,6 +54,16 @@ def default_nproc() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
 
 
+def fits_the_devices(nproc: int | None, launcher: str = "local") -> None:
+    """Refuse (``LaunchError``) more ranks than this machine's GPUs where ranks get one
+    each (local processes and torchrun on a machine with GPUs); a Ray pool asks its
+    cluster, CPU processes take any count."""
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if nproc is not None and launcher != "ray" and count and nproc > count:
+        raise LaunchError(f"--nproc {nproc}: this machine has {count} GPU"
+                          f"{'s' if count > 1 else ''}, one per rank")  # fmt: skip
+
+
 def rank_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     return {
         "OVERLAP_LAUNCHER": "local", "RANK": str(rank), "LOCAL_RANK": str(rank),

@@ -117,7 +117,11 @@ class RayPool:
             raise LaunchError(f"world_size={world_size}: at least one rank")
         if not ray.is_initialized():
             options = {"include_dashboard": False, "log_to_driver": True, **(init_options or {})}
-            ray.init(address=address, **options)
+            try:
+                ray.init(address=address, **options)
+            except ConnectionError as error:  # no cluster where the address says
+                raise LaunchError(f"Ray: no cluster at address {address!r} ({error}); "
+                                  "leave --address out to start one here") from None  # fmt: skip
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         self.use_gpus = gpus >= world_size if use_gpus is None else use_gpus

@@ -70,9 +70,20 @@ def dump(
         out.write(f"=== rank{'s' if len(ranks) > 1 else ''} {named} of {world} ===\n{text}\n\n")
 
 
+def count(text: str) -> int:
+    """An argparse type: a whole number of at least 1 (ranks, tokens, ...)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: it must be at least 1")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The dump command's arguments (shared with the ``overlap`` command line)."""
-    parser.add_argument("--world", type=int, default=2, help="ranks to plan for (default 2)")
+    parser.add_argument("--world", type=count, default=2, help="ranks to plan for (default 2)")
     parser.add_argument("--device", default="h200", choices=sorted(NAMED_FIGURES),
                         help="whose figures the planner uses (default h200)")  # fmt: skip
     parser.add_argument("--kernels", action="store_true", help="lower to generated kernels")

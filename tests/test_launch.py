@@ -339,3 +339,41 @@ def test_long_steps_say_what_they_do_when_progress_is_on():
     # once, when the kernel is first launched (compiled), not on the second run
     assert lines[0] == "[overlap] rank 0: compiling k0 [normalization] ...", lines
     assert len(lines) == 2 and lines[1].endswith(" s"), lines
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["run", "--nproc", "-1", "x.py"], "argument --nproc: -1: it must be at least 1"),
+        (["run", "--nproc", "0", "x.py"], "argument --nproc: 0: it must be at least 1"),
+        (["run", "--launcher", "torchrun", "--nproc", "-1", "x.py"], "it must be at least 1"),
+        (["demo", "--tokens", "abc"], "argument --tokens: 'abc' is not a whole number"),
+        (["demo", "--ffn", "0"], "argument --ffn: 0: it must be at least 1"),
+        (["dump", "--world", "0", "x.py"], "argument --world: 0: it must be at least 1"),
+    ],
+)
+def test_the_command_line_refuses_counts_below_one_before_anything_runs(args, says):
+    result = _overlap(*args, timeout=60)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert says in result.stderr, result.stderr
+
+
+def test_the_command_line_says_its_version_and_the_demos_defaults():
+    version = _overlap("--version", timeout=60)
+    assert version.returncode == 0 and version.stdout.startswith("overlap 0."), version.stdout
+    demo = _overlap("demo", "--help", timeout=60)
+    assert "default 16384 on GPUs, 512 on CPUs" in " ".join(demo.stdout.split()), demo.stdout
+
+
+def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
+    script = tmp_path / "nothing.py"
+    script.write_text("def main(communicator):\n    pass\n")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--launcher", "ray", "--address", "auto",
+         str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("overlap run: Ray: no cluster at address 'auto'"), result.stderr
+    assert "Traceback" not in result.stderr
