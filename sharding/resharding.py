@@ -18,6 +18,7 @@ or variance over a split axis becomes sums, combined across ranks.
 
 from __future__ import annotations
 
+from fusion.definition import FusionDefinition
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, ParallelType, TensorView
 from sharding.choose_layouts import choose_layouts
@@ -102,12 +103,17 @@ def insert_reshardings(fusion: Fusion) -> None:
     redistribute(fusion)
 
 
-def shard_fusion(fusion: Fusion) -> tuple[Fusion, dict[TensorView, Decision]]:
-    """A copy of ``fusion`` with every tensor placed and every communication inserted.
+def shard_fusion(
+    fusion: Fusion | FusionDefinition,
+) -> tuple[Fusion, dict[TensorView, Decision]]:
+    """A copy of ``fusion`` (or a ``FusionDefinition``'s) with every tensor placed and
+    every communication inserted.
 
     Returns the copy and the propagation decisions (for ``explain``). The user's
     fusion is not changed.
     """
+    if isinstance(fusion, FusionDefinition):
+        fusion = fusion.fusion
     sharded = fusion.clone()
     annotated = {t for t in sharded.tensors if t.mesh is not None}
     decisions = propagate_shardings(sharded)

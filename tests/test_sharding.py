@@ -570,3 +570,13 @@ def test_a_partial_sum_before_a_residual_is_reduce_scattered_and_explain_says_wh
     down = lines["T7_bf16[iDIDx15{8},"]
     assert "by cost" in down and "[R] 266.048 B; [S(0)] 138.048 B" in down, down
     assert "turned with a neighbour that changed" in lines["T8_f32[iDIDx18{8},"]
+
+
+def test_shard_fusion_takes_a_fusion_definition_as_its_fusion():
+    with FusionDefinition() as fd:
+        a = fd.define_tensor([4, 6])
+        fd.add_output(fd.ops.exp(a))
+    shard(a, DeviceMesh(2), [Shard(0)])
+    from_definition, _ = shard_fusion(fd)
+    from_fusion, _ = shard_fusion(fd.fusion)
+    assert str(from_definition) == str(from_fusion) and "iDIDx" in str(from_definition)
