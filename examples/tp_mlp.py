@@ -1,7 +1,8 @@
 """A tensor-parallel MLP on every rank, start to finish: build, place, run, check, time.
 
     torchrun --nproc-per-node 2 examples/tp_mlp.py                   # plain torchrun
-    overlap run --launcher ray --nproc 2 examples/tp_mlp.py          # a Ray pool
+    overlap run --launcher ray --nproc 2 examples/tp_mlp.py          # a Ray pool (the
+                                                                     # ray extra: .[ray])
     overlap run --launcher local --nproc 2 examples/tp_mlp.py        # local processes
     ... examples/tp_mlp.py --tokens 8192 --hidden 4096 --ffn 16384   # other sizes
 
