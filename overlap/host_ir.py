@@ -25,7 +25,7 @@ back to the user's stream. Example (all-gather + linear, 2 chunks)::
         SetCurrentStream(stream i)
         Wait c0
         T7 = AliasSelect(T2, dim=0, chunk=i)
-        LaunchKernel k0 [cublas] (T6, T1) -> (T7)
+        LaunchKernel k0 [torch] (T6, T1) -> (T7)
           linear
         SetCurrentStream(s0)
         Synchronize(stream i)
@@ -121,7 +121,8 @@ class LaunchKernel(Instruction):
 
     ``aliases`` maps the fusion's tensors to the chunk tensors this launch reads and
     writes inside a loop. ``backend`` names what computes it: ``reference`` (the eager
-    reference evaluator) or ``cublas`` (matmul and linear through PyTorch).
+    reference evaluator), ``torch`` (PyTorch's own kernels: matmul and linear, cuBLAS on
+    GPUs and the CPU's BLAS elsewhere; attention) or a scheduler's generated kernel.
     """
 
     name: str

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusion.exprs import Expr, LinearOp, MatmulOp
+from fusion.exprs import AttentionGradOp, AttentionOp, Expr, LinearOp, MatmulOp
 from fusion.ir import Axis, Fusion, TensorView
 from overlap.host_ir import (
     LOOP_STREAM,
@@ -228,7 +228,10 @@ class _Lowering:
         ]
         name = f"k{self.kernels}"
         self.kernels += 1
-        backend = "cublas" if _is_contraction(exprs[0]) else "reference"
+        # PyTorch's own kernels: contractions, attention (both run natively in their dtype)
+        native = all(_is_contraction(e) or isinstance(e, (AttentionOp, AttentionGradOp))
+                     for e in exprs)  # fmt: skip
+        backend = "torch" if native else "reference"
         if group is not None and group.scheduler is not None:
             backend = group.scheduler.name
         return LaunchKernel(

@@ -475,13 +475,13 @@ inputs: T0, T1, T2, T3
   c0 = Allgather(T13 -> T17, axis='x', in_dim=0)  @M0
   Wait c0
   Deallocate T13
-  LaunchKernel k1 [cublas] (T17, T2) -> (T14)  @M0
+  LaunchKernel k1 [torch] (T17, T2) -> (T14)  @M0
     linear
   Deallocate T17
   LaunchKernel k2 [reference] (T14) -> (T15)  @M0
     gelu
   Deallocate T14
-  LaunchKernel k3 [cublas] (T15, T3) -> (T18)  @M0
+  LaunchKernel k3 [torch] (T15, T3) -> (T18)  @M0
     linear
   Deallocate T15
   Allocate T16_f32[iDIDx32{8}, iS33{16}, rS34{32}]  @M0
