@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from fusion import FusionDefinition
 from fusion.testing import assert_close
@@ -48,17 +49,14 @@ def whole_inputs(tokens: int, hidden: int, ffn: int) -> list[torch.Tensor]:
     ]
 
 
-def _median_ms(function, device: torch.device, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        function()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append((time.perf_counter() - start) * 1e3)
-    return sorted(times)[len(times) // 2]
+def _ms(function, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    function()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) * 1e3
 
 
 def demo_rank(communicator, sizes: tuple[int, int, int], repeats: int) -> dict:
@@ -87,8 +85,15 @@ def demo_rank(communicator, sizes: tuple[int, int, int], repeats: int) -> dict:
             result["checks"][name] = True
         except AssertionError:
             result["checks"][name] = False
-    for name, executor in runs.items():
-        result["ms"][name] = _median_ms(lambda e=executor: e.run(local), device, repeats)
+    # interleaved rounds, the ranks lined up before each run: the same program times
+    # alike whichever name it runs under (one after the other, the later ones paid for
+    # the ranks drifting apart)
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, executor in runs.items():
+            dist.barrier()
+            times[name].append(_ms(lambda e=executor: e.run(local), device))
+    result["ms"] = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
     if communicator.rank == 0:
         result["fusion"] = str(fd)
         result["communications"] = [str(c) for c in runs["sequential"].communications]
@@ -97,7 +102,7 @@ def demo_rank(communicator, sizes: tuple[int, int, int], repeats: int) -> dict:
     return result
 
 
-def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, repeats: int = 5) -> bool:
+def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, repeats: int = 9) -> bool:
     """Run the demo on the local devices; print it; True when every check passed."""
     from launch.local import default_nproc, run_function
 
