@@ -18,7 +18,9 @@ from fusion.fp4 import to_fp4
 MakeInput = Callable[..., torch.Tensor]
 
 # Modules whose every test starts processes: launchers, benchmark scripts, clusters
-_PROCESS_MODULES = {"test_benchmarks", "test_launch", "test_launch_cluster", "test_ucx"}
+_PROCESS_MODULES = {
+    "test_benchmarks", "test_launch", "test_launch_cli", "test_launch_cluster", "test_ucx",
+}  # fmt: skip
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -365,20 +365,6 @@ def test_the_command_line_says_its_version_and_the_demos_defaults():
     assert "default 16384 on GPUs, 512 on CPUs" in " ".join(demo.stdout.split()), demo.stdout
 
 
-def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
-    script = tmp_path / "nothing.py"
-    script.write_text("def main(communicator):\n    pass\n")
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(tmp_path)}
-    env.pop("RAY_ADDRESS", None)
-    result = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "run", "--launcher", "ray", "--address", "auto",
-         str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert result.stderr.startswith("overlap run: Ray: no cluster at address 'auto'"), result.stderr
-    assert "Traceback" not in result.stderr
-
-
 @pytest.mark.parametrize("how", ["torchrun", "ray"])
 def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool(how):
     """``examples/tp_mlp.py``: a complete multi-rank script (seeded inputs, every rank's

@@ -1,0 +1,26 @@
+"""``overlap run --launcher ray`` with an address where no Ray cluster runs. In a module of
+its own: ``test_launch.py`` keeps a Ray instance up for its whole module, which an
+``auto`` address would find."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
+    script = tmp_path / "nothing.py"
+    script.write_text("def main(communicator):\n    pass\n")
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(tmp_path)}
+    env.pop("RAY_ADDRESS", None)
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "run", "--launcher", "ray", "--address", "auto",
+         str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.startswith("overlap run: Ray: no cluster at address 'auto'"), result.stderr
+    assert "Traceback" not in result.stderr
