@@ -5,10 +5,18 @@ What ``overlap run`` starts in every process (directly for ``--launcher local``,
 the script's ``main(communicator)`` with ``sys.argv`` set to the script and its args.
 A rank whose ``main`` raises prints its traceback, aborts its communicators and exits 1
 at once (``launch.failfast``); the launcher then stops the others.
+
+A rank whose ``main`` returns destroys its process groups, flushes its output and
+logging, and leaves at once with ``os._exit(0)``, as ``multiprocessing``'s children do:
+the interpreter's finalization after a distributed run aborted now and then ("terminate
+called without an active exception", SIGABRT) and made a job that had finished report
+a failure. ``atexit`` handlers of the script do not run.
 """
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
 
 from launch import failfast
@@ -37,7 +45,10 @@ def main() -> int:
 
     if dist.is_initialized():
         dist.destroy_process_group()
-    return 0
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
