@@ -24,3 +24,19 @@ def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
     assert result.returncode == 2, result.stderr[-2000:]
     assert result.stderr.startswith("overlap run: Ray: no cluster at address 'auto'"), result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_more_ranks_than_the_machines_gpus_are_refused(monkeypatch):
+    import pytest
+    import torch
+
+    from launch.env import LaunchError
+    from launch.local import fits_the_devices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    fits_the_devices(2)
+    fits_the_devices(None)
+    fits_the_devices(8, "ray")  # a Ray pool asks its cluster
+    with pytest.raises(LaunchError, match="--nproc 3: this machine has 2 GPUs, one per rank"):
+        fits_the_devices(3, "torchrun")
