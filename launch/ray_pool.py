@@ -20,6 +20,7 @@ process-group timeout keeps NCCL from waiting forever on a dead peer.
 
 from __future__ import annotations
 
+import logging
 import os
 import pickle
 import socket
@@ -37,6 +38,26 @@ class PoolError(LaunchError):
     def __init__(self, rank: int, message: str) -> None:
         self.rank = rank
         super().__init__(f"rank {rank} failed: {message}")
+
+
+class _NotTheDefault(logging.Filter):
+    """Drops Ray's notice that token authentication is on (its secure default); keeps
+    every other record (the warning that it is off among them)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Token authentication is enabled" not in record.getMessage()
+
+
+def _quiet_ray() -> None:
+    """Ray's output as plain text: no ANSI colour codes around the ranks' lines
+    (``RAY_COLOR_PREFIX=0``) and no notice of its default authentication, unless
+    ``OVERLAP_RAY_VERBOSE=1``."""
+    if os.environ.get("OVERLAP_RAY_VERBOSE") == "1":
+        return
+    os.environ.setdefault("RAY_COLOR_PREFIX", "0")
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    if not any(isinstance(f, _NotTheDefault) for f in logger.filters):
+        logger.addFilter(_NotTheDefault())
 
 
 def _ray():
@@ -116,6 +137,7 @@ class RayPool:
         if world_size < 1:
             raise LaunchError(f"world_size={world_size}: at least one rank")
         if not ray.is_initialized():
+            _quiet_ray()
             options = {"include_dashboard": False, "log_to_driver": True, **(init_options or {})}
             try:
                 ray.init(address=address, **options)

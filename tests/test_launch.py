@@ -386,3 +386,5 @@ def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     said = result.stdout + result.stderr
     assert "tp_mlp on 2 ranks (cpu): every rank's output matches one device; sequential" in said
+    # plain text: no colour codes around Ray's rank lines, no notice of its default auth
+    assert "\x1b[" not in said and "Token authentication is enabled" not in said, said
