@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
-from examples.llama_block import MLP  # noqa: E402  (the example's SwiGLU MLP)
+from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
 from overlap.parallelize import parallelize  # noqa: E402
 
 TOLERANCE = 2.0  # a variant's worst error over eager bf16's
@@ -82,11 +82,9 @@ class Attention(torch.nn.Module):
         self.q, self.k, self.v, self.o = (
             torch.nn.Linear(hidden, hidden, bias=False) for _ in "qkvo"
         )
-        frequencies = 10000 ** -(torch.arange(0, self.dim, 2) / self.dim)
-        angles = torch.arange(longest)[:, None] * frequencies
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
+        cos, sin = rotary_tables(self.dim, longest)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
 
     def rotate(self, t, tokens):
         half = self.dim // 2

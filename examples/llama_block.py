@@ -67,6 +67,14 @@ class RMSNorm(torch.nn.Module):
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
 
 
+def rotary_tables(dim: int, longest: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary embeddings' cos and sin tables, [longest, dim] (each half alike)."""
+    frequencies = 10000 ** -(torch.arange(0, dim, 2) / dim)
+    angles = torch.arange(longest)[:, None] * frequencies
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
 class Attention(torch.nn.Module):
     def __init__(self, hidden: int, heads: int, longest: int = 64) -> None:
         super().__init__()
@@ -74,11 +82,9 @@ class Attention(torch.nn.Module):
         self.q, self.k, self.v, self.o = (
             torch.nn.Linear(hidden, hidden, bias=False) for _ in "qkvo"
         )
-        frequencies = 10000 ** -(torch.arange(0, self.dim, 2) / self.dim)
-        angles = torch.arange(longest)[:, None] * frequencies
-        angles = torch.cat([angles, angles], dim=-1)
-        self.register_buffer("cos", angles.cos())
-        self.register_buffer("sin", angles.sin())
+        cos, sin = rotary_tables(self.dim, longest)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
         self.register_buffer("mask", torch.ones(longest, longest).triu(1).bool())
 
     def rotate(self, t, tokens):
