@@ -53,6 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
 from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
+from launch.env import leave  # noqa: E402
 from overlap.parallelize import parallelize  # noqa: E402
 
 TOLERANCE = 2.0  # a variant's worst error over eager bf16's
@@ -254,13 +255,7 @@ def main() -> None:
                   f"{row['max_error']:14.4f}")  # fmt: skip
         if not args.smoke:
             write_results(args.out, device, 0.0, rows)
-    dist.destroy_process_group()
-    # Leave without the interpreter's finalization, which aborted now and then after a
-    # run that captured modules ("terminate called without an active exception"; as
-    # check_gpu.py, under investigation). The table and the JSON are written by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)  # without the interpreter's finalization, which aborted now and then
 
 
 if __name__ == "__main__":

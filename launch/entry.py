@@ -6,21 +6,17 @@ the script's ``main(communicator)`` with ``sys.argv`` set to the script and its 
 A rank whose ``main`` raises prints its traceback, aborts its communicators and exits 1
 at once (``launch.failfast``); the launcher then stops the others.
 
-A rank whose ``main`` returns destroys its process groups, flushes its output and
-logging, and leaves at once with ``os._exit(0)``, as ``multiprocessing``'s children do:
-the interpreter's finalization after a distributed run aborted now and then ("terminate
-called without an active exception", SIGABRT) and made a job that had finished report
-a failure. ``atexit`` handlers of the script do not run.
+A rank whose ``main`` returns leaves with ``launch.env.leave(0)``: its process groups
+destroyed, its output flushed, then ``os._exit`` (the interpreter's finalization after
+a distributed run aborted now and then); ``atexit`` handlers of the script do not run.
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import sys
 
 from launch import failfast
-from launch.env import init
+from launch.env import init, leave
 from launch.script import load_script
 
 
@@ -41,14 +37,7 @@ def main() -> int:
         # never a graceful teardown here: on NCCL it waits for the peers, which wait in
         # their next collective for this rank
         failfast.fail(1)
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave(0)
 
 
 if __name__ == "__main__":

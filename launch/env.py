@@ -106,3 +106,21 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
 
         failfast.install()
     return Communicator.initialize(backend, timeout_s, device, env.rank, env.world_size)
+
+
+def leave(code: int = 0) -> None:
+    """End a distributed process that finished: destroy its process groups, flush its
+    output and logging, and exit at once with ``code`` (``os._exit``, as
+    ``multiprocessing``'s children do). The interpreter's finalization after a
+    distributed run aborted now and then ("terminate called without an active
+    exception", SIGABRT) and turned a finished job into a failed one; ``atexit``
+    handlers do not run."""
+    import logging
+    import sys
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
