@@ -155,7 +155,7 @@ def main() -> None:
             }
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    leave(1 if failures else 0)  # without the finalization that aborted now and then
+    leave(1 if failures else 0)  # the process groups destroyed, no interpreter finalization
 
 
 if __name__ == "__main__":

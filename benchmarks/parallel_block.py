@@ -255,7 +255,7 @@ def main() -> None:
                   f"{row['max_error']:14.4f}")  # fmt: skip
         if not args.smoke:
             write_results(args.out, device, 0.0, rows)
-    leave(0)  # without the interpreter's finalization, which aborted now and then
+    leave(0)  # the process groups destroyed, no interpreter finalization
 
 
 if __name__ == "__main__":

@@ -111,10 +111,9 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
 def leave(code: int = 0) -> None:
     """End a distributed process that finished: destroy its process groups, flush its
     output and logging, and exit at once with ``code`` (``os._exit``, as
-    ``multiprocessing``'s children do). The interpreter's finalization after a
-    distributed run aborted now and then ("terminate called without an active
-    exception", SIGABRT) and turned a finished job into a failed one; ``atexit``
-    handlers do not run."""
+    ``multiprocessing``'s children do); ``atexit`` handlers do not run. Nothing of the
+    interpreter's finalization is left to go wrong after a distributed run (the
+    ``Communicator`` also destroys the groups at exit: see ``overlap.communicator``)."""
     import logging
     import sys
 

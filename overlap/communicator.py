@@ -10,10 +10,17 @@ One gloo group has a timeout of its own (``input_check_timeout_s``: 60 s, or the
 ``OVERLAP_INPUT_CHECK_TIMEOUT_S`` environment variable): a rank whose inputs changed
 alone exchanges there, and learns within that time that its peers are not coming
 (``overlap.inputs.InputCheck``).
+
+A process that built a ``Communicator`` destroys its process groups when it exits
+(``atexit``), before the interpreter finalizes. Left alive, a gloo worker thread that
+releases a finished collective's tensors after finalization began cannot take the GIL
+and aborts the process ("terminate called without an active exception", SIGABRT): a
+finished job reported failed. ``destroy_process_group`` joins those threads first.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 from collections.abc import Iterable
@@ -56,6 +63,21 @@ def _compare_plans(plans: list[list[str]], step: str) -> None:
     )
 
 
+def _destroy_at_exit() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+_teardown_registered = False
+
+
+def _register_teardown() -> None:
+    global _teardown_registered
+    if not _teardown_registered:
+        atexit.register(_destroy_at_exit)
+        _teardown_registered = True
+
+
 class Communicator:
     """This rank's view of the world: rank, size, device and process groups by team."""
 
@@ -67,6 +89,7 @@ class Communicator:
                 "Communicator: initialize torch.distributed first, e.g. "
                 "torch.distributed.init_process_group('gloo') (or 'nccl' on GPUs)"
             )
+        _register_teardown()
         self.rank = dist.get_rank()
         self.world_size = dist.get_world_size()
         self.backend = dist.get_backend()

@@ -388,3 +388,35 @@ def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool
     assert "tp_mlp on 2 ranks (cpu): every rank's output matches one device; sequential" in said
     # plain text: no colour codes around Ray's rank lines, no notice of its default auth
     assert "\x1b[" not in said and "Token authentication is enabled" not in said, said
+
+
+_MANY_COLLECTIVES = """
+import torch
+import torch.distributed as dist
+
+from overlap.communicator import Communicator
+
+Communicator.initialize("gloo")
+for _ in range(50):  # finished collectives whose tensors gloo's threads release late
+    dist.all_reduce(torch.ones(1000))
+print("done", dist.get_rank())
+"""
+
+
+def test_a_finished_rank_exits_zero_though_gloo_threads_release_tensors_late(tmp_path):
+    """A process that built a ``Communicator`` and returns from its script exits 0. Left
+    to the interpreter, gloo's worker threads released the last collectives' tensors
+    during finalization and aborted the process (SIGABRT) in about half the runs of this
+    script; the Communicator destroys the process groups at exit."""
+    script = tmp_path / "many_collectives.py"
+    script.write_text(_MANY_COLLECTIVES)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER"):
+        env.pop(name, None)
+    for _ in range(4):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+             str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+        assert result.stdout.count("done") == 2, result.stdout  # both ranks finished
