@@ -36,6 +36,10 @@ def main(argv: list[str] | None = None) -> int:
                           help=f"{what} (default {GPU_SIZES[index]} on GPUs, "
                           f"{CPU_SIZES[index]} on CPUs)")  # fmt: skip
     demo.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
+    from launch.demo import OUT
+
+    demo.add_argument("--out", default=OUT,
+                      help=f"folder for the timeline chart and trace (default {OUT})")  # fmt: skip
     run = commands.add_parser("run", help="run a script's main(communicator) on N ranks")
     run.add_argument("--launcher", choices=["local", "torchrun", "ray"], default="local",
                      help="local processes, torchrun or a Ray pool (default local)")  # fmt: skip
@@ -62,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             from launch.demo import run_demo
 
-            return 0 if run_demo(args.tokens, args.hidden, args.ffn, args.nproc) else 1
+            return 0 if run_demo(args.tokens, args.hidden, args.ffn, args.nproc, args.out) else 1
         if args.command == "run":
             return _run(args)
         return _dump(args)

@@ -100,6 +100,7 @@ class RankProgram:
             setup.device,
         )
         self.pipelined = PipelinedComms(self.ctx, setup.symmetric)
+        self.deferred: list[tuple] = []  # CPU waits put off to their loop's end
         self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
@@ -130,6 +131,8 @@ class RankProgram:
                 self.values[tensor] = value.view(torch.uint8) if is_packed(tensor) else value
         for step in self.steps:
             step()
+            if self.deferred and timeline is not None:
+                self._poll_deferred()
         outputs: list[torch.Tensor | None] = []
         for tensor in self.fusion.outputs:
             if not self.holds(tensor.mesh):
@@ -147,15 +150,53 @@ class RankProgram:
     # -- compiling -------------------------------------------------------------
 
     def _compile(self, instructions: list, loop) -> None:
-        for instruction in instructions:
+        for index, instruction in enumerate(instructions):
             if isinstance(instruction, ForLoop):
                 for iteration in range(instruction.scheme.num_chunks):
                     self._compile(instruction.body, (instruction.scheme, iteration))
+                self.steps.append(self._finish_deferred)
                 self.steps.append(self.pipelined.drain)
                 continue
-            step = self._STEPS[type(instruction)](self, instruction, loop)
+            if isinstance(instruction, Wait) and self._defers(
+                instruction, instructions[index + 1 :], loop
+            ):
+                step = self._wait(instruction, loop, deferred=True)
+            else:
+                step = self._STEPS[type(instruction)](self, instruction, loop)
             if step is not None:
                 self.steps.append(step)
+
+    def _defers(self, wait: Wait, after: list, loop) -> bool:
+        """Whether a wait is put off to the end of its loop. On GPUs a wait blocks a
+        stream, not the host; on CPUs the host runs every stream's work in turn, and a
+        wait for chunk i's collective would hold back chunk i+1's compute. It is put off
+        where nothing in the loop reads its result before the loop ends: the wait ends
+        its iteration's work (only stream bookkeeping follows), its chunk has a value
+        per iteration, and it went over a collective (no later transfer forwards it)."""
+        communicate = wait.communicate
+        return (
+            loop is not None
+            and not self.streams.cuda
+            and communicate.transport in (None, Transport.COLLECTIVE)
+            and communicate.target.fusion is not self.fusion
+            and all(isinstance(i, SetCurrentStream | Synchronize) for i in after)
+        )
+
+    def _finish_deferred(self) -> None:
+        for wait, _ in self.deferred:
+            wait()
+        self.deferred.clear()
+
+    def _poll_deferred(self) -> None:
+        """Finish the put-off waits whose collectives are done, so that a timeline's span
+        ends when the host first saw it done (after the step that was running)."""
+        waiting = []
+        for wait, done in self.deferred:
+            if done():
+                wait()
+            else:
+                waiting.append((wait, done))
+        self.deferred = waiting
 
     def _allocate(self, instruction: Allocate, loop):
         # Allocated before the loop, on the user's stream: a buffer first touched inside
@@ -247,13 +288,16 @@ class RankProgram:
             for_empty = evaluated() if loop is not None else None
             computes = [self.compute.generated(kernel, aliases, for_empty)]
         lane = self._lane(loop, "compute")
+        ops = [expr.op_name for expr in kernel.exprs]
+        detail = ", ".join(ops[:3]) + (f" (+{len(ops) - 3} ops)" if len(ops) > 3 else "")
+        chunk = loop[1] if loop else None
 
         def launch() -> None:
             if self.timeline is None:
                 for compute in computes:
                     compute()
                 return
-            with self.timeline.span(lane, kernel.name):
+            with self.timeline.span(lane, kernel.name, detail, chunk):
                 for compute in computes:
                     compute()
 
@@ -286,15 +330,16 @@ class RankProgram:
                 return start(comm, self.values.get(source), self.ctx)
 
         key = (instruction, loop[1] if loop else None)
+        detail, chunk = f"{comm.op_name} {comm.output.name}", key[1]
 
         def communicate() -> None:
             if self.timeline is not None:
-                self.tokens[key] = self.timeline.start(lane, instruction.name)
+                self.tokens[key] = self.timeline.start(lane, instruction.name, detail, chunk)
             self.pending[key] = post()
 
         return communicate
 
-    def _wait(self, instruction: Wait, loop):
+    def _wait(self, instruction: Wait, loop, deferred: bool = False):
         communicate = instruction.communicate
         comm = communicate.communication
         if self.setup.communicator is None or self.rank not in comm.participants():
@@ -311,7 +356,13 @@ class RankProgram:
             if self.timeline is not None:
                 self.timeline.stop(self.tokens.pop(key))
 
-        return wait
+        if not deferred:
+            return wait
+
+        def done() -> bool:
+            return all(work is None or work.is_completed() for work in self.pending[key].works)
+
+        return lambda: self.deferred.append((wait, done))
 
     def _stage_for_peers(self, instruction: StageForPeers, loop):
         communicate = instruction.communicate

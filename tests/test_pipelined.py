@@ -90,6 +90,49 @@ def test_pipelined_pattern_matches_the_reference(rank_pools, world, pattern, row
     assert results == [(True, chunks, transport)] * world
 
 
+def reduce_waits_in_order(communicator, chunks: int) -> list[str]:
+    """The order in which the pipelined reduce-scatter's chunk reductions are posted and
+    waited for, on this CPU rank (the result checked too)."""
+    import torch.distributed as dist
+
+    from overlap import communications
+
+    posted, log = set(), []
+    reduce, wait = dist.reduce, communications.Pending.wait
+
+    def logged_reduce(*args, **kwargs):
+        work = reduce(*args, **kwargs)
+        posted.add(id(work))
+        log.append("post")
+        return work
+
+    def logged_wait(pending):
+        if any(id(work) in posted for work in pending.works):
+            log.append("wait")
+        return wait(pending)
+
+    dist.reduce, communications.Pending.wait = logged_reduce, logged_wait
+    try:
+        pipelined(communicator, "rs", 16, chunks, "collective", 5)
+    finally:
+        dist.reduce, communications.Pending.wait = reduce, wait
+    return log
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_on_cpus_a_chunk_reduction_is_waited_for_after_the_later_chunks_are_posted(
+    rank_pools, world
+):
+    """On a GPU a Wait holds back a stream, not the host; on CPUs the host runs the
+    streams' work in turn, so a wait for chunk i's reduction inside the loop would hold
+    back chunk i+1's matmul: nothing overlaps. Nothing in the loop reads that result,
+    so the waits are put off to the loop's end: every chunk's reduction is posted (its
+    matmul done) before the first is waited for, and the result still matches."""
+    chunks = 2 * world
+    for log in rank_pools(world).run(reduce_waits_in_order, chunks):
+        assert log == (["post"] * chunks + ["wait"] * chunks) * 2  # two runs
+
+
 def chunks_not_a_multiple(communicator) -> None:
     fd = _ag_linear(communicator.world_size, 16, bias=False)
     options = OverlapOptions(overlap=True, num_chunks=communicator.world_size + 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import shutil
 import subprocess
@@ -41,12 +42,13 @@ def test_both_commands_install_from_the_project_files_with_the_pinned_constraint
     assert '"torch>=2.11"' in pyproject
 
 
-def test_demo_runs_and_passes_its_own_checks():
+def test_demo_runs_and_passes_its_own_checks(tmp_path):
     """The README's main job, end to end on two CPU processes: the tensor-parallel MLP,
-    its inserted communications, both host programs, the planner's reasons, timings."""
+    its inserted communications, both host programs, the planner's reasons here and on
+    GPUs, timings, and the overlapped run's timeline on both ranks (text, PNG, trace)."""
     result = subprocess.run(
         [sys.executable, "-m", "launch.cli", "demo", "--tokens", "64", "--hidden", "32",
-         "--ffn", "128"],
+         "--ffn", "128", "--out", str(tmp_path)],
         cwd=ROOT, capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr
@@ -56,8 +58,26 @@ def test_demo_runs_and_passes_its_own_checks():
     assert "host program, sequential" in out and "host program, overlapped" in out
     assert "FOR i in range(2)" in out  # the overlapped program's chunk loops
     assert "allgather+matmul" in out and "reason:" in out  # the planner's choice and why
-    for name in ("sequential", "overlapped", "planner's choice"):
+    assert "would choose on 2 H200 GPUs" in out and "copy_engine" in out  # and on GPUs
+    for name in ("sequential", "overlapped"):
         assert re.search(rf"{re.escape(name)}\s+[0-9.]+ ms\s+matches the reference: True", out)
+    chosen = r"planner's choice\s+(?:[0-9.]+ ms|the \w+ program \(timed above\))"
+    assert re.search(chosen + r"\s+matches the reference: True", out), out
+    # the timeline: every rank's lanes, the chunks' bars labelled, a time axis, a key
+    for rank in (0, 1):
+        for lane in ("stream 0 compute", "stream 1 comm"):
+            assert re.search(rf"rank {rank} {lane}\s+\|", out), out
+    rows = [line for line in out.splitlines() if re.match(r"rank \d \w+ \d* ?\w+\s+\|", line)]
+    assert len(rows) == 10, out  # per rank: main compute, and compute and comm of 2 streams
+    assert re.search(r"\|.*k\d\.[01]", "\n".join(rows)) and re.search(
+        r"\|.*c\d\.[01]", "\n".join(rows)
+    )
+    assert re.search(r"^\s+0\s+.*\d (ms|us)$", out, re.M), out
+    assert "c0 Allgather" in out and "rank 1 matmul+reduce_scatter:" in out
+    png = (tmp_path / "timeline.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and str(tmp_path / "timeline.png") in out
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert out.rstrip().endswith("demo: PASS")
 
 

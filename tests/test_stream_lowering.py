@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import struct
 import zlib
 
 import pytest
@@ -20,7 +21,7 @@ from overlap.figures import CPU_FIGURES, H200_FIGURES
 from overlap.host_ir import LaunchKernel, walk
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, plan_overlap
-from overlap.timeline import Timeline
+from overlap.timeline import Span, Timeline, axis_ticks, chrome_trace, render_png, render_text
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 
 
@@ -379,6 +380,75 @@ def test_the_timeline_exports_a_chrome_trace_and_a_png(tmp_path):
     raw = zlib.decompress(png[start : start + length])
     assert len(raw) == 40 * (1 + 200 * 3)
     assert bytes((66, 133, 244)) in raw
+
+
+def _two_ranks() -> dict[int, list[Span]]:
+    """A pipelined all-gather + matmul on two ranks: chunk 1's transfer beside chunk 0's
+    matmul."""
+    return {
+        rank: [Span("stream 0 comm", "c0", 0.0, 0.1 + rank * 0.05, "Allgather T6", 0),
+               Span("stream 1 comm", "c0", 0.0, 0.4, "Allgather T6", 1),
+               Span("stream 0 compute", "k1", 0.1 + rank * 0.05, 0.4, "matmul", 0),
+               Span("stream 1 compute", "k1", 0.4, 0.7, "matmul", 1),
+               Span("main compute", "k2", 0.7, 0.75, "gelu, mul")]
+        for rank in (0, 1)
+    }  # fmt: skip
+
+
+def test_the_text_timeline_names_lanes_labels_bars_and_has_a_time_axis():
+    text = render_text(_two_ranks(), width=60)
+    lines = text.splitlines()
+    names = [line.split("|")[0].strip() for line in lines[:10]]
+    assert names == [f"rank {r} {lane}" for r in (0, 1) for lane in
+                     ("main compute", "stream 0 compute", "stream 0 comm",
+                      "stream 1 compute", "stream 1 comm")]  # fmt: skip
+    row = dict(zip(names, (line.split("|")[1] for line in lines[:10]), strict=True))
+    assert row["rank 0 stream 1 comm"].startswith("c0.1===")  # a transfer, labelled
+    assert row["rank 0 stream 0 compute"].lstrip().startswith("k1.0###")  # a kernel
+    # chunk 1's transfer is drawn in the columns where chunk 0's matmul runs
+    start = row["rank 0 stream 0 compute"].index("k1.0")
+    assert row["rank 0 stream 1 comm"][start] == "="
+    assert lines[11].split()[-1] == "us" and lines[11].split()[0] == "0"  # under 1 ms: µs
+    assert "c0 Allgather T6; k1 matmul; k2 gelu, mul" in text
+
+
+def test_the_time_axis_picks_a_readable_step_and_unit():
+    ticks, unit, factor = axis_ticks(0.75)
+    assert (
+        unit == "us"
+        and factor == 1e3
+        and [round(t * 1e3) for t in ticks] == list(range(0, 701, 100))
+    )
+    ticks, unit, _ = axis_ticks(37.0)
+    assert unit == "ms" and ticks == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0, 30.0, 35.0]
+
+
+def test_the_chart_of_several_ranks_has_a_title_legend_lanes_and_an_axis():
+    png = render_png(_two_ranks(), width=600, lane_height=20, title="tp_mlp\n2 chunks")
+    width, height = struct.unpack(">II", png[16:24])
+    # two title lines, the legend, the key; ten lanes; the axis and its caption
+    assert (width, height) == (600, 4 * 16 + 4 + 10 * 20 + 2 * 16 + 8)
+    start = png.index(b"IDAT") + 4
+    length = int.from_bytes(png[start - 8 : start - 4], "big")
+    raw = zlib.decompress(png[start : start + length])
+    rows = [raw[1 + y * (1 + 3 * width) : (y + 1) * (1 + 3 * width)] for y in range(height)]
+    for color in ((66, 133, 244), (245, 145, 32)):  # kernels and communications
+        assert any(bytes(color) * 5 in row for row in rows[68:268])
+    assert any(b"\x30\x30\x30" in row for row in rows[:16])  # the title is written
+    assert any(b"\x30\x30\x30" in row for row in rows[270:])  # so are the axis labels
+
+
+def test_a_trace_of_several_ranks_has_a_process_per_rank_and_names_each_span():
+    trace = chrome_trace(_two_ranks())
+    processes = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"]
+                 if e["name"] == "process_name"}  # fmt: skip
+    assert processes == {0: "rank 0", 1: "rank 1"}
+    work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert len(work) == 10 and {e["cat"] for e in work} == {"comm", "compute"}
+    first = next(e for e in work if e["pid"] == 1 and e["name"].startswith("c0.1"))
+    assert first["name"] == "c0.1 Allgather T6" and first["args"] == {"what": "Allgather T6",
+                                                                       "chunk": 1}  # fmt: skip
+    assert first["dur"] == pytest.approx(400.0)  # µs
 
 
 # ---------------------------------------------------------------------------
