@@ -19,7 +19,8 @@ MakeInput = Callable[..., torch.Tensor]
 
 # Modules whose every test starts processes: launchers, benchmark scripts, clusters
 _PROCESS_MODULES = {
-    "test_benchmarks", "test_launch", "test_launch_cli", "test_launch_cluster", "test_ucx",
+    "test_benchmarks", "test_docs", "test_launch", "test_launch_cli", "test_launch_cluster",
+    "test_ucx",
 }  # fmt: skip
 
 
