@@ -24,6 +24,10 @@ from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range
 from sharding.pieces import local_piece
 
+# A kernel's first launch that took this long compiled it (progress says so); a shorter
+# one found it in Triton's cache and passes silently.
+COMPILED_S = 0.25
+
 
 class ComputeSteps:
     """The compute closures of one rank program (``program``: a ``RankProgram``)."""
@@ -82,8 +86,8 @@ class ComputeSteps:
             )
             if unannounced:
                 unannounced = False
-                with progress.step(f"rank {program.rank}: compiling {kernel.name} "
-                                   f"[{scheduler.name}]"):  # fmt: skip
+                with progress.step(f"rank {program.rank}: compiled {kernel.name} "
+                                   f"[{scheduler.name}]", COMPILED_S):  # fmt: skip
                     launch(inputs, targets, shapes)
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
@@ -112,7 +116,8 @@ class ComputeSteps:
             return torch.zeros(shape, dtype=storage_dtype(tensor), device=device)
 
         with progress.step(
-            f"rank {self.program.rank}: compiling {kernel.name} [{kernel.scheduler.name}]"
+            f"rank {self.program.rank}: compiled {kernel.name} [{kernel.scheduler.name}]",
+            COMPILED_S,
         ):
             launch([zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs], shapes)
             torch.cuda.synchronize(device)

@@ -2,7 +2,8 @@
 
 Off by default (a library should not print); the ``overlap`` command turns it on, and
 so does ``OVERLAP_PROGRESS=1``. ``step(what)`` wraps a step: it says when it starts and
-how long it took.
+how long it took; a kernel's compile says only how long it took, and only when it was
+not already compiled (it took a while).
 """
 
 from __future__ import annotations
@@ -27,11 +28,17 @@ def enabled() -> bool:
 
 
 @contextlib.contextmanager
-def step(what: str):
+def step(what: str, quiet_below_s: float | None = None):
+    """Say that ``what`` starts and how long it took. With ``quiet_below_s``, say only
+    how long it took, and only where it took that long: a kernel Triton had compiled
+    before (its cache) passes silently instead of repeating its line."""
     if not _enabled:
         yield
         return
     start = time.perf_counter()
-    print(f"[overlap] {what} ...", file=sys.stderr, flush=True)
+    if quiet_below_s is None:
+        print(f"[overlap] {what} ...", file=sys.stderr, flush=True)
     yield
-    print(f"[overlap] {what}: {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    took = time.perf_counter() - start
+    if quiet_below_s is None or took >= quiet_below_s:
+        print(f"[overlap] {what}: {took:.1f} s", file=sys.stderr, flush=True)
