@@ -178,7 +178,8 @@ def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, out: str = OUT) -> 
     if sizes[0] % nproc or sizes[2] % nproc:
         print(f"demo: tokens and ffn must divide by the {nproc} ranks, got {sizes}")
         return False
-    where = f"{nproc} GPUs (NCCL)" if gpu else f"{nproc} CPU processes (gloo)"
+    where = (f"{nproc} GPU{'s' if nproc > 1 else ''} (NCCL)" if gpu
+             else f"{nproc} CPU process{'es' if nproc > 1 else ''} (gloo)")  # fmt: skip
     print(f"overlap demo: tensor-parallel MLP, tokens={sizes[0]} hidden={sizes[1]} "
           f"ffn={sizes[2]} on {where}", flush=True)  # fmt: skip
     with progress.step(f"starting {nproc} ranks and running them"):
@@ -196,10 +197,11 @@ def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, out: str = OUT) -> 
     print(first["planner"])
     passed = _print_timings(results, gpu, nproc)
     _print_timeline(results, sizes, where, out)
-    if not gpu:
-        print(f"\n== what the planner would choose on {max(nproc, 2)} H200 GPUs at the GPU "
-              f"sizes {GPU_SIZES} (recorded figures; nothing run) ==")  # fmt: skip
-        print(gpu_plan(nproc))
+    if not gpu or nproc == 1:  # nothing here to pipeline: what GPUs would do
+        kind = "h100" if gpu and "H100" in torch.cuda.get_device_name() else "h200"
+        print(f"\n== what the planner would choose on {max(nproc, 2)} {kind.upper()} GPUs at "
+              f"the GPU sizes {GPU_SIZES} (recorded figures; nothing run) ==")  # fmt: skip
+        print(gpu_plan(nproc, kind))
     print("demo: " + ("PASS" if passed else "FAIL"))
     return passed
 
