@@ -42,7 +42,14 @@ from overlap.compile import CompiledProgram, compile_program
 from overlap.dtensors import as_dtensors, local_pieces
 from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import HostProgram, Transport
-from overlap.inputs import InputCheck, addresses, check_bound_extents, check_devices, check_mode
+from overlap.inputs import (
+    InputCheck,
+    addresses,
+    check_bound_extents,
+    check_devices,
+    check_mode,
+    check_same_on_every_rank,
+)
 from overlap.lowering import lower_to_host_program
 from overlap.planner import OverlapOptions, OverlapPlan
 from overlap.rank_program import RankProgram, RankSetup, rank_shape
@@ -257,8 +264,17 @@ class MultiDeviceExecutor:
     def output_layouts(self) -> list[Layout]:
         return [layout_of(t) for t in self.fusion.outputs]
 
-    def shard_inputs(self, full_inputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
-        """This rank's pieces of whole inputs (None where an input is not on this rank)."""
+    def shard_inputs(
+        self, full_inputs: Sequence[torch.Tensor], check: bool = True
+    ) -> list[torch.Tensor | None]:
+        """This rank's pieces of whole inputs (None where an input is not on this rank).
+        With several ranks, ``check`` makes sure every rank was given the same whole
+        inputs (collective: one exchange of their fingerprints; ``InputError`` on every
+        rank otherwise), since a rank cuts its piece from what it is given."""
+        if check and self.communicator is not None and self.communicator.world_size > 1:
+            names = [f"input {i} ({t.name})" for i, t in enumerate(self.fusion.inputs)]
+            exchange = self.communicator.input_check_exchange
+            check_same_on_every_rank(names, full_inputs, exchange, "shard_inputs")
         return [
             local_piece(value, tensor, self.rank)
             for value, tensor in zip(full_inputs, self.fusion.inputs, strict=True)

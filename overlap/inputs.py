@@ -27,6 +27,7 @@ the timeout expires instead of waiting with them.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -386,3 +387,36 @@ def _bind_symbols(
                 f"{bindings[extent]}"
             )
         bindings[extent] = value
+
+
+def digest(value: torch.Tensor | None) -> str | None:
+    """A whole tensor's fingerprint: its shape, dtype and a hash of its bytes (exact)."""
+    if value is None:
+        return None
+    flat = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8)
+    return (
+        f"{list(value.shape)} {value.dtype} {hashlib.blake2b(flat.numpy().tobytes()).hexdigest()}"
+    )
+
+
+def check_same_on_every_rank(
+    names: Sequence[str], values: Sequence[torch.Tensor | None], exchange: Callable, step: str
+) -> None:
+    """Every rank was given the same whole tensors ``values`` (``exchange``: the
+    communicator's input-check all-gather; one exchange of their fingerprints), else
+    every rank raises the same ``InputError`` naming the first tensor and rank that
+    differ. Each rank cuts its own piece from the whole tensors it is given: from tensors
+    that differ (unseeded random inputs or weights, say) the pieces would assemble into a
+    whole no rank was given."""
+    everyone = exchange([digest(value) for value in values])
+    for rank, other in enumerate(everyone):
+        for name, mine, theirs in zip(names, everyone[0], other, strict=True):
+            if mine != theirs:
+                raise InputError(
+                    f"{step}: the ranks were given different whole tensors: {name} differs "
+                    f"between rank 0 and rank {rank}. Each rank cuts its piece from the whole "
+                    "tensors it is given, so every rank must be given the same ones: make "
+                    "them from one seeded generator (torch.Generator().manual_seed(...), or "
+                    "torch.manual_seed before building a module), or give each rank its "
+                    "own pieces"
+                )

@@ -60,6 +60,7 @@ from fusion import ops
 from fusion.capture import Boundary, capture
 from overlap.communicator import Communicator
 from overlap.dtensors import is_dtensor, torch_placement, torch_split_differs
+from overlap.inputs import check_same_on_every_rank
 from overlap.trainable import TrainableFusion
 from sharding import DeviceMesh, Replicate, Shard, shard
 from sharding.annotate import as_placement
@@ -128,8 +129,13 @@ class ParallelModule(torch.nn.Module):
                 if name in state}  # fmt: skip
 
     def input_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
-        """This rank's pieces of whole inputs of ``forward``."""
-        rank, tensors = self.model.communicator.rank, self.model.fusion.inputs[len(self.names) :]
+        """This rank's pieces of whole inputs of ``forward`` (collective with several ranks:
+        every rank must be given the same whole inputs, see ``shard_inputs``)."""
+        communicator = self.model.communicator
+        rank, tensors = communicator.rank, self.model.fusion.inputs[len(self.names) :]
+        if communicator.world_size > 1:
+            check_same_on_every_rank([f"input {i}" for i in range(len(whole))], whole,
+                                     communicator.input_check_exchange, "input_pieces")  # fmt: skip
         return [local_piece(v, t, rank) for v, t in zip(whole, tensors, strict=True)]
 
     def output_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
@@ -215,6 +221,9 @@ def parallelize(
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from
     rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
+    if communicator.world_size > 1:  # every rank cuts its pieces from its own module
+        check_same_on_every_rank(captured.parameter_names, state[: len(captured.parameter_names)],
+                                 communicator.input_check_exchange, "parallelize")  # fmt: skip
     pieces = [local_piece(value, tensor, rank).to(device).clone()
               for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
     torch_mesh = None

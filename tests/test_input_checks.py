@@ -22,6 +22,7 @@ from fusion.errors import InputError
 from overlap.executor import MultiDeviceExecutor
 from overlap.inputs import InputChangeError, changes_seen_everywhere, check_mode, check_own_inputs
 from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding.layout import split_sizes
 
 
 def _linear(world: int, split: str) -> FusionDefinition:
@@ -215,3 +216,51 @@ def test_check_inputs_takes_the_modes_and_booleans():
     with pytest.raises(ValueError, match="check_inputs must be one of"):
         check_mode("sometimes")
     assert issubclass(InputChangeError, InputError)
+
+
+# ---------------------------------------------------------------------------
+# Whole inputs that differ between ranks: each rank would cut its piece from its own
+
+
+def unseeded_whole_inputs(communicator, check: bool):
+    """Every rank makes its whole inputs from its own unseeded (here: rank-seeded)
+    generator, as ``torch.randn`` without a seed would."""
+    world = communicator.world_size
+    fd = _linear(world, "tokens")
+    executor = MultiDeviceExecutor(fd, communicator)
+    generator = torch.Generator().manual_seed(100 + communicator.rank)
+    whole = [torch.randn(5, 6 * world, generator=generator), torch.randn(4, 6 * world)]
+    pieces = executor.shard_inputs(whole, check=check)
+    return [list(p.shape) for p in pieces]
+
+
+def seeded_whole_inputs(communicator):
+    fd = _linear(communicator.world_size, "tokens")
+    executor = MultiDeviceExecutor(fd, communicator)
+    generator = torch.Generator().manual_seed(7)
+    world = communicator.world_size
+    whole = [torch.randn(5, 6 * world, generator=generator),
+             torch.randn(4, 6 * world, generator=generator)]  # fmt: skip
+    (out,) = executor.run(executor.shard_inputs(whole))
+    expected = executor.shard_outputs(fd.execute(whole))
+    torch.testing.assert_close(out, expected[0])
+    return True
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_shard_inputs_refuses_whole_inputs_that_differ_between_ranks_on_every_rank(
+    rank_pools, world
+):
+    pool = rank_pools(world)
+    with pytest.raises(RankError) as failure:
+        pool.run(unseeded_whole_inputs, True, timeout=60)
+    assert sorted(failure.value.failures) == list(range(world)), "every rank must raise"
+    for rank, message in failure.value.messages().items():
+        assert failure.value.failures[rank][0] == "InputError", message
+        assert "input 0 (T0) differs between rank 0 and rank 1" in message, message
+        assert "one seeded generator" in message, message
+    # the same whole inputs everywhere pass, and the run matches one device
+    assert pool.run(seeded_whole_inputs, timeout=60) == [True] * world
+    # check=False cuts without asking (the caller vouches for its inputs)
+    shapes = pool.run(unseeded_whole_inputs, False, timeout=60)
+    assert [s[0] for s in shapes] == [[rows, 6 * world] for rows in split_sizes(5, world)]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from distributed import RankError
 from test_capture import RMSNorm, RotaryAttention, SwiGLU
 
 from fusion.testing import assert_close
@@ -267,3 +268,31 @@ def test_a_split_dtensor_would_cut_otherwise_is_refused_naming_the_parameter():
                        r"ranks is cut \[5, 5, 4, 4\] here but \[5, 5, 5, 3\]"):  # fmt: skip
         parallelize(SwiGLU(16, 18), [torch.randn(4, 16)], World(), {"gate": "colwise"},
                     dtensors=True)  # fmt: skip
+
+
+def unseeded_module(communicator, same_weights: bool):
+    """Every rank builds the module from its own seed (as without torch.manual_seed)."""
+    torch.manual_seed(0 if same_weights else communicator.rank)
+    module = SwiGLU(16, 8 * communicator.world_size)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1 + communicator.rank))
+    block = parallelize(module, [x], communicator, PLAN, inputs=["sequence"],
+                        outputs=["sequence"], dtensors=False)  # fmt: skip
+    block.input_pieces(x)  # the inputs differ between ranks: refused there
+
+
+@pytest.mark.parametrize("same_weights", [False, True])
+def test_weights_or_inputs_that_differ_between_ranks_are_refused_on_every_rank(
+    rank_pools, same_weights
+):
+    """Each rank cuts its parameters' pieces from its own module and its input's from
+    its own tensor: where they differ the pieces would make a module no rank built."""
+    with pytest.raises(RankError) as failure:
+        rank_pools(2).run(unseeded_module, same_weights, timeout=120)
+    assert sorted(failure.value.failures) == [0, 1], "every rank must raise"
+    # the module's first parameter is its norm's weight
+    differs = "input_pieces: ... input 0" if same_weights else "parallelize: ... norm.weight"
+    step, name = differs.split(": ... ")
+    wanted = f"{step}: the ranks were given different whole tensors: {name} differs"
+    for rank, message in failure.value.messages().items():
+        assert failure.value.failures[rank][0] == "InputError", message
+        assert wanted in message, message
