@@ -70,7 +70,8 @@ def main(communicator) -> None:
     w2 = torch.randn(HIDDEN, FFN, generator=generator) / FFN**0.5
     # ours: this rank's pieces of the weights; one device: the whole weights
     _, w1_piece, w2_piece = model.shard_inputs([torch.zeros(TOKENS, HIDDEN), w1, w2])
-    pieces = [torch.nn.Parameter(w.to(device)) for w in (w1_piece, w2_piece)]
+    # copies: a piece is a view of the whole tensor, which the optimizer would change
+    pieces = [torch.nn.Parameter(w.to(device, copy=True)) for w in (w1_piece, w2_piece)]
     whole = [torch.nn.Parameter(w.clone().to(device)) for w in (w1, w2)]
     ours_optimizer = torch.optim.AdamW(pieces, lr=1e-2, weight_decay=0.01)
     whole_optimizer = torch.optim.AdamW(whole, lr=1e-2, weight_decay=0.01)

@@ -410,7 +410,10 @@ def check_same_on_every_rank(
     whole no rank was given."""
     everyone = exchange([digest(value) for value in values])
     for rank, other in enumerate(everyone):
-        for name, mine, theirs in zip(names, everyone[0], other, strict=True):
+        if len(other) != len(everyone[0]):
+            raise InputError(f"{step}: rank 0 was given {len(everyone[0])} whole tensors, "
+                             f"rank {rank} {len(other)}")  # fmt: skip
+        for name, mine, theirs in zip(names, everyone[0], other, strict=False):
             if mine != theirs:
                 raise InputError(
                     f"{step}: the ranks were given different whole tensors: {name} differs "

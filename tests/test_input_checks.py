@@ -73,7 +73,8 @@ def _good(executor, fd, tokens: int, seed: int) -> tuple[list, list]:
     x, w = fd.fusion.inputs
     full = [torch.randn(tokens, x.shape[1], generator=generator),
             torch.randn(list(w.shape), generator=generator)]  # fmt: skip
-    return executor.shard_inputs(full), executor.shard_outputs(fd.execute(full))
+    # the ranks' whole inputs may differ on purpose here (a rank's tokens changing alone)
+    return executor.shard_inputs(full, check=False), executor.shard_outputs(fd.execute(full))
 
 
 def runs_with_and_without_exchanges(communicator, split: str, tokens: list[int]) -> dict:

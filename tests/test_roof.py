@@ -88,7 +88,8 @@ def metered_run(communicator) -> str:
     options = OverlapOptions(num_chunks=2 * communicator.world_size, transport="collective")
     fd = _ag_linear(communicator.world_size)
     executor = MultiDeviceExecutor(fd, communicator, options)
-    full = [torch.randn(list(t.shape)) for t in fd.fusion.inputs]
+    generator = torch.Generator().manual_seed(0)  # the same whole inputs on every rank
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     executor.run(executor.shard_inputs(full))
     timeline = Timeline(communicator.device)
     executor.run(executor.shard_inputs(full), timeline=timeline)

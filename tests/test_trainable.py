@@ -133,7 +133,8 @@ def changed_in_place(communicator) -> str:
     """A weight changed in place between the forward and the backward."""
     fd = BLOCKS["tp_mlp"](communicator.world_size)
     model = TrainableFusion(fd, communicator)
-    full = [torch.randn(list(t.shape)) for t in fd.fusion.inputs]
+    generator = torch.Generator().manual_seed(0)  # the same whole inputs on every rank
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     local = [piece.requires_grad_() for piece in model.shard_inputs(full)]
     (y,) = model(*local)
     with torch.no_grad():
