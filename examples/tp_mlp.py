@@ -77,8 +77,9 @@ def main(communicator) -> None:
     variants = (("sequential", sequential), ("planner's choice", executor))
     times = ", ".join(f"{name} {_ms(e, local, args.runs, device):.2f} ms" for name, e in variants)
     if rank == 0:
-        print(f"tp_mlp on {world} ranks ({device.type}): every rank's output matches one "
-              f"device; {times}", flush=True)  # fmt: skip
+        ranks = f"{world} rank{'s' if world > 1 else ''}"
+        print(f"tp_mlp on {ranks} ({device.type}): every rank's output matches one device; "
+              f"{times}", flush=True)  # fmt: skip
         print(executor.explain_overlap(), flush=True)
 
 

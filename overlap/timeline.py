@@ -213,17 +213,18 @@ def render_text(spans: list[Span] | dict[int, list[Span]], width: int = 72) -> s
     lines = []
     for (rank, lane), name in zip(rows, names, strict=True):
         cells = [" "] * width
+        bars = []
         for s in sorted(by_rank[rank], key=lambda s: s.start_ms):
-            if s.lane != lane:
-                continue
-            left, right = column(s.start_ms), max(column(s.end_ms), column(s.start_ms) + 1)
-            fill = "=" if s.communication else "#"
-            cells[left:right] = fill * (right - left)
-            room = right - left - 1  # the label, then at least one mark of its bar
-            while left + room < width and room < len(s.label) and cells[left + room] == " ":
-                room += 1  # a short bar's label runs on into the blank after it
-            if room >= len(s.label):
-                cells[left : left + len(s.label)] = s.label
+            if s.lane == lane:
+                left, right = column(s.start_ms), max(column(s.end_ms), column(s.start_ms) + 1)
+                cells[left:right] = ("=" if s.communication else "#") * (right - left)
+                bars.append((left, right, s.label))
+        for left, right, label in bars:  # inside its bar (a mark left), or on into blank
+            end_at = left + len(label)
+            if right - left > len(label) or (
+                end_at < width and all(c == " " for c in cells[right : end_at + 1])
+            ):
+                cells[left:end_at] = label
         lines.append(f"{name:<{pad}} |{''.join(cells)}|")
     ticks, unit, factor = axis_ticks(end, most=max(width // 12, 2))
     axis, marks = [" "] * (width + 12), ["-"] * width

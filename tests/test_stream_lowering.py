@@ -410,6 +410,10 @@ def test_the_text_timeline_names_lanes_labels_bars_and_has_a_time_axis():
     assert row["rank 0 stream 1 comm"][start] == "="
     assert lines[11].split()[-1] == "us" and lines[11].split()[0] == "0"  # under 1 ms: µs
     assert "c0 Allgather T6; k1 matmul; k2 gelu, mul" in text
+    # a bar shorter than its label: the label runs on into the blank after it, if any
+    short = [Span("main compute", "k5", 0.0, 0.01), Span("main compute", "k6", 0.5, 1.0)]
+    row = render_text(short, width=40).splitlines()[0].split("|")[1]
+    assert row.startswith("k5 ") and row[20:].startswith("k6##"), row
 
 
 def test_the_time_axis_picks_a_readable_step_and_unit():
