@@ -99,6 +99,10 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         variants[f"ws,programs={params.programs * 2}"] = replace(
             params, programs=params.programs * 2
         )
+        for fewer in (2, 4, 8):  # fewer programs: fewer partial rows to write and add
+            if params.programs // fewer >= 16:
+                programs = params.programs // fewer
+                variants[f"ws,programs={programs}"] = replace(params, programs=programs)
         if params.num_warps > 4:  # two programs an SM, each with fewer consumer warps
             variants[f"ws,programs={params.programs * 2},warps={params.num_warps // 2}"] = replace(
                 params, programs=params.programs * 2, num_warps=params.num_warps // 2
@@ -112,6 +116,11 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
                 variants[f"stages={stages}"] = replace(params, programs=programs, stages=stages)
         if not params.programs:
             variants[f"programs={programs}"] = replace(params, programs=programs)
+        for fewer in (2, 4):  # fewer programs: fewer partial rows to write and add
+            if programs // fewer >= 16:
+                variants[f"programs={programs // fewer}"] = replace(
+                    params, programs=programs // fewer
+                )
         if params.block_rows * params.block_columns * 2 <= 65536:
             variants["rows*2"] = replace(params, block_rows=params.block_rows * 2)
     multiwave = params.strategy != WARP_SPECIALIZED
