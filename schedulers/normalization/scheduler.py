@@ -38,7 +38,11 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     multiwave_params,
 )
-from schedulers.normalization.warp_specialized import WS_GAINS, warp_specialized_params
+from schedulers.normalization.warp_specialized import (
+    WS_GAINS,
+    warp_specialized_params,
+    ws_threshold,
+)
 from schedulers.runtime import as_bytes, cdiv, tma_descriptor
 
 
@@ -90,7 +94,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
                                           f"{chosen}): {multiwave.why}")  # fmt: skip
         walked = cdiv(rows, chosen.programs)
-        threshold = gains[len(plan.column_sums)]
+        threshold = ws_threshold(gains[len(plan.column_sums)], columns)
         if walked < threshold:
             why = (f"{walked} rows a program, fewer than the {threshold} that amortize a "
                    "warp-specialized program's weights and partial sums")  # fmt: skip

@@ -40,7 +40,21 @@ WS_OVERSHOOT = 1.25  # degenerate when the register estimate passes this times t
 # up the small win to avoid the loss; LayerNorm, whose multi-wave kernel is slower,
 # wins from 31 rows a program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at
 # 8192x1024) and ties at 8-15. No entry (the forward, other architectures): the multi-wave strategy.
-WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
+# Rows of at most 1024 columns gain sooner: RMSNorm at 8192x1024 (32 rows a program)
+# 0.38 against 0.28 warp-specialized (benchmarks/results/norms_programs_sweep.json,
+# commit 25bc35d), as at 31 rows before; with 4096 columns 32 rows still lose (0.57
+# against 0.59). A gain is a row count, or {most columns: rows} (None: any columns).
+WS_GAINS: dict[int, dict[int, int | dict[int | None, int]]] = {90: {1: {1024: 32, None: 48}, 2: 16}}
+
+
+def ws_threshold(gain: int | dict[int | None, int], columns: int) -> int:
+    """The fewest rows a program must walk for the warp-specialized kernel to gain, for
+    rows of ``columns``: a recorded gain's row count, or that of its smallest column
+    bound that holds ``columns``."""
+    if isinstance(gain, int):
+        return gain
+    bounds = sorted(bound for bound in gain if bound is not None and columns <= bound)
+    return gain[bounds[0]] if bounds else gain[None]
 
 
 def warp_specialized_params(
