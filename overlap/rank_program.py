@@ -124,6 +124,7 @@ class RankProgram:
 
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
         self.values = {}
+        self.deferred = []  # none left behind by a run that raised
         self.timeline = timeline
         for tensor, value in zip(self.fusion.inputs, local_inputs, strict=True):
             if self.holds(tensor.mesh):
