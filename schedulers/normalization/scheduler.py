@@ -94,7 +94,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
                                           f"{chosen}): {multiwave.why}")  # fmt: skip
         walked = cdiv(rows, chosen.programs)
-        threshold = ws_threshold(gains[len(plan.column_sums)], columns)
+        threshold = ws_threshold(hardware, len(plan.column_sums), columns)
         if walked < threshold:
             why = (f"{walked} rows a program, fewer than the {threshold} that amortize a "
                    "warp-specialized program's weights and partial sums")  # fmt: skip

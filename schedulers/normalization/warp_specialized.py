@@ -40,21 +40,24 @@ WS_OVERSHOOT = 1.25  # degenerate when the register estimate passes this times t
 # up the small win to avoid the loss; LayerNorm, whose multi-wave kernel is slower,
 # wins from 31 rows a program (0.58 against 0.48 at 4096x4096, 0.32 against 0.17 at
 # 8192x1024) and ties at 8-15. No entry (the forward, other architectures): the multi-wave strategy.
-# Rows of at most 1024 columns gain sooner: RMSNorm at 8192x1024 (32 rows a program)
-# 0.38 against 0.28 warp-specialized (benchmarks/results/norms_programs_sweep.json,
-# commit 25bc35d), as at 31 rows before; with 4096 columns 32 rows still lose (0.57
-# against 0.59). A gain is a row count, or {most columns: rows} (None: any columns).
-WS_GAINS: dict[int, dict[int, int | dict[int | None, int]]] = {90: {1: {1024: 32, None: 48}, 2: 16}}
+WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
+# Rows of at most this many columns gain sooner, from this many rows a program, on a
+# device whose memory moves at least this many GB/s (a device-to-device copy). RMSNorm
+# backward at 8192x1024 (32 rows a program), warp-specialized against multi-wave: on
+# H200 0.38 and 0.39 of copy against 0.28 in two runs, 0.25 against 0.27 in a third
+# (benchmarks/results/norms_programs_sweep.json, norms_threshold*.json); on H100 0.25
+# and 0.28 against 0.27 and 0.29 (norms_threshold_h100_1024.json): the H200 only.
+WS_SHORT_ROW_GAINS: dict[int, dict[int, tuple[int, int, float]]] = {90: {1: (1024, 32, 4000.0)}}
 
 
-def ws_threshold(gain: int | dict[int | None, int], columns: int) -> int:
+def ws_threshold(hardware: HardwareProfile, sums: int, columns: int) -> int | None:
     """The fewest rows a program must walk for the warp-specialized kernel to gain, for
-    rows of ``columns``: a recorded gain's row count, or that of its smallest column
-    bound that holds ``columns``."""
-    if isinstance(gain, int):
-        return gain
-    bounds = sorted(bound for bound in gain if bound is not None and columns <= bound)
-    return gain[bounds[0]] if bounds else gain[None]
+    ``sums`` column sums over rows of ``columns`` on ``hardware``; None: no gain."""
+    gain = WS_GAINS.get(hardware.arch, {}).get(sums)
+    short = WS_SHORT_ROW_GAINS.get(hardware.arch, {}).get(sums)
+    if gain is not None and short and columns <= short[0] and hardware.memory_gbps >= short[2]:
+        return short[1]
+    return gain
 
 
 def warp_specialized_params(
