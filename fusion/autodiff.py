@@ -122,10 +122,10 @@ def backward(
     differentiate with respect to (default: every floating-point input); ``saved``:
     intermediates of ``fusion`` the backward takes as inputs instead of recomputing."""
     if wrt is None:
-        wrt = [i for i, t in enumerate(fusion.inputs) if _differentiable(t)]
+        wrt = [i for i, t in enumerate(fusion.inputs) if differentiable(t)]
     for position in wrt:
         tensor = fusion.inputs[position]
-        if not _differentiable(tensor):
+        if not differentiable(tensor):
             raise DifferentiationError(
                 f"input {position} ({tensor}) is {tensor.dtype}: only floating-point inputs "
                 "of a compute type have gradients"
@@ -162,7 +162,7 @@ def backward(
         grads: dict[TensorView, TensorView] = {}
         for output in fusion.outputs:
             seed = fd.define_tensor(_shape(output), output.dtype)
-            if _differentiable(output):
+            if differentiable(output):
                 _accumulate(grads, output, seed)
         for expr in reversed(flowing):
             given = [grads.get(out) for out in expr.outputs]
@@ -170,7 +170,7 @@ def backward(
                 continue
             operand_grads = _rule(expr)(expr, mapped, given)
             for tensor, grad in zip(expr.inputs, operand_grads, strict=True):
-                if grad is not None and _differentiable(tensor):
+                if grad is not None and differentiable(tensor):
                     _accumulate(grads, tensor, _fit(grad, mapped[tensor]))
         for position in wrt:
             tensor = fusion.inputs[position]
@@ -191,7 +191,8 @@ def _read(backward_fusion: Fusion, mapped: dict, computed: set) -> list[TensorVi
     return [tensor for tensor, value in mapped.items() if tensor in computed and value in reads]
 
 
-def _differentiable(tensor: TensorView) -> bool:
+def differentiable(tensor: TensorView) -> bool:
+    """Whether ``tensor`` can have a gradient: a floating-point dtype with arithmetic."""
     return tensor.dtype.is_floating and not tensor.dtype.storage_only
 
 

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from fusion.autodiff import differentiable
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion, TensorView
 from overlap.backward import (
@@ -80,7 +81,7 @@ class TrainableFusion:
         # the policy chooses for the gradients of every floating-point input but the
         # ``frozen`` ones (buffers: a backward asked for them recomputes what it misses)
         wrt = [i for i, t in enumerate(self.fusion.inputs)
-               if t.dtype.is_floating and not t.dtype.storage_only and i not in frozen]  # fmt: skip
+               if differentiable(t) and i not in frozen]  # fmt: skip
         self.saved = saved_by_policy(self.fusion, saved, wrt) if self.policy else list(saved)
         self.executor_options = executor_options
         forward = placed_forward_with_saved(self.fusion, self.saved) if self.saved else self.fusion
