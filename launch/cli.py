@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     parser.add_argument("--version", action="version", version=f"overlap {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
-    from launch.demo import CPU_SIZES, GPU_SIZES
+    from launch.demo import CPU_SIZES, GPU_SIZES, OUT
     from overlap.dump import count
 
     demo = commands.add_parser("demo", help="the tensor-parallel MLP demo on local devices")
@@ -36,8 +36,6 @@ def main(argv: list[str] | None = None) -> int:
                           help=f"{what} (default {GPU_SIZES[index]} on GPUs, "
                           f"{CPU_SIZES[index]} on CPUs)")  # fmt: skip
     demo.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
-    from launch.demo import OUT
-
     demo.add_argument("--out", default=OUT,
                       help=f"folder for the timeline chart and trace (default {OUT})")  # fmt: skip
     run = commands.add_parser("run", help="run a script's main(communicator) on N ranks")

@@ -15,6 +15,7 @@ processes have little to gain from overlap.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import time
@@ -78,7 +79,7 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
     world, device, rank = communicator.world_size, communicator.device, communicator.rank
 
     def step(what: str):  # rank 0 speaks for all
-        return progress.step(what) if rank == 0 else _quiet()
+        return progress.step(what) if rank == 0 else contextlib.nullcontext()
 
     fd = build_tp_mlp(tokens, hidden, ffn, world)
     whole = whole_inputs(tokens, hidden, ffn)
@@ -92,8 +93,9 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
     # the planner's choice times under its own name only where it is a program of its own
     same = {str(runs[n].program): n for n in ("sequential", "overlapped")}
     chosen_is = same.get(str(runs["planner's choice"].program))
-    local = runs["sequential"].shard_inputs([t.to(device) for t in whole])
-    expected = runs["sequential"].shard_outputs(fd.execute([t.to(device) for t in whole]))
+    whole = [t.to(device) for t in whole]
+    local = runs["sequential"].shard_inputs(whole)
+    expected = runs["sequential"].shard_outputs(fd.execute(whole))
     result = {"device": str(device), "world": world, "checks": {}, "ms": {}, "same": chosen_is}
     with step("compiling, and checking every program against one device"):
         for name, executor in runs.items():
@@ -121,10 +123,10 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
             timeline = Timeline(device)
             runs["overlapped"].run(local, timeline=timeline)
             spans = timeline.spans()
-            recorded.append((max(s.end_ms for s in spans), spans, timeline))
+            recorded.append((max(s.end_ms for s in spans), spans))
         recorded.sort(key=lambda entry: entry[0])
-        _, result["spans"], timeline = recorded[len(recorded) // 2]
-    result["roof"] = _beside(runs["overlapped"], timeline)
+        _, result["spans"] = recorded[len(recorded) // 2]
+    result["roof"] = _beside(runs["overlapped"], result["spans"])
     if rank == 0:
         result["fusion"] = str(fd)
         result["communications"] = [str(c) for c in runs["sequential"].communications]
@@ -133,20 +135,12 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
     return result
 
 
-class _quiet:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _beside(executor, timeline) -> list[str]:
+def _beside(executor, spans) -> list[str]:
     """Per pattern: how much of its communication ran while one of its matmuls did."""
     from overlap.roof import measure
 
     lines = []
-    for meter in measure(executor.overlap, executor.program, timeline.spans()):
+    for meter in measure(executor.overlap, executor.program, spans):
         share = meter.overlapped_ms / meter.comm_ms if meter.comm_ms else 0.0
         lines.append(f"{meter.decision.pattern}: {meter.overlapped_ms:.2f} of its "
                      f"{meter.comm_ms:.2f} ms of communication ran beside a matmul "
