@@ -114,8 +114,7 @@ class Timeline:
         return chrome_trace({rank: self.spans()})
 
     def write_chrome_trace(self, path: str, rank: int = 0) -> None:
-        with open(path, "w") as file:
-            json.dump(self.chrome_trace(rank), file)
+        write_chrome_trace(path, {rank: self.spans()})
 
     def write_png(
         self, path: str, width: int = 1200, lane_height: int = 28, title: str = ""
@@ -141,8 +140,14 @@ def _lanes(by_rank: dict[int, list[Span]]) -> list[tuple[int, str]]:
             for lane in sorted({s.lane for s in spans}, key=order)]  # fmt: skip
 
 
-def _lane_name(rank: int, lane: str, ranks: int) -> str:
-    return f"rank {rank} {lane}" if ranks > 1 else lane
+def _chart(spans: list[Span] | dict[int, list[Span]]) -> tuple[dict, list, list[str], float]:
+    """What a chart draws: the spans by rank, the (rank, lane) rows, their names (the
+    rank named where there are several) and the last span's end (ms)."""
+    by_rank = _by_rank(spans)
+    rows = _lanes(by_rank)
+    names = [f"rank {rank} {lane}" if len(by_rank) > 1 else lane for rank, lane in rows]
+    end = max((s.end_ms for spans_ in by_rank.values() for s in spans_), default=1.0) or 1.0
+    return by_rank, rows, names, end
 
 
 def chrome_trace(spans: list[Span] | dict[int, list[Span]]) -> dict:
@@ -199,12 +204,9 @@ def render_text(spans: list[Span] | dict[int, list[Span]], width: int = 72) -> s
     ``=`` where a communication was in flight, each bar starting with its label (running
     on into the blank after a short bar, where there is room), a time axis under it, and
     a key naming what each instruction does."""
-    by_rank = _by_rank(spans)
-    rows = _lanes(by_rank)
+    by_rank, rows, names, end = _chart(spans)
     if not rows:
         return "(no spans recorded)"
-    end = max(s.end_ms for spans_ in by_rank.values() for s in spans_) or 1.0
-    names = [_lane_name(rank, lane, len(by_rank)) for rank, lane in rows]
     pad = max(len(n) for n in names)
 
     def column(ms: float) -> int:
@@ -323,9 +325,7 @@ def render_png(
     """PNG bytes of the chart: the ``title`` (lines), a legend, a row per (rank, lane)
     named on the left, a bar per span labelled with its instruction and chunk where it
     fits, and a time axis with ticks in µs or ms under it."""
-    by_rank = _by_rank(spans)
-    rows = _lanes(by_rank)
-    names = [_lane_name(rank, lane, len(by_rank)) for rank, lane in rows]
+    by_rank, rows, names, end = _chart(spans)
     titles = [line for line in title.split("\n") if line]
     label_width = max((len(n) for n in names), default=0) * _CHAR + 2 * _SCALE
     if label_width > width // 3:
@@ -337,7 +337,6 @@ def render_png(
     axis = 2 * _LINE + 8 if labels else 0
     chart_left, chart_width = label_width + _SCALE, width - label_width - 3 * _SCALE
     canvas = _Canvas(width, header + max(len(rows), 1) * lane_height + axis)
-    end = max((s.end_ms for spans_ in by_rank.values() for s in spans_), default=1.0) or 1.0
 
     def x(ms: float) -> int:
         return chart_left + int(ms / end * (chart_width - 1))
