@@ -40,7 +40,6 @@ import test_parallelize as parallel  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
 import test_trainable as trainable  # noqa: E402
 
-from launch.env import leave  # noqa: E402
 from overlap.communicator import Communicator  # noqa: E402
 
 
@@ -155,7 +154,7 @@ def main() -> None:
             }
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    leave(1 if failures else 0)  # the process groups destroyed, no interpreter finalization
+    sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

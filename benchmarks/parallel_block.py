@@ -53,7 +53,6 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
 from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
-from launch.env import leave  # noqa: E402
 from overlap.parallelize import parallelize  # noqa: E402
 
 TOLERANCE = 2.0  # a variant's worst error over eager bf16's
@@ -255,7 +254,6 @@ def main() -> None:
                   f"{row['max_error']:14.4f}")  # fmt: skip
         if not args.smoke:
             write_results(args.out, device, 0.0, rows)
-    leave(0)  # the process groups destroyed, no interpreter finalization
 
 
 if __name__ == "__main__":

@@ -6,9 +6,9 @@ the script's ``main(communicator)`` with ``sys.argv`` set to the script and its 
 A rank whose ``main`` raises prints its traceback, aborts its communicators and exits 1
 at once (``launch.failfast``); the launcher then stops the others.
 
-A rank whose ``main`` returns leaves with ``launch.env.leave(0)``: its process groups
-destroyed, its output flushed, then ``os._exit`` (the interpreter's finalization after
-a distributed run aborted now and then); ``atexit`` handlers of the script do not run.
+A rank whose ``main`` returns exits 0 as any Python program does (its ``atexit``
+handlers run); the ``Communicator`` destroys the process groups at exit, before the
+interpreter finalizes (``overlap.communicator``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 
 from launch import failfast
-from launch.env import init, leave
+from launch.env import init
 from launch.script import load_script
 
 
@@ -37,7 +37,7 @@ def main() -> int:
         # never a graceful teardown here: on NCCL it waits for the peers, which wait in
         # their next collective for this rank
         failfast.fail(1)
-    leave(0)
+    return 0
 
 
 if __name__ == "__main__":

@@ -106,20 +106,3 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
 
         failfast.install()
     return Communicator.initialize(backend, timeout_s, device, env.rank, env.world_size)
-
-
-def leave(code: int = 0) -> None:
-    """End a distributed process that finished: destroy its process groups, flush its
-    output and logging, and exit at once with ``code`` (``os._exit``, as
-    ``multiprocessing``'s children do); ``atexit`` handlers do not run. Nothing of the
-    interpreter's finalization is left to go wrong after a distributed run (the
-    ``Communicator`` also destroys the groups at exit: see ``overlap.communicator``)."""
-    import logging
-    import sys
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
