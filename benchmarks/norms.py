@@ -38,6 +38,7 @@ from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.normalization import (  # noqa: E402
     MULTIWAVE,
+    SPLIT,
     WARP_SPECIALIZED,
     NormalizationParams,
 )
@@ -89,6 +90,24 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     if not isinstance(params, NormalizationParams):
         return {}
     variants = {}
+    if params.strategy == SPLIT:  # more or fewer programs a row, warps, rows, prefetch
+        for parts in (params.parts // 2, params.parts * 2):
+            if parts >= 2:
+                width = params.block_columns * params.parts // parts
+                variants[f"split,parts={parts}"] = replace(
+                    params,
+                    parts=parts,
+                    block_columns=width,
+                    num_warps=max(1, min(16, params.num_warps * params.parts // parts)),
+                )
+        for warps in (params.num_warps // 2, params.num_warps * 2):
+            if 1 <= warps <= 16:
+                variants[f"split,warps={warps}"] = replace(params, num_warps=warps)
+        variants["split,rows=2"] = replace(params, block_rows=2)
+        variants["split,rows=4"] = replace(params, block_rows=4)
+        if params.prefetch:
+            variants["split,no prefetch"] = replace(params, prefetch=False)
+        return variants
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours
         for stages in (2, 3, 4):
             if stages != params.stages:
@@ -203,6 +222,7 @@ def main() -> None:
             for provider, strategy in (
                 ("ours_ws", WARP_SPECIALIZED),
                 ("ours_multiwave", MULTIWAVE),
+                ("ours_split", SPLIT),
             ):
                 variant = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke,
                                               kernel_params={"k0": strategy})  # fmt: skip

@@ -1,6 +1,7 @@
 """Helpers every scheduler shares at plan and launch time: sizes rounded to powers of
-two, grid sizes, and how tensors are handed to a kernel (fp8 and fp4 as bytes, TMA
-tensor descriptors).
+two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes, TMA
+tensor descriptors), how many programs a device holds at once, and the interpreter
+running a launch's programs concurrently.
 
 Nothing here imports Triton at module level: importing Triton before
 ``TRITON_INTERPRET`` is set (the tests set it at collection) would leave the
@@ -8,6 +9,11 @@ interpreter unable to run Triton's own jit functions.
 """
 
 from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import threading
 
 import torch
 
@@ -44,3 +50,99 @@ def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int]
     if tensor.data_ptr() % 16:
         tensor = tensor.clone()
     return TensorDescriptor(tensor, [rows, columns], [columns, 1], box)
+
+
+def resident_programs(compiled, hardware) -> int:
+    """How many programs of the ``compiled`` Triton kernel a device of ``hardware``
+    holds at once (every SM as many as its registers, threads and shared memory
+    allow): a grid of programs that wait for each other must not be larger."""
+    compiled._init_handles()  # registers are read when the kernel loads
+    warps = compiled.metadata.num_warps
+    threads = warps * hardware.warp_size
+    # registers are allocated a warp at a time, in units of 256
+    per_warp = cdiv(max(compiled.n_regs, 1) * hardware.warp_size, 256) * 256
+    by_registers = hardware.registers_per_sm // (per_warp * warps)
+    by_threads = hardware.max_threads_per_sm // threads
+    shared = compiled.metadata.shared
+    by_shared = (hardware.smem_per_block_bits // 8 + 1024) // (shared + 1024) if shared else 32
+    return hardware.sm_count * max(0, min(by_registers, by_threads, by_shared, 32))
+
+
+@contextlib.contextmanager
+def concurrent_programs():
+    """Within it, Triton's interpreter runs a launch's programs each in a thread of its
+    own, all at once, instead of one after the other: programs that wait for each
+    other (a split normalization row's) then finish, as on a GPU. It reaches into the
+    interpreter (``triton.runtime.interpreter``, Triton 3.6): where that has changed
+    it raises ``RuntimeError`` rather than let such a launch wait forever."""
+    import triton.runtime.interpreter as interpreter  # see the module's docstring
+
+    builder = getattr(interpreter, "interpreter_builder", None)
+    executor = getattr(interpreter, "GridExecutor", None)
+    needed = ("_init_args_hst", "_restore_args_dev", "constexprs", "fn", "grid")
+    present = [hasattr(interpreter, name) for name in ("_patch_lang", "_implicit_cvt")]
+    if builder is None or executor is None or not all(present):
+        raise RuntimeError(
+            "this Triton's interpreter cannot run programs concurrently: run a split "
+            "normalization on a GPU, or force another strategy"
+        )
+    with _CONCURRENT_LOCK:
+        local = threading.local()
+        plain_class, plain_call = type(builder), executor.__call__
+
+        class Concurrent(plain_class):
+            grid_idx = property(lambda self: getattr(local, "index", None),
+                                lambda self, value: setattr(local, "index", value))  # fmt: skip
+
+        def call(self, *args_dev, **kwargs):
+            missing = [name for name in needed if not hasattr(self, name)]
+            if missing:
+                raise RuntimeError(f"Triton's GridExecutor lacks {missing}")
+            spec = inspect.getfullargspec(self.fn)
+            kwargs = {k: v for k, v in kwargs.items() if k in spec.args}
+            args_hst, kwargs_hst = self._init_args_hst(args_dev, kwargs)
+            patched = interpreter._patch_lang(self.fn)
+            failures: list[BaseException] = []
+            try:
+                args = inspect.getcallargs(self.fn, *args_hst, **kwargs_hst)
+                args = {name: value if name in self.constexprs else interpreter._implicit_cvt(value)
+                        for name, value in args.items()}  # fmt: skip
+                grid = self.grid(args) if callable(self.grid) else self.grid
+                grid = (*grid, *(1,) * (3 - len(grid)))
+                builder.set_grid_dim(*grid)
+
+                def program(index):
+                    try:
+                        builder.set_grid_idx(*index)
+                        self.fn(**args)
+                    except BaseException as error:  # noqa: BLE001 - re-raised below
+                        failures.append(error)
+
+                threads = [threading.Thread(target=program, args=(index,), daemon=True)
+                           for index in itertools.product(*map(range, grid))]  # fmt: skip
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join(CONCURRENT_TIMEOUT_S)
+                    if thread.is_alive():
+                        raise TimeoutError(
+                            f"a program of {self.fn.__name__} did not finish in "
+                            f"{CONCURRENT_TIMEOUT_S} s under the interpreter"
+                        )
+            finally:
+                patched.restore()
+            if failures:
+                raise failures[0]
+            self._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
+
+        builder.__class__ = Concurrent
+        executor.__call__ = call
+        try:
+            yield
+        finally:
+            builder.__class__ = plain_class
+            executor.__call__ = plain_call
+
+
+CONCURRENT_TIMEOUT_S = 300  # a program under concurrent_programs, at most
+_CONCURRENT_LOCK = threading.Lock()

@@ -21,6 +21,7 @@ from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.hardware import B200, H100, H200, INTERPRETER  # noqa: E402
 from schedulers.normalization import (  # noqa: E402
     MULTIWAVE,
+    SPLIT,
     WARP_SPECIALIZED,
     WS_GAINS,
     NormalizationParams,
@@ -151,8 +152,9 @@ def _plan(name: str, n: int, dtype: str = "bfloat16"):
     ],
 )
 def test_heuristics_on_h200(name, n, persistent, warps, values):
+    """The multi-wave strategy's (forced: automatically, rows that do not fit are split)."""
     scheduler, plan = _plan(name, n)
-    params = scheduler.heuristics(plan, H200, [32768, n])
+    params = scheduler.heuristics(plan, H200, [32768, n], MULTIWAVE)
     assert params.persistent is persistent and params.num_warps == warps, params
     if persistent:
         assert params.block_columns >= n and params.programs == 0
@@ -172,8 +174,8 @@ def test_more_buffered_inputs_leave_the_registers_sooner():
     forward = _plan("rmsnorm_fwd", 24576)
     backward = _plan("rmsnorm_bwd", 24576)
     assert forward[1].buffers == 1 and backward[1].buffers == 2
-    f = forward[0].heuristics(forward[1], H100, [4096, 24576])
-    b = backward[0].heuristics(backward[1], H100, [4096, 24576])
+    f = forward[0].heuristics(forward[1], H100, [4096, 24576], MULTIWAVE)
+    b = backward[0].heuristics(backward[1], H100, [4096, 24576], MULTIWAVE)
     assert f.persistent and not b.persistent, (f, b)
     assert "2 buffered inputs" in b.why and b.programs >= H100.sm_count
 
@@ -312,8 +314,9 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_bwd", 1024, 4096, MULTIWAVE, "16 rows a program, fewer than the 32"),
         ("layernorm_bwd", 1024, 2048, MULTIWAVE, "8 rows a program, fewer than the 16"),
         ("layernorm_bwd", 4096, 4096, WARP_SPECIALIZED, "32 rows a program, at least 16"),
-        ("layernorm_bwd", 65536, 4096, MULTIWAVE, "fell back: degenerate: one stage"),
-        ("layernorm_bwd", 16384, 8192, MULTIWAVE, "fell back: degenerate: about 168 registers"),
+        ("layernorm_bwd", 65536, 4096, SPLIT, "fell back: degenerate: one stage"),
+        ("layernorm_bwd", 16384, 8192, SPLIT, "fell back: degenerate: about 168 registers"),
+        ("rmsnorm_fwd", 65536, 4096, SPLIT, "the row split over 8 programs of 8192 columns"),
         ("rmsnorm_fwd", 4096, 32768, MULTIWAVE, "no warp-specialized gain recorded"),
     ],
 )
@@ -321,7 +324,8 @@ def test_the_automatic_choice_on_h200(name, n, rows, strategy, reason):
     scheduler, plan = _plan(name, n)
     params = scheduler.heuristics(plan, H200, [rows, n])
     assert params.strategy == strategy and reason in params.why, params
-    assert params.why.startswith("warp-specialized" if strategy == WARP_SPECIALIZED else "multi")
+    start = {WARP_SPECIALIZED: "warp-specialized", MULTIWAVE: "multi", SPLIT: "split"}[strategy]
+    assert params.why.startswith(start)
 
 
 def test_short_rows_gain_sooner_on_the_h200_only():
@@ -374,9 +378,10 @@ def test_a_forced_warp_specialized_kernel_says_why_it_cannot_be(name, n, profile
     scheduler, plan = _plan(name, n)
     with pytest.raises(NotSchedulable, match=reason):
         scheduler.heuristics(plan, profile, [8192, n], WARP_SPECIALIZED)
-    # automatically, the same case falls back to the multi-wave kernel and says why
+    # automatically, the same case falls back to the multi-wave kernel (or, where its
+    # row does not fit, to the split one) and says why
     params = scheduler.heuristics(plan, profile, [8192, n])
-    assert params.strategy == MULTIWAVE
+    assert params.strategy == (SPLIT if n > 8192 and profile.arch == 90 else MULTIWAVE)
     if profile.arch == 90 and reason.startswith("degenerate"):
         assert f"fell back: {reason}" in params.why, params.why
 
@@ -389,7 +394,9 @@ def test_other_architectures_keep_the_multi_wave_kernel():
 
 def test_the_executor_checks_strategy_names_before_running():
     fd = BUILDERS["rmsnorm_bwd"](64, "bfloat16")
-    with pytest.raises(ValueError, match="strategies are \\['multiwave', 'warp_specialized'\\]"):
+    with pytest.raises(
+        ValueError, match="strategies are \\['multiwave', 'warp_specialized', 'split'\\]"
+    ):
         MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": "fastest"})
     with pytest.raises(ValueError, match="no generated kernel 'k9'"):
         MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k9": MULTIWAVE})
@@ -416,3 +423,166 @@ def test_rows_of_one_column_and_more_rows_than_a_warp_has_threads(name):
     fd, inputs, outputs, _ = _run(name, 1, "float32", rows=64)
     for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
         assert_close(actual, expected, reduction_extent=64)
+
+
+# -- the split strategy -----------------------------------------------------------------
+
+
+def _split_grid() -> list[tuple[str, int, str]]:
+    """Every op over the issue's hidden sizes, bf16, and float32 and float16 at 1000."""
+    names = ["softmax_fwd", "rmsnorm_fwd", "layernorm_fwd", "softmax_bwd", "rmsnorm_bwd",
+             "layernorm_bwd"]  # fmt: skip
+    cases = [(name, n, "bfloat16") for name in names for n in HIDDEN]
+    cases += [(name, 1000, dtype) for name in names for dtype in ("float32", "float16")]
+    return [
+        pytest.param(*case, marks=pytest.mark.slow) if case[1] >= LARGE else case for case in cases
+    ]
+
+
+@pytest.mark.parametrize(("name", "n", "dtype"), _split_grid())
+def test_the_split_kernel_matches_the_reference(name, n, dtype):
+    """Forced: a row split over programs (2; 4 at 24576, 8 at 65536) that exchange their
+    partial reductions; the interpreter runs a launch's programs concurrently (they wait
+    for each other), two groups of them walking 5 rows. Every output, the column sums
+    against float64 arithmetic."""
+    rows = 5
+    KERNEL_CACHE.clear()
+    fd = BUILDERS[name](n, dtype)
+    generator = torch.Generator().manual_seed(rows + n)
+    inputs = make_inputs(name, rows, n, DTYPES[dtype], "cpu", generator)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": SPLIT})
+    outputs = executor.run(inputs)
+    expected = fd.execute(inputs)
+    if name in ("rmsnorm_bwd", "layernorm_bwd"):
+        assert_close(outputs[0], expected[0], reduction_extent=n)
+        exact = _weight_gradients_in_float64(name, inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
+    else:
+        for actual, value in zip(outputs, expected, strict=True):
+            assert_close(actual, value, reduction_extent=n)
+    params = executor.chosen_params["k0"]
+    assert params.strategy == SPLIT and params.parts == max(
+        2, -(-n // 8192) if n < LARGE else {24576: 4, 65536: 8}[n]
+    ), params
+    (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert "split over programs exchanging partial reductions" in source
+    assert "tl.atomic_xchg(" in source and "volatile=True" in source
+
+
+def test_a_split_row_with_two_rows_a_block_and_no_prefetch():
+    """Other params than the heuristics': two rows a block (their partials exchanged
+    together), 4 programs a row, no prefetch, a grid capped at 2 groups: 11 rows."""
+    params = NormalizationParams(2, 256, 2, True, programs=8, strategy=SPLIT,
+                                 column_registers=True, parts=4)  # fmt: skip
+    for name in ("layernorm_bwd", "softmax_fwd"):
+        fd, inputs, outputs, executor = _run(name, 1000, "bfloat16", rows=11, params=params)
+        expected = fd.execute(inputs)
+        assert_close(outputs[0], expected[0], reduction_extent=1000)
+        if name == "layernorm_bwd":
+            exact = _weight_gradients_in_float64(name, inputs)
+            for actual, wanted in zip(outputs[1:], exact, strict=True):
+                assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+
+
+def test_the_split_kernel_is_reused_across_batch_sizes():
+    fd = BUILDERS["rmsnorm_bwd"](1000, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": SPLIT})
+    generator = torch.Generator().manual_seed(4)
+    KERNEL_CACHE.clear()
+    for rows in (1, 3, 8):
+        inputs = make_inputs("rmsnorm_bwd", rows, 1000, torch.bfloat16, "cpu", generator)
+        outputs = executor.run(inputs)
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+    assert KERNEL_CACHE.compilations == 2, KERNEL_CACHE.sources()  # and the combining one
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "rows", "parts", "warps"),
+    [
+        ("rmsnorm_fwd", 65536, 4096, 8, 8),
+        ("rmsnorm_bwd", 65536, 4096, 8, 8),
+        ("layernorm_fwd", 65536, 4096, 8, 8),
+        ("layernorm_bwd", 65536, 4096, 8, 8),
+        ("layernorm_bwd", 16384, 8192, 2, 8),
+        ("rmsnorm_bwd", 24576, 4096, 4, 8),  # 6144 columns a program, padded to 8192
+    ],
+)
+def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps):
+    """Where the multi-wave kernel would walk the row in chunks (and the warp-specialized
+    one is degenerate), H100 and H200 split it, a program per 8192 columns, 8 warps,
+    prefetching, as many programs as the device holds; the interpreter keeps the
+    chunks (its programs would run one at a time), as do rows that fit."""
+    scheduler, plan = _plan(name, n)
+    for profile in (H100, H200):
+        params = scheduler.heuristics(plan, profile, [rows, n])
+        assert params.strategy == SPLIT and params.parts == parts, params
+        assert params.num_warps == warps and params.prefetch and params.programs == 0
+        assert params.block_columns * parts >= n and "[instead of " in params.why
+    interpreted = scheduler.heuristics(plan, INTERPRETER, [rows, n])
+    assert interpreted.strategy == MULTIWAVE and not interpreted.persistent
+    fitting = scheduler.heuristics(plan, H200, [rows, 4096])
+    assert fitting.strategy != SPLIT
+
+
+def test_rmsnorm_backward_at_16384_keeps_the_warp_specialized_kernel():
+    """Its row and weights fit a warp-specialized program (0.73-0.84 of copy, as the
+    split one measured): no split there."""
+    scheduler, plan = _plan("rmsnorm_bwd", 16384)
+    assert scheduler.heuristics(plan, H200, [8192, 16384]).strategy == WARP_SPECIALIZED
+
+
+@pytest.mark.parametrize(
+    ("dtype", "reason"),
+    [("float64", "integer and float64 reductions are not split")],
+)
+def test_a_forced_split_says_why_it_cannot_be(dtype, reason):
+    """Its exchange carries float32 partials: a float64 row sum is refused."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 64], dtype)
+        fd.add_output(x - fd.ops.sum(x, dims=[1], keepdim=True))
+    (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    scheduler, plan = group.scheduler, group.plan
+    with pytest.raises(NotSchedulable, match=reason):
+        scheduler.heuristics(plan, H200, [8, 64], SPLIT)
+    scheduler, plan = _plan("rmsnorm_fwd", 1000)
+    with pytest.raises(NotSchedulable, match="needs sm_70 or later"):
+        scheduler.heuristics(plan, replace_arch(H100, 60), [8, 1000], SPLIT)
+
+
+class _Compiled:
+    """What ``resident_programs`` reads of a compiled Triton kernel."""
+
+    def __init__(self, registers: int, warps: int, shared: int) -> None:
+        self.n_regs, self.metadata = (
+            registers,
+            dataclasses.make_dataclass("Metadata", ["num_warps", "shared"])(warps, shared),
+        )
+
+    def _init_handles(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    ("registers", "warps", "shared", "per_sm"),
+    [
+        (228, 8, 0, 1),  # 228 -> 232 registers a thread: 59392 a block of 8 warps
+        (112, 8, 0, 2),
+        (60, 8, 0, 4),
+        (32, 4, 0, 16),  # by threads: 2048 / 128
+        (32, 4, 100 * 1024, 2),  # by shared memory: 228 KiB
+        (255, 16, 0, 0),  # 16 warps of 256 registers overflow the SM: none fit
+    ],
+)
+def test_resident_programs_on_an_h100(registers, warps, shared, per_sm):
+    from schedulers.runtime import resident_programs
+
+    assert resident_programs(_Compiled(registers, warps, shared), H100) == 132 * per_sm
+
+
+def test_a_device_that_cannot_hold_a_row_s_programs_refuses_before_launching():
+    """A grid capped below the programs a row needs would wait forever: refused."""
+    params = NormalizationParams(1, 256, 2, True, programs=2, strategy=SPLIT,
+                                 column_registers=True, parts=4)  # fmt: skip
+    with pytest.raises(RuntimeError, match="fewer than the 4 that share a row"):
+        _run("rmsnorm_fwd", 1000, "bfloat16", params=params)

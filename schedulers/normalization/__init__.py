@@ -33,6 +33,7 @@ strategies, and its launcher).
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
+    SPLIT,
     STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
@@ -42,6 +43,7 @@ from schedulers.normalization.warp_specialized import WS_GAINS
 
 __all__ = [
     "MULTIWAVE",
+    "SPLIT",
     "STRATEGIES",
     "WARP_SPECIALIZED",
     "WS_GAINS",

@@ -24,7 +24,7 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.heuristics import WARP_SPECIALIZED, NormalizationParams
+from schedulers.normalization.heuristics import SPLIT, WARP_SPECIALIZED, NormalizationParams
 
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
 COMBINE_PARTS = 256  # and partial rows it adds per step
@@ -36,7 +36,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
     targets = [f"out{i}" for i in range(len(plan.outputs))]
     persistent = params.persistent
-    walking = persistent and params.programs > 0  # a fixed grid walks persistent rows
+    split = params.strategy == SPLIT  # programs of a row exchange partial reductions
+    if split and not (persistent and params.column_registers):
+        raise ValueError(f"{params}: a split row is persistent, its weights in registers")
+    # a fixed grid walks persistent rows (a split row's: as many as the device holds)
+    walking = persistent and (params.programs > 0 or split)
     specialized = params.strategy == WARP_SPECIALIZED
     if specialized and not walking:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
@@ -50,16 +54,23 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
     outer.line("row_mask = rows < row_count")
     row_cache: dict[TensorView, Value] = {}
-    generator = _Generator(plan, pointers, outer, row_cache, tiles)
+    generator = _Generator(plan, pointers, outer, row_cache, tiles, split)
     early = outer.nested()  # before the walk: weights kept in registers
+    start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
+    if split:
+        early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
+        early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
+        early.line("groups = tl.num_programs(0) // PARTS")
     if params.column_registers:
-        generator.columns(early, "0", rows=False)
+        generator.columns(early, start, rows=False)
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
                 generator.value(_Step(early, row_cache), tensor)
     if persistent:
-        generator.columns(outer, "0")
+        generator.columns(outer, start)
         step = _Step(outer, row_cache)  # one step: everything shares one cache
+        if split:
+            generator.exchange_step(early, step, params.prefetch)
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
         if persistent:
@@ -94,10 +105,13 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                 before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
                 body.emit.line(f"colsum{i} = colsum{i} + {column}")
                 after.append(
+                    f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
+                    f"colsum{i}, mask=col_mask)"
+                    if split else
                     f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
                     "+ tl.arange(0, BLOCK_COLUMNS), "
                     f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
-                )
+                )  # fmt: skip
             else:  # its row of partial sums, in memory (zeroed before the launch)
                 row = body.emit.assign(
                     f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p"
@@ -112,16 +126,18 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         if plan.kinds[tensor] != "row":
             continue
         value = generator.value(_Step(outer, row_cache), tensor)
-        outer.line(
-            f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, mask=row_mask[:, None])"
-        )
+        mask = "row_mask[:, None] & (part == 0)" if split else "row_mask[:, None]"
+        outer.line(f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, mask={mask})")
     comment = (
         f"# normalization: {len(plan.reductions)} reductions in {plan.depth} levels, "
         f"{'persistent' if persistent else 'chunked'}"
         + (", warp-specialized (TMA tiles)" if specialized else "")
+        + (", split over programs exchanging partial reductions" if split else "")
     )
-    if params.programs:  # a fixed grid walks the row blocks
+    if params.programs or split:  # a fixed grid walks the row blocks
         blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
+        if split:  # the programs of a group walk the same rows
+            blocks = "group, tl.cdiv(row_count, BLOCK_ROWS), groups"
         if (params.stages > 1 or specialized) and persistent:
             options = f", num_stages={params.stages}"
             options += ", warp_specialize=True" if specialized else ""
@@ -134,8 +150,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
         lines = ["row_block = tl.program_id(0)", *outer.lines]
-    arguments = [*pointers.values(), *targets, *partials]
-    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS"]
+    arguments = [*pointers.values(), *targets, *partials, *(["slots"] if split else [])]
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
     return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
                          comment)  # fmt: skip
 
@@ -164,8 +180,18 @@ def combine_source(plan: NormalizationPlan, index: int) -> str:
 def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int) -> dict[str, int]:
     """The normalization kernel's ``tl.constexpr`` arguments: the reduced extent
     ``columns`` (the kernel is specialized on it) and the tile."""
-    return {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
-            "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
+    values = {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
+              "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
+    if params.strategy == SPLIT:
+        values["PARTS"] = params.parts
+    return values
+
+
+def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
+    """The int64 slots a split row's programs exchange partial reductions through:
+    a group's, two rows' worth (a program is at most one row ahead of the others),
+    a slot per reduction, program and row of the block."""
+    return groups * 2 * len(plan.levels) * params.parts * params.block_rows
 
 
 def combine_constants(columns: int) -> dict[str, int]:
@@ -186,10 +212,65 @@ class _Generator:
     """Emits a normalization kernel's values: full and column values in a step, row
     values (reductions and what follows from them) once, outside any loop."""
 
-    def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset()) -> None:
+    def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset(),
+                 split: bool = False) -> None:  # fmt: skip
         self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
+        self.split = split  # partial reductions exchanged with the row's other programs
+        self.exchanged = 0  # reductions exchanged so far: the next one's slot
+
+    # A split row: its inputs prefetched, its partial reductions exchanged.
+    def exchange_step(self, early: Emitter, step: _Step, prefetch: bool) -> None:
+        """The walk's per-row names of the exchange and, with ``prefetch``, the full
+        inputs of this row taken from the loads the previous row issued (the first
+        row's before the walk), the next row's issued at once."""
+        emit = step.emit
+        emit.line("xj = (row_block - group) // groups")  # this group's row count so far
+        emit.line("xtag = tl.cast(xj + 1, tl.int64)")  # marks this row's slots
+        emit.line("xlanes = tl.arange(0, BLOCK_ROWS)")
+        emit.line("xidx = tl.arange(0, PARTS)[:, None] * BLOCK_ROWS + xlanes[None, :]")
+        if not prefetch:
+            return
+        early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+        early.line("first_mask = (first < row_count)[:, None] & col_mask[None, :]")
+        emit.line("ahead = (pid + groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+        emit.line("ahead_mask = (ahead < row_count)[:, None] & col_mask[None, :]")
+        for tensor, pointer in self.pointers.items():
+            if self.plan.kinds[tensor] != "full":
+                continue
+            name = emit.fresh("ahead")
+            early.line(f"{name} = tl.load({pointer} + (first[:, None] * COLUMNS + "
+                       "cols[None, :]), mask=first_mask, other=0)")  # fmt: skip
+            raw = emit.assign(name, "raw")
+            emit.line(f"{name} = tl.load({pointer} + (ahead[:, None] * COLUMNS + "
+                      "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
+            dtype = tensor.dtype
+            if dtype.is_floating and dtype is not float64:
+                raw = emit.assign(f"{raw}.to(tl.float32)")
+            step.cache[tensor] = Value(raw, dtype)
+
+    def exchange(self, emit: Emitter, partial: str, op: str) -> str:
+        """``partial`` (this program's reduction of its slice, a float32 per row of the
+        block) combined with the other programs' of the row, in a fixed order: each
+        writes its own slot, tagged with the row's number, then reads them all once
+        every tag is this row's (the slots alternate between two rows: no program gets
+        two rows ahead of another, as it waits for all of them each row)."""
+        k, self.exchanged = self.exchanged, self.exchanged + 1
+        slots = len(self.plan.levels)
+        base = emit.assign(f"slots + ((tl.cast(group, tl.int64) * 2 + xj % 2) * {slots} + {k}) "
+                           "* (PARTS * BLOCK_ROWS)", "xbase")  # fmt: skip
+        bits = emit.assign(
+            f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
+        )
+        emit.line(f"tl.atomic_xchg({base} + part * BLOCK_ROWS + xlanes, (xtag << 32) | {bits})")
+        got = emit.assign(f"tl.load({base} + xidx, volatile=True)", "xgot")
+        emit.line(f"while tl.min(tl.min((({got} >> 32) == xtag).to(tl.int32), 1), 0) == 0:")
+        emit.line(f"    {got} = tl.load({base} + xidx, volatile=True)")
+        # read again: a thread's copy of a slot may predate the poll that saw it written
+        emit.line(f"{got} = tl.load({base} + xidx, volatile=True)")
+        values = emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)")
+        return emit.assign(reduce_call(values, 0, COMBINE[op], keep_dims=False))
 
     # Columns of a step: offsets, masks.
     @staticmethod
@@ -261,7 +342,12 @@ class _Generator:
 
     def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
         producer, op, term, accumulator = self._term(step, tensor)
-        reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
+        if self.split:  # this program's slice, then the whole row's
+            partial = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
+            combined = self.exchange(step.emit, partial, op)
+            reduced = step.emit.assign(f"{combined}[:, None]")
+        else:
+            reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:

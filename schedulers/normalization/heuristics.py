@@ -1,7 +1,8 @@
 """A normalization's launch configuration (``NormalizationParams``) and the heuristics
-of its multi-wave strategy: the row in registers (persistent) when it fits, walked in
-chunks when it does not. The warp-specialized strategy's are in
-``schedulers.normalization.warp_specialized``."""
+of its multi-wave strategy (the row in registers, persistent, when it fits, walked in
+chunks when it does not) and of its split strategy (a row too long for one program's
+registers split over several programs that exchange their partial reductions). The
+warp-specialized strategy's are in ``schedulers.normalization.warp_specialized``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an esti
 CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
 PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined loads
 
-MULTIWAVE, WARP_SPECIALIZED = "multiwave", "warp_specialized"
-STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED)
+SPLIT_SLICE = 8192  # columns a program of a split row: the width at which one program's
+# persistent row reaches 0.90-0.96 of copy (H200, RMSNorm and LayerNorm, #20)
+SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program
+
+MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
+STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT)
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,11 @@ class NormalizationParams:
     # warps load the full-shape inputs' tiles with TMA for the consumer warps
     column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
     # before the walk, and kept in registers
+    parts: int = 1  # (SPLIT) programs sharing a row, block_columns each; programs=0 (the
+    # default for SPLIT): as many as the device holds at once, read from the compiled
+    # kernel's registers and shared memory (they wait for each other)
+    prefetch: bool = False  # (SPLIT) the next rows' full inputs loaded before this one's
+    # partial reductions are exchanged
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -48,6 +58,8 @@ class NormalizationParams:
         text += f", programs={self.programs}" if self.programs else ""
         text += f", stages={self.stages}" if self.stages != 1 else ""
         text += f", strategy={self.strategy!r}" if self.strategy != MULTIWAVE else ""
+        text += f", parts={self.parts}" if self.parts != 1 else ""
+        text += ", prefetch=True" if self.prefetch else ""
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 
@@ -131,6 +143,47 @@ def chunked_params(
         f"({programs * row_bits // 8 // 2**20} MiB) stay in half the L2"
     )
     return NormalizationParams(1, step, warps, False, programs, why=why)
+
+
+def split_params(
+    plan: NormalizationPlan,
+    hardware: HardwareProfile,
+    columns: int,
+    parts: int | None = None,
+) -> NormalizationParams | str:
+    """A row split over ``parts`` programs (by default one per ``SPLIT_SLICE`` columns,
+    at least two), or why it cannot be: each program keeps its slice of the row (and of
+    the column sums) in registers, exchanges its partial reductions with the others
+    through tagged slots in global memory, and applies them to its slice; weights are
+    loaded once; the next row's inputs are loaded before the exchange. Measured on H200
+    (commit after ``df3df42``, ``results/norms_split_probe.json``): 8 warps a slice of
+    8192 columns, the next rows prefetched, as many programs as the device holds,
+    RMSNorm forward at 4096x65536 0.78 of copy (chunked 0.71), backward 0.65 (0.29),
+    LayerNorm backward 0.48 (0.18), at 8192x16384 0.51 (0.27). The programs of a row
+    wait for each other, so the grid is never larger than the device holds at once."""
+    if hardware.arch and hardware.arch < 70:
+        return f"volatile polling of the exchange needs sm_70 or later (sm_{hardware.arch})"
+    other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
+    if other:
+        return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
+                "integer and float64 reductions are not split")  # fmt: skip
+    if parts is None:
+        parts = max(2, next_power_of_two(cdiv(columns, SPLIT_SLICE)))
+    if parts < 1:
+        return f"parts={parts}: at least one program a row"
+    width = next_power_of_two(cdiv(max(columns, 1), parts))
+    warps = max(1, min(16, width // (SPLIT_VALUES * hardware.warp_size)))
+    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+    prefetch = all(not t.dtype.storage_only for t in full)
+    why = (
+        f"the row split over {parts} programs of {width} columns ({warps} warps, "
+        f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
+        f"{len(plan.levels)} partial reductions exchanged a row"
+        + (", the next row's inputs loaded first" if prefetch else "")
+        + "; as many programs as the device holds at once"
+    )
+    return NormalizationParams(1, width, warps, True, 0, strategy=SPLIT, column_registers=True,
+                               parts=parts, prefetch=prefetch, why=why)  # fmt: skip
 
 
 @dataclass

@@ -3,8 +3,9 @@ kernels and their launcher."""
 
 from __future__ import annotations
 
+import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,21 +30,30 @@ from schedulers.normalization.codegen import (
     combine_constants,
     combine_source,
     constants,
+    exchange_slots,
     source,
 )
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
+    SPLIT,
     STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
     multiwave_params,
+    split_params,
 )
 from schedulers.normalization.warp_specialized import (
     WS_GAINS,
     warp_specialized_params,
     ws_threshold,
 )
-from schedulers.runtime import as_bytes, cdiv, tma_descriptor
+from schedulers.runtime import (
+    as_bytes,
+    cdiv,
+    concurrent_programs,
+    resident_programs,
+    tma_descriptor,
+)
 
 
 class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
@@ -66,16 +76,37 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         strategy: str | None = None,
     ) -> NormalizationParams:
         """The launch configuration for S's ``shape``. ``strategy`` forces one strategy
-        (``MULTIWAVE`` or ``WARP_SPECIALIZED``, no fallback: a warp-specialized kernel
-        that cannot be built raises ``NotSchedulable`` saying why); None (or ``"auto"``)
+        (``MULTIWAVE``, ``WARP_SPECIALIZED`` or ``SPLIT``, no fallback: a kernel that
+        cannot be built raises ``NotSchedulable`` saying why); None (or ``"auto"``)
         takes the warp-specialized one where ``WS_GAINS`` records a gain for this
         architecture and number of column sums and each program walks enough rows, and
         falls back to the multi-wave one when the warp-specialized parameters are
-        degenerate (one stage, or too few registers left)."""
+        degenerate (one stage, or too few registers left). Where the multi-wave one
+        would walk the row in chunks (it does not fit a program's registers), sm_90 and
+        later split it over programs instead (``split_params``: measured faster at
+        every such shape); the interpreter keeps the chunks (its programs run one at a
+        time: a split row's run concurrently, ``schedulers.runtime``)."""
         strategy = check_strategy(self, strategy)
         rank = len(shape)
         columns = math.prod(shape[rank - plan.reduced :])
         rows = math.prod(shape[: rank - plan.reduced])
+        if strategy == SPLIT:
+            chosen = split_params(plan, hardware, columns)
+            if isinstance(chosen, str):
+                raise NotSchedulable(f"the split strategy (forced): {chosen}")
+            return chosen
+        chosen = self._heuristics(plan, hardware, columns, rows, strategy)
+        if chosen.persistent or strategy or hardware.arch < 90:
+            return chosen
+        split = split_params(plan, hardware, columns)
+        if isinstance(split, str):
+            return replace(chosen, why=f"{chosen.why} (not split: {split})")
+        return replace(split, why=f"split (the row does not fit one program's registers, "
+                                  f"and walked in chunks it is read {plan.depth + 1} times): "
+                                  f"{split.why} [instead of {chosen.why}]")  # fmt: skip
+
+    def _heuristics(self, plan, hardware, columns, rows, strategy) -> NormalizationParams:
+        """The multi-wave or the warp-specialized params (``heuristics``, split aside)."""
         if strategy == WARP_SPECIALIZED:
             chosen = warp_specialized_params(plan, hardware, columns, rows)
             if isinstance(chosen, str):
@@ -114,6 +145,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         columns = math.prod(shape[plan.rank - plan.reduced :])
         pointers = pointer_types(plan.inputs, plan.outputs)
         pointers |= {f"part{i}": "tl.float32" for i in range(len(plan.column_sums))}
+        if params.strategy == SPLIT:
+            pointers["slots"] = "tl.int64"
         main = source(plan, params)
         kernels = [KernelSource("normalization_kernel", main, constants(plan, params, columns),
                                 params.num_warps, pointers)]  # fmt: skip
@@ -143,6 +176,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
             tiles=[i for i, t in enumerate(plan.inputs)
                    if params.strategy == WARP_SPECIALIZED and plan.kinds[t] == "full"],
+            hardware=hardware,
         )  # fmt: skip
 
 
@@ -157,6 +191,9 @@ class NormalizationLauncher(Launcher):
     combines: list[object]  # a combining kernel per column sum
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
+    hardware: HardwareProfile
+    # (SPLIT) programs the device holds at once, by device and row length
+    resident: dict[tuple, int] = field(default_factory=dict, compare=False)
 
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
@@ -172,9 +209,10 @@ class NormalizationLauncher(Launcher):
                 "a normalization over rows of 0 columns: generated kernels do not run "
                 "it; use kernels='reference'"
             )
-        if params.persistent and columns > params.block_columns:
+        if params.persistent and columns > params.block_columns * params.parts:
             raise ValueError(
-                f"{params} holds {params.block_columns} columns; the row has {columns}"
+                f"{params} holds {params.block_columns * params.parts} columns; the row has "
+                f"{columns}"
             )
         pointers = [as_bytes(t) for t in (*inputs, *targets)]
         box = [params.block_rows, params.block_columns]
@@ -183,20 +221,56 @@ class NormalizationLauncher(Launcher):
         grid = (cdiv(rows, params.block_rows),)
         if params.programs:
             grid = (min(grid[0], params.programs),)
-        # one row of float32 partial column sums per program (zeroed when the row is
-        # walked in chunks: each chunk adds into it)
+        device = inputs[0].device
+        split = params.strategy == SPLIT
+        options = {**constants(plan, params, columns), "num_warps": params.num_warps,
+                   **COMPILE_OPTIONS}  # fmt: skip
+        slots = []
+        if split:  # groups of `parts` programs, every one of them resident at once
+            groups = min(grid[0], self._resident(device, pointers, rows, options) // params.parts)
+            grid = (groups * params.parts,)
+            slots = [torch.zeros(exchange_slots(plan, params, groups), dtype=torch.int64,
+                                 device=device)]  # fmt: skip
+        # one row of float32 partial column sums per program (a split row's: per group;
+        # zeroed when the row is walked in chunks: each chunk adds into it)
         allocate = torch.empty if params.persistent else torch.zeros
-        partials = [
-            allocate((grid[0], columns), dtype=torch.float32, device=inputs[0].device)
-            for _ in plan.column_sums
-        ]
-        self.kernel[grid](*pointers, *partials, rows, **constants(plan, params, columns),
-                          num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+        count = grid[0] // params.parts if split else grid[0]
+        partials = [allocate((count, columns), dtype=torch.float32, device=device)
+                    for _ in plan.column_sums]  # fmt: skip
+        concurrently = split and device.type != "cuda"  # the interpreter's programs
+        with concurrent_programs() if concurrently else contextlib.nullcontext():
+            self.kernel[grid](*pointers, *partials, *slots, rows, **options)
         for combine, partial, index in zip(self.combines, partials, self.sum_outputs,
                                            strict=True):  # fmt: skip
-            combine[(cdiv(columns, COMBINE_COLUMNS),)](partial, targets[index], grid[0],
+            combine[(cdiv(columns, COMBINE_COLUMNS),)](partial, targets[index], count,
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
                 **COMPILE_OPTIONS)  # fmt: skip
+
+    def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
+        """(SPLIT) the programs that may run: as many as the device holds at once (the
+        interpreter: two groups; ``params.programs``, when set, at most); a device
+        that cannot hold one group raises ``RuntimeError`` (they would wait forever)."""
+        params = self.params
+        if device.type != "cuda":
+            resident = 2 * params.parts
+        else:
+            key = (device.index, options["COLUMNS"])
+            if key not in self.resident:
+                partials = [torch.empty(1, dtype=torch.float32, device=device)
+                            for _ in self.plan.column_sums]  # fmt: skip
+                slots = torch.empty(1, dtype=torch.int64, device=device)
+                compiled = self.kernel.warmup(*pointers, *partials, slots, rows,
+                                              grid=(params.parts,), **options)  # fmt: skip
+                self.resident[key] = resident_programs(compiled, self.hardware)
+            resident = self.resident[key]
+        if params.programs:
+            resident = min(resident, params.programs)
+        if resident < params.parts:
+            raise RuntimeError(
+                f"{params}: the device holds {resident} of this kernel's programs at once, "
+                f"fewer than the {params.parts} that share a row and wait for each other"
+            )
+        return resident
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
