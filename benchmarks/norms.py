@@ -107,7 +107,7 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         variants["split,rows=4"] = replace(params, block_rows=4)
         if params.prefetch:
             variants["split,no prefetch"] = replace(params, prefetch=False)
-        return variants
+        return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours
         for stages in (2, 3, 4):
             if stages != params.stages:

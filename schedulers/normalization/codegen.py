@@ -25,6 +25,7 @@ from schedulers.codegen import (
 )
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import SPLIT, WARP_SPECIALIZED, NormalizationParams
+from schedulers.runtime import next_power_of_two
 
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
 COMBINE_PARTS = 256  # and partial rows it adds per step
@@ -73,6 +74,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             generator.exchange_step(early, step, params.prefetch)
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
+        if persistent and split:  # the level's reductions exchanged together
+            generator.reduce_split(step, group, level)
+            continue
         if persistent:
             for tensor in group:
                 generator.reduce_persistent(step, tensor)
@@ -190,8 +194,15 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
     """The int64 slots a split row's programs exchange partial reductions through:
     a group's, two rows' worth (a program is at most one row ahead of the others),
-    a slot per reduction, program and row of the block."""
-    return groups * 2 * len(plan.levels) * params.parts * params.block_rows
+    for each level of reductions, program, reduction of the level and row of the block."""
+    return groups * 2 * plan.depth * params.parts * exchange_width(plan) * params.block_rows
+
+
+def exchange_width(plan: NormalizationPlan) -> int:
+    """Slots a program writes a level, per row of its block: the most reductions a
+    level has, to a power of two."""
+    counts = [list(plan.levels.values()).count(level) for level in range(1, plan.depth + 1)]
+    return next_power_of_two(max(counts))
 
 
 def combine_constants(columns: int) -> dict[str, int]:
@@ -218,7 +229,6 @@ class _Generator:
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.split = split  # partial reductions exchanged with the row's other programs
-        self.exchanged = 0  # reductions exchanged so far: the next one's slot
 
     # A split row: its inputs prefetched, its partial reductions exchanged.
     def exchange_step(self, early: Emitter, step: _Step, prefetch: bool) -> None:
@@ -226,10 +236,13 @@ class _Generator:
         inputs of this row taken from the loads the previous row issued (the first
         row's before the walk), the next row's issued at once."""
         emit = step.emit
+        width = f"{exchange_width(self.plan)} * BLOCK_ROWS"  # slots a program a level
         emit.line("xj = (row_block - group) // groups")  # this group's row count so far
         emit.line("xtag = tl.cast(xj + 1, tl.int64)")  # marks this row's slots
         emit.line("xlanes = tl.arange(0, BLOCK_ROWS)")
-        emit.line("xidx = tl.arange(0, PARTS)[:, None] * BLOCK_ROWS + xlanes[None, :]")
+        emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {self.plan.depth}")
+        emit.line(f"xall = tl.arange(0, PARTS)[:, None] * ({width}) + "
+                  f"tl.arange(0, {width})[None, :]")  # fmt: skip
         if not prefetch:
             return
         early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -250,27 +263,37 @@ class _Generator:
                 raw = emit.assign(f"{raw}.to(tl.float32)")
             step.cache[tensor] = Value(raw, dtype)
 
-    def exchange(self, emit: Emitter, partial: str, op: str) -> str:
-        """``partial`` (this program's reduction of its slice, a float32 per row of the
-        block) combined with the other programs' of the row, in a fixed order: each
-        writes its own slot, tagged with the row's number, then reads them all once
-        every tag is this row's (the slots alternate between two rows: no program gets
-        two rows ahead of another, as it waits for all of them each row)."""
-        k, self.exchanged = self.exchanged, self.exchanged + 1
-        slots = len(self.plan.levels)
-        base = emit.assign(f"slots + ((tl.cast(group, tl.int64) * 2 + xj % 2) * {slots} + {k}) "
-                           "* (PARTS * BLOCK_ROWS)", "xbase")  # fmt: skip
-        bits = emit.assign(
-            f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
-        )
-        emit.line(f"tl.atomic_xchg({base} + part * BLOCK_ROWS + xlanes, (xtag << 32) | {bits})")
-        got = emit.assign(f"tl.load({base} + xidx, volatile=True)", "xgot")
-        emit.line(f"while tl.min(tl.min((({got} >> 32) == xtag).to(tl.int32), 1), 0) == 0:")
-        emit.line(f"    {got} = tl.load({base} + xidx, volatile=True)")
-        # read again: a thread's copy of a slot may predate the poll that saw it written
-        emit.line(f"{got} = tl.load({base} + xidx, volatile=True)")
-        values = emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)")
-        return emit.assign(reduce_call(values, 0, COMBINE[op], keep_dims=False))
+    def exchange(self, emit: Emitter, partials: list[tuple[str, str]], level: int) -> list[str]:
+        """Each of ``partials`` (this program's reduction of its slice, a float32 per row
+        of the block, and its op) combined with the other programs' of the row, in a
+        fixed order. Each program stores its slots (a 64-bit word each: the row's tag,
+        the value's bits), polls the level's slots of every program until all carry
+        this row's tag, then reads them (again: a thread's copy of a slot may predate
+        the poll that saw it written). The slots alternate between two rows: no
+        program gets two rows ahead of another, as each waits for all every row."""
+        width = f"{exchange_width(self.plan)} * BLOCK_ROWS"
+        base = emit.assign(f"slots + (xrow + {level - 1}) * (PARTS * {width})", "xbase")
+        mine = emit.assign(f"{base} + part * ({width})", "xmine")
+        for k, (partial, _) in enumerate(partials):
+            bits = emit.assign(
+                f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
+            )
+            emit.line(f"tl.store({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits})")
+        # the lanes past the level's reductions are never written: they pass the poll
+        used = f"(tl.arange(0, {width}) < {len(partials)} * BLOCK_ROWS)[None, :]"
+        polled = emit.assign(f"tl.load({base} + xall, volatile=True)", "xgot")
+        waiting = f"tl.max(tl.max(((({polled} >> 32) != xtag) & {used}).to(tl.int32), 1), 0)"
+        emit.line(f"while {waiting} != 0:")
+        emit.line(f"    {polled} = tl.load({base} + xall, volatile=True)")
+        combined = []
+        for k, (_, op) in enumerate(partials):
+            got = emit.assign(
+                f"tl.load({base} + tl.arange(0, PARTS)[:, None] * ({width}) + {k} * BLOCK_ROWS "
+                "+ xlanes[None, :], volatile=True)"
+            )
+            values = emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)")
+            combined.append(emit.assign(reduce_call(values, 0, COMBINE[op], keep_dims=False)))
+        return combined
 
     # Columns of a step: offsets, masks.
     @staticmethod
@@ -340,14 +363,22 @@ class _Generator:
         term = step.emit.assign(f"tl.where(mask, {value}, {identity})")
         return producer, op, term, accumulator
 
+    def reduce_split(self, step: _Step, group: list[TensorView], level: int) -> None:
+        """A level's reductions of a split row: this program's slice of each, then the
+        whole row's, exchanged together."""
+        terms = [(tensor, *self._term(step, tensor)) for tensor in group]
+        partials = [
+            (step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False)), op)
+            for _, _, op, term, _ in terms
+        ]
+        combined = self.exchange(step.emit, partials, level)
+        for (tensor, producer, op, _, accumulator), value in zip(terms, combined, strict=True):
+            reduced = step.emit.assign(f"{value}[:, None]")
+            self._finish(producer, tensor, op, reduced, accumulator)
+
     def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
         producer, op, term, accumulator = self._term(step, tensor)
-        if self.split:  # this program's slice, then the whole row's
-            partial = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
-            combined = self.exchange(step.emit, partial, op)
-            reduced = step.emit.assign(f"{combined}[:, None]")
-        else:
-            reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
+        reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
