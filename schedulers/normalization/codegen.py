@@ -266,11 +266,14 @@ class _Generator:
     def exchange(self, emit: Emitter, partials: list[tuple[str, str]], level: int) -> list[str]:
         """Each of ``partials`` (this program's reduction of its slice, a float32 per row
         of the block, and its op) combined with the other programs' of the row, in a
-        fixed order. Each program stores its slots (a 64-bit word each: the row's tag,
+        fixed order. Each program writes its slots (a 64-bit word each: the row's tag,
         the value's bits), polls the level's slots of every program until all carry
         this row's tag, then reads them (again: a thread's copy of a slot may predate
-        the poll that saw it written). The slots alternate between two rows: no
-        program gets two rows ahead of another, as each waits for all every row."""
+        the poll that saw it written). The slots are written by atomic exchanges
+        (relaxed: the word is the message), not stores: through the stores the
+        exchange took 0.36 of copy against 0.57 (RMSNorm backward at 4096x65536,
+        H200). The slots alternate between two rows: no program gets two rows ahead of
+        another, as each waits for all every row."""
         width = f"{exchange_width(self.plan)} * BLOCK_ROWS"
         base = emit.assign(f"slots + (xrow + {level - 1}) * (PARTS * {width})", "xbase")
         mine = emit.assign(f"{base} + part * ({width})", "xmine")
@@ -278,7 +281,8 @@ class _Generator:
             bits = emit.assign(
                 f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
             )
-            emit.line(f"tl.store({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits})")
+            emit.line(f"tl.atomic_xchg({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits}, "
+                      'sem="relaxed")')  # fmt: skip
         # the lanes past the level's reductions are never written: they pass the poll
         used = f"(tl.arange(0, {width}) < {len(partials)} * BLOCK_ROWS)[None, :]"
         polled = emit.assign(f"tl.load({base} + xall, volatile=True)", "xgot")
