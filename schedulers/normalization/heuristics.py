@@ -154,13 +154,15 @@ def split_params(
     """A row split over ``parts`` programs (by default one per ``SPLIT_SLICE`` columns,
     at least two), or why it cannot be: each program keeps its slice of the row (and of
     the column sums) in registers, exchanges its partial reductions with the others
-    through tagged slots in global memory, and applies them to its slice; weights are
-    loaded once; the next row's inputs are loaded before the exchange. Measured on H200
-    (commit after ``df3df42``, ``results/norms_split_probe.json``): 8 warps a slice of
-    8192 columns, the next rows prefetched, as many programs as the device holds,
-    RMSNorm forward at 4096x65536 0.78 of copy (chunked 0.71), backward 0.65 (0.29),
-    LayerNorm backward 0.48 (0.18), at 8192x16384 0.51 (0.27). The programs of a row
-    wait for each other, so the grid is never larger than the device holds at once."""
+    through tagged slots in global memory (a round a level of reductions, a row),
+    and applies them to its slice; weights are loaded once; the next row's inputs are
+    loaded before the exchange. Measured on H200 (``results/norms_split_h200.json``,
+    commit ``215a8eb``; neighbours in ``results/norms_split_sweep_h200.json``): 8
+    warps a slice of 8192 columns, the next row prefetched, as many programs as the
+    device holds (one an SM at about 240 registers a thread); twice or half the parts,
+    16 warps, two rows a block, no prefetch: each slower at 16384 and 65536. The
+    programs of a row wait for each other, so the grid is never larger than the device
+    holds at once."""
     if hardware.arch and hardware.arch < 70:
         return f"volatile polling of the exchange needs sm_70 or later (sm_{hardware.arch})"
     other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
