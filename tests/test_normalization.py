@@ -503,6 +503,7 @@ def test_the_split_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_fwd", 65536, 4096, 8, 8),
         ("rmsnorm_bwd", 65536, 4096, 8, 8),
         ("layernorm_bwd", 65536, 4096, 8, 8),
+        ("layernorm_fwd", 65536, 4096, 8, 8),  # its variance and mean in one round
         ("layernorm_bwd", 16384, 8192, 2, 8),
         ("rmsnorm_bwd", 24576, 4096, 4, 8),  # 6144 columns a program, padded to 8192
     ],
@@ -524,14 +525,29 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps):
     assert fitting.strategy != SPLIT
 
 
-@pytest.mark.parametrize("name", ["layernorm_fwd", "softmax_fwd"])
-def test_two_levels_of_reductions_keep_the_chunks(name):
-    """An exchange a level a row: LayerNorm forward split took 0.31 of copy against 0.62
-    chunked (H200, 4096x65536), so rows of two levels are walked in chunks."""
-    scheduler, plan = _plan(name, 65536)
+def test_two_rounds_of_exchanges_keep_the_chunks():
+    """An exchange a level a row: LayerNorm forward split with two (its mean, then its
+    variance) took 0.31 of copy against 0.62 chunked (H200, 4096x65536), so a softmax
+    (its max, then its sum) is walked in chunks."""
+    scheduler, plan = _plan("softmax_fwd", 65536)
+    assert plan.exchanges == {1: 1, 2: 1}
     params = scheduler.heuristics(plan, H200, [4096, 65536])
     assert params.strategy == MULTIWAVE and not params.persistent
     assert "not split: 2 levels of reductions" in params.why
+
+
+def test_a_variance_and_its_mean_are_exchanged_in_one_round():
+    """LayerNorm forward: the slices' sums and sums of squares about their own means,
+    combined as Chan et al. do (one round, not a mean's then a variance's)."""
+    scheduler, plan = _plan("layernorm_fwd", 65536)
+    assert plan.depth == 2 and plan.exchanges == {1: 2}
+    KERNEL_CACHE.clear()
+    params = dataclasses.replace(scheduler.heuristics(plan, H200, [4096, 65536]), why="")
+    assert params.strategy == SPLIT, params
+    _run("layernorm_fwd", 1000, "float32", rows=4, params=dataclasses.replace(
+        params, block_columns=256, num_warps=2))  # fmt: skip
+    (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert source.count("while ") == 1 and source.count("tl.atomic_xchg(") == 2
 
 
 def test_rmsnorm_backward_at_16384_keeps_the_warp_specialized_kernel():

@@ -34,6 +34,21 @@ class NormalizationPlan:
         return max(self.levels.values())
 
     @property
+    def exchanges(self) -> dict[int, int]:
+        """A split row's partials exchanged at each level that has any (the split
+        strategy): one a reduction, a variance's with its mean (mean and sum of squares
+        about it, combined in one round as Chan et al. combine partial variances)."""
+        counts: dict[int, int] = {}
+        for expr in self.reductions:
+            for tensor in expr.outputs:
+                if tensor not in self.levels:
+                    continue
+                folded = isinstance(expr, VarMeanOp) and tensor is expr.outputs[0]
+                level = self.levels[expr.outputs[1]] if folded else self.levels[tensor]
+                counts[level] = counts.get(level, 0) + 1
+        return dict(sorted(counts.items()))
+
+    @property
     def buffers(self) -> int:
         """Full-row inputs a persistent kernel keeps in registers."""
         return max(1, sum(1 for t in self.inputs if self.kinds[t] == "full"))

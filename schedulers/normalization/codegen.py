@@ -195,14 +195,14 @@ def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups:
     """The int64 slots a split row's programs exchange partial reductions through:
     a group's, two rows' worth (a program is at most one row ahead of the others),
     for each level of reductions, program, reduction of the level and row of the block."""
-    return groups * 2 * plan.depth * params.parts * exchange_width(plan) * params.block_rows
+    rounds = len(plan.exchanges)
+    return groups * 2 * rounds * params.parts * exchange_width(plan) * params.block_rows
 
 
 def exchange_width(plan: NormalizationPlan) -> int:
-    """Slots a program writes a level, per row of its block: the most reductions a
-    level has, to a power of two."""
-    counts = [list(plan.levels.values()).count(level) for level in range(1, plan.depth + 1)]
-    return next_power_of_two(max(counts))
+    """Slots a program writes a round, per row of its block: the most partials a
+    level exchanges, to a power of two."""
+    return next_power_of_two(max(plan.exchanges.values()))
 
 
 def combine_constants(columns: int) -> dict[str, int]:
@@ -240,7 +240,7 @@ class _Generator:
         emit.line("xj = (row_block - group) // groups")  # this group's row count so far
         emit.line("xtag = tl.cast(xj + 1, tl.int64)")  # marks this row's slots
         emit.line("xlanes = tl.arange(0, BLOCK_ROWS)")
-        emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {self.plan.depth}")
+        emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {len(self.plan.exchanges)}")
         emit.line(f"xall = tl.arange(0, PARTS)[:, None] * ({width}) + "
                   f"tl.arange(0, {width})[None, :]")  # fmt: skip
         if not prefetch:
@@ -263,21 +263,22 @@ class _Generator:
                 raw = emit.assign(f"{raw}.to(tl.float32)")
             step.cache[tensor] = Value(raw, dtype)
 
-    def exchange(self, emit: Emitter, partials: list[tuple[str, str]], level: int) -> list[str]:
+    def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[str]:
         """Each of ``partials`` (this program's reduction of its slice, a float32 per row
-        of the block, and its op) combined with the other programs' of the row, in a
-        fixed order. Each program writes its slots (a 64-bit word each: the row's tag,
-        the value's bits), polls the level's slots of every program until all carry
-        this row's tag, then reads them (again: a thread's copy of a slot may predate
-        the poll that saw it written). The slots are written by atomic exchanges
-        (relaxed: the word is the message), not stores: through the stores the
-        exchange took 0.36 of copy against 0.57 (RMSNorm backward at 4096x65536,
-        H200). The slots alternate between two rows: no program gets two rows ahead of
-        another, as each waits for all every row."""
+        of the block) with the other programs' of the row: a (PARTS, BLOCK_ROWS) float32
+        each, for the caller to combine in a fixed order. Each program writes its slots
+        (a 64-bit word each: the row's tag, the value's bits), polls the level's slots
+        of every program until all carry this row's tag, then reads them (again: a
+        thread's copy of a slot may predate the poll that saw it written). The slots
+        are written by atomic exchanges (relaxed: the word is the message), not stores:
+        through the stores the exchange took 0.36 of copy against 0.57 (RMSNorm backward
+        at 4096x65536, H200). The slots alternate between two rows: no program gets two
+        rows ahead of another, as each waits for all every row."""
         width = f"{exchange_width(self.plan)} * BLOCK_ROWS"
-        base = emit.assign(f"slots + (xrow + {level - 1}) * (PARTS * {width})", "xbase")
+        round_ = list(self.plan.exchanges).index(level)
+        base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width})", "xbase")
         mine = emit.assign(f"{base} + part * ({width})", "xmine")
-        for k, (partial, _) in enumerate(partials):
+        for k, partial in enumerate(partials):
             bits = emit.assign(
                 f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
             )
@@ -289,15 +290,14 @@ class _Generator:
         waiting = f"tl.max(tl.max(((({polled} >> 32) != xtag) & {used}).to(tl.int32), 1), 0)"
         emit.line(f"while {waiting} != 0:")
         emit.line(f"    {polled} = tl.load({base} + xall, volatile=True)")
-        combined = []
-        for k, (_, op) in enumerate(partials):
+        gathered = []
+        for k in range(len(partials)):
             got = emit.assign(
                 f"tl.load({base} + tl.arange(0, PARTS)[:, None] * ({width}) + {k} * BLOCK_ROWS "
                 "+ xlanes[None, :], volatile=True)"
             )
-            values = emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)")
-            combined.append(emit.assign(reduce_call(values, 0, COMBINE[op], keep_dims=False)))
-        return combined
+            gathered.append(emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)"))
+        return gathered
 
     # Columns of a step: offsets, masks.
     @staticmethod
@@ -369,16 +369,56 @@ class _Generator:
 
     def reduce_split(self, step: _Step, group: list[TensorView], level: int) -> None:
         """A level's reductions of a split row: this program's slice of each, then the
-        whole row's, exchanged together."""
-        terms = [(tensor, *self._term(step, tensor)) for tensor in group]
-        partials = [
-            (step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False)), op)
-            for _, _, op, term, _ in terms
-        ]
-        combined = self.exchange(step.emit, partials, level)
-        for (tensor, producer, op, _, accumulator), value in zip(terms, combined, strict=True):
-            reduced = step.emit.assign(f"{value}[:, None]")
-            self._finish(producer, tensor, op, reduced, accumulator)
+        whole row's, exchanged together. A variance comes with its mean: this slice's
+        sum and sum of squares about the slice's mean, combined as Chan et al. combine
+        partial variances (the mean, then each slice's squares plus its count times
+        its mean's distance from the row's squared), so one round gives both."""
+        emit = step.emit
+        group = [t for t in group if t not in self.row_cache]  # variances already done
+        if not group:
+            return
+        partials, finishes = [], []
+        for tensor in group:
+            producer = tensor.definition
+            if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
+                value = emit.as_compute(self.value(step, producer.inputs[0]), float32)
+                total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
+                count = emit.assign("tl.sum(mask.to(tl.float32), 1)")
+                local = emit.assign(f"{total} / tl.maximum({count}, 1.0)")
+                centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
+                squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
+                partials += [total, squares]
+                finishes.append((producer, 2))
+                continue
+            producer, op, term, accumulator = self._term(step, tensor)
+            partials.append(emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False)))
+            finishes.append((tensor, 1))
+        gathered = iter(self.exchange(emit, partials, level))
+        for item, _ in finishes:
+            if isinstance(item, VarMeanOp):
+                self._chan(emit, item, next(gathered), next(gathered))
+                continue
+            producer = item.definition
+            op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+            combined = emit.assign(reduce_call(next(gathered), 0, COMBINE[op], keep_dims=False))
+            reduced = emit.assign(f"{combined}[:, None]")
+            self._finish(producer, item, op, reduced, _accumulator(item.dtype))
+
+    def _chan(self, emit: Emitter, producer: VarMeanOp, totals: str, squares: str) -> None:
+        """A variance and its mean from every slice's sum and sum of squares about its
+        own mean ((PARTS, BLOCK_ROWS) each), in a fixed order."""
+        var, mean = producer.outputs
+        columns = "COLUMNS - tl.arange(0, PARTS) * BLOCK_COLUMNS"  # each slice's, clamped
+        counts = emit.assign(
+            f"tl.minimum(tl.maximum({columns}, 0), BLOCK_COLUMNS).to(tl.float32)[:, None]"
+        )
+        total = emit.assign(f"tl.sum({totals}, 0)[:, None]")
+        self._finish(producer, mean, "sum", total, float32)
+        row_mean = self.means[producer]  # float32, unrounded: (BLOCK_ROWS, 1)
+        local = emit.assign(f"{totals} / tl.maximum({counts}, 1.0)")
+        spread = emit.assign(f"{local} - tl.reshape({row_mean}, (1, BLOCK_ROWS))")
+        m2 = emit.assign(f"tl.sum({squares} + {counts} * {spread} * {spread}, 0)[:, None]")
+        self._finish(producer, var, "sum", m2, float32)
 
     def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
         producer, op, term, accumulator = self._term(step, tensor)

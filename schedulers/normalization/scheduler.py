@@ -102,8 +102,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
-        if plan.depth > 1:  # an exchange a level a row: the chunks' second pass is faster
-            return replace(chosen, why=f"{chosen.why} (not split: {plan.depth} levels of "
+        rounds = len(plan.exchanges)
+        if rounds > 1:  # an exchange a level a row: the chunks' second pass is faster
+            return replace(chosen, why=f"{chosen.why} (not split: {rounds} levels of "
                                        "reductions, an exchange each a row)")  # fmt: skip
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
