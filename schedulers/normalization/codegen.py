@@ -72,37 +72,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         step = _Step(outer, row_cache)  # one step: everything shares one cache
         if split:
             generator.exchange_step(early, step, params.prefetch)
-    sums = [(i, e) for i, e in enumerate(plan.column_sums)]
-    partials = [f"part{i}" for i, _ in sums]
-    before, after = [], []  # around the walk over the rows (column sums)
-
-    def add_sum(body: _Step, i: int, expr: Expr) -> None:
-        (source,) = expr.inputs
-        term = body.emit.as_compute(generator.value(body, source), float32)
-        column = body.emit.assign(f"tl.sum(tl.where(mask, {term}, 0.0), 0)")
-        if persistent:  # this program's partial sums stay in registers
-            before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
-            body.emit.line(f"colsum{i} = colsum{i} + {column}")
-            after.append(
-                f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
-                f"colsum{i}, mask=col_mask)"
-                if split else
-                f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
-                "+ tl.arange(0, BLOCK_COLUMNS), "
-                f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
-            )  # fmt: skip
-        else:  # its row of partial sums, in memory (zeroed before the launch)
-            row = body.emit.assign(f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p")
-            body.emit.line(
-                f"tl.store({row}, tl.load({row}, mask=col_mask, other=0.0) + {column}, "
-                "mask=col_mask)"
-            )
-
-    # a split row: the column sums that need no row reduction are added while the
-    # first exchange is under way (between writing this program's slots and polling)
-    early_sums = {i for i, e in sums if split and not _after_reductions(e.inputs[0], plan)}
-    if early_sums:
-        generator.meanwhile = lambda: [add_sum(step, i, e) for i, e in sums if i in early_sums]
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
         if persistent and split:  # the level's reductions exchanged together
@@ -120,6 +89,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         for tensor in group:
             generator.finish(tensor, accumulators[tensor])
     full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
+    sums = [(i, e) for i, e in enumerate(plan.column_sums)]
+    partials = [f"part{i}" for i, _ in sums]
+    before, after = [], []  # around the walk over the rows (column sums)
     if full or sums:
         body = step if persistent else generator.loop()
         for i, tensor in full:
@@ -130,8 +102,28 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                 f"{body.emit.stored(Value(shaped, value.dtype))}, mask=mask)"
             )
         for i, expr in sums:
-            if i not in early_sums:
-                add_sum(body, i, expr)
+            (source,) = expr.inputs
+            term = body.emit.as_compute(generator.value(body, source), float32)
+            column = body.emit.assign(f"tl.sum(tl.where(mask, {term}, 0.0), 0)")
+            if persistent:  # this program's partial sums stay in registers
+                before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
+                body.emit.line(f"colsum{i} = colsum{i} + {column}")
+                after.append(
+                    f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
+                    f"colsum{i}, mask=col_mask)"
+                    if split else
+                    f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
+                    "+ tl.arange(0, BLOCK_COLUMNS), "
+                    f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
+                )  # fmt: skip
+            else:  # its row of partial sums, in memory (zeroed before the launch)
+                row = body.emit.assign(
+                    f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p"
+                )
+                body.emit.line(
+                    f"tl.store({row}, tl.load({row}, mask=col_mask, other=0.0) + {column}, "
+                    "mask=col_mask)"
+                )
         if not persistent:
             generator.close(body)
     for i, tensor in enumerate(plan.outputs):
@@ -237,7 +229,6 @@ class _Generator:
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.split = split  # partial reductions exchanged with the row's other programs
-        self.meanwhile = None  # emits what goes between the first exchange's write and poll
 
     # A split row: its inputs prefetched, its partial reductions exchanged.
     def exchange_step(self, early: Emitter, step: _Step, prefetch: bool) -> None:
@@ -293,9 +284,6 @@ class _Generator:
             )
             emit.line(f"tl.atomic_xchg({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits}, "
                       'sem="relaxed")')  # fmt: skip
-        if self.meanwhile is not None:  # work that needs no exchanged value
-            meanwhile, self.meanwhile = self.meanwhile, None
-            meanwhile()
         # the lanes past the level's reductions are never written: they pass the poll
         used = f"(tl.arange(0, {width}) < {len(partials)} * BLOCK_ROWS)[None, :]"
         polled = emit.assign(f"tl.load({base} + xall, volatile=True)", "xgot")
@@ -474,20 +462,6 @@ class _Generator:
         else:
             result = reduced
         self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
-
-
-def _after_reductions(tensor: TensorView, plan: NormalizationPlan) -> bool:
-    """Whether ``tensor`` needs a row reduction's result (a kernel input does not)."""
-    pending, seen = [tensor], set()
-    while pending:
-        current = pending.pop()
-        if current in plan.levels:
-            return True
-        if current in seen or current in plan.inputs or current.definition is None:
-            continue
-        seen.add(current)
-        pending.extend(t for t in current.definition.inputs if isinstance(t, TensorView))
-    return False
 
 
 def _accumulator(dtype: DataType) -> DataType:
