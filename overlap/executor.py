@@ -449,8 +449,8 @@ def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram)
         if not isinstance(override, str):
             continue
         strategies = kernel.scheduler.strategies
-        if override not in strategies:
+        if override not in strategies and override != "auto":  # "auto": the heuristics'
             raise ValueError(
                 f"kernel_params[{name!r}] = {override!r}: the {kernel.scheduler.name} "
-                f"scheduler's strategies are {list(strategies)}"
+                f"scheduler's strategies are {list(strategies)} (or 'auto')"
             )
