@@ -377,7 +377,13 @@ class _Generator:
         group = [t for t in group if t not in self.row_cache]  # variances already done
         if not group:
             return
-        partials, finishes = [], []
+        plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
+        # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
+        # against 0.51 with each summed before the next is computed; H200, 8192x16384)
+        terms = [self._term(step, tensor) for tensor in plain]
+        partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
+                    for _, op, term, _ in terms]  # fmt: skip
+        finishes: list = list(plain)
         for tensor in group:
             producer = tensor.definition
             if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
@@ -388,13 +394,9 @@ class _Generator:
                 centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
                 squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
                 partials += [total, squares]
-                finishes.append((producer, 2))
-                continue
-            producer, op, term, accumulator = self._term(step, tensor)
-            partials.append(emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False)))
-            finishes.append((tensor, 1))
+                finishes.append(producer)
         gathered = iter(self.exchange(emit, partials, level))
-        for item, _ in finishes:
+        for item in finishes:
             if isinstance(item, VarMeanOp):
                 self._chan(emit, item, next(gathered), next(gathered))
                 continue
