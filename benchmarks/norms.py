@@ -240,6 +240,8 @@ def main() -> None:
                     device.type == "cuda") else 1  # fmt: skip
                 swept = {}
                 for source in (executor, *forced.values()):
+                    if args.smoke and source is forced.get("ours_split"):
+                        continue  # its neighbours: 0.1-0.5 s a call in the interpreter
                     for label, overrides in alternatives(source, sm_count).items():
                         swept.setdefault(label, overrides)
                 for label, overrides in swept.items():
