@@ -184,7 +184,13 @@ class Emitter:
             byte = self.assign(f"tl.load({pointer} + ({index} >> 1), mask={mask}, other=0)")
             shift = f"(({index} & 1) * 4).to(tl.uint8)"
             return Value(self.assign(f"({byte} >> {shift}) & 15"), dtype)
-        raw = self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0)")
+        return self.loaded(
+            self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0)"), dtype
+        )
+
+    def loaded(self, raw: str, dtype: DataType) -> Value:
+        """``raw`` (a tensor loaded as ``dtype`` is stored) in value form: floats carried
+        as float32 (float64 and storage-only codes as they are)."""
         if dtype.is_floating and not dtype.storage_only and dtype is not float64:
             return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
         return Value(raw, dtype)

@@ -465,9 +465,7 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
         for actual, value in zip(outputs, expected, strict=True):
             assert_close(actual, value, reduction_extent=n)
     params = executor.chosen_params["k0"]
-    assert params.strategy == SPLIT and params.parts == max(
-        2, -(-n // 8192) if n < LARGE else {24576: 4, 65536: 8}[n]
-    ), params
+    assert params.strategy == SPLIT and params.parts == {24576: 4, 65536: 8}.get(n, 2), params
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     assert "split over programs exchanging partial reductions" in source
     assert "(xtag << 32)" in source and "volatile=True" in source

@@ -258,10 +258,7 @@ class _Generator:
             raw = emit.assign(name, "raw")
             emit.line(f"{name} = tl.load({pointer} + (ahead[:, None] * COLUMNS + "
                       "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
-            dtype = tensor.dtype
-            if dtype.is_floating and dtype is not float64:
-                raw = emit.assign(f"{raw}.to(tl.float32)")
-            step.cache[tensor] = Value(raw, dtype)
+            step.cache[tensor] = emit.loaded(raw, tensor.dtype)
 
     def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[str]:
         """Each of ``partials`` (this program's reduction of its slice, a float32 per row
@@ -383,7 +380,7 @@ class _Generator:
         terms = [self._term(step, tensor) for tensor in plain]
         partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
                     for _, op, term, _ in terms]  # fmt: skip
-        finishes: list = list(plain)
+        finishes: list = list(zip(plain, terms, strict=True))
         for tensor in group:
             producer = tensor.definition
             if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
@@ -400,11 +397,10 @@ class _Generator:
             if isinstance(item, VarMeanOp):
                 self._chan(emit, item, next(gathered), next(gathered))
                 continue
-            producer = item.definition
-            op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+            tensor, (producer, op, _, accumulator) = item
             combined = emit.assign(reduce_call(next(gathered), 0, COMBINE[op], keep_dims=False))
             reduced = emit.assign(f"{combined}[:, None]")
-            self._finish(producer, item, op, reduced, _accumulator(item.dtype))
+            self._finish(producer, tensor, op, reduced, accumulator)
 
     def _chan(self, emit: Emitter, producer: VarMeanOp, totals: str, squares: str) -> None:
         """A variance and its mean from every slice's sum and sum of squares about its
