@@ -4,8 +4,12 @@ Inside a stream loop, an all-gather along the stream axis delivers chunk ``c``
 (sub-chunk ``c % k`` of its owner's rows) and a reduce-scatter sums chunk ``c``
 into its owner. How a chunk moves:
 
-- ``collective``: one collective per chunk (a broadcast from the owner, a
-  reduce to it). Every rank issues them in the same (global) order.
+- ``collective``: an all-gather chunk is broadcast from its owner, every rank
+  issuing the broadcasts in the same (global) order. A reduce-scatter chunk's
+  partials go whole to its owner (each iteration's sends and receives posted as one
+  batch: in the ``local_last`` order the planner picks, every rank sends one
+  partial to one owner and receives one, all links busy at once); the owner combines
+  them, in coordinate order, at its own iteration of the chunk (``overlap.partials``).
 - ``ring``: send/receive to the ring neighbours; an all-gather chunk is
   forwarded rank to rank starting at its owner, a reduce-scatter chunk is
   accumulated rank to rank and lands on its owner.
@@ -13,6 +17,12 @@ into its owner. How a chunk moves:
   (reduce-scatter) peers' symmetric-memory buffers. The copies run on the
   copy engines, so they take no SMs from the matmul; a rank may visit chunks
   in any order, its own first (all-gather) or last (reduce-scatter).
+
+A reduce-scatter's partials are summed in one documented order: by the collective
+and copy-engine transports as ``overlap.partials`` says (the same bits at every chunk
+count and by either transport), by the ring hop by hop along the ring, from the
+owner's successor to the owner, each hop's sum rounded to the output's type (the
+same bits at every chunk count).
 
 A communication that acts along another axis than the stream axis (an
 all-reduce of a chunk, say) runs the whole-tensor collective on the chunk.
@@ -30,9 +40,11 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from overlap.communications import _REDUCE_OPS, Pending, RankContext, reducible, start
+from overlap.communications import Pending, RankContext, start
 from overlap.host_ir import ChunkScheme, Communicate, Transport, stream_dim
+from overlap.partials import PartialCombiner
 from sharding.communication import Communication, CommunicationKind
+from sharding.errors import ShardingError
 from sharding.layout import split_range
 
 _COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
@@ -94,13 +106,39 @@ def _contiguous(view: torch.Tensor) -> torch.Tensor:
     return view if view.is_contiguous() else view.contiguous()
 
 
+class _Batch:
+    """One iteration's sends and receives, waited for by that iteration and again by the
+    owner combining what they brought. Waiting orders the current CUDA stream after
+    them, every time; on the host the works are waited for once (a gloo send or
+    receive waited for a second time blocks for ever)."""
+
+    def __init__(self, works: list, device: torch.device) -> None:
+        self.works, self.again = works, device.type == "cuda"
+        self.waited = False
+
+    def wait(self) -> None:
+        if self.again or not self.waited:
+            for work in self.works:
+                work.wait()
+            self.waited = True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+
 class PipelinedComms:
     """Prepares the chunk communications of a program's loops on one rank."""
 
-    def __init__(self, ctx: RankContext, symmetric) -> None:
+    def __init__(self, ctx: RankContext, symmetric, hardware=None) -> None:
         self.ctx = ctx
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
+        self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
         self.outstanding: list[object] = []  # sends nobody waits for yet
+        self.combiners: dict[Communicate, PartialCombiner] = {}
+        self.inboxes: dict[tuple[Communicate, int, int], torch.Tensor] = {}
+        # a run's receives of partials, by communication and chunk, until the owner
+        # combines them
+        self.arrivals: dict[tuple[Communicate, int], list[_Batch]] = {}
 
     @staticmethod
     def _later(make: Callable[[], Callable]) -> Callable[[], Callable]:
@@ -121,6 +159,21 @@ class PipelinedComms:
             work.wait()
         self.outstanding.clear()
 
+    def new_run(self) -> None:
+        """Forget what a run that raised left behind."""
+        self.outstanding.clear()
+        self.arrivals.clear()
+
+    def combiner(self, communicate: Communicate, parts: int, dtype: torch.dtype) -> PartialCombiner:
+        """How this rank combines the partials of ``communicate`` (a reduce-scatter)."""
+        if communicate not in self.combiners:
+            combine = PartialCombiner(parts, communicate.communication.reduce_op, dtype,
+                                      self.hardware)  # fmt: skip
+            if self.ctx.device.type == "cuda":
+                combine.warm_up(self.ctx.device)
+            self.combiners[communicate] = combine
+        return self.combiners[communicate]
+
     def prepare(
         self, communicate: Communicate, scheme: ChunkScheme, iteration: int
     ) -> ChunkTransfer:
@@ -133,7 +186,9 @@ class PipelinedComms:
         transport = communicate.transport or Transport.COLLECTIVE
         if comm.kind is CommunicationKind.Allgather:
             return self._gather_chunk(communicate, where, group, transport)
-        return self._reduce_chunk(communicate, where, group, transport)
+        if transport is Transport.COLLECTIVE and where.parts > 1:
+            return self._deliver_chunk(communicate, scheme, iteration, where, group)
+        return self._reduce_chunk(communicate, where, transport)
 
     def _whole_collective(self, comm: Communication) -> ChunkTransfer:
         def transfer(source, target) -> Pending:
@@ -194,23 +249,99 @@ class PipelinedComms:
 
     # -- reduce-scatter: chunk c is summed into its owner -------------------------
 
-    def _reduce_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
+    def _deliver_chunk(self, communicate, scheme, iteration, where, group) -> ChunkTransfer:
+        """A reduce-scatter chunk by the collective transport: this rank's partial of
+        the chunk it computes now goes whole to its owner, and the partials of this
+        rank's own chunks that its peers compute now come in (one batch of sends and
+        receives, which every rank of the team posts, empty chunks too). At this rank's
+        own iteration of a chunk, which must be the last at which any of its partials
+        is sent, it combines them in coordinate order."""
+        comm = communicate.communication
+        dim = comm.split_dim
+        senders = {
+            coordinate: scheme.chunk(iteration, coordinate)
+            for coordinate in range(where.parts)
+            if coordinate != where.mine
+            and scheme.chunk(iteration, coordinate) // scheme.per_owner == where.mine
+        }
+        inbox = {c: self._inbox(communicate, scheme, chunk, c) for c, chunk in senders.items()}
+        combine = (
+            self._owner_combine(communicate, scheme, iteration, where) if where.owned else None
+        )
+
+        def deliver(source, target) -> Pending:
+            outgoing = None if where.owned else _contiguous(source.movedim(dim, 0))
+            ops = [
+                dist.P2POp(dist.irecv, inbox[coordinate], where.rank_at(coordinate), group)
+                for coordinate in senders
+            ]
+            if outgoing is not None:
+                ops.append(dist.P2POp(dist.isend, outgoing, where.rank_at(where.owner), group))
+            batch = _Batch(dist.batch_isend_irecv(ops) if ops else [], self.ctx.device)
+            for chunk in set(senders.values()):
+                self.arrivals.setdefault((communicate, chunk), []).append(batch)
+            if combine is not None:
+                return combine(source, target)
+            return Pending([batch], lambda kept=outgoing: None)  # kept until it is sent
+
+        return deliver
+
+    def _inbox(self, communicate, scheme, chunk: int, coordinate: int) -> torch.Tensor:
+        """Where the partial of ``chunk`` from the rank at ``coordinate`` lands (the split
+        axis first), allocated once."""
+        key = (communicate, chunk, coordinate)
+        if key not in self.inboxes:
+            comm = communicate.communication
+            dim = comm.split_dim
+            whole = self.ctx.local_shape(comm.inputs[0])
+            _, size = chunk_rows(whole[dim], scheme, chunk, split=False)
+            shape = [size, *whole[:dim], *whole[dim + 1 :]]
+            dtype = self.ctx.storage_dtype(comm.inputs[0])
+            self.inboxes[key] = torch.empty(shape, dtype=dtype, device=self.ctx.device)
+        return self.inboxes[key]
+
+    def _owner_combine(self, communicate, scheme, iteration, where):
+        """At the owner's own iteration of a chunk: wait for every peer's partial of it,
+        then combine them with its own, in coordinate order, into the chunk's rows."""
+        comm = communicate.communication
+        dim, chunk = comm.split_dim, where.chunk
+        visits = range(scheme.num_chunks)
+        sent_at = {
+            coordinate: next(i for i in visits if scheme.chunk(i, coordinate) == chunk)
+            for coordinate in range(where.parts)
+        }
+        late = [coordinate for coordinate, i in sent_at.items() if i > iteration]
+        if late:
+            raise ShardingError(
+                f"{comm.op_name} of {comm.inputs[0]}: in order {scheme.order}, rank "
+                f"{where.rank_at(late[0])} computes its partial of chunk {chunk} after the "
+                "chunk's owner, which combines them at its own iteration"
+            )
+        peers = {
+            coordinate: self._inbox(communicate, scheme, chunk, coordinate)
+            for coordinate in range(where.parts)
+            if coordinate != where.mine
+        }
+        dtype = self.ctx.storage_dtype(comm.inputs[0])
+        combiner = self.combiner(communicate, where.parts, dtype)
+        key = (communicate, chunk)
+
+        def combine(source, target) -> Pending:
+            own = source.movedim(dim, 0)
+            partials = [peers.get(coordinate, own) for coordinate in range(where.parts)]
+            return Pending(
+                self.arrivals.pop(key, []), lambda: combiner(partials, target.movedim(dim, 0))
+            )
+
+        return combine
+
+    def _reduce_chunk(self, communicate, where, transport) -> ChunkTransfer:
         comm = communicate.communication
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
         if transport is Transport.COPY_ENGINE:
             push = self._later(lambda: self.symmetric.pusher(communicate, where))
             return lambda source, target: (push()(source), Pending())[1]
-        if transport is Transport.COLLECTIVE:
-            owner = where.rank_at(where.owner)
-            op = _REDUCE_OPS[comm.reduce_op]
-
-            def reduce(source, target) -> Pending:
-                wire, read = reducible(source, comm.reduce_op, in_place=True)
-                work = dist.reduce(wire, dst=owner, op=op, group=group, async_op=True)
-                return Pending([work], lambda: target.copy_(read(wire)) if where.owned else None)
-
-            return reduce
         step = (where.mine - where.owner - 1) % where.parts
         before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
         combine = _COMBINE[comm.reduce_op]

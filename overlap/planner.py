@@ -43,7 +43,7 @@ _ORDERS = {
     (Pattern.ALLGATHER_MATMUL, Transport.COLLECTIVE): ChunkOrder.GLOBAL,
     (Pattern.ALLGATHER_MATMUL, Transport.RING): ChunkOrder.RING_GATHER,
     (Pattern.ALLGATHER_MATMUL, Transport.COPY_ENGINE): ChunkOrder.LOCAL_FIRST,
-    (Pattern.MATMUL_REDUCE_SCATTER, Transport.COLLECTIVE): ChunkOrder.GLOBAL,
+    (Pattern.MATMUL_REDUCE_SCATTER, Transport.COLLECTIVE): ChunkOrder.LOCAL_LAST,
     (Pattern.MATMUL_REDUCE_SCATTER, Transport.RING): ChunkOrder.RING_REDUCE,
     (Pattern.MATMUL_REDUCE_SCATTER, Transport.COPY_ENGINE): ChunkOrder.LOCAL_LAST,
 }

@@ -99,7 +99,10 @@ class RankProgram:
             storage_dtype,
             setup.device,
         )
-        self.pipelined = PipelinedComms(self.ctx, setup.symmetric)
+        # sums of partials (overlap.partials) as generated kernels where compute is
+        self.pipelined = PipelinedComms(
+            self.ctx, setup.symmetric, setup.hardware if compiled.schedule else None
+        )
         self.deferred: list[tuple] = []  # CPU waits put off to their loop's end
         self.compute = ComputeSteps(self)
         self.steps: list = []
@@ -125,6 +128,7 @@ class RankProgram:
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
         self.values = {}
         self.deferred = []  # none left behind by a run that raised
+        self.pipelined.new_run()
         self.timeline = timeline
         for tensor, value in zip(self.fusion.inputs, local_inputs, strict=True):
             if self.holds(tensor.mesh):
@@ -379,7 +383,10 @@ class RankProgram:
         if self.rank not in comm.participants():
             return None
         symmetric = self.setup.symmetric
-        return lambda: symmetric.combine(communicate, self.values[comm.output])
+        moving = comm.inputs[0]
+        parts = comm.in_layout.mesh.shape[comm.mesh_axis]
+        combiner = self.pipelined.combiner(communicate, parts, storage_dtype(moving))
+        return lambda: symmetric.combine(communicate, self.values[comm.output], combiner)
 
     def allocate_symmetric(self) -> None:
         for loop in self.compiled.host.instructions:

@@ -8,7 +8,7 @@ peer's buffer is a device-to-device copy done by the copy engines: no SMs.
   every piece is there, then every rank pulls the chunks it needs;
 - reduce-scatter: each rank pushes partial chunk ``c`` into slot ``me`` of
   the owner's buffer, a barrier makes sure every push has landed, then the
-  owner adds its own partial and the pushed ones.
+  owner combines the slots in coordinate order (``overlap.partials``).
 
 Buffers alternate between two halves from one run to the next, so a rank never
 overwrites what a slower peer may still be reading: the barrier of run n+1
@@ -142,20 +142,11 @@ class SymmetricBuffers:
 
         return push
 
-    def combine(self, communicate: Communicate, output: torch.Tensor) -> None:
-        """Wait until every push has landed, then sum the slots into this rank's piece.
-
-        Two slots are added in one pass in the output's type (exactly what a two-rank
-        NCCL reduce-scatter computes); more are accumulated in float32.
-        """
+    def combine(self, communicate: Communicate, output: torch.Tensor, combiner) -> None:
+        """Wait until every push has landed, then combine the slots into this rank's
+        piece with ``combiner`` (``overlap.partials``: in coordinate order, one pass)."""
         buffer = self.buffers[communicate]
         buffer.handle.barrier(channel=0)
         moved = output.movedim(buffer.dim, 0)
         slots = buffer.tensor[self.parity, :, : moved.shape[0]]
-        if slots.shape[0] == 2:
-            torch.add(slots[0], slots[1], out=moved)
-            return
-        total = slots[0].float()
-        for slot in range(1, slots.shape[0]):
-            total += slots[slot].float()
-        moved.copy_(total.to(output.dtype))
+        combiner(list(slots), moved)

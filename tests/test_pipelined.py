@@ -7,16 +7,22 @@ any communication.
 
 from __future__ import annotations
 
-import pytest
-import torch
-from distributed import RankError
+import os
 
-from fusion import FusionDefinition
-from fusion.testing import assert_close
-from overlap.executor import MultiDeviceExecutor
-from overlap.host_ir import Communicate, ForLoop, LaunchKernel
-from overlap.planner import OverlapOptions
-from sharding import DeviceMesh, Shard, ShardingError, shard
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the partials' generated kernel
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from distributed import RankError  # noqa: E402
+
+from fusion import FusionDefinition  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
+from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap.host_ir import Communicate, ForLoop, LaunchKernel  # noqa: E402
+from overlap.partials import PartialCombiner  # noqa: E402
+from overlap.planner import OverlapOptions  # noqa: E402
+from schedulers.hardware import INTERPRETER  # noqa: E402
+from sharding import DeviceMesh, Shard, ShardingError, shard  # noqa: E402
 
 
 def _ag_linear(world: int, rows: int, bias: bool) -> FusionDefinition:
@@ -91,31 +97,30 @@ def test_pipelined_pattern_matches_the_reference(rank_pools, world, pattern, row
 
 
 def reduce_waits_in_order(communicator, chunks: int) -> list[str]:
-    """The order in which the pipelined reduce-scatter's chunk reductions are posted and
-    waited for, on this CPU rank (the result checked too)."""
+    """The order in which the pipelined reduce-scatter's chunk transfers (each
+    iteration's batch of sends and receives of partials) are posted and first waited
+    for, on this CPU rank (the result checked too)."""
     import torch.distributed as dist
 
-    from overlap import communications
+    from overlap import pipelined as pipelines
 
-    posted, log = set(), []
-    reduce, wait = dist.reduce, communications.Pending.wait
+    log = []
+    post, wait = dist.batch_isend_irecv, pipelines._Batch.wait
 
-    def logged_reduce(*args, **kwargs):
-        work = reduce(*args, **kwargs)
-        posted.add(id(work))
+    def logged_post(ops):
         log.append("post")
-        return work
+        return post(ops)
 
-    def logged_wait(pending):
-        if any(id(work) in posted for work in pending.works):
+    def logged_wait(batch):
+        if not batch.waited:
             log.append("wait")
-        return wait(pending)
+        return wait(batch)
 
-    dist.reduce, communications.Pending.wait = logged_reduce, logged_wait
+    dist.batch_isend_irecv, pipelines._Batch.wait = logged_post, logged_wait
     try:
         pipelined(communicator, "rs", 16, chunks, "collective", 5)
     finally:
-        dist.reduce, communications.Pending.wait = reduce, wait
+        dist.batch_isend_irecv, pipelines._Batch.wait = post, wait
     return log
 
 
@@ -124,13 +129,144 @@ def test_on_cpus_a_chunk_reduction_is_waited_for_after_the_later_chunks_are_post
     rank_pools, world
 ):
     """On a GPU a Wait holds back a stream, not the host; on CPUs the host runs the
-    streams' work in turn, so a wait for chunk i's reduction inside the loop would hold
+    streams' work in turn, so a wait for chunk i's transfer inside the loop would hold
     back chunk i+1's matmul: nothing overlaps. Nothing in the loop reads that result,
-    so the waits are put off to the loop's end: every chunk's reduction is posted (its
-    matmul done) before the first is waited for, and the result still matches."""
+    so the waits are put off to the loop's end: every chunk's transfer is posted (its
+    matmul done) before the first is waited for, and the result still matches. In the
+    local_last order a rank's own 2 chunks come last and send nothing."""
     chunks = 2 * world
+    sent = chunks - 2
     for log in rank_pools(world).run(reduce_waits_in_order, chunks):
-        assert log == (["post"] * chunks + ["wait"] * chunks) * 2  # two runs
+        assert log == (["post"] * sent + ["wait"] * sent) * 2  # two runs
+
+
+# ---------------------------------------------------------------------------
+# The summation order of a pipelined reduce-scatter
+
+
+def _bf16_linear_rs(world: int, rows: int) -> FusionDefinition:
+    mesh = DeviceMesh(world)
+    with FusionDefinition("bf16_linear_rs") as fd:
+        x = fd.define_tensor([rows, 16 * world], "bf16")
+        w = fd.define_tensor([10, 16 * world], "bf16")
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    shard(x, mesh, [Shard(1)])
+    shard(w, mesh, [Shard(1)])
+    shard(y, mesh, [Shard(0)])
+    return fd
+
+
+def _partials(world: int, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
+    """Every rank's bf16 partial result, as each computes it (its columns of x and w)."""
+    width = x.shape[1] // world
+    columns = [slice(q * width, (q + 1) * width) for q in range(world)]
+    return [torch.nn.functional.linear(x[:, c], w[:, c]) for c in columns]
+
+
+def _in_coordinate_order(partials: list[torch.Tensor]) -> torch.Tensor:
+    """The documented order of ``overlap.partials``: float32, coordinate 0 first, one rounding."""
+    total = partials[0].float()
+    for partial in partials[1:]:
+        total = total + partial.float()
+    return total.to(partials[0].dtype)
+
+
+def _along_the_ring(partials: list[torch.Tensor], owner: int) -> torch.Tensor:
+    """The ring's order for rows owned by ``owner``: from its successor round to it, each
+    hop's sum rounded to bf16."""
+    world = len(partials)
+    total = partials[(owner + 1) % world]
+    for step in range(2, world + 1):
+        total = (total.float() + partials[(owner + step) % world].float()).to(total.dtype)
+    return total
+
+
+def reduce_scatter_bits(
+    communicator, rows: int, per_rank_counts: list, transport: str, kernels: str
+):
+    """This rank's bf16 output piece at each chunk count, and the piece in the
+    transport's documented order, computed here from every rank's partial."""
+    world, rank = communicator.world_size, communicator.rank
+    fd = _bf16_linear_rs(world, rows)
+    generator = torch.Generator().manual_seed(7)
+    x, w = (torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs)
+    # ranks 0 and 1 compute large partials that cancel exactly: the order then shows
+    first, second = slice(0, 16), slice(16, 32)
+    x[:, first] *= 2.0**16
+    x[:, second], w[:, second] = -x[:, first], w[:, first]
+    x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+    pieces = []
+    for per_rank in per_rank_counts:
+        options = OverlapOptions(overlap=True, num_chunks=per_rank * world, transport=transport)
+        executor = MultiDeviceExecutor(fd, communicator, options, kernels=kernels)
+        (piece,) = executor.run(executor.shard_inputs([x, w]))
+        pieces.append(piece.clone())
+    partials = _partials(world, x, w)
+    in_order = _in_coordinate_order(partials)
+    documented = _along_the_ring(partials, rank) if transport == "ring" else in_order
+    other = in_order if transport == "ring" else _in_coordinate_order(partials[::-1])
+    (expected,) = executor.shard_outputs([documented])
+    (otherwise,) = executor.shard_outputs([other])
+    return pieces, expected, otherwise
+
+
+@pytest.mark.parametrize(
+    ("transport", "per_rank_counts", "kernels"),
+    [
+        ("collective", [1, 2, 3], "reference"),
+        ("collective", [1, 3], "generated"),  # the sums as the generated kernel
+        ("ring", [1, 2, 4], "reference"),
+    ],
+)
+def test_a_pipelined_reduce_scatter_sums_in_its_documented_order_at_every_chunk_count(
+    rank_pools, transport, per_rank_counts, kernels
+):
+    """4 ranks, bf16, 13 rows (4/3/3/3): every chunk count gives the same bits on every
+    rank, and they are the documented order's (overlap.partials for the collective
+    transport: coordinate order in float32, one rounding; the ring's hop order, rounded
+    at each hop). Ranks 0 and 1 compute large partials that cancel, so another order
+    (reversed; the ring's against the coordinate order) gives other bits: the check can
+    fail."""
+    results = rank_pools(4).run(reduce_scatter_bits, 13, per_rank_counts, transport, kernels)
+    for rank, (pieces, expected, _) in enumerate(results):
+        for per_rank, piece in zip(per_rank_counts, pieces, strict=True):
+            assert torch.equal(piece, expected), (rank, per_rank, (piece - expected).abs().max())
+    assert any(not torch.equal(expected, other) for _, expected, other in results)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("parts", [2, 3, 4, 8])
+def test_partials_are_combined_in_coordinate_order_by_torch_and_by_the_generated_kernel(
+    parts, dtype
+):
+    """The generated kernel (Triton's interpreter here, compiled on CUDA) gives torch's
+    bits (float32 additions in coordinate order, one rounding), over odd sizes and
+    magnitudes ten orders apart, into a non-contiguous output too; its kernel is reused
+    across sizes."""
+    generator = torch.Generator().manual_seed(parts)
+    by_torch = PartialCombiner(parts, "sum", dtype)
+    generated = PartialCombiner(parts, "sum", dtype, INTERPRETER)
+    for size in (1, 7, 1000):
+        scale = 10.0 ** torch.randint(-5, 5, (parts, size, 3), generator=generator)
+        partials = list((torch.randn(parts, size, 3, generator=generator) * scale).to(dtype))
+        expected, actual = torch.empty(size, 3, dtype=dtype), torch.empty(3, size, dtype=dtype).t()
+        by_torch(partials, expected)
+        generated(partials, actual)
+        assert torch.equal(actual, expected), (size, (actual - expected).abs().max())
+    assert len(generated._launchers) == 3
+
+
+@pytest.mark.parametrize("hardware", [None, INTERPRETER], ids=["torch", "generated"])
+def test_the_combined_order_is_coordinate_order(hardware):
+    """In float32, (((1e8 + 1) - 1e8) + 1) is 1 where the reverse order gives 0."""
+    partials = [torch.tensor([value]) for value in (1e8, 1.0, -1e8, 1.0)]
+    out = torch.empty(1)
+    PartialCombiner(4, "sum", torch.float32, hardware)(partials, out)
+    assert out.item() == 1.0
+    nan = [torch.tensor([1.0, 2.0]), torch.tensor([float("nan"), 3.0]), torch.tensor([0.0, 5.0])]
+    PartialCombiner(3, "max", torch.float32, hardware)(nan, maxima := torch.empty(2))
+    assert torch.isnan(maxima[0]) and maxima[1] == 5.0
 
 
 def chunks_not_a_multiple(communicator) -> None:

@@ -245,7 +245,7 @@ inputs: T0, T1
   FOR i in range(2):
     SetCurrentStream(stream i)
     Synchronize(s0)
-  FOR i in range(2):  # 2 chunks, 1 per rank of x, order global
+  FOR i in range(2):  # 2 chunks, 1 per rank of x, order local_last
     SetCurrentStream(stream i)
     T4 = AliasSelect(T0, dim=0, chunk=i)
     T5 = AliasSelect(T3, dim=0, chunk=i)
