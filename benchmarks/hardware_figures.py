@@ -107,4 +107,5 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         copy_engine_gbps=copy_gbps,
         launch_us=launch_us,
         collective_slowdown=min(slowdown, 2.0),
+        ranks=world,
     )

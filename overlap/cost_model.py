@@ -126,8 +126,9 @@ def _device_ms(
     compute = [_matmul_ms(figures, r, k, n) * slowdown for r in rows]
     chunk_bytes = [r * moved_width * bits / 8 for r in rows]
     if transport is Transport.COPY_ENGINE:
-        # Own chunks need no transfer; the peers' arrive one after another, after this
-        # rank's piece is staged for them (beside the first matmuls, on its own stream).
+        # Own chunks need no transfer; the peers' arrive one after another (each pull
+        # waits for the one before: overlap.symmetric), after this rank's piece is staged
+        # for them (beside the first matmuls, on its own stream).
         own = set(range(per_rank))
         staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)
         transfer = [
@@ -140,6 +141,16 @@ def _device_ms(
         transfer = transfer[per_rank:] + transfer[:per_rank]  # own chunks last
         combine = (m / parts) * n * bits / 8 * (parts + 1) / (figures.memory_gbps * 1e6)
         return _pipeline_ms(compute, transfer, gather=False) + combine
+    if transport is Transport.COLLECTIVE and pattern is Pattern.MATMUL_REDUCE_SCATTER:
+        # Every partial goes whole to its owner, each rank sending one chunk and
+        # receiving one an iteration (local_last order: its own chunks come last and
+        # send nothing); at each of its own iterations the owner combines the chunk's
+        # partials, in one pass over them, once the last has come in.
+        sent = chunks - per_rank
+        transfer = [_transfer_ms(b, gbps, figures.launch_us) for b in chunk_bytes[:sent]]
+        end = _pipeline_ms(compute[:sent], transfer, gather=False)
+        combine_ms = sum(chunk_bytes[sent:]) * (parts + 1) / (figures.memory_gbps * 1e6)
+        return max(end, sum(compute)) + combine_ms
     if transport is Transport.RING:
         # Every link carries one chunk per step; a rank's first chunks are its own.
         transfer = [
@@ -147,8 +158,8 @@ def _device_ms(
             for c, b in enumerate(chunk_bytes)
         ]
         return _pipeline_ms(compute, transfer, gather=pattern is Pattern.ALLGATHER_MATMUL)
-    # Collective: one collective per chunk, in the same global order on every rank; the
-    # last owner waits longest (all-gather) or its chunks come last (reduce-scatter).
+    # Collective all-gather: one broadcast per chunk, in the same global order on every
+    # rank; the last owner waits longest.
     transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
                 for b in chunk_bytes]  # fmt: skip
     return _pipeline_ms(compute, transfer, gather=pattern is Pattern.ALLGATHER_MATMUL)

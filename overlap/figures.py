@@ -32,6 +32,7 @@ class HardwareFigures:
     collective_slowdown: float  # matmul time factor while NCCL kernels run beside it
     tile_rows: int = 128
     tile_cols: int = 256
+    ranks: int | None = None  # the team size the link figures were measured at, if any
 
     @property
     def memory_gbps(self) -> float:
@@ -58,6 +59,7 @@ H200_FIGURES = HardwareFigures(
     copy_engine_gbps=349.0,
     launch_us=14.2,
     collective_slowdown=1.37,
+    ranks=2,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(

@@ -309,6 +309,8 @@ def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, r
             f"fastest predicted on {figures.name}: {best.predicted_ms:.3f} ms against "
             f"{sequential.predicted_ms:.3f} ms sequential"
         )
+    if figures.ranks is not None and parts != figures.ranks:
+        reason += f" (link figures measured at {figures.ranks} ranks, not {parts})"
     forced = [name for name, value in vars(options).items() if value is not None]
     if forced:
         reason += f" (forced: {', '.join(forced)})"

@@ -39,6 +39,7 @@ class _Buffer:
     dim: int  # the split axis in the tensors that move
     peers: dict[int, torch.Tensor] = field(default_factory=dict)
     staged: torch.cuda.Event | None = None  # recorded once this rank's piece is staged
+    pulled: torch.cuda.Event | None = None  # recorded once the run's latest pull is done
 
 
 class SymmetricBuffers:
@@ -107,10 +108,17 @@ class SymmetricBuffers:
             buffer.handle.barrier(channel=0)
             buffer.staged = torch.cuda.Event()
             buffer.staged.record(self.stage_stream)
+        buffer.pulled = None
         local.record_stream(self.stage_stream)
 
     def puller(self, communicate: Communicate, where: ChunkPlace) -> Callable:
-        """A function copying the owner's rows of ``where``'s chunk into a target."""
+        """A function copying the owner's rows of ``where``'s chunk into a target.
+
+        A run's pulls go one after another, each after the one posted before it (they
+        are posted in the order the chunks are used, each on its chunk's stream): posted
+        all at once on their streams, they would share the links, and at 4 ranks the
+        first chunk would land with the last instead of one pull after the start.
+        """
         buffer = self.buffers[communicate]
         offset, size = self._chunk(buffer, where)
         halves = [
@@ -118,10 +126,16 @@ class SymmetricBuffers:
             for parity in (0, 1)
         ]
         dim = buffer.dim
+        done = torch.cuda.Event()
 
         def pull(target: torch.Tensor) -> None:
-            torch.cuda.current_stream().wait_event(buffer.staged)
+            stream = torch.cuda.current_stream()
+            stream.wait_event(buffer.staged)
+            if buffer.pulled is not None:
+                stream.wait_event(buffer.pulled)
             target.movedim(dim, 0).copy_(halves[self.parity])
+            done.record(stream)
+            buffer.pulled = done
 
         return pull
 

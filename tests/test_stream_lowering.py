@@ -343,6 +343,57 @@ def test_the_cost_model_sees_the_limit_and_wave_quantization():
     assert predict(*args, "collective", 64) > predict(*args, "collective", 4)
 
 
+def _matmul_rs_shape(m: int, k: int, n: int, world: int):
+    """The benchmark's matmul + reduce-scatter: contraction split, rows scattered."""
+    mesh = DeviceMesh(world)
+    with FusionDefinition("matmul_rs") as fd:
+        a = fd.define_tensor([m, k * world], "bf16")
+        b = fd.define_tensor([k * world, n], "bf16")
+        c = fd.ops.matmul(a, b)
+        fd.add_output(c)
+    shard(a, mesh, [Shard(1)])
+    shard(b, mesh, [Shard(0)])
+    shard(c, mesh, [Shard(0)])
+    return shard_fusion(fd.fusion)[0]
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_at_4_and_8_ranks_the_planner_says_its_link_figures_are_from_2(world):
+    """H200's link figures were measured at 2 ranks: a plan for more says so."""
+    for fusion in (
+        _ag_matmul_shape(8192, 8192, 4096, world),
+        _matmul_rs_shape(8192, 8192, 4096, world),
+    ):
+        (decision,) = plan_overlap(fusion, H200_FIGURES)
+        assert decision.team_size == world
+        assert f"link figures measured at 2 ranks, not {world}" in decision.reason
+    (decision,) = plan_overlap(_ag_matmul_shape(8192, 8192, 4096, 2), H200_FIGURES)
+    assert "link figures measured" not in decision.reason
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_a_collective_reduce_scatter_pipeline_sends_while_computing_and_combines_its_own_last(
+    world,
+):
+    """The collective transport's reduce-scatter visits a rank's own chunks last: the
+    others' partials are sent one a link an iteration, beside the next matmuls, and only
+    the owner's combine (a pass over its P partials) follows the last matmul. Where the
+    matmul hides the sends, the pipeline costs the matmul, its slowdown beside NCCL and
+    the combine, whatever the chunk count."""
+    m, k, n = 8192, 8192, 14336
+    fusion = _matmul_rs_shape(m, k, n, world)
+    options = OverlapOptions(transport="collective", num_chunks=world)
+    (decision,) = plan_overlap(fusion, H200_FIGURES, options)
+    assert decision.chosen.order == "local_last"
+    figures, pattern = H200_FIGURES, "matmul+reduce_scatter"
+    one_chunk_ms = predict(pattern, figures, (m // world, k, n), 1, 16, None, 1)
+    matmul_ms = one_chunk_ms - figures.launch_us / 1e3  # one rank alone: no transfer
+    combine_ms = (m / world) * n * 2 * (world + 1) / (figures.memory_gbps * 1e6)
+    expected = world * matmul_ms * figures.collective_slowdown + combine_ms
+    predicted = predict(pattern, figures, (m, k, n), world, 16, "collective", world, True)
+    assert predicted == pytest.approx(expected)
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
