@@ -11,8 +11,13 @@ overlap off, ours with the planner's choice and with each fixed chunk count, and
 PyTorch's ``torch.ops.symm_mem.fused_all_gather_matmul`` /
 ``fused_matmul_reduce_scatter``; the limit T* = max(t_mm, t_comm + t_mm / P) and each
 time over T*. Variants are interleaved (A B C A B C ...) and repeated, each time the
-median of its rounds; every figure is the slowest rank's. Our outputs are compared
-bitwise with the sequential run's. Figures go to ``benchmarks/results/ag_matmul.json``.
+median of its rounds; every figure is the slowest rank's. Before any timing, every
+rank's output of every variant of ours is checked against a float64 reference computed
+from every rank's operands (within ``fusion.testing``'s tolerance; a failure stops every
+rank), and the largest difference is reported beside whether it is bitwise equal to
+the sequential run's and whether the fixed chunk counts give the same bits (a
+reduce-scatter pipeline sums in one order at every chunk count: ``overlap.partials``).
+Figures go to ``benchmarks/results/ag_matmul.json`` (``--out``).
 
 ``--smoke`` runs tiny shapes on CPU processes with gloo (a check of this script, no
 figures worth keeping).
@@ -148,11 +153,16 @@ def run_shape(
             fd, communicator, options, figures, cuda_graph=graphs
         )
     reference = sequential.run(local)[0].clone()
-    bitwise = {}
+    bitwise, outputs = {}, {}
     for name, executor in variants.items():
         for _ in range(3):  # eager warm-up and capture, then both graph halves replayed
             (out,) = executor.run(local)
             bitwise[name] = bitwise.get(name, True) and bool(torch.equal(out, reference))
+        outputs[name] = out.clone()
+    errors = checked_against_float64(pattern, local, outputs, communicator)
+    fixed = [outputs[name] for name in variants if name.startswith("c")]
+    same_bits = all(torch.equal(out, fixed[0]) for out in fixed)
+    same_bits = bool(slowest({"differ": float(not same_bits)}, device)["differ"] == 0)
     # The parts alone, on the same local shapes.
     if pattern == "ag_matmul":
         a_local, b_local = local
@@ -206,9 +216,66 @@ def run_shape(
         "ours_host_ms": times["host"],
         "fixed_chunks_ms": {name: times[name] for name in variants if name.startswith("c")},
         "bitwise_equal_to_sequential": bitwise,
+        "max_abs_error_vs_float64": errors,
+        "fixed_chunk_counts_bitwise_equal": same_bits,
         "planner": str(decision),
     }  # fmt: skip
     return row
+
+
+def _gathered(value: torch.Tensor, world: int) -> list[torch.Tensor]:
+    """Every rank's ``value`` (the same shape on each), as bytes: gloo gathers no
+    bfloat16."""
+    words = value.contiguous().view(torch.uint8)
+    pieces = [torch.empty_like(words) for _ in range(world)]
+    dist.all_gather(pieces, words)
+    return [piece.view(value.dtype) for piece in pieces]
+
+
+def float64_reference(pattern: str, local, communicator) -> torch.Tensor:
+    """This rank's output computed in float64 from every rank's operands."""
+    world, rank = communicator.world_size, communicator.rank
+    a, b = local
+    if pattern == "ag_matmul":
+        return torch.cat(_gathered(a, world)).double() @ b.double()
+    rows = a.shape[0] // world
+    mine = slice(rank * rows, (rank + 1) * rows)
+    total = None
+    for a_q, b_q in zip(_gathered(a, world), _gathered(b, world), strict=True):
+        partial = a_q[mine].double() @ b_q.double()
+        total = partial if total is None else total + partial
+    return total
+
+
+def checked_against_float64(pattern, local, outputs: dict, communicator) -> dict[str, float]:
+    """Each variant's largest difference from the float64 reference (the slowest rank's).
+    Every rank checks its own output within ``fusion.testing.tolerance`` for bf16 (a
+    reduce-scatter's result: P partial sums, each rounded to bf16); if any rank's
+    output is off, every rank raises naming it."""
+    from fusion.dtypes import bfloat16
+    from fusion.testing import tolerance
+
+    world = communicator.world_size
+    reference = float64_reference(pattern, local, communicator)
+    a, _ = local
+    if pattern == "ag_matmul":
+        rtol, atol = tolerance(bfloat16, a.shape[1])
+    else:
+        rtol, atol = tolerance(bfloat16, a.shape[1] * world, partial_sums=world)
+    errors, wrong = {}, []
+    for name, out in outputs.items():
+        difference = (out.double() - reference).abs()
+        errors[name] = difference.max().item() if difference.numel() else 0.0
+        if bool((difference > atol + rtol * reference.abs()).any()):
+            wrong.append(name)
+    failures = [(rank, names) for rank, names in enumerate(communicator.all_gather_object(wrong))
+                if names]  # fmt: skip
+    if failures:
+        raise RuntimeError(
+            f"{pattern}: outputs off the float64 reference (rtol {rtol:.3g}, atol {atol:.3g}) "
+            f"on ranks {failures}; nothing timed"
+        )
+    return slowest(errors, reference.device)
 
 
 def symmetric_memory_op(pattern, local, communicator):
@@ -280,7 +347,8 @@ def print_table(rows: list[dict], figures) -> None:
     print(f"\nhardware figures: {figures}")
     header = (
         f"{'pattern':<10} {'M,K,N':<18} {'mm':>7} {'comm':>7} {'seq':>7} {'ours':>7} "
-        f"{'symm':>7} {'T*':>7} {'ours/T*':>8} {'symm/T*':>8} {'bitwise':>8}  plan; fixed chunks"
+        f"{'symm':>7} {'T*':>7} {'ours/T*':>8} {'symm/T*':>8} {'bitwise':>8} {'err':>8} "
+        f"{'seq_err':>8} {'c*_same':>8}  plan; fixed chunks"
     )
     print(header)
     for r in rows:
@@ -292,7 +360,10 @@ def print_table(rows: list[dict], figures) -> None:
             f"{symm if symm is not None else float('nan'):7.3f} {r['t_star_ms']:7.3f} "
             f"{r['ours_over_t_star']:8.3f} "
             f"{(symm / r['t_star_ms']) if symm else float('nan'):8.3f} "
-            f"{str(all(r['bitwise_equal_to_sequential'].values())):>8}  "
+            f"{str(all(r['bitwise_equal_to_sequential'].values())):>8} "
+            f"{r['max_abs_error_vs_float64']['ours']:8.2g} "
+            f"{r['max_abs_error_vs_float64']['seq']:8.2g} "
+            f"{str(r['fixed_chunk_counts_bitwise_equal']):>8}  "
             f"{r['ours_plan']}; host {r['ours_host_ms']:.3f} ms; {fixed}"
         )
 
