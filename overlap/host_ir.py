@@ -51,7 +51,9 @@ from sharding.mesh import DeviceMesh
 class Transport(enum.StrEnum):
     """How a pipelined communication moves a chunk (its value prints in programs)."""
 
-    COLLECTIVE = "collective"  # one collective per chunk, in the same order everywhere
+    # a broadcast per chunk (all-gather), or every partial sent whole to its owner
+    # (reduce-scatter), every rank taking part at each step
+    COLLECTIVE = "collective"
     RING = "ring"  # send/receive to the ring neighbours, chunk by chunk
     COPY_ENGINE = "copy_engine"  # copies from/to peers' symmetric memory: no SMs
 
@@ -155,7 +157,8 @@ class Communicate(Instruction):
     """Start a communication (asynchronously where the backend allows).
 
     Inside a loop, ``source`` and ``target`` are chunk tensors and ``transport`` says
-    how a chunk moves: ``collective`` (one collective per chunk), ``ring``
+    how a chunk moves: ``collective`` (a broadcast of each chunk, or each partial
+    sent to its owner, every rank taking part at each step), ``ring``
     (send/receive around the ring) or ``copy_engine`` (copies from or to peers'
     symmetric-memory buffers, no SMs used).
     """
