@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import sys
 import threading
 
 import torch
@@ -137,12 +138,19 @@ def concurrent_programs():
 
         builder.__class__ = Concurrent
         executor.__call__ = call
+        # The waiting programs poll; Python's default 5 ms between thread switches lets
+        # each poll hold the interpreter that long while the program it waits for
+        # stands still (a split row test took 13 s so, 2.5 s at 0.2 ms).
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(CONCURRENT_SWITCH_INTERVAL_S)
         try:
             yield
         finally:
+            sys.setswitchinterval(switch_interval)
             builder.__class__ = plain_class
             executor.__call__ = plain_call
 
 
 CONCURRENT_TIMEOUT_S = 300  # a program under concurrent_programs, at most
+CONCURRENT_SWITCH_INTERVAL_S = 2e-4  # between its threads (sys.setswitchinterval)
 _CONCURRENT_LOCK = threading.Lock()

@@ -84,6 +84,7 @@ CASES = [
     ("rs", 13, 1, "ring"),
     ("ag", 13, 3, "ring"),  # several chunks a rank travel the ring one after another
     ("rs", 16, 4, "ring"),
+    ("rs", 3, 1, "collective"),  # fewer rows than 4 ranks: empty partials sent too
 ]
 
 
