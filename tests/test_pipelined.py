@@ -68,7 +68,11 @@ def pipelined(communicator, pattern: str, rows: int, chunks: int, transport: str
         (out,) = executor.run(executor.shard_inputs(full))
         assert_close(out, expected[0], reduction_extent=(4 if pattern == "ag" else 16) * world)
     (decision,) = executor.overlap
-    return decision.overlapped, decision.chosen.num_chunks, decision.chosen.transport
+    return decision.overlapped, decision.chosen.num_chunks, decision.chosen.transport, str(decision)
+
+
+ORDERS = {("ag", "collective"): "global", ("ag", "ring"): "ring_gather",
+          ("rs", "collective"): "local_last", ("rs", "ring"): "ring_reduce"}  # fmt: skip
 
 
 CASES = [
@@ -92,9 +96,16 @@ CASES = [
 @pytest.mark.parametrize("world", [2, 4])
 def test_pipelined_pattern_matches_the_reference(rank_pools, world, pattern, rows, per_rank,
                                                  transport):  # fmt: skip
+    """Every rank's piece against the reference, twice; the plan (printed, the same on
+    every rank) names the team, the chunks, the transport and its chunk order."""
     chunks = per_rank * world
     results = rank_pools(world).run(pipelined, pattern, rows, chunks, transport, 21)
-    assert results == [(True, chunks, transport)] * world
+    assert [result[:3] for result in results] == [(True, chunks, transport)] * world
+    plan = results[0][3]
+    print(plan)
+    assert all(result[3] == plan for result in results)
+    wanted = f"{world} ranks): {chunks} chunks, {transport}, {ORDERS[pattern, transport]} order"
+    assert wanted in plan, plan
 
 
 def reduce_waits_in_order(communicator, chunks: int) -> list[str]:
