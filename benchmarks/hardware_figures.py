@@ -32,12 +32,28 @@ def _median_ms(function, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _pull_all(peers: list, targets: list, device: torch.device) -> None:
+    """Copy every peer's buffer at once, each on a stream of its own."""
+    current = torch.cuda.current_stream(device)
+    streams = _pull_streams.setdefault(device, [torch.cuda.Stream(device) for _ in peers])
+    for stream, target, source in zip(streams, targets, peers, strict=True):
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            target.copy_(source)
+    for stream in streams:
+        current.wait_stream(stream)
+
+
+_pull_streams: dict[torch.device, list] = {}
+
+
 def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) -> HardwareFigures:
     """Measure the cost model's figures on this rank's GPU and its peers (collective).
 
     Takes about a second: a large matmul alone and beside an NCCL all-gather, an
-    all-gather, a copy-engine pull from a peer's symmetric buffer, a local copy, and
-    the host cost of a small launch. Every rank gets the slowest rank's figures.
+    all-gather, copy-engine pulls from peers' symmetric buffers (one peer, then every
+    peer at once), a local copy, and the host cost of a small launch. Every rank gets
+    the slowest rank's figures.
     """
     device = communicator.device
     if device.type != "cuda":
@@ -65,18 +81,28 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
     big = torch.empty(2**28, device=device, dtype=torch.uint8)
     copy_ms = _median_ms(lambda: big.clone())
     launch_ms = _median_ms(lambda: [piece[:1].add_(0) for _ in range(100)]) / 100
-    copy_engine_gbps = 0.0
+    copy_engine_gbps = all_peers_gbps = 0.0
+    piece_bytes = piece.numel() * piece.element_size()
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
         buffer = symm_mem.empty(piece.numel(), dtype=dtype, device=device)
         handle = symm_mem.rendezvous(buffer, dist.group.WORLD.group_name)
-        peer = handle.get_buffer((communicator.rank + 1) % world, (piece.numel(),), dtype)
-        pulled = torch.empty_like(piece)
+        peers = [  # on one GPU, its own buffer
+            handle.get_buffer(peer, (piece.numel(),), dtype)
+            for peer in range(world)
+            if peer != communicator.rank or world == 1
+        ]
+        pulled = [torch.empty_like(piece) for _ in peers]
         handle.barrier(channel=0)
-        pull_ms = _median_ms(lambda: pulled.copy_(peer))
+        # one peer at a time (every rank pulls from its successor, as the pipelines'
+        # staggered pulls do), then every peer at once, each pull on a stream of its own
+        successor = peers[communicator.rank % len(peers)]
+        pull_ms = _median_ms(lambda: pulled[0].copy_(successor))
+        all_ms = _median_ms(lambda: _pull_all(peers, pulled, device))
         handle.barrier(channel=0)
-        copy_engine_gbps = piece.numel() * piece.element_size() / (pull_ms * 1e6)
+        copy_engine_gbps = piece_bytes / (pull_ms * 1e6)
+        all_peers_gbps = len(peers) * piece_bytes / (all_ms * 1e6)
     except (ImportError, RuntimeError):
         pass
     received = (world - 1) * piece.numel() * piece.element_size()
@@ -86,6 +112,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
             received / (gather_ms * 1e6),
             copy_engine_gbps,
             2 * big.numel() / (copy_ms * 1e6),
+            all_peers_gbps,
             launch_ms * 1e3,
             max(beside_ms, matmul_ms) / matmul_ms,
         ],
@@ -93,10 +120,11 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         dtype=torch.float64,
     )
     slowest = figures.clone()
-    slowest[[0, 1, 2, 3]] *= -1  # rates: take the minimum through a MAX all-reduce
+    rates = [0, 1, 2, 3, 4]
+    slowest[rates] *= -1  # rates: take the minimum through a MAX all-reduce
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    slowest[[0, 1, 2, 3]] *= -1
-    rate, gbps, copy_gbps, memory, launch_us, slowdown = slowest.tolist()
+    slowest[rates] *= -1
+    rate, gbps, copy_gbps, memory, all_peers, launch_us, slowdown = slowest.tolist()
     profile = current_hardware(device)
     return HardwareFigures(
         name=f"{profile.name} x{world} (measured)",
@@ -105,6 +133,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         collective_gbps=gbps,
         p2p_gbps=gbps,
         copy_engine_gbps=copy_gbps,
+        copy_engine_all_peers_gbps=all_peers,
         launch_us=launch_us,
         collective_slowdown=min(slowdown, 2.0),
         ranks=world,

@@ -33,6 +33,9 @@ class HardwareFigures:
     tile_rows: int = 128
     tile_cols: int = 256
     ranks: int | None = None  # the team size the link figures were measured at, if any
+    # copy-engine pulls from every peer at once, bytes received a second (0: unmeasured);
+    # recorded beside the one-peer figure: the pipelines pull one peer at a time
+    copy_engine_all_peers_gbps: float = 0.0
 
     @property
     def memory_gbps(self) -> float:
