@@ -51,9 +51,9 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
     """Measure the cost model's figures on this rank's GPU and its peers (collective).
 
     Takes about a second: a large matmul alone and beside an NCCL all-gather, an
-    all-gather, copy-engine pulls from peers' symmetric buffers (one peer, then every
-    peer at once), a local copy, and the host cost of a small launch. Every rank gets
-    the slowest rank's figures.
+    all-gather, a send/receive around the ring, copy-engine pulls from peers'
+    symmetric buffers (one peer, then every peer at once), a local copy, and the host
+    cost of a small launch. Every rank gets the slowest rank's figures.
     """
     device = communicator.device
     if device.type != "cuda":
@@ -78,6 +78,18 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         torch.cuda.current_stream(device).wait_stream(side)
 
     beside_ms = _median_ms(matmul_beside_gather)
+    p2p_gbps = 0.0  # 0: the all-gather's, on one GPU
+    if world > 1:  # every rank sends to its successor and receives from its predecessor
+        rank = communicator.rank
+        received_piece = torch.empty_like(piece)
+
+        def exchange() -> None:
+            ops = [dist.P2POp(dist.isend, piece, (rank + 1) % world),
+                   dist.P2POp(dist.irecv, received_piece, (rank - 1) % world)]  # fmt: skip
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+        p2p_gbps = piece.numel() * piece.element_size() / (_median_ms(exchange) * 1e6)
     big = torch.empty(2**28, device=device, dtype=torch.uint8)
     copy_ms = _median_ms(lambda: big.clone())
     launch_ms = _median_ms(lambda: [piece[:1].add_(0) for _ in range(100)]) / 100
@@ -113,6 +125,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
             copy_engine_gbps,
             2 * big.numel() / (copy_ms * 1e6),
             all_peers_gbps,
+            p2p_gbps,
             launch_ms * 1e3,
             max(beside_ms, matmul_ms) / matmul_ms,
         ],
@@ -120,18 +133,18 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         dtype=torch.float64,
     )
     slowest = figures.clone()
-    rates = [0, 1, 2, 3, 4]
+    rates = [0, 1, 2, 3, 4, 5]
     slowest[rates] *= -1  # rates: take the minimum through a MAX all-reduce
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     slowest[rates] *= -1
-    rate, gbps, copy_gbps, memory, all_peers, launch_us, slowdown = slowest.tolist()
+    rate, gbps, copy_gbps, memory, all_peers, p2p, launch_us, slowdown = slowest.tolist()
     profile = current_hardware(device)
     return HardwareFigures(
         name=f"{profile.name} x{world} (measured)",
         device=replace(profile, memory_gbps=memory),
         matmul_tflops=rate,
         collective_gbps=gbps,
-        p2p_gbps=gbps,
+        p2p_gbps=p2p or gbps,
         copy_engine_gbps=copy_gbps,
         copy_engine_all_peers_gbps=all_peers,
         launch_us=launch_us,
