@@ -147,7 +147,8 @@ def _device_ms(
         # send nothing); at each of its own iterations the owner combines the chunk's
         # partials, in one pass over them, once the last has come in.
         sent = chunks - per_rank
-        transfer = [_transfer_ms(b, gbps, figures.launch_us) for b in chunk_bytes[:sent]]
+        transfer = [_transfer_ms(b, figures.p2p_gbps, figures.launch_us)
+                    for b in chunk_bytes[:sent]]  # fmt: skip
         end = _pipeline_ms(compute[:sent], transfer, gather=False)
         combine_ms = sum(chunk_bytes[sent:]) * (parts + 1) / (figures.memory_gbps * 1e6)
         return max(end, sum(compute)) + combine_ms
