@@ -301,12 +301,25 @@ class _Lowering:
         out = exprs[0].outputs[0]
         chunks = _chunks(out.axis(stream_dim(out)))
         scheme = ChunkScheme(chunks)
+        pipelined = [
+            expr
+            for expr in exprs
+            if isinstance(expr, Communication)
+            and expr.split_dim is not None
+            and expr.split_dim == stream_dim(expr.output)
+        ]
         for expr in exprs:
-            if not isinstance(expr, Communication):
-                continue
-            split = expr.split_dim
-            if split is None or split != stream_dim(expr.output):
-                continue
+            if isinstance(expr, Communication) and expr not in pipelined:
+                _check_chunk_by_chunk(expr, chunks)
+        # Without a plan (a stream axis marked by hand): reduce-scatters alone take their
+        # own chunks last, so that every rank sends a partial and receives one at each
+        # step; a loop with an all-gather keeps the global order its broadcasts need.
+        unplanned = (
+            ChunkOrder.LOCAL_LAST
+            if all(e.kind is CommunicationKind.ReduceScatter for e in pipelined)
+            else ChunkOrder.GLOBAL
+        )
+        for expr in pipelined:
             mesh = expr.in_layout.mesh
             owners = mesh.shape[expr.mesh_axis]
             if chunks % owners:
@@ -315,7 +328,7 @@ class _Lowering:
                     f"{chunks} chunks; the chunk count must be a multiple of {owners}"
                 )
             pipeline = self.plan.pipeline(expr)
-            order = pipeline.order if pipeline is not None else ChunkOrder.GLOBAL
+            order = pipeline.order if pipeline is not None else unplanned
             scheme = ChunkScheme(chunks, owners, mesh, expr.mesh_axis, order)
         return scheme
 
@@ -385,6 +398,19 @@ class _Lowering:
             instructions.append(ForLoop(scheme, posting, "post every transfer first"))
         instructions.append(ForLoop(scheme, body, scheme.describe()))
         instructions.extend(after)
+
+
+def _check_chunk_by_chunk(comm: Communication, chunks: int) -> None:
+    """A communication that a loop runs chunk by chunk without pipelining it must leave
+    the stream axis alone: one that splits or gathers that axis (an all-to-all that
+    re-splits the rows, say) would move each chunk's rows as if they were the whole."""
+    dim = stream_dim(comm.output)
+    if dim in (comm.in_dim, comm.out_dim):
+        raise ShardingError(
+            f"{comm.op_name} of {comm.inputs[0]} splits or gathers axis {dim}, which a "
+            f"stream loop cuts into {chunks} chunks: chunk by chunk it would move the "
+            "wrong rows. Mark another axis as Stream, or leave this one unmarked"
+        )
 
 
 def _transport(plan: OverlapPlan, expr: Expr) -> Transport | None:

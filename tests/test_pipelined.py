@@ -15,14 +15,15 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from distributed import RankError  # noqa: E402
 
-from fusion import FusionDefinition  # noqa: E402
+from fusion import FusionDefinition, ParallelType  # noqa: E402
+from fusion.exprs import LinearOp  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.host_ir import Communicate, ForLoop, LaunchKernel  # noqa: E402
 from overlap.partials import PartialCombiner  # noqa: E402
 from overlap.planner import OverlapOptions  # noqa: E402
 from schedulers.hardware import INTERPRETER  # noqa: E402
-from sharding import DeviceMesh, Shard, ShardingError, shard  # noqa: E402
+from sharding import DeviceMesh, Shard, ShardingError, shard, shard_fusion  # noqa: E402
 
 
 def _ag_linear(world: int, rows: int, bias: bool) -> FusionDefinition:
@@ -279,6 +280,56 @@ def test_the_combined_order_is_coordinate_order(hardware):
     nan = [torch.tensor([1.0, 2.0]), torch.tensor([float("nan"), 3.0]), torch.tensor([0.0, 5.0])]
     PartialCombiner(3, "max", torch.float32, hardware)(nan, maxima := torch.empty(2))
     assert torch.isnan(maxima[0]) and maxima[1] == 5.0
+
+
+def hand_marked_reduce_scatter(communicator, chunks: int) -> str:
+    """A stream axis marked by hand on the row-parallel linear's partial result (no
+    plan): the reduce-scatter runs in the loop; checked twice; the program's text."""
+    world = communicator.world_size
+    fd = _linear_rs(world, 13)
+    placed = shard_fusion(fd.fusion)[0]
+    (linear,) = [expr for expr in placed.exprs if isinstance(expr, LinearOp)]
+    linear.outputs[0].axis(0).parallelize(ParallelType.Stream, chunks)
+    executor = MultiDeviceExecutor(placed, communicator, OverlapOptions(overlap=False))
+    generator = torch.Generator().manual_seed(3)
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    expected = executor.shard_outputs(fd.execute(full))
+    for _ in range(2):
+        (out,) = executor.run(executor.shard_inputs(full))
+        assert_close(out, expected[0], reduction_extent=16 * world)
+    return str(executor.compiled.host)
+
+
+def test_a_reduce_scatter_in_a_loop_marked_by_hand_takes_its_own_chunks_last(rank_pools):
+    """Without a plan, a loop whose pipelined communications are reduce-scatters visits
+    a rank's own chunks last: every rank sends one partial and receives one a step,
+    instead of all sending to one owner at a time (4 ranks, 13 rows, 8 chunks)."""
+    for program in rank_pools(4).run(hand_marked_reduce_scatter, 8):
+        assert "# 8 chunks, 2 per rank of x, order local_last" in program, program
+        assert "ReduceScatter(" in program
+
+
+def all_to_all_in_a_loop(communicator) -> None:
+    mesh = DeviceMesh(communicator.world_size)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([16, 8 * communicator.world_size])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    shard(x, mesh, [Shard(1)])
+    y.axis(0).parallelize(ParallelType.Stream, 2)
+    shard(y, mesh, [Shard(0)])  # columns to rows: an all-to-all of the marked axis
+    MultiDeviceExecutor(fd, communicator)
+
+
+def test_a_communication_that_splits_the_stream_axis_is_refused_on_every_rank(rank_pools):
+    """An all-to-all that re-splits the marked rows, run chunk by chunk, moved each
+    chunk's rows as if they were the whole tensor's (wrong rows, silently): refused
+    when the program is built, on every rank, naming it."""
+    with pytest.raises(RankError) as failure:
+        rank_pools(2).run(all_to_all_in_a_loop, timeout=60)
+    assert sorted(failure.value.failures) == [0, 1]
+    for message in failure.value.messages().values():
+        assert "AllToAll of T0" in message and "stream loop cuts into 2 chunks" in message
 
 
 def chunks_not_a_multiple(communicator) -> None:
