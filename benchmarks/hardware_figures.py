@@ -35,7 +35,9 @@ def _median_ms(function, repeats: int = 10) -> float:
 def _pull_all(peers: list, targets: list, device: torch.device) -> None:
     """Copy every peer's buffer at once, each on a stream of its own."""
     current = torch.cuda.current_stream(device)
-    streams = _pull_streams.setdefault(device, [torch.cuda.Stream(device) for _ in peers])
+    if device not in _pull_streams:
+        _pull_streams[device] = [torch.cuda.Stream(device) for _ in peers]
+    streams = _pull_streams[device]
     for stream, target, source in zip(streams, targets, peers, strict=True):
         stream.wait_stream(current)
         with torch.cuda.stream(stream):

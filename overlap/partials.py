@@ -9,10 +9,12 @@ combines them here, always the same way:
   and rounds once to the output's type;
 - a max or a min takes them in the same order, in the output's type (exact; NaN wins).
 
-So such a pipeline's result does not depend on how many chunks the planner cut, nor
-on which of the two transports moved them, nor on the device: on CUDA the sum is one
-generated kernel (one pass over the partials), elsewhere the same float32 additions
-through torch, and both round the same. At two ranks it is exactly what NCCL's
+So, given the same partials, such a pipeline's result does not depend on how many
+chunks the planner cut, nor on which of the two transports moved them, nor on the
+device: on CUDA the sum is one generated kernel (one pass over the partials), elsewhere
+the same float32 additions through torch, and both round the same. (The partials
+themselves are each chunk's matmul: a GPU library may pick another algorithm for
+another number of rows, and round a partial otherwise.) At two ranks it is exactly what NCCL's
 reduce-scatter computes (one rounded addition). At more, NCCL's own reduce-scatter
 (the sequential program's) rounds after each hop of its ring, in an order of its own,
 so the sequential result may differ in the last bits, within ``fusion.testing``'s
@@ -81,10 +83,12 @@ class PartialCombiner:
                 total.add_(partial)
             out.copy_(total)
 
-    def warm_up(self, device: torch.device) -> None:
-        """Compile the generated kernel now (a launch on zeros), not in the first run."""
-        if self._group is not None:
-            zeros = [torch.zeros(4, dtype=self.dtype, device=device) for _ in range(self.parts)]
+    def warm_up(self, device: torch.device, elements: int) -> None:
+        """Compile the generated kernel for ``elements`` at a time now (a launch on
+        zeros), not in the first run."""
+        if self._group is not None and elements and elements not in self._launchers:
+            zeros = [torch.zeros(elements, dtype=self.dtype, device=device)
+                     for _ in range(self.parts)]  # fmt: skip
             self(zeros, torch.empty_like(zeros[0]))
 
     def _kernel_group(self):

@@ -19,10 +19,10 @@ into its owner. How a chunk moves:
   in any order, its own first (all-gather) or last (reduce-scatter).
 
 A reduce-scatter's partials are summed in one documented order: by the collective
-and copy-engine transports as ``overlap.partials`` says (the same bits at every chunk
-count and by either transport), by the ring hop by hop along the ring, from the
-owner's successor to the owner, each hop's sum rounded to the output's type (the
-same bits at every chunk count).
+and copy-engine transports as ``overlap.partials`` says (given the same partials, the
+same bits at every chunk count and by either transport), by the ring hop by hop along
+the ring, from the owner's successor to the owner, each hop's sum rounded to the
+output's type (the same bits at every chunk count, given the same partials).
 
 A communication that acts along another axis than the stream axis (an
 all-reduce of a chunk, say) runs the whole-tensor collective on the chunk.
@@ -34,6 +34,7 @@ calls the returned function with the chunk's tensors.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -135,6 +136,8 @@ class PipelinedComms:
         self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
         self.outstanding: list[object] = []  # sends nobody waits for yet
         self.combiners: dict[Communicate, PartialCombiner] = {}
+        # where the peers' partials land, by communication, chunk and sender: a loop's,
+        # allocated as its run needs them and dropped after it (``drain``)
         self.inboxes: dict[tuple[Communicate, int, int], torch.Tensor] = {}
         # a run's receives of partials, by communication and chunk, until the owner
         # combines them
@@ -154,25 +157,32 @@ class PipelinedComms:
         return get
 
     def drain(self) -> None:
-        """Wait for every outstanding send (after a loop)."""
+        """Wait for every outstanding send (after a loop); drop the loop's inboxes (the
+        user's stream has waited for every stream that used them)."""
         for work in self.outstanding:
             work.wait()
         self.outstanding.clear()
+        self.inboxes.clear()
 
     def new_run(self) -> None:
         """Forget what a run that raised left behind."""
         self.outstanding.clear()
         self.arrivals.clear()
+        self.inboxes.clear()
 
-    def combiner(self, communicate: Communicate, parts: int, dtype: torch.dtype) -> PartialCombiner:
-        """How this rank combines the partials of ``communicate`` (a reduce-scatter)."""
+    def combiner(
+        self, communicate: Communicate, parts: int, dtype: torch.dtype, elements: int
+    ) -> PartialCombiner:
+        """How this rank combines the partials of ``communicate`` (a reduce-scatter),
+        ``elements`` at a time: on CUDA its kernel for that size is compiled now."""
         if communicate not in self.combiners:
-            combine = PartialCombiner(parts, communicate.communication.reduce_op, dtype,
-                                      self.hardware)  # fmt: skip
-            if self.ctx.device.type == "cuda":
-                combine.warm_up(self.ctx.device)
-            self.combiners[communicate] = combine
-        return self.combiners[communicate]
+            self.combiners[communicate] = PartialCombiner(
+                parts, communicate.communication.reduce_op, dtype, self.hardware
+            )
+        combine = self.combiners[communicate]
+        if self.ctx.device.type == "cuda":
+            combine.warm_up(self.ctx.device, elements)
+        return combine
 
     def prepare(
         self, communicate: Communicate, scheme: ChunkScheme, iteration: int
@@ -264,13 +274,17 @@ class PipelinedComms:
             if coordinate != where.mine
             and scheme.chunk(iteration, coordinate) // scheme.per_owner == where.mine
         }
-        inbox = {c: self._inbox(communicate, scheme, chunk, c) for c, chunk in senders.items()}
+        shapes = {c: self._inbox_shape(communicate, scheme, chunk) for c, chunk in senders.items()}
         combine = (
             self._owner_combine(communicate, scheme, iteration, where) if where.owned else None
         )
 
         def deliver(source, target) -> Pending:
             outgoing = None if where.owned else _contiguous(source.movedim(dim, 0))
+            inbox = {
+                coordinate: self._inbox((communicate, chunk, coordinate), shapes[coordinate])
+                for coordinate, chunk in senders.items()
+            }
             ops = [
                 dist.P2POp(dist.irecv, inbox[coordinate], where.rank_at(coordinate), group)
                 for coordinate in senders
@@ -286,17 +300,19 @@ class PipelinedComms:
 
         return deliver
 
-    def _inbox(self, communicate, scheme, chunk: int, coordinate: int) -> torch.Tensor:
-        """Where the partial of ``chunk`` from the rank at ``coordinate`` lands (the split
-        axis first), allocated once."""
-        key = (communicate, chunk, coordinate)
+    def _inbox_shape(self, communicate, scheme, chunk: int) -> list[int]:
+        """The shape of a peer's partial of ``chunk`` as it lands (the split axis first)."""
+        comm = communicate.communication
+        dim = comm.split_dim
+        whole = self.ctx.local_shape(comm.inputs[0])
+        _, size = chunk_rows(whole[dim], scheme, chunk, split=False)
+        return [size, *whole[:dim], *whole[dim + 1 :]]
+
+    def _inbox(self, key: tuple[Communicate, int, int], shape: list[int]) -> torch.Tensor:
+        """Where the partial of a chunk from a peer lands in this run (``key``:
+        communication, chunk, the peer's coordinate), allocated at its first use."""
         if key not in self.inboxes:
-            comm = communicate.communication
-            dim = comm.split_dim
-            whole = self.ctx.local_shape(comm.inputs[0])
-            _, size = chunk_rows(whole[dim], scheme, chunk, split=False)
-            shape = [size, *whole[:dim], *whole[dim + 1 :]]
-            dtype = self.ctx.storage_dtype(comm.inputs[0])
+            dtype = self.ctx.storage_dtype(key[0].communication.inputs[0])
             self.inboxes[key] = torch.empty(shape, dtype=dtype, device=self.ctx.device)
         return self.inboxes[key]
 
@@ -317,20 +333,17 @@ class PipelinedComms:
                 f"{where.rank_at(late[0])} computes its partial of chunk {chunk} after the "
                 "chunk's owner, which combines them at its own iteration"
             )
-        peers = {
-            coordinate: self._inbox(communicate, scheme, chunk, coordinate)
-            for coordinate in range(where.parts)
-            if coordinate != where.mine
-        }
+        shape = self._inbox_shape(communicate, scheme, chunk)
+        peers = [(communicate, chunk, c) if c != where.mine else None for c in range(where.parts)]
         dtype = self.ctx.storage_dtype(comm.inputs[0])
-        combiner = self.combiner(communicate, where.parts, dtype)
-        key = (communicate, chunk)
+        combiner = self.combiner(communicate, where.parts, dtype, elements=math.prod(shape))
 
         def combine(source, target) -> Pending:
             own = source.movedim(dim, 0)
-            partials = [peers.get(coordinate, own) for coordinate in range(where.parts)]
+            partials = [own if key is None else self._inbox(key, shape) for key in peers]
             return Pending(
-                self.arrivals.pop(key, []), lambda: combiner(partials, target.movedim(dim, 0))
+                self.arrivals.pop((communicate, chunk), []),
+                lambda: combiner(partials, target.movedim(dim, 0)),
             )
 
         return combine

@@ -11,6 +11,7 @@ fill and read, as a run must).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -385,7 +386,8 @@ class RankProgram:
         symmetric = self.setup.symmetric
         moving = comm.inputs[0]
         parts = comm.in_layout.mesh.shape[comm.mesh_axis]
-        combiner = self.pipelined.combiner(communicate, parts, storage_dtype(moving))
+        piece = math.prod(self.local_shape(comm.output))
+        combiner = self.pipelined.combiner(communicate, parts, storage_dtype(moving), piece)
         return lambda: symmetric.combine(communicate, self.values[comm.output], combiner)
 
     def allocate_symmetric(self) -> None:

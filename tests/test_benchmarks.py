@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_ag_matmul_benchmark_smoke_run(tmp_path, world):
     """Every rank's output checked against float64 before timing (the script stops
     otherwise); at 2 ranks every variant is bitwise equal to the sequential run; at
-    any size the fixed chunk counts give the same bits (``c*_same``)."""
+    any size a reduce-scatter's fixed chunk counts give the same bits (``c*_same``)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world),
         str(ROOT / "benchmarks" / "ag_matmul.py"), "--smoke", "--rounds", "1",
@@ -35,7 +35,8 @@ def test_ag_matmul_benchmark_smoke_run(tmp_path, world):
     columns = header.split()
     for row in rows:
         fields = dict(zip(columns[: columns.index("plan;")], row.split(), strict=False))
-        assert fields["c*_same"] == "True", row  # the fixed chunk counts give the same bits
+        # a reduce-scatter's fixed chunk counts (one transport) give the same bits
+        assert fields["c*_same"] == ("True" if row.startswith("matmul_rs") else "-"), row
         if world == 2:
             assert fields["bitwise"] == "True", row  # bitwise equal to sequential
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json"] * 4 + [".png"] * 4
