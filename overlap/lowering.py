@@ -66,10 +66,6 @@ def _chunks(axis: Axis) -> int:
     return axis.stream_chunks or DEFAULT_CHUNKS
 
 
-def _mark_stream(tensor: TensorView, dim: int, chunks: int) -> None:
-    tensor.axis(dim).stream(chunks)
-
-
 def propagate_stream_axes(fusion: Fusion) -> None:
     """Pull communications next to stream-parallel exprs into their loops.
 
@@ -85,7 +81,7 @@ def propagate_stream_axes(fusion: Fusion) -> None:
         if producer is not None and stream_dim(source) is not None:
             dim = stream_dim(source)
             if dim < expr.output.ndim:
-                _mark_stream(expr.output, dim, _chunks(source.axis(dim)))
+                expr.output.axis(dim).stream(_chunks(source.axis(dim)))
                 continue
         for consumer in expr.output.uses:
             dim = stream_dim(consumer.outputs[0])
@@ -95,7 +91,7 @@ def propagate_stream_axes(fusion: Fusion) -> None:
             position = consumer.inputs.index(expr.output)
             wanted = needs[position] if needs else None
             if isinstance(wanted, Shard):
-                _mark_stream(expr.output, wanted.dim, _chunks(consumer.outputs[0].axis(dim)))
+                expr.output.axis(wanted.dim).stream(_chunks(consumer.outputs[0].axis(dim)))
                 break
 
 
@@ -301,24 +297,11 @@ class _Lowering:
         out = exprs[0].outputs[0]
         chunks = _chunks(out.axis(stream_dim(out)))
         scheme = ChunkScheme(chunks)
-        pipelined = [
-            expr
-            for expr in exprs
-            if isinstance(expr, Communication)
-            and expr.split_dim is not None
-            and expr.split_dim == stream_dim(expr.output)
-        ]
-        for expr in exprs:
-            if isinstance(expr, Communication) and expr not in pipelined:
-                _check_chunk_by_chunk(expr, chunks)
-        # Without a plan (a stream axis marked by hand): reduce-scatters alone take their
-        # own chunks last, so that every rank sends a partial and receives one at each
-        # step; a loop with an all-gather keeps the global order its broadcasts need.
-        unplanned = (
-            ChunkOrder.LOCAL_LAST
-            if all(e.kind is CommunicationKind.ReduceScatter for e in pipelined)
-            else ChunkOrder.GLOBAL
-        )
+        pipelined = _pipelined([e for e in exprs if isinstance(e, Communication)], chunks)
+        # Unplanned (marked by hand), reduce-scatters alone take own chunks last (each rank
+        # sends one partial a step); an all-gather's broadcasts need the global order.
+        alone = all(c.kind is CommunicationKind.ReduceScatter for c in pipelined)
+        unplanned = ChunkOrder.LOCAL_LAST if alone else ChunkOrder.GLOBAL
         for expr in pipelined:
             mesh = expr.in_layout.mesh
             owners = mesh.shape[expr.mesh_axis]
@@ -400,17 +383,22 @@ class _Lowering:
         instructions.extend(after)
 
 
-def _check_chunk_by_chunk(comm: Communication, chunks: int) -> None:
-    """A communication that a loop runs chunk by chunk without pipelining it must leave
-    the stream axis alone: one that splits or gathers that axis (an all-to-all that
-    re-splits the rows, say) would move each chunk's rows as if they were the whole."""
-    dim = stream_dim(comm.output)
-    if dim in (comm.in_dim, comm.out_dim):
-        raise ShardingError(
-            f"{comm.op_name} of {comm.inputs[0]} splits or gathers axis {dim}, which a "
-            f"stream loop cuts into {chunks} chunks: chunk by chunk it would move the "
-            "wrong rows. Mark another axis as Stream, or leave this one unmarked"
-        )
+def _pipelined(comms: list[Communication], chunks: int) -> list[Communication]:
+    """The communications a loop pipelines (they gather or scatter its stream axis). The
+    others run chunk by chunk: one that split or gathered that axis (an all-to-all of the
+    rows) would move each chunk's rows as if they were the whole, so it is refused."""
+    pipelined = []
+    for comm in comms:
+        dim = stream_dim(comm.output)
+        if comm.split_dim is not None and comm.split_dim == dim:
+            pipelined.append(comm)
+        elif dim in (comm.in_dim, comm.out_dim):
+            raise ShardingError(
+                f"{comm.op_name} of {comm.inputs[0]} splits or gathers axis {dim}, which a "
+                f"stream loop cuts into {chunks} chunks: chunk by chunk it would move the "
+                "wrong rows. Mark another axis as Stream, or leave this one unmarked"
+            )
+    return pipelined
 
 
 def _transport(plan: OverlapPlan, expr: Expr) -> Transport | None:

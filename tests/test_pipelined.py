@@ -39,13 +39,13 @@ def _ag_linear(world: int, rows: int, bias: bool) -> FusionDefinition:
     return fd
 
 
-def _linear_rs(world: int, rows: int) -> FusionDefinition:
+def _linear_rs(world: int, rows: int, dtype: str = "float32") -> FusionDefinition:
     mesh = DeviceMesh(world)
     with FusionDefinition("linear_rs") as fd:
         # a contraction longer than the rows: reduce-scattering the result is the cheaper
         # plan (with 4 a rank, moving the rows and gathering the weight would be)
-        x = fd.define_tensor([rows, 16 * world])
-        w = fd.define_tensor([10, 16 * world])
+        x = fd.define_tensor([rows, 16 * world], dtype)
+        w = fd.define_tensor([10, 16 * world], dtype)
         y = fd.ops.linear(x, w)
         fd.add_output(y)
     shard(x, mesh, [Shard(1)])  # row-parallel linear, reduce-scattered back to rows
@@ -157,19 +157,6 @@ def test_on_cpus_a_chunk_reduction_is_waited_for_after_the_later_chunks_are_post
 # The summation order of a pipelined reduce-scatter
 
 
-def _bf16_linear_rs(world: int, rows: int) -> FusionDefinition:
-    mesh = DeviceMesh(world)
-    with FusionDefinition("bf16_linear_rs") as fd:
-        x = fd.define_tensor([rows, 16 * world], "bf16")
-        w = fd.define_tensor([10, 16 * world], "bf16")
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    shard(x, mesh, [Shard(1)])
-    shard(w, mesh, [Shard(1)])
-    shard(y, mesh, [Shard(0)])
-    return fd
-
-
 def _partials(world: int, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor]:
     """Every rank's bf16 partial result, as each computes it (its columns of x and w)."""
     width = x.shape[1] // world
@@ -201,7 +188,7 @@ def reduce_scatter_bits(
     """This rank's bf16 output piece at each chunk count, and the piece in the
     transport's documented order, computed here from every rank's partial."""
     world, rank = communicator.world_size, communicator.rank
-    fd = _bf16_linear_rs(world, rows)
+    fd = _linear_rs(world, rows, "bf16")
     generator = torch.Generator().manual_seed(7)
     x, w = (torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs)
     # ranks 0 and 1 compute large partials that cancel exactly: the order then shows
