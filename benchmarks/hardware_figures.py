@@ -32,21 +32,15 @@ def _median_ms(function, repeats: int = 10) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _pull_all(peers: list, targets: list, device: torch.device) -> None:
+def _pull_all(peers: list, targets: list, streams: list, device: torch.device) -> None:
     """Copy every peer's buffer at once, each on a stream of its own."""
     current = torch.cuda.current_stream(device)
-    if device not in _pull_streams:
-        _pull_streams[device] = [torch.cuda.Stream(device) for _ in peers]
-    streams = _pull_streams[device]
     for stream, target, source in zip(streams, targets, peers, strict=True):
         stream.wait_stream(current)
         with torch.cuda.stream(stream):
             target.copy_(source)
     for stream in streams:
         current.wait_stream(stream)
-
-
-_pull_streams: dict[torch.device, list] = {}
 
 
 def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) -> HardwareFigures:
@@ -113,7 +107,8 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         # staggered pulls do), then every peer at once, each pull on a stream of its own
         successor = peers[communicator.rank % len(peers)]
         pull_ms = _median_ms(lambda: pulled[0].copy_(successor))
-        all_ms = _median_ms(lambda: _pull_all(peers, pulled, device))
+        streams = [torch.cuda.Stream(device) for _ in peers]
+        all_ms = _median_ms(lambda: _pull_all(peers, pulled, streams, device))
         handle.barrier(channel=0)
         copy_engine_gbps = piece_bytes / (pull_ms * 1e6)
         all_peers_gbps = len(peers) * piece_bytes / (all_ms * 1e6)

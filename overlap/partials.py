@@ -14,12 +14,12 @@ chunks the planner cut, nor on which of the two transports moved them, nor on th
 device: on CUDA the sum is one generated kernel (one pass over the partials), elsewhere
 the same float32 additions through torch, and both round the same. (The partials
 themselves are each chunk's matmul: a GPU library may pick another algorithm for
-another number of rows, and round a partial otherwise.) At two ranks it is exactly what NCCL's
-reduce-scatter computes (one rounded addition). At more, NCCL's own reduce-scatter
-(the sequential program's) rounds after each hop of its ring, in an order of its own,
-so the sequential result may differ in the last bits, within ``fusion.testing``'s
-tolerance for partial sums. The ``ring`` transport accumulates hop by hop instead
-(``overlap.pipelined``).
+another number of rows, and round a partial otherwise.) At two ranks it is exactly
+what NCCL's reduce-scatter computes (one rounded addition). At more, NCCL's own
+reduce-scatter (the sequential program's) rounds after each hop of its ring, in an
+order of its own, so the sequential result may differ in the last bits, within
+``fusion.testing``'s tolerance for partial sums. The ``ring`` transport accumulates
+hop by hop instead (``overlap.pipelined``).
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class PartialCombiner:
         generated = hardware is not None and op == "sum" and dtype in _GENERATED
         self.hardware = hardware if generated else None
         self._group = self._kernel_group() if generated else None
-        self._launchers: dict[int, object] = {}
+        self._launchers: dict[int, tuple] = {}  # elements -> (launcher, shapes)
 
     def __call__(self, partials: Sequence[torch.Tensor], out: torch.Tensor) -> None:
         """``out`` (any strides) = the partials (each of ``out``'s shape) combined."""
@@ -107,18 +107,18 @@ class PartialCombiner:
         return group
 
     def _generated(self, partials: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        group = self._group
         elements = out.numel()
-        launch = self._launchers.get(elements)
-        if launch is None:
-            scheduler, plan = group.scheduler, group.plan
+        if elements not in self._launchers:
+            scheduler, plan = self._group.scheduler, self._group.plan
             params = scheduler.heuristics(plan, self.hardware, [elements])
             launch = scheduler.launcher(plan, params, self.hardware, lambda tensor: [elements])
-            self._launchers[elements] = launch
+            group = self._group
+            shapes = {tensor: [elements] for tensor in [*group.inputs, *group.outputs]}
+            self._launchers[elements] = (launch, shapes)
+        launch, shapes = self._launchers[elements]
         inputs = [partial.contiguous().view(-1) for partial in partials]
         in_place = out.is_contiguous()
         target = out.view(-1) if in_place else torch.empty_like(inputs[0])
-        shapes = {tensor: [elements] for tensor in [*group.inputs, *group.outputs]}
         launch(inputs, [target], shapes)
         if not in_place:
             out.copy_(target.view(out.shape))

@@ -170,14 +170,15 @@ class PipelinedComms:
         self.arrivals.clear()
         self.inboxes.clear()
 
-    def combiner(
-        self, communicate: Communicate, parts: int, dtype: torch.dtype, elements: int
-    ) -> PartialCombiner:
+    def combiner(self, communicate: Communicate, elements: int) -> PartialCombiner:
         """How this rank combines the partials of ``communicate`` (a reduce-scatter),
         ``elements`` at a time: on CUDA its kernel for that size is compiled now."""
         if communicate not in self.combiners:
+            comm = communicate.communication
+            parts = comm.in_layout.mesh.shape[comm.mesh_axis]
+            dtype = self.ctx.storage_dtype(comm.inputs[0])
             self.combiners[communicate] = PartialCombiner(
-                parts, communicate.communication.reduce_op, dtype, self.hardware
+                parts, comm.reduce_op, dtype, self.hardware
             )
         combine = self.combiners[communicate]
         if self.ctx.device.type == "cuda":
@@ -335,8 +336,7 @@ class PipelinedComms:
             )
         shape = self._inbox_shape(communicate, scheme, chunk)
         peers = [(communicate, chunk, c) if c != where.mine else None for c in range(where.parts)]
-        dtype = self.ctx.storage_dtype(comm.inputs[0])
-        combiner = self.combiner(communicate, where.parts, dtype, elements=math.prod(shape))
+        combiner = self.combiner(communicate, math.prod(shape))
 
         def combine(source, target) -> Pending:
             own = source.movedim(dim, 0)

@@ -384,10 +384,7 @@ class RankProgram:
         if self.rank not in comm.participants():
             return None
         symmetric = self.setup.symmetric
-        moving = comm.inputs[0]
-        parts = comm.in_layout.mesh.shape[comm.mesh_axis]
-        piece = math.prod(self.local_shape(comm.output))
-        combiner = self.pipelined.combiner(communicate, parts, storage_dtype(moving), piece)
+        combiner = self.pipelined.combiner(communicate, math.prod(self.local_shape(comm.output)))
         return lambda: symmetric.combine(communicate, self.values[comm.output], combiner)
 
     def allocate_symmetric(self) -> None:
