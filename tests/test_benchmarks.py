@@ -152,6 +152,24 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     assert all(row["ranks"] == ["ok", "ok"] for row in record["rows"])
 
 
+def test_check_gpu_leaves_triton_interpret_as_the_user_set_it():
+    """The test modules ``check_gpu.py`` imports set TRITON_INTERPRET=1 for their CPU runs:
+    on GPUs that ran every generated kernel in the interpreter (47 checks failed on 2 H100s,
+    2026-11-25). Imported without it, the script leaves it unset and Triton unimported."""
+    code = (
+        "import os, sys\n"
+        "sys.argv = ['check_gpu']\n"
+        "sys.path.insert(0, 'benchmarks')\n"
+        "import check_gpu\n"
+        "assert 'TRITON_INTERPRET' not in os.environ, os.environ['TRITON_INTERPRET']\n"
+        "assert 'triton' not in sys.modules\n"
+    )
+    environment = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env=environment)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
 def test_faults_benchmark_ends_a_job_whose_rank_fails(tmp_path):
     """``benchmarks/faults_gpu.py`` on gloo: rank 1 raises mid-job under the local
     launcher, or passes a bad input after five good runs (found alone: it raises at
