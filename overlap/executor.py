@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import torch
 
-from fusion.binding import Bindings, bind_inputs
+from fusion.binding import Bindings
 from fusion.definition import FusionDefinition
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
@@ -44,9 +44,9 @@ from overlap.figures import HardwareFigures, default_hardware_figures
 from overlap.host_ir import HostProgram, Transport
 from overlap.inputs import (
     InputCheck,
+    LocalBinding,
     addresses,
     check_bound_extents,
-    check_devices,
     check_mode,
     check_same_on_every_rank,
 )
@@ -138,7 +138,7 @@ class MultiDeviceExecutor:
         if self.sharded:
             self._inputs = InputCheck(self.fusion, communicator, self.fingerprint,
                                       self.program.communication_plan, self.device)  # fmt: skip
-        self._last_bindings: Bindings | None = None  # of an unplaced fusion
+        self._local = LocalBinding(self.fusion, self.device)  # an unplaced fusion's
         self._rank_programs: dict[tuple, RankProgram] = {}
         self._graphs: dict[tuple, tuple] = {}
 
@@ -354,12 +354,10 @@ class MultiDeviceExecutor:
                     "every rank at once, which only the input check can arrange: run with "
                     "check_inputs='changes' when the inputs move"
                 )
-        elif mode == "never" and self._last_bindings is not None:
-            bindings, every_buffers = self._last_bindings, [buffers]
+        elif mode == "never" and self._local.bindings is not None:
+            bindings, every_buffers = self._local.bindings, [buffers]
         else:
-            bindings, every_buffers = bind_inputs(self.fusion, local_inputs), [buffers]
-            check_devices(local_inputs, self.device)
-        self._last_bindings = bindings
+            bindings, every_buffers = self._local(local_inputs), [buffers]
         if self._copy_engine and self._symmetric is None:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:

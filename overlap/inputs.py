@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fusion.binding import Bindings, InputAt, check_constraints, resolve
+from fusion.binding import Bindings, InputAt, bind_inputs, check_constraints, resolve
 from fusion.errors import InputError
 from fusion.exprs import ReductionOp
 from fusion.ir import Fusion, Symbol, TensorView
@@ -184,6 +184,28 @@ def _said(entry: tuple | None) -> str:
 
 def _by_rank(values: list) -> str:
     return ", ".join(f"rank {rank}: {value}" for rank, value in enumerate(values))
+
+
+class LocalBinding:
+    """An unplaced fusion's inputs checked and bound (``bind_inputs``, ``check_devices``),
+    again only when an input's type, dtype, shape or device changed: the verdict reads
+    nothing else. Binding took 15-25 us of host time a run, more than a small
+    normalization's kernels (RMSNorm backward at 1024x4096: 11 us on an H200)."""
+
+    def __init__(self, fusion: Fusion, device: torch.device) -> None:
+        self.fusion, self.device = fusion, device
+        self.signature: tuple | None = None
+        self.bindings: Bindings | None = None  # of the last inputs that passed
+
+    def __call__(self, local_inputs: Sequence[torch.Tensor]) -> Bindings:
+        signature = tuple((t.dtype, t.shape, t.device) if isinstance(t, torch.Tensor)
+                          else type(t) for t in local_inputs)  # fmt: skip
+        if signature != self.signature or self.bindings is None:
+            self.signature = None  # until these inputs pass
+            self.bindings = bind_inputs(self.fusion, local_inputs)
+            check_devices(local_inputs, self.device)
+            self.signature = signature
+        return self.bindings
 
 
 def addresses(local_inputs: Sequence[torch.Tensor | None]) -> tuple[int, ...]:

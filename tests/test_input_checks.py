@@ -265,3 +265,32 @@ def test_shard_inputs_refuses_whole_inputs_that_differ_between_ranks_on_every_ra
     # check=False cuts without asking (the caller vouches for its inputs)
     shapes = pool.run(unseeded_whole_inputs, False, timeout=60)
     assert [s[0] for s in shapes] == [[rows, 6 * world] for rows in split_sizes(5, world)]
+
+
+def test_an_unplaced_fusion_binds_again_only_when_an_input_changes(monkeypatch):
+    """One device: inputs of the last run's dtypes, shapes and devices reuse its bindings
+    (binding cost more host time than a small kernel); any change is checked again."""
+    import overlap.inputs as inputs_module
+
+    calls = []
+    real = inputs_module.bind_inputs
+    monkeypatch.setattr(inputs_module, "bind_inputs", lambda *a: calls.append(1) or real(*a))
+    with FusionDefinition() as fd:
+        fd.add_output(fd.ops.linear(fd.define_tensor(["tokens", 6]), fd.define_tensor([4, 6])))
+    executor = MultiDeviceExecutor(fd, kernels="reference")
+    x, w = torch.randn(5, 6), torch.randn(4, 6)
+    torch.testing.assert_close(executor.run([x, w])[0], x @ w.T)
+    y = torch.randn(5, 6)  # other values and buffers, the same shapes
+    torch.testing.assert_close(executor.run([y, w])[0], y @ w.T)
+    assert len(calls) == 1
+    z = torch.randn(7, 6)  # another token count: bound again
+    torch.testing.assert_close(executor.run([z, w])[0], z @ w.T)
+    assert len(calls) == 2
+    for bad, message in ((torch.randn(5, 5), "axis 1 is 5, not 6"),
+                         (x.double(), "expected dtype"),
+                         (x.to("meta"), "meta")):  # fmt: skip
+        with pytest.raises(InputError, match=message):
+            executor.run([bad, w])
+    with pytest.raises(InputError, match="axis 1 is 5, not 6"):  # a failed run binds nothing
+        executor.run([torch.randn(5, 5), w])
+    torch.testing.assert_close(executor.run([x, w])[0], x @ w.T)

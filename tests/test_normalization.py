@@ -84,6 +84,26 @@ def test_backward_matches_the_reference(name, n, dtype):
         assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
 
 
+@pytest.mark.parametrize("tile_sums", [True, False])
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_column_sums_by_row_of_the_block_or_added_every_step(name, tile_sums):
+    """4 rows a block over 3 programs walking 13 rows (masked rows in the last block):
+    each row of the block keeps its own partial column sums, added once after the walk
+    (the default), or they are added across the block every step; both against float64,
+    and one combining launch adds every column sum's partial rows."""
+    params = NormalizationParams(4, 128, 4, True, programs=3, tile_sums=tile_sums)
+    KERNEL_CACHE.clear()  # the sources checked below are this run's
+    fd, inputs, outputs, _ = _run(name, 100, "bfloat16", rows=13, params=params)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=100)
+    for actual, wanted in zip(outputs[1:], _weight_gradients_in_float64(name, inputs),
+                              strict=True):  # fmt: skip
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=13)
+    main = next(s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s)
+    assert ("tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)" in main) == tile_sums
+    combines = [s for s in KERNEL_CACHE.sources() if "def combine_kernel" in s]
+    assert len(combines) == 1 and combines[0].count("tl.store(out") == len(outputs) - 1
+
+
 def _weight_gradients_in_float64(name: str, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
     if name == "softmax_bwd":
         return []

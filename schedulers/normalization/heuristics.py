@@ -47,6 +47,9 @@ class NormalizationParams:
     # kernel's registers and shared memory (they wait for each other)
     prefetch: bool = False  # (SPLIT) the next rows' full inputs loaded before this one's
     # partial reductions are exchanged
+    tile_sums: bool = True  # (persistent, column sums) each row of the block keeps its
+    # own float32 partial column sums, added across the block once after the walk; off:
+    # added every step (a reduction across the block's warps each row block)
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -60,6 +63,7 @@ class NormalizationParams:
         text += f", strategy={self.strategy!r}" if self.strategy != MULTIWAVE else ""
         text += f", parts={self.parts}" if self.parts != 1 else ""
         text += ", prefetch=True" if self.prefetch else ""
+        text += ", tile_sums=False" if not self.tile_sums else ""
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 

@@ -152,7 +152,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         shape: list[int],
         aligned: bool = False,
     ) -> list[KernelSource]:
-        """The normalization kernel and a combining kernel per column sum, for rows of
+        """The normalization kernel and one combining kernel for its column sums, for rows of
         ``shape``'s reduced extent (a constexpr); one form only (``aligned`` is not read)."""
         columns = math.prod(shape[plan.rank - plan.reduced :])
         pointers = pointer_types(plan.inputs, plan.outputs)
@@ -162,9 +162,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         main = source(plan, params)
         kernels = [KernelSource("normalization_kernel", main, constants(plan, params, columns),
                                 params.num_warps, pointers)]  # fmt: skip
-        for i, expr in enumerate(plan.column_sums):
-            combining = {"partial": "tl.float32", "out": memory_type(expr.output.dtype)}
-            kernels.append(KernelSource("combine_kernel", combine_source(plan, i),
+        if plan.column_sums:
+            combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
+            combining |= {f"out{i}": memory_type(e.output.dtype)
+                          for i, e in enumerate(plan.column_sums)}  # fmt: skip
+            kernels.append(KernelSource("combine_kernel", combine_source(plan),
                                         combine_constants(columns), COMBINE_WARPS,
                                         combining))  # fmt: skip
         return kernels
@@ -183,8 +185,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             plan,
             params,
             kernel=KERNEL_CACHE.get(source(plan, params), "normalization_kernel"),
-            combines=[KERNEL_CACHE.get(combine_source(plan, i), "combine_kernel")
-                      for i in range(len(plan.column_sums))],
+            combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
+                     if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
             tiles=[i for i, t in enumerate(plan.inputs)
                    if params.strategy == WARP_SPECIALIZED and plan.kinds[t] == "full"],
@@ -195,12 +197,12 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
 @dataclass(frozen=True)
 class NormalizationLauncher(Launcher):
     """Launches a normalization: a program per ``block_rows`` rows (or a grid of
-    ``programs`` walking them), then a combining kernel per column sum."""
+    ``programs`` walking them), then one combining kernel for its column sums."""
 
     plan: NormalizationPlan
     params: NormalizationParams
     kernel: object  # the compiled normalization kernel
-    combines: list[object]  # a combining kernel per column sum
+    combine: object | None  # the kernel adding every column sum's partial rows
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
     hardware: HardwareProfile
@@ -252,9 +254,9 @@ class NormalizationLauncher(Launcher):
         concurrently = split and device.type != "cuda"  # the interpreter's programs
         with concurrent_programs() if concurrently else contextlib.nullcontext():
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
-        for combine, partial, index in zip(self.combines, partials, self.sum_outputs,
-                                           strict=True):  # fmt: skip
-            combine[(cdiv(columns, COMBINE_COLUMNS),)](partial, targets[index], count,
+        if self.combine is not None:
+            sums = [targets[index] for index in self.sum_outputs]
+            self.combine[(cdiv(columns, COMBINE_COLUMNS),)](*partials, *sums, count,
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
                 **COMPILE_OPTIONS)  # fmt: skip
 
