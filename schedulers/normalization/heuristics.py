@@ -18,6 +18,12 @@ OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an esti
 CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
 PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined loads
 
+TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial sums
+# (``tile_sums``) when that tile is at most this many values a thread. H100, backward at
+# 32768x1024 (norms_sweep_h100_ae335a5.json), RMSNorm / LayerNorm, fraction of copy:
+# warp-specialized 8x1024 tiles over 8 consumer warps (32 values) 0.84 / 0.76; over 4
+# warps (64 values) 0.63 / 0.38, against 0.74 / 0.67 with the sums added every step;
+# multi-wave 16 warps x 16 rows (32 values) 0.57 against 0.49 added every step.
 SPLIT_SLICE = 8192  # columns a program of a split row: the width at which one program's
 # persistent row reaches 0.90-0.96 of copy (H200, RMSNorm and LayerNorm, #20)
 SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program
@@ -126,8 +132,17 @@ def multiwave_params(
         if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS and fitting:
             stages = fitting[0]
             why += f", the next rows' loads pipelined {stages} deep"
+    tiled = tile_sums_fit(best.block_rows, width, best.warps, hardware)
+    if plan.column_sums and best.block_rows > 1:
+        why += ", column sums kept by row of the block" if tiled else ", column sums added a step"
     return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
-                               why=why)  # fmt: skip
+                               tile_sums=tiled, why=why)  # fmt: skip
+
+
+def tile_sums_fit(block_rows: int, width: int, warps: int, hardware: HardwareProfile) -> bool:
+    """Whether each row of a block may keep its own partial column sums: the block's
+    tile is at most ``TILE_SUM_VALUES`` values a thread."""
+    return block_rows * width <= TILE_SUM_VALUES * warps * hardware.warp_size
 
 
 def chunked_params(

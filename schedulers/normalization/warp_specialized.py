@@ -11,6 +11,7 @@ from schedulers.normalization.heuristics import (
     OTHER_REGISTERS,
     WARP_SPECIALIZED,
     NormalizationParams,
+    tile_sums_fit,
 )
 from schedulers.runtime import next_power_of_two
 
@@ -90,11 +91,11 @@ def warp_specialized_params(
     vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
     weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
 
-    def registers(warps: int, block_rows: int, hoist: bool) -> int:
+    def registers(warps: int, block_rows: int, hoist: bool, tiled: bool = False) -> int:
         threads = warps * hardware.warp_size
         values = max(1, block_rows * width // threads)
         per_row = max(1, width // threads)  # a column vector's values a thread
-        sums = len(plan.column_sums) * per_row
+        sums = len(plan.column_sums) * (values if tiled else per_row)
         return plan.buffers * values + sums + hoist * weights * per_row + OTHER_REGISTERS
 
     def limit(warps: int) -> int:  # registers a thread may have
@@ -119,7 +120,15 @@ def warp_specialized_params(
     while registers(warps, block_rows, hoist) > limit(warps) and block_rows > 1:
         block_rows //= 2
         fallbacks.append(f"{block_rows} rows a tile")
-    used = registers(warps, block_rows, hoist)
+    # column sums kept by row of the tile: consumer warps grown until that fits (1024
+    # columns: 8 warps, not 4; TILE_SUM_VALUES says what was measured)
+    tiled, sums = True, ""  # one row a tile: the same either way
+    if plan.column_sums and block_rows > 1:
+        while not tile_sums_fit(block_rows, width, warps, hardware) and warps < 16:
+            warps *= 2
+        tiled = tile_sums_fit(block_rows, width, warps, hardware)
+        sums = "; column sums kept by row of the tile" if tiled else "; column sums added a step"
+    used = registers(warps, block_rows, hoist, tiled)
     tile = block_rows * row_bits
     if stages < 2:
         return (f"degenerate: one stage (a tile of {tile // 8 // 1024} KiB, "
@@ -140,5 +149,7 @@ def warp_specialized_params(
            + (", weights in registers" if hoist and weights else ""))  # fmt: skip
     if fallbacks:
         why += f"; short of registers: {', '.join(fallbacks)}"
+    why += sums
     return NormalizationParams(block_rows, width, warps, True, programs, stages,
-                               WARP_SPECIALIZED, hoist and bool(weights), why=why)  # fmt: skip
+                               WARP_SPECIALIZED, hoist and bool(weights), tile_sums=tiled,
+                               why=why)  # fmt: skip
