@@ -398,7 +398,10 @@ class _Generator:
             if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
                 value = emit.as_compute(self.value(step, producer.inputs[0]), float32)
                 total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
-                count = emit.assign("tl.sum(mask.to(tl.float32), 1)")
+                # the slice's columns, counted without a reduction (a row past the
+                # last has no values and is not stored)
+                count = emit.assign("tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), "
+                                    "BLOCK_COLUMNS).to(tl.float32)")  # fmt: skip
                 local = emit.assign(f"{total} / tl.maximum({count}, 1.0)")
                 centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
                 squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")

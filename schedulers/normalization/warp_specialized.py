@@ -20,7 +20,10 @@ from schedulers.runtime import next_power_of_two
 # four and much faster than two (0.50-0.65 of copy); a tile of about 32 KiB (8 rows of
 # 1024, 2 of 4096, 1 of 8192: two tiles in flight); the fewest consumer warps that leave
 # a thread at most two 128-bit vectors of a row (1024: 4 warps, two programs an SM,
-# 0.57/0.49 of copy against 0.49/0.33 with 8 warps and one).
+# 0.57/0.49 of copy against 0.49/0.33 with 8 warps and one, the column sums added every
+# step); with the column sums kept by row of the tile, enough consumer warps for that
+# tile to be at most TILE_SUM_VALUES a thread (1024: 8 warps, one program an SM; H100,
+# 32768x1024, 0.88/0.84 of copy against 0.72/0.66 before, commit 2105a11).
 WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at most
 WS_MAX_BLOCKS = 2  # programs an SM, at most
 WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
