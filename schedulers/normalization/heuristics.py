@@ -26,7 +26,11 @@ TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial s
 # multi-wave 16 warps x 16 rows (32 values) 0.57 against 0.49 added every step.
 SPLIT_SLICE = 8192  # columns a program of a split row: the width at which one program's
 # persistent row reaches 0.90-0.96 of copy (H200, RMSNorm and LayerNorm, #20)
-SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program
+SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64 where
+# the row keeps no column sums (a forward: H100, LayerNorm forward 4096x65536, 4 warps
+# a slice of 8192 0.87 of copy against 0.60 with 8, commit 0cd9b33,
+# norms_lnfwd_sweep_h100_0cd9b33.json; H200, RMSNorm forward, 0.80 either way)
+SPLIT_FORWARD_VALUES = 64
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
 STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT)
@@ -193,7 +197,8 @@ def split_params(
     if parts < 1:
         return f"parts={parts}: at least one program a row"
     width = next_power_of_two(cdiv(max(columns, 1), parts))
-    warps = max(1, min(16, width // (SPLIT_VALUES * hardware.warp_size)))
+    values = SPLIT_VALUES if plan.column_sums else SPLIT_FORWARD_VALUES
+    warps = max(1, min(16, width // (values * hardware.warp_size)))
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
     prefetch = all(not t.dtype.storage_only for t in full)
     why = (

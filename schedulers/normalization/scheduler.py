@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from fusion.exprs import Expr, VarMeanOp
+from fusion.exprs import Expr
 from fusion.ir import TensorView
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
@@ -83,12 +83,12 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         falls back to the multi-wave one when the warp-specialized parameters are
         degenerate (one stage, or too few registers left). Where the multi-wave one
         would walk the row in chunks (it does not fit a program's registers) and the
-        reductions take one round of exchanges and no variance (RMSNorm forward and
-        backward, LayerNorm backward; not LayerNorm forward or softmax), sm_90 and later
-        split the row over programs instead (``split_params``; H200, 4096x65536:
-        RMSNorm forward 0.78 of copy against 0.72 chunked, backward 0.63 against 0.29,
-        LayerNorm backward 0.56 against 0.19; LayerNorm forward split 0.43 against 0.62,
-        its variance and mean in one round, 0.31 in two). The interpreter keeps the
+        reductions take one round of exchanges (RMSNorm and LayerNorm, forward and
+        backward; not softmax), sm_90 and later split the row over programs instead
+        (``split_params``; H200, 4096x65536: RMSNorm forward 0.78 of copy against 0.72
+        chunked, backward 0.63 against 0.29, LayerNorm backward 0.56 against 0.19;
+        H100: LayerNorm forward 0.87 with 4 warps a slice against 0.68 chunked, 0.60
+        with 8). The interpreter keeps the
         chunks (its programs run one after the other; a forced split row's run
         concurrently, ``schedulers.runtime.concurrent_programs``)."""
         strategy = check_strategy(self, strategy)
@@ -107,9 +107,6 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         if rounds > 1:  # an exchange a level a row: the chunks' second pass is faster
             return replace(chosen, why=f"{chosen.why} (not split: {rounds} levels of "
                                        "reductions, an exchange each a row)")  # fmt: skip
-        if any(isinstance(e, VarMeanOp) for e in plan.reductions):
-            return replace(chosen, why=f"{chosen.why} (not split: a variance, measured "
-                                       "slower split than in chunks)")  # fmt: skip
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
