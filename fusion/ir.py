@@ -125,6 +125,12 @@ class Axis:
             raise ValueError(f"chunks applies to Stream axes, not {parallel_type.name}")
         if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
             raise ValueError(f"chunks must be a positive int, got {chunks!r}")
+        if parallel_type is ParallelType.Stream and self.parallel_type.is_device:
+            raise ValueError(
+                f"axis {self} is split over the mesh ({self.parallel_type.name}): marking it "
+                "Stream would drop that split; axis.stream(chunks) keeps it and cuts each "
+                "rank's piece into chunks"
+            )
         self.parallel_type = parallel_type
         self.stream_chunks = chunks
         return self

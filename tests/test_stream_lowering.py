@@ -175,6 +175,24 @@ def test_the_users_fusion_keeps_its_stream_axes_and_is_not_changed_by_lowering()
     assert str(fd) == before
 
 
+def test_marking_a_split_axis_stream_by_hand_keeps_the_split_or_is_refused():
+    """``parallelize(Stream)`` on an axis split over the mesh replaced the split, and the
+    output came back whole instead of in the pieces asked for (found in review):
+    refused, naming ``axis.stream(chunks)``, which keeps the split."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([16, 16])
+        y = fd.ops.exp(x)
+        fd.add_output(y)
+    mesh = DeviceMesh(2)
+    shard(x, mesh, [Shard(1)])
+    shard(y, mesh, [Shard(0)])
+    with pytest.raises(ValueError, match=r"split over the mesh \(DIDx\).*axis.stream"):
+        y.axis(0).parallelize(ParallelType.Stream, 2)
+    assert y.axis(0).parallel_type is ParallelType.DIDx
+    y.axis(0).stream(2)
+    assert y.axis(0).parallel_type is ParallelType.DIDx and y.axis(0).stream_chunks == 2
+
+
 # ---------------------------------------------------------------------------
 # Pipelined communications: what the lowering prints
 
