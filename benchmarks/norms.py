@@ -157,8 +157,8 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             if 1024 <= step <= 16384:
                 variants[f"step={step}"] = replace(params, block_columns=step)
     prefix, fewest = ("", 1) if multiwave else ("ws,", 4)  # consumer warp groups: 4 warps
-    if params.persistent and params.programs and params.tile_sums:  # the column sums
-        # added across the block's rows every step, as before #20
+    if "column sums kept by row" in params.why:  # added across the block's rows every
+        # step, as before #20
         variants[f"{prefix}sums a step"] = replace(params, tile_sums=False)
     for warps in (params.num_warps // 2, params.num_warps * 2):
         if fewest <= warps <= 16:

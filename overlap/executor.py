@@ -157,8 +157,8 @@ class MultiDeviceExecutor:
         world = self.communicator.world_size if self.communicator else 1
         generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
         if generated and self.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
-            raise ValueError("TRITON_INTERPRET=1 runs generated kernels in Triton's interpreter, "
-                             "which cannot run on CUDA tensors: unset it on GPUs")  # fmt: skip
+            raise ValueError("TRITON_INTERPRET=1 would run generated kernels in Triton's CPU "
+                             "interpreter, not compiled: unset it on GPUs")  # fmt: skip
         if isinstance(fusion, CompiledProgram):
             compiled = fusion
             if options is not None or hardware is not None:

@@ -198,13 +198,14 @@ class LocalBinding:
         self.bindings: Bindings | None = None  # of the last inputs that passed
 
     def __call__(self, local_inputs: Sequence[torch.Tensor]) -> Bindings:
+        if not isinstance(local_inputs, (list, tuple)):  # bind_inputs says why
+            return bind_inputs(self.fusion, local_inputs)
         signature = tuple((t.dtype, t.shape, t.device) if isinstance(t, torch.Tensor)
                           else type(t) for t in local_inputs)  # fmt: skip
         if signature != self.signature or self.bindings is None:
-            self.signature = None  # until these inputs pass
-            self.bindings = bind_inputs(self.fusion, local_inputs)
+            bindings = bind_inputs(self.fusion, local_inputs)
             check_devices(local_inputs, self.device)
-            self.signature = signature
+            self.bindings, self.signature = bindings, signature  # only once both passed
         return self.bindings
 
 

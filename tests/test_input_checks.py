@@ -20,7 +20,13 @@ from distributed import RankError
 from fusion import FusionDefinition
 from fusion.errors import InputError
 from overlap.executor import MultiDeviceExecutor
-from overlap.inputs import InputChangeError, changes_seen_everywhere, check_mode, check_own_inputs
+from overlap.inputs import (
+    InputChangeError,
+    LocalBinding,
+    changes_seen_everywhere,
+    check_mode,
+    check_own_inputs,
+)
 from sharding import DeviceMesh, Replicate, Shard, shard
 from sharding.layout import split_sizes
 
@@ -293,4 +299,15 @@ def test_an_unplaced_fusion_binds_again_only_when_an_input_changes(monkeypatch):
             executor.run([bad, w])
     with pytest.raises(InputError, match="axis 1 is 5, not 6"):  # a failed run binds nothing
         executor.run([torch.randn(5, 5), w])
+    with pytest.raises(InputError, match="meta"):  # bound, then refused for its device
+        executor.run([torch.randn(7, 6, device="meta"), w.to("meta")])
+    with pytest.raises(InputError, match="must be a list"):  # a tensor is not a list of them
+        executor.run(torch.stack([x, x]))
     torch.testing.assert_close(executor.run([x, w])[0], x @ w.T)
+    # check_inputs="never" reuses the bindings of the last inputs that passed: inputs
+    # bound, then refused for their device, leave them as they were (5 tokens, not 7)
+    binding = LocalBinding(fd.fusion, torch.device("cpu"))
+    assert list(binding([x, w]).values()) == [5]
+    with pytest.raises(InputError, match="meta"):
+        binding([torch.randn(7, 6, device="meta"), w.to("meta")])
+    assert list(binding.bindings.values()) == [5]

@@ -105,9 +105,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             (source,) = expr.inputs
             term = body.emit.as_compute(generator.value(body, source), float32)
             kept = f"tl.where(mask, {term}, 0.0)"
-            if persistent and params.tile_sums:  # a partial row per row of the block
-                # (the same registers as one replicated over the block's warps), added
-                # across the block after the walk: no reduction across warps a step
+            if persistent and params.tile_sums:  # a partial row per row of the block,
+                # added across the block after the walk: no reduction across warps a step
+                # (block_rows * block_columns / threads values a thread: TILE_SUM_VALUES)
                 before.append(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
                 body.emit.line(f"colsum{i} = colsum{i} + {kept}")
                 after.append(f"colsum{i} = tl.sum(colsum{i}, 0)")
