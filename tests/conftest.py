@@ -6,14 +6,22 @@ Tests that start processes (a pool of ranks, a launcher, a benchmark run) are ma
 
 from __future__ import annotations
 
-import zlib
-from collections.abc import Callable, Sequence
+import os
 
-import pytest
-import torch
+# Generated kernels run in Triton's interpreter in the tests. Triton reads this when it
+# is imported, so it is set here, before any test module imports it. (Set at a test
+# module's import, it also reached scripts that import that module: benchmarks/check_gpu.py
+# then ran every kernel interpreted on GPUs.)
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from fusion.dtypes import DataType, float4_e2m1
-from fusion.fp4 import to_fp4
+import zlib  # noqa: E402
+from collections.abc import Callable, Sequence  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from fusion.dtypes import DataType, float4_e2m1  # noqa: E402
+from fusion.fp4 import to_fp4  # noqa: E402
 
 MakeInput = Callable[..., torch.Tensor]
 

@@ -153,9 +153,10 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
 
 
 def test_check_gpu_leaves_triton_interpret_as_the_user_set_it():
-    """The test modules ``check_gpu.py`` imports set TRITON_INTERPRET=1 for their CPU runs:
-    on GPUs that ran every generated kernel in the interpreter (47 checks failed on 2 H100s,
-    2026-11-25). Imported without it, the script leaves it unset and Triton unimported."""
+    """A test module ``check_gpu.py`` imports once set TRITON_INTERPRET=1 for its CPU
+    runs: on GPUs every generated kernel then ran in the interpreter (47 checks failed on 2
+    H100s, 2026-11-25; tests/conftest.py sets it now). Imported without it, the script
+    leaves it unset and Triton unimported."""
     code = (
         "import os, sys\n"
         "sys.argv = ['check_gpu']\n"

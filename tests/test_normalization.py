@@ -5,21 +5,18 @@ recorded hardware profiles, and kernel reuse across batch sizes."""
 from __future__ import annotations
 
 import dataclasses
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from examples.norms import BUILDERS, make_inputs  # noqa: E402
-from fusion import FusionDefinition  # noqa: E402
-from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from schedulers.analysis import NotSchedulable  # noqa: E402
-from schedulers.cache import KERNEL_CACHE  # noqa: E402
-from schedulers.hardware import B200, H100, H200, INTERPRETER  # noqa: E402
-from schedulers.normalization import (  # noqa: E402
+from examples.norms import BUILDERS, make_inputs
+from fusion import FusionDefinition
+from fusion.testing import assert_close
+from overlap.executor import MultiDeviceExecutor
+from schedulers.analysis import NotSchedulable
+from schedulers.cache import KERNEL_CACHE
+from schedulers.hardware import B200, H100, H200, INTERPRETER
+from schedulers.normalization import (
     MULTIWAVE,
     SPLIT,
     WARP_SPECIALIZED,
@@ -27,7 +24,7 @@ from schedulers.normalization import (  # noqa: E402
     NormalizationParams,
     NormalizationScheduler,
 )
-from schedulers.registry import split_into_kernels  # noqa: E402
+from schedulers.registry import split_into_kernels
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

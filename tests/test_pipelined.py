@@ -7,23 +7,19 @@ any communication.
 
 from __future__ import annotations
 
-import os
+import pytest
+import torch
+from distributed import RankError
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # the partials' generated kernel
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from distributed import RankError  # noqa: E402
-
-from fusion import FusionDefinition, ParallelType  # noqa: E402
-from fusion.exprs import LinearOp  # noqa: E402
-from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.host_ir import Communicate, ForLoop, LaunchKernel  # noqa: E402
-from overlap.partials import PartialCombiner  # noqa: E402
-from overlap.planner import OverlapOptions  # noqa: E402
-from schedulers.hardware import INTERPRETER  # noqa: E402
-from sharding import DeviceMesh, Shard, ShardingError, shard, shard_fusion  # noqa: E402
+from fusion import FusionDefinition, ParallelType
+from fusion.exprs import LinearOp
+from fusion.testing import assert_close
+from overlap.executor import MultiDeviceExecutor
+from overlap.host_ir import Communicate, ForLoop, LaunchKernel
+from overlap.partials import PartialCombiner
+from overlap.planner import OverlapOptions
+from schedulers.hardware import INTERPRETER
+from sharding import DeviceMesh, Shard, ShardingError, shard, shard_fusion
 
 
 def _ag_linear(world: int, rows: int, bias: bool) -> FusionDefinition:

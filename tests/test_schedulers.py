@@ -10,29 +10,26 @@ evaluator cannot pass for a generated kernel.
 from __future__ import annotations
 
 import dataclasses
-import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton decorates any kernel
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-from fusion import FusionDefinition  # noqa: E402
-from fusion.dtypes import as_dtype  # noqa: E402
-from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4  # noqa: E402
-from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.host_ir import LaunchKernel, walk  # noqa: E402
-from schedulers.analysis import NotSchedulable  # noqa: E402
-from schedulers.cache import KERNEL_CACHE  # noqa: E402
-from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware  # noqa: E402
-from schedulers.pointwise import PointwiseParams, PointwiseScheduler  # noqa: E402
-from schedulers.pointwise import aligned_arguments as pointwise_aligned_arguments  # noqa: E402
-from schedulers.reduction import ReductionParams, ReductionScheduler, tma_outer_tile  # noqa: E402
-from schedulers.reduction.codegen import (  # noqa: E402
+from fusion import FusionDefinition
+from fusion.dtypes import as_dtype
+from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4
+from fusion.testing import assert_close
+from overlap.executor import MultiDeviceExecutor
+from overlap.host_ir import LaunchKernel, walk
+from schedulers.analysis import NotSchedulable
+from schedulers.cache import KERNEL_CACHE
+from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware
+from schedulers.pointwise import PointwiseParams, PointwiseScheduler
+from schedulers.pointwise import aligned_arguments as pointwise_aligned_arguments
+from schedulers.reduction import ReductionParams, ReductionScheduler, tma_outer_tile
+from schedulers.reduction.codegen import (
     aligned_arguments as reduction_aligned_arguments,
 )
-from schedulers.registry import split_into_kernels  # noqa: E402
+from schedulers.registry import split_into_kernels
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]

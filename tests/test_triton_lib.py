@@ -6,18 +6,14 @@ value, random float32 bit patterns and the float32 neighbours of every rounding 
 and overflow threshold are checked bit for bit.
 """
 
-import os
+import pytest
+import torch
+import triton
+import triton.language as tl
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-from fusion.fp4 import FP4_MAGNITUDES, decode_fp4, encode_fp4, pack_fp4, unpack_fp4  # noqa: E402
-from fusion.fp8 import to_fp8  # noqa: E402
-from schedulers.triton_lib import (  # noqa: E402
+from fusion.fp4 import FP4_MAGNITUDES, decode_fp4, encode_fp4, pack_fp4, unpack_fp4
+from fusion.fp8 import to_fp8
+from schedulers.triton_lib import (
     fp4_decode,
     fp4_encode,
     fp4_pack,
