@@ -29,18 +29,10 @@ from collections.abc import Sequence
 import torch
 
 from fusion.definition import FusionDefinition
-from fusion.dtypes import DataType, float32
+from fusion.dtypes import DataType, compute_dtype, float32
 
-_FOLD = {"max": torch.maximum, "min": torch.minimum}
+COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}  # two partials
 _GENERATED = (torch.bfloat16, torch.float16, torch.float32)  # summed in float32
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The type partial sums of ``dtype`` are added in: float32 for the narrower floats,
-    float64 for float64, the type itself for integers."""
-    if dtype.is_floating_point and dtype != torch.float64:
-        return torch.float32
-    return dtype
 
 
 class PartialCombiner:
@@ -56,9 +48,11 @@ class PartialCombiner:
     """
 
     def __init__(self, parts: int, op: str, dtype: torch.dtype, hardware=None) -> None:
-        if op not in ("sum", *_FOLD):
+        if op not in COMBINE:
             raise ValueError(f"partials are combined by sum, max or min, not {op!r}")
         self.parts, self.op, self.dtype = parts, op, dtype
+        # sums added in float32 (float64, integers: their own type), rounded once
+        self.accumulation = compute_dtype(DataType.from_torch(dtype)).torch_dtype
         generated = hardware is not None and op == "sum" and dtype in _GENERATED
         self.hardware = hardware if generated else None
         self._group = self._kernel_group() if generated else None
@@ -70,18 +64,14 @@ class PartialCombiner:
             raise ValueError(f"{len(partials)} partials given, {self.parts} expected")
         if out.numel() == 0:
             return
-        if self.op in _FOLD:
-            total = partials[0]
-            for partial in partials[1:]:
-                total = _FOLD[self.op](total, partial)
-            out.copy_(total)
-        elif self._group is not None:
+        if self._group is not None:
             self._generated(partials, out)
-        else:
-            total = partials[0].to(accumulation_dtype(self.dtype), copy=True)
-            for partial in partials[1:]:
-                total.add_(partial)
-            out.copy_(total)
+            return
+        wide = self.accumulation if self.op == "sum" else self.dtype  # max, min: exact
+        total = partials[0].to(wide)
+        for partial in partials[1:]:
+            total = COMBINE[self.op](total, partial)
+        out.copy_(total)
 
     def warm_up(self, device: torch.device, elements: int) -> None:
         """Compile the generated kernel for ``elements`` at a time now (a launch on

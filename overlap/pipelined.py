@@ -43,12 +43,10 @@ import torch.distributed as dist
 
 from overlap.communications import Pending, RankContext, start
 from overlap.host_ir import ChunkScheme, Communicate, Transport, stream_dim
-from overlap.partials import PartialCombiner
+from overlap.partials import COMBINE, PartialCombiner
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import split_range
-
-_COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 ChunkTransfer = Callable[[torch.Tensor | None, torch.Tensor | None], Pending]
 
@@ -357,7 +355,7 @@ class PipelinedComms:
             return lambda source, target: (push()(source), Pending())[1]
         step = (where.mine - where.owner - 1) % where.parts
         before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
-        combine = _COMBINE[comm.reduce_op]
+        combine = COMBINE[comm.reduce_op]
 
         def ring(source, target) -> Pending:
             if step == 0:
