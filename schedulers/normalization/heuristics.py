@@ -140,20 +140,21 @@ def multiwave_params(
             why += f", the next rows' loads pipelined {stages} deep"
     # (the candidates were ranked without the tile's registers: at 1024 columns 16 warps
     # x 16 rows, 32 values a thread a sum, measured 0.57 of copy against 0.49 added a step)
-    tiled = (
-        not plan.column_sums
-        or best.block_rows == 1
-        or tile_sums_fit(best.block_rows, width, best.warps, hardware)
-    )
+    tiled = tile_sums_fit(plan, best.block_rows, width, best.warps, hardware)
     if plan.column_sums and best.block_rows > 1:
         why += ", column sums kept by row of the block" if tiled else ", column sums added a step"
     return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
                                tile_sums=tiled, why=why)  # fmt: skip
 
 
-def tile_sums_fit(block_rows: int, width: int, warps: int, hardware: HardwareProfile) -> bool:
+def tile_sums_fit(
+    plan: NormalizationPlan, block_rows: int, width: int, warps: int, hardware: HardwareProfile
+) -> bool:
     """Whether each row of a block may keep its own partial column sums: the block's
-    tile is at most ``TILE_SUM_VALUES`` values a thread."""
+    tile is at most ``TILE_SUM_VALUES`` values a thread (without column sums, or with
+    one row a block, the kernel is the same either way)."""
+    if not plan.column_sums or block_rows == 1:
+        return True
     return block_rows * width <= TILE_SUM_VALUES * warps * hardware.warp_size
 
 

@@ -125,12 +125,9 @@ def warp_specialized_params(
         fallbacks.append(f"{block_rows} rows a tile")
     # column sums kept by row of the tile: consumer warps grown until that fits (1024
     # columns: 8 warps, not 4; TILE_SUM_VALUES says what was measured)
-    tiled, sums = True, ""  # one row a tile: the same either way
-    if plan.column_sums and block_rows > 1:
-        while not tile_sums_fit(block_rows, width, warps, hardware) and warps < 16:
-            warps *= 2
-        tiled = tile_sums_fit(block_rows, width, warps, hardware)
-        sums = "; column sums kept by row of the tile" if tiled else "; column sums added a step"
+    while not tile_sums_fit(plan, block_rows, width, warps, hardware) and warps < 16:
+        warps *= 2
+    tiled = tile_sums_fit(plan, block_rows, width, warps, hardware)
     used = registers(warps, block_rows, hoist, tiled)
     tile = block_rows * row_bits
     if stages < 2:
@@ -152,7 +149,8 @@ def warp_specialized_params(
            + (", weights in registers" if hoist and weights else ""))  # fmt: skip
     if fallbacks:
         why += f"; short of registers: {', '.join(fallbacks)}"
-    why += sums
+    if plan.column_sums and block_rows > 1:
+        why += "; column sums kept by row of the tile" if tiled else "; column sums added a step"
     return NormalizationParams(block_rows, width, warps, True, programs, stages,
                                WARP_SPECIALIZED, hoist and bool(weights), tile_sums=tiled,
                                why=why)  # fmt: skip
