@@ -3,6 +3,9 @@ and torch.compile, as a fraction of a device-to-device copy.
 
     python benchmarks/norms.py            # on one GPU; figures to results/norms.json
     python benchmarks/norms.py --smoke    # tiny shapes on CPU (Triton's interpreter)
+    python benchmarks/norms.py --op rmsnorm_bwd --shape 8192x16384 \
+        --params block_rows=1,block_columns=16384,num_warps=16,persistent=1,programs=132
+                                          # explicit params timed beside the others
 
 The fusions are those of ``examples/norms.py``. Bytes = every input read once and every
 output written once (x, dy, dx and y dominate; weights and saved statistics count too).
@@ -15,6 +18,7 @@ events), as ``benchmarks/kernels.py``.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from dataclasses import replace
@@ -166,6 +170,25 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
 
 
+def parse_params(text: str) -> NormalizationParams:
+    """``NormalizationParams`` from ``field=value,...`` (``--params``): integers, and
+    0/1 for the flags; ``strategy`` by name."""
+    fields = {f.name: f.type for f in dataclasses.fields(NormalizationParams) if f.name != "why"}
+    values: dict = {}
+    for item in text.split(","):
+        key, _, value = item.partition("=")
+        key = key.strip()
+        if key not in fields or not value:
+            raise SystemExit(f"--params {text!r}: {key!r} is not a NormalizationParams "
+                             f"field=value (fields: {', '.join(fields)})")  # fmt: skip
+        kind = fields[key]
+        values[key] = value if kind == "str" else bool(int(value)) if kind == "bool" else int(value)
+    try:
+        return NormalizationParams(**values)
+    except TypeError as error:  # a required field left out
+        raise SystemExit(f"--params {text!r}: {error}") from None
+
+
 def print_resources() -> None:
     """Registers, spills and shared memory of every normalization kernel compiled."""
     for source in KERNEL_CACHE.sources():
@@ -195,7 +218,11 @@ def main() -> None:
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
     parser.add_argument("--shape", action="append", help="MxN instead of the issue's shapes")
+    parser.add_argument("--params", action="append", default=[],
+                        help="field=value,... of NormalizationParams, timed beside the "
+                        "others as ours[params:...] (repeatable)")  # fmt: skip
     args = parser.parse_args()
+    explicit = {f"params:{text}": {"k0": parse_params(text)} for text in args.params}
     device = torch.device("cpu" if args.smoke else "cuda")
     shapes = [(5, 96), (3, 1000)] if args.smoke else SHAPES
     if args.shape:
@@ -238,28 +265,27 @@ def main() -> None:
                     assert_close(actual, expected, reduction_extent=max(m, n))
                 functions[provider] = lambda e=variant, i=inputs: e.run(i)
                 forced[provider] = variant
+            swept = dict(explicit)
             if args.sweep:
                 sm_count = torch.cuda.get_device_properties(device).multi_processor_count if (
                     device.type == "cuda") else 1  # fmt: skip
-                swept = {}
                 for source in (executor, *forced.values()):
                     if args.smoke and source is forced.get("ours_split"):
                         continue  # its neighbours: 0.1-0.5 s a call in the interpreter
                     for label, overrides in alternatives(source, sm_count).items():
                         swept.setdefault(label, overrides)
-                for label, overrides in swept.items():
-                    variant = MultiDeviceExecutor(fd, kernels="generated",
-                                                  cuda_graph=not args.smoke,
-                                                  kernel_params=overrides)  # fmt: skip
-                    try:
-                        results = variant.run(inputs)
-                    # a hand-made variant the device or Triton's passes refuse
-                    except (OutOfResources, CompilationError, RuntimeError) as error:
-                        print(f"{op:<14} {m:>6}x{n:<6} ours[{label}] skipped: {error}")
-                        continue
-                    for actual, expected in zip(results, fd.execute(inputs), strict=True):
-                        assert_close(actual, expected, reduction_extent=max(m, n))
-                    functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
+            for label, overrides in swept.items():
+                variant = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke,
+                                              kernel_params=overrides)  # fmt: skip
+                try:
+                    results = variant.run(inputs)
+                # a hand-made variant the device or Triton's passes refuse
+                except (OutOfResources, CompilationError, RuntimeError) as error:
+                    print(f"{op:<14} {m:>6}x{n:<6} ours[{label}] skipped: {error}")
+                    continue
+                for actual, expected in zip(results, fd.execute(inputs), strict=True):
+                    assert_close(actual, expected, reduction_extent=max(m, n))
+                functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
             if not args.smoke:
                 compiled = torch.compile(eager)
                 functions["compile"] = lambda f=compiled, i=inputs: f(*i)

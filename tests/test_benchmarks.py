@@ -79,12 +79,12 @@ def test_blocks_benchmark_smoke_run(tmp_path):
         assert reads.count(": saved") == 2 and ": recomputed" in reads, reads
 
 
-def _smoke(script: str, timeout: int) -> str:
-    """``benchmarks/<script> --smoke --sweep`` in Triton's interpreter, one call a
-    provider; fails with the run's output unless it exits 0. Returns its stdout."""
+def _smoke(script: str, timeout: int, *extra: str) -> str:
+    """``benchmarks/<script> --smoke --sweep [extra]`` in Triton's interpreter, one call
+    a provider; fails with the run's output unless it exits 0. Returns its stdout."""
     command = [
         sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--sweep",
-        "--rounds", "1", "--iterations", "1",
+        "--rounds", "1", "--iterations", "1", *extra,
     ]  # fmt: skip
     environment = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
     result = subprocess.run(
@@ -107,12 +107,29 @@ def test_kernels_benchmark_smoke_run_with_a_sweep():
 def test_norms_benchmark_smoke_run():
     """RMSNorm and LayerNorm forward and backward at tiny shapes in the interpreter, with
     the sweep's variants: every output is checked against the reference before it is
-    timed."""
-    stdout = _smoke("norms.py", timeout=400)
+    timed; explicit params (``--params``) are timed beside them, checked the same way."""
+    explicit = "block_rows=1,block_columns=1024,num_warps=2,persistent=1,programs=2"
+    stdout = _smoke("norms.py", 400, "--params", explicit)
     ops = {line.split()[0] for line in stdout.splitlines() if " ours_auto " in line}
     assert ops == {"rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"}, ops
     assert "[normalization]" in stdout
     assert "ours[stages=3]" in stdout and "ours[warps=" in stdout
+    timed = [line for line in stdout.splitlines() if f"ours[params:{explicit}]" in line]
+    assert len(timed) == 8 and all(" ms " in line for line in timed), stdout
+
+
+def test_norms_benchmark_params_are_fields_of_normalization_params():
+    from benchmarks.norms import parse_params
+
+    params = parse_params("block_rows=2,block_columns=512,num_warps=4,persistent=1,"
+                          "programs=8,strategy=warp_specialized,tile_sums=0")  # fmt: skip
+    assert (params.block_rows, params.block_columns, params.num_warps) == (2, 512, 4)
+    assert params.persistent and not params.tile_sums and params.programs == 8
+    assert params.strategy == "warp_specialized"
+    with pytest.raises(SystemExit, match="'warps' is not a NormalizationParams field"):
+        parse_params("block_rows=1,warps=4")
+    with pytest.raises(SystemExit, match="missing 3 required"):
+        parse_params("block_rows=1")
 
 
 def test_parallel_block_benchmark_smoke_run():

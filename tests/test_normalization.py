@@ -24,6 +24,7 @@ from schedulers.normalization import (
     NormalizationParams,
     NormalizationScheduler,
 )
+from schedulers.normalization.heuristics import SPILL_ALLOWANCE
 from schedulers.registry import split_into_kernels
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
@@ -324,7 +325,7 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_bwd", 2048, 32768, WARP_SPECIALIZED, "at least 48"),
         ("layernorm_bwd", 4096, 32768, WARP_SPECIALIZED, "249 rows a program"),
         ("layernorm_bwd", 8192, 16384, WARP_SPECIALIZED, "16 consumer warps"),
-        ("rmsnorm_bwd", 16384, 8192, WARP_SPECIALIZED, "weights read inside the walk"),
+        ("rmsnorm_bwd", 16384, 8192, MULTIWAVE, "a row of 64 KiB loaded at once a program"),
         ("rmsnorm_bwd", 4096, 4096, MULTIWAVE, "32 rows a program, fewer than the 48"),
         # rows of 1024 columns gain from 32 rows a program on the H200 (not on the H100)
         ("rmsnorm_bwd", 1024, 4096, WARP_SPECIALIZED, "32 rows a program, at least 32"),
@@ -581,11 +582,28 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
     assert source.count("while ") == 1 and source.count("tl.atomic_xchg(") == 2
 
 
-def test_rmsnorm_backward_at_16384_keeps_the_warp_specialized_kernel():
-    """Its row and weights fit a warp-specialized program (0.73-0.84 of copy, as the
-    split one measured): no split there."""
+def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():
+    """Its row (64 KiB of x and dy) is loaded at once by 16 warps, a program an SM: about
+    136 registers a thread estimated against the 128 of a block of 512 threads, within
+    the spill allowance (H100: 0.90-0.91 of copy, against 0.83-0.85 warp-specialized
+    and 0.82 with 8 warps). Not split, not warp-specialized, at any batch size."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)
-    assert scheduler.heuristics(plan, H200, [8192, 16384]).strategy == WARP_SPECIALIZED
+    for profile in (H100, H200):
+        for rows in (1024, 8192, 32768):
+            params = scheduler.heuristics(plan, profile, [rows, 16384])
+            assert params.strategy == MULTIWAVE and params.persistent, params
+            assert (params.num_warps, params.block_rows, params.stages) == (16, 1, 1), params
+            assert params.programs == profile.sm_count, params
+
+
+def test_the_spill_allowance_of_a_multi_wave_block():
+    """A block over its share of the register file by at most ``SPILL_ALLOWANCE`` counts
+    as one block an SM; LayerNorm backward at 16384 columns (two column sums: about 168
+    registers against 128, 1.31 times over, measured 0.18 of copy) is not persistent."""
+    scheduler, plan = _plan("layernorm_bwd", 16384)
+    params = scheduler.heuristics(plan, H100, [8192, 16384], MULTIWAVE)
+    assert not params.persistent, params
+    assert 136 / 128 <= SPILL_ALLOWANCE < 168 / 128
 
 
 @pytest.mark.parametrize(

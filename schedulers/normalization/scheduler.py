@@ -44,6 +44,7 @@ from schedulers.normalization.heuristics import (
 )
 from schedulers.normalization.warp_specialized import (
     WS_GAINS,
+    rows_in_flight,
     warp_specialized_params,
     ws_threshold,
 )
@@ -129,6 +130,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             why = (f"no warp-specialized gain recorded for sm_{hardware.arch} with "
                    f"{len(plan.column_sums)} column sums")  # fmt: skip
             return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
+        enough = rows_in_flight(plan, multiwave)
+        if enough:
+            return replace(multiwave, why=f"multi-wave ({enough}): {multiwave.why}")
         chosen = warp_specialized_params(plan, hardware, columns, rows)
         if isinstance(chosen, str):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "

@@ -8,7 +8,9 @@ from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import (
     MAX_REGISTERS,
+    MULTIWAVE,
     OTHER_REGISTERS,
+    SPILL_ALLOWANCE,
     WARP_SPECIALIZED,
     NormalizationParams,
     tile_sums_fit,
@@ -28,10 +30,11 @@ WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at mo
 WS_MAX_BLOCKS = 2  # programs an SM, at most
 WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
 WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
-WS_OVERSHOOT = 1.25  # degenerate when the register estimate passes this times the
-# registers a thread may have. RMSNorm backward at 16384 columns (1.06 times over)
-# spills a little and beats the multi-wave kernel in every run (0.71-0.72 against
-# 0.67 of copy on H200); LayerNorm backward there (1.31 times over) spills more and its
+# Degenerate when the register estimate passes SPILL_ALLOWANCE times the registers a
+# thread may have. RMSNorm backward at 16384 columns (1.06 times over)
+# spills a little and beats the 8-warp multi-wave kernel in every run (0.71-0.72 against
+# 0.67 of copy on H200; on H100 0.84 against 0.82, and 0.90 for a 16-warp one:
+# ``rows_in_flight``); LayerNorm backward there (1.31 times over) spills more and its
 # time was bimodal across runs, the same kernel 0.50 or 1.25 ms on H200 (0.60 or 1.69 on
 # H100), against a steady 0.71 ms for the multi-wave one: it falls back.
 # Where the warp-specialized strategy gains: by compute capability, then by the number of
@@ -62,6 +65,27 @@ def ws_threshold(hardware: HardwareProfile, sums: int, columns: int) -> int | No
     if gain is not None and short and columns <= short[0] and hardware.memory_gbps >= short[2]:
         return short[1]
     return gain
+
+
+def rows_in_flight(plan: NormalizationPlan, multiwave: NormalizationParams) -> str | None:
+    """Why the warp-specialized kernel would add nothing to the multi-wave ``multiwave``,
+    or None: each of its programs already loads a row of the full inputs at once as
+    large as the ``WS_INFLIGHT_BITS`` a warp-specialized program keeps in flight, without
+    the producer warps or a circular buffer's shared memory. One row: with rows of fewer
+    columns (a block of several), the walk's next block waits for this one's (H100,
+    RMSNorm backward at 8192x16384 and 16384x16384: 0.90-0.91 of copy, one row of 16 warps
+    a program, against 0.83-0.85 warp-specialized; at 4096 columns, four rows a block,
+    LayerNorm backward 0.83 against 0.91)."""
+    if not multiwave.persistent or multiwave.strategy != MULTIWAVE:
+        return None
+    row_bits = multiwave.block_columns * sum(
+        t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full"
+    )
+    if row_bits < WS_INFLIGHT_BITS:
+        return None
+    return (f"a row of {row_bits // 8 // 1024} KiB loaded at once a program, at least the "
+            f"{WS_INFLIGHT_BITS // 8 // 1024} KiB a warp-specialized program keeps in "
+            "flight")  # fmt: skip
 
 
 def warp_specialized_params(
@@ -133,8 +157,8 @@ def warp_specialized_params(
     if stages < 2:
         return (f"degenerate: one stage (a tile of {tile // 8 // 1024} KiB, "
                 f"{budget // 8 // 1024} KiB of shared memory for the buffer)")  # fmt: skip
-    if used > WS_OVERSHOOT * limit(warps):
-        return (f"degenerate: about {used} registers a thread, over {WS_OVERSHOOT} times "
+    if used > SPILL_ALLOWANCE * limit(warps):
+        return (f"degenerate: about {used} registers a thread, over {SPILL_ALLOWANCE} times "
                 f"the {limit(warps)} a thread of {warps} warps may have")  # fmt: skip
     # programs an SM holds: each its buffer and its consumer warps' registers (the
     # producer warps give theirs back), and a producer warp group: 4 warps
