@@ -279,8 +279,8 @@ def main() -> None:
                                               kernel_params=overrides)  # fmt: skip
                 try:
                     results = variant.run(inputs)
-                # a hand-made variant the device or Triton's passes refuse
-                except (OutOfResources, CompilationError, RuntimeError) as error:
+                # a hand-made variant the device, Triton's passes or the shape refuse
+                except (OutOfResources, CompilationError, RuntimeError, ValueError) as error:
                     print(f"{op:<14} {m:>6}x{n:<6} ours[{label}] skipped: {error}")
                     continue
                 for actual, expected in zip(results, fd.execute(inputs), strict=True):

@@ -495,11 +495,13 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
     assert "(xtag << 32)" in source and "volatile=True" in source
 
 
-def test_a_split_row_with_two_rows_a_block_and_no_prefetch():
+@pytest.mark.parametrize("column_registers", [True, False])
+def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
     """Other params than the heuristics': two rows a block (their partials exchanged
-    together), 4 programs a row of 500, no prefetch, a grid capped at 2 groups: 11 rows."""
+    together), 4 programs a row of 500, no prefetch, a grid capped at 2 groups: 11 rows;
+    the weights kept in registers or read with each row."""
     params = NormalizationParams(2, 128, 2, True, programs=8, strategy=SPLIT,
-                                 column_registers=True, parts=4)  # fmt: skip
+                                 column_registers=column_registers, parts=4)  # fmt: skip
     for name in ("layernorm_bwd", "softmax_fwd"):
         fd, inputs, outputs, executor = _run(name, 500, "bfloat16", rows=11, params=params)
         expected = fd.execute(inputs)

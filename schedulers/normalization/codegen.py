@@ -38,8 +38,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     targets = [f"out{i}" for i in range(len(plan.outputs))]
     persistent = params.persistent
     split = params.strategy == SPLIT  # programs of a row exchange partial reductions
-    if split and not (persistent and params.column_registers):
-        raise ValueError(f"{params}: a split row is persistent, its weights in registers")
+    if split and not persistent:
+        raise ValueError(f"{params}: a split row is persistent")
     # a fixed grid walks persistent rows (a split row's: as many as the device holds)
     walking = persistent and (params.programs > 0 or split)
     specialized = params.strategy == WARP_SPECIALIZED
@@ -62,8 +62,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
         early.line("groups = tl.num_programs(0) // PARTS")
-    if params.column_registers:
+    if params.column_registers or split:  # a split row's slice: its columns, before the walk
         generator.columns(early, start, rows=False)
+    if params.column_registers:
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
                 generator.value(_Step(early, row_cache), tensor)
