@@ -22,8 +22,8 @@ SPILL_ALLOWANCE = 1.25  # a block whose register estimate passes its share of th
 # that share, spilling a little; the estimate never passes MAX_REGISTERS. H100, RMSNorm
 # backward 8192x16384 (1.06 times over at 16 warps, 128 registers and 18 spilled): 0.90
 # of copy with one row of 16 warps a program, against 0.82 with 8 warps (232 estimated)
-# and 0.84 warp-specialized; LayerNorm backward there (1.31 times over) 0.18 (.devtmp
-# probe, commit 9e850ea; norms_bwd_sweep_h100_9e850ea.json).
+# and 0.84 warp-specialized (norms_bwd_sweep_h100_9e850ea.json); LayerNorm backward
+# there (1.31 times over) 0.18, forced with norms.py --params.
 
 TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial sums
 # (``tile_sums``) when that tile is at most this many values a thread. H100, backward at
@@ -36,7 +36,8 @@ SPLIT_SLICE = 8192  # columns a program of a split row: the width at which one p
 SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64 where
 # the row keeps no column sums (a forward: H100, LayerNorm forward 4096x65536, 4 warps
 # a slice of 8192 0.87 of copy against 0.60 with 8, commit 0cd9b33,
-# norms_lnfwd_sweep_h100_0cd9b33.json; H200, RMSNorm forward, 0.80 either way)
+# norms_lnfwd_sweep_h100_0cd9b33.json; H200, 0.71 against 0.45, RMSNorm forward 0.80
+# either way, norms_fwd65536_sweep_h200_cf2d605.json)
 SPLIT_FORWARD_VALUES = 64
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
