@@ -42,27 +42,22 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: a split row is persistent")
     # a fixed grid walks persistent rows (a split row's: as many as the device holds)
     walking = persistent and (params.programs > 0 or split)
-    # a split row's slices through TMA tiles: a circular buffer of ``stages`` tiles,
-    # filled by producer warps (Triton's warp specialization) instead of a prefetch
-    # into registers
-    buffered = split and params.stages > 1
-    if buffered and params.prefetch:
-        raise ValueError(f"{params}: a split row's TMA tiles are loaded ahead by its "
-                         "circular buffer (stages), not prefetched")  # fmt: skip
-    specialized = params.strategy == WARP_SPECIALIZED or buffered
+    specialized = params.strategy == WARP_SPECIALIZED
     if specialized and not walking:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
-    tiles = {plan.inputs[i] for i in tiled_inputs(plan, params)}
+    # full-shape inputs arrive as TMA descriptors of (rows, COLUMNS) in the
+    # warp-specialized kernel
+    tiles = {t for t in plan.inputs if specialized and plan.kinds[t] == "full"}
     outer = Emitter()
     outer.line("pid = tl.cast(row_block, tl.int64)")
     outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
     outer.line("row_mask = rows < row_count")
     row_cache: dict[TensorView, Value] = {}
-    start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
-    generator = _Generator(plan, pointers, outer, row_cache, tiles, split, start)
+    generator = _Generator(plan, pointers, outer, row_cache, tiles, split)
     early = outer.nested()  # before the walk: weights kept in registers
+    start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
     if split:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
@@ -174,16 +169,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                          comment)  # fmt: skip
 
 
-def tiled_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[int]:
-    """The inputs passed as TMA descriptors of (rows, COLUMNS), read in (BLOCK_ROWS,
-    BLOCK_COLUMNS) tiles: the full-shape ones, in a warp-specialized kernel (a split row
-    with ``stages`` > 1 is one)."""
-    specialized = params.strategy == WARP_SPECIALIZED or (
-        params.strategy == SPLIT and params.stages > 1
-    )
-    return [i for i, t in enumerate(plan.inputs) if specialized and plan.kinds[t] == "full"]
-
-
 def combine_source(plan: NormalizationPlan) -> str:
     """The column sums' second kernel, one launch for all of them: each program's
     partial row added in a fixed order (deterministic), rounded once to the output's
@@ -252,10 +237,9 @@ class _Generator:
     values (reductions and what follows from them) once, outside any loop."""
 
     def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset(),
-                 split: bool = False, start: str = "0") -> None:  # fmt: skip
+                 split: bool = False) -> None:  # fmt: skip
         self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
-        self.start = start  # the first column of this program's tiles
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.split = split  # partial reductions exchanged with the row's other programs
 
@@ -353,7 +337,7 @@ class _Generator:
         if tensor in self.pointers:
             pointer = self.pointers[tensor]
             if tensor in self.tiles:
-                value = emit.load_tile(tensor, pointer, f"row_block * BLOCK_ROWS, {self.start}")
+                value = emit.load_tile(tensor, pointer, "row_block * BLOCK_ROWS, 0")
             elif kind == "full":
                 value = emit.load(tensor, pointer, "offs", "mask")
             elif kind == "column":

@@ -32,7 +32,6 @@ from schedulers.normalization.codegen import (
     constants,
     exchange_slots,
     source,
-    tiled_inputs,
 )
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
@@ -190,7 +189,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
-            tiles=tiled_inputs(plan, params),
+            tiles=[i for i, t in enumerate(plan.inputs)
+                   if params.strategy == WARP_SPECIALIZED and plan.kinds[t] == "full"],
             hardware=hardware,
         )  # fmt: skip
 
