@@ -23,7 +23,8 @@ SPILL_ALLOWANCE = 1.25  # a block whose register estimate passes its share of th
 # backward 8192x16384 (1.06 times over at 16 warps, 128 registers and 18 spilled): 0.90
 # of copy with one row of 16 warps a program, against 0.82 with 8 warps (232 estimated)
 # and 0.84 warp-specialized (norms_bwd_sweep_h100_9e850ea.json); LayerNorm backward
-# there (1.31 times over) 0.18, forced with norms.py --params.
+# there (1.31 times over) 0.18, forced with norms.py --params, on H100 and H200
+# (norms_bwd16384_h200_f7d4d24.json).
 
 TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial sums
 # (``tile_sums``) when that tile is at most this many values a thread. H100, backward at
