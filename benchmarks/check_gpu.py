@@ -40,6 +40,7 @@ import test_parallelize as parallel  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
 import test_trainable as trainable  # noqa: E402
 
+from launch import failfast  # noqa: E402
 from overlap.communicator import Communicator  # noqa: E402
 
 
@@ -154,7 +155,7 @@ def main() -> None:
             }
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    sys.exit(1 if failures else 0)
+    failfast.finish(1 if failures else 0)  # no interpreter teardown: see finish
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ process groups (no waiting for anyone), and exit nonzero; its launcher (torchrun
 run --launcher local``, the Ray pool) then stops the other ranks.
 
 ``fail(...)`` does that for an exception in hand; ``install()`` (done by ``launch.init``)
-makes every uncaught exception of a launched process do it. Example::
+makes every uncaught exception of a launched process do it; ``finish(...)`` ends a rank
+whose work is done without the interpreter's teardown. Example::
 
     try:
         train(communicator)
@@ -65,6 +66,25 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
         sys.stderr.flush()
         sys.stdout.flush()
         abort_process_groups()
+    finally:
+        os._exit(exit_code)
+
+
+def finish(exit_code: int = 0) -> None:
+    """End a rank whose work is done: flush its output, destroy its process groups while
+    the interpreter is whole, and exit with ``exit_code`` without the interpreter's
+    teardown. Torch objects still holding a finished collective's tensors are otherwise
+    released during that teardown, when a gloo worker thread can no longer take the GIL
+    and aborts the process ("terminate called without an active exception", SIGABRT): a
+    finished job reported failed. Destroying the groups at exit (``overlap.communicator``)
+    leaves such objects behind: ``benchmarks/check_gpu.py`` on 2 gloo ranks aborted so
+    once in 8 runs, after every check had passed on both ranks (PyTorch tried the same
+    destroy at exit, pytorch/pytorch#179291, and abandoned it). Never returns."""
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
     finally:
         os._exit(exit_code)
 

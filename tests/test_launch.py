@@ -411,6 +411,36 @@ print("done", dist.get_rank())
 """
 
 
+_FINISH = """
+import atexit
+import sys
+
+import torch
+import torch.distributed as dist
+
+from launch import failfast
+
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+dist.all_reduce(torch.ones(10))
+atexit.register(lambda: print("interpreter teardown", flush=True))
+print("done", end="")  # left in the buffer: finish flushes it
+failfast.finish(3)
+print("after finish")
+"""
+
+
+def test_finish_flushes_and_exits_without_the_interpreter_teardown(tmp_path):
+    """``failfast.finish(code)``: the output buffered so far is written, the process
+    exits with ``code`` at once, and no exit handler of the interpreter runs."""
+    script = tmp_path / "finish.py"
+    script.write_text(_FINISH)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "store")], env=env,
+                            capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 3, result.stdout + result.stderr
+    assert result.stdout == "done", result.stdout + result.stderr
+
+
 def test_a_finished_rank_exits_zero_though_gloo_threads_release_tensors_late(tmp_path):
     """A process that built a ``Communicator`` and returns from its script exits 0. Left
     to the interpreter, gloo's worker threads released the last collectives' tensors
