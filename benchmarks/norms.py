@@ -43,6 +43,7 @@ from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.normalization import (  # noqa: E402
     MULTIWAVE,
     SPLIT,
+    STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
 )
@@ -170,23 +171,42 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
 
 
+FLAGS = ("persistent", "column_registers", "prefetch", "tile_sums")  # 0 or 1 in --params
+
+
 def parse_params(text: str) -> NormalizationParams:
-    """``NormalizationParams`` from ``field=value,...`` (``--params``): integers, and
-    0/1 for the flags; ``strategy`` by name."""
-    fields = {f.name: f.type for f in dataclasses.fields(NormalizationParams) if f.name != "why"}
+    """``NormalizationParams`` from ``field=value,...`` (``--params``): integers, 0 or 1
+    for the flags, ``strategy`` by name; anything else ends the run saying why."""
+    fields = [f.name for f in dataclasses.fields(NormalizationParams) if f.name != "why"]
     values: dict = {}
+
+    def refuse(why: str) -> SystemExit:
+        return SystemExit(f"--params {text!r}: {why}")
+
     for item in text.split(","):
-        key, _, value = item.partition("=")
-        key = key.strip()
+        key, _, value = (part.strip() for part in item.partition("="))
         if key not in fields or not value:
-            raise SystemExit(f"--params {text!r}: {key!r} is not a NormalizationParams "
-                             f"field=value (fields: {', '.join(fields)})")  # fmt: skip
-        kind = fields[key]
-        values[key] = value if kind == "str" else bool(int(value)) if kind == "bool" else int(value)
+            raise refuse(f"{key!r} is not a NormalizationParams field=value (fields: "
+                         f"{', '.join(fields)})")  # fmt: skip
+        if key in values:
+            raise refuse(f"{key} given twice")
+        if key == "strategy":
+            if value not in STRATEGIES:
+                raise refuse(f"strategy {value!r} is not one of {', '.join(STRATEGIES)}")
+            values[key] = value
+        elif key in FLAGS:
+            if value not in ("0", "1"):
+                raise refuse(f"{key}={value}: a flag is 0 or 1")
+            values[key] = value == "1"
+        else:
+            try:
+                values[key] = int(value)
+            except ValueError:
+                raise refuse(f"{key}={value}: not an integer") from None
     try:
         return NormalizationParams(**values)
     except TypeError as error:  # a required field left out
-        raise SystemExit(f"--params {text!r}: {error}") from None
+        raise refuse(str(error)) from None
 
 
 def print_resources() -> None:
@@ -279,8 +299,11 @@ def main() -> None:
                                               kernel_params=overrides)  # fmt: skip
                 try:
                     results = variant.run(inputs)
-                # a hand-made variant the device, Triton's passes or the shape refuse
+                # a hand-made variant the device or Triton's passes refuse; explicit
+                # params (--params) also those the shape refuses
                 except (OutOfResources, CompilationError, RuntimeError, ValueError) as error:
+                    if isinstance(error, ValueError) and label not in explicit:
+                        raise
                     print(f"{op:<14} {m:>6}x{n:<6} ours[{label}] skipped: {error}")
                     continue
                 for actual, expected in zip(results, fd.execute(inputs), strict=True):

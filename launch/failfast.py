@@ -41,7 +41,12 @@ def abort_process_groups(timeout_s: float = ABORT_WAIT_S) -> bool:
         except Exception:  # gloo groups have no abort: the exit closes their sockets
             pass
 
-    thread = threading.Thread(target=abort, name="overlap-abort", daemon=True)
+    return _within(abort, timeout_s, "overlap-abort")
+
+
+def _within(target, timeout_s: float, name: str) -> bool:
+    """Run ``target`` in a daemon thread; True when it returned within ``timeout_s``."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     thread.join(timeout_s)
     return not thread.is_alive()
@@ -70,21 +75,35 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
         os._exit(exit_code)
 
 
-def finish(exit_code: int = 0) -> None:
+def finish(exit_code: int = 0, timeout_s: float = ABORT_WAIT_S) -> None:
     """End a rank whose work is done: flush its output, destroy its process groups while
-    the interpreter is whole, and exit with ``exit_code`` without the interpreter's
-    teardown. Torch objects still holding a finished collective's tensors are otherwise
-    released during that teardown, when a gloo worker thread can no longer take the GIL
-    and aborts the process ("terminate called without an active exception", SIGABRT): a
-    finished job reported failed. Destroying the groups at exit (``overlap.communicator``)
-    leaves such objects behind: ``benchmarks/check_gpu.py`` on 2 gloo ranks aborted so
-    once in 8 runs, after every check had passed on both ranks (PyTorch tried the same
-    destroy at exit, pytorch/pytorch#179291, and abandoned it). Never returns."""
+    the interpreter is whole (at most ``timeout_s``: a destroy that waits for a peer is
+    left behind, and one that raises is printed), and exit with ``exit_code`` without
+    the interpreter's teardown. Torch objects still holding a finished collective's
+    tensors are otherwise released during that teardown, when a gloo worker thread can
+    no longer take the GIL and aborts the process ("terminate called without an active
+    exception", SIGABRT): a finished job reported failed. Destroying the groups at exit
+    (``overlap.communicator``) leaves such objects behind: ``benchmarks/check_gpu.py``
+    on 2 gloo ranks aborted so once in 8 runs, after every check had passed on both
+    ranks (PyTorch tried the same destroy at exit, pytorch/pytorch#179291, and
+    abandoned it). Never returns."""
+    rank = os.environ.get("RANK", "?")
+
+    def destroy() -> None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            sys.stderr.write(f"[overlap] rank {rank}: destroying its process groups at the "
+                             f"end failed:\n{traceback.format_exc()}")  # fmt: skip
+
     try:
         sys.stdout.flush()
         sys.stderr.flush()
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+        if not _within(destroy, timeout_s, "overlap-finish"):
+            sys.stderr.write(f"[overlap] rank {rank}: destroying its process groups did not "
+                             f"return in {timeout_s:.0f} s; exiting without\n")  # fmt: skip
+        sys.stderr.flush()
     finally:
         os._exit(exit_code)
 

@@ -126,10 +126,21 @@ def test_norms_benchmark_params_are_fields_of_normalization_params():
     assert (params.block_rows, params.block_columns, params.num_warps) == (2, 512, 4)
     assert params.persistent and not params.tile_sums and params.programs == 8
     assert params.strategy == "warp_specialized"
-    with pytest.raises(SystemExit, match="'warps' is not a NormalizationParams field"):
-        parse_params("block_rows=1,warps=4")
-    with pytest.raises(SystemExit, match="missing 3 required"):
-        parse_params("block_rows=1")
+    spaced = parse_params("block_rows = 1, block_columns=64,num_warps=1,persistent=0")
+    assert spaced.block_rows == 1 and not spaced.persistent
+    refused = {
+        "block_rows=1,warps=4": "'warps' is not a NormalizationParams field",
+        "block_rows=1": "missing 3 required",
+        "block_rows=1,block_columns=64,num_warps=1,persistent=1,strategy=splt": (
+            "strategy 'splt' is not one of"
+        ),
+        "block_rows=1,block_columns=64,num_warps=1,persistent=true": "a flag is 0 or 1",
+        "block_rows=1,block_columns=64,num_warps=x,persistent=1": "not an integer",
+        "block_rows=1,block_rows=2,block_columns=64,num_warps=1,persistent=1": "given twice",
+    }
+    for text, why in refused.items():
+        with pytest.raises(SystemExit, match=why):
+            parse_params(text)
 
 
 def test_parallel_block_benchmark_smoke_run():

@@ -24,7 +24,6 @@ from schedulers.normalization import (
     NormalizationParams,
     NormalizationScheduler,
 )
-from schedulers.normalization.heuristics import SPILL_ALLOWANCE
 from schedulers.registry import split_into_kernels
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
@@ -587,8 +586,10 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
 def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():
     """Its row (64 KiB of x and dy) is loaded at once by 16 warps, a program an SM: about
     136 registers a thread estimated against the 128 of a block of 512 threads, within
-    the spill allowance (H100: 0.90-0.91 of copy, against 0.83-0.85 warp-specialized
-    and 0.82 with 8 warps). Not split, not warp-specialized, at any batch size."""
+    the spill allowance (H100: 0.87-0.92 of copy at 4096-16384 rows, against 0.81-0.86
+    warp-specialized; 0.91 against 0.82 with 8 warps). Not split, not warp-specialized,
+    at any batch size. At 12288 columns (48 KiB rows) the warp-specialized kernel stays
+    where it was chosen."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)
     for profile in (H100, H200):
         for rows in (1024, 8192, 32768):
@@ -596,6 +597,9 @@ def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():
             assert params.strategy == MULTIWAVE and params.persistent, params
             assert (params.num_warps, params.block_rows, params.stages) == (16, 1, 1), params
             assert params.programs == profile.sm_count, params
+        narrower, narrower_plan = _plan("rmsnorm_bwd", 12288)
+        kept = narrower.heuristics(narrower_plan, profile, [32768, 12288])
+        assert kept.strategy == WARP_SPECIALIZED, kept
 
 
 def test_the_spill_allowance_of_a_multi_wave_block():
@@ -605,7 +609,6 @@ def test_the_spill_allowance_of_a_multi_wave_block():
     scheduler, plan = _plan("layernorm_bwd", 16384)
     params = scheduler.heuristics(plan, H100, [8192, 16384], MULTIWAVE)
     assert not params.persistent, params
-    assert 136 / 128 <= SPILL_ALLOWANCE < 168 / 128
 
 
 @pytest.mark.parametrize(

@@ -62,7 +62,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
         early.line("groups = tl.num_programs(0) // PARTS")
-    if params.column_registers or split:  # a split row's slice: its columns, before the walk
+    # a split row's slice: its columns before the walk, for its prefetch and the store of
+    # its column sums after it
+    if params.column_registers or (split and (params.prefetch or plan.column_sums)):
         generator.columns(early, start, rows=False)
     if params.column_registers:
         for tensor in plan.inputs:

@@ -20,11 +20,11 @@ PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined 
 SPILL_ALLOWANCE = 1.25  # a block whose register estimate passes its share of the register
 # file (what a thread may have for one block an SM) by at most this factor is compiled at
 # that share, spilling a little; the estimate never passes MAX_REGISTERS. H100, RMSNorm
-# backward 8192x16384 (1.06 times over at 16 warps, 128 registers and 18 spilled): 0.90
+# backward 8192x16384 (1.06 times over at 16 warps, 128 registers and 18 spilled): 0.91
 # of copy with one row of 16 warps a program, against 0.82 with 8 warps (232 estimated)
 # and 0.84 warp-specialized (norms_bwd_sweep_h100_9e850ea.json); LayerNorm backward
-# there (1.31 times over) 0.18, forced with norms.py --params, on H100 and H200
-# (norms_bwd16384_h200_f7d4d24.json).
+# there (1.31 times over) 0.18, forced with norms.py --params on the H200
+# (norms_bwd16384_h200_f7d4d24.json; the same in a probe on the H100, not kept).
 
 TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial sums
 # (``tile_sums``) when that tile is at most this many values a thread. H100, backward at
@@ -141,8 +141,7 @@ def multiwave_params(
         why += f"; {programs} programs keep column partial sums (one wave)"
         # the pipeline keeps its stages' tiles in shared memory: half the block's
         # budget at most (the rest for the reductions' scratch)
-        tile_bits = sum(best.block_rows * width * t.dtype.bits
-                        for t in plan.inputs if plan.kinds[t] == "full")  # fmt: skip
+        tile_bits = best.block_rows * width * full_bits(plan)
         fitting = [k for k in (3, 2) if k * tile_bits <= hardware.smem_per_block_bits // 2]
         if hardware.arch >= 80 and best.registers <= PIPELINE_REGISTERS and fitting:
             stages = fitting[0]
@@ -154,6 +153,11 @@ def multiwave_params(
         why += ", column sums kept by row of the block" if tiled else ", column sums added a step"
     return NormalizationParams(best.block_rows, width, best.warps, True, programs, stages,
                                tile_sums=tiled, why=why)  # fmt: skip
+
+
+def full_bits(plan: NormalizationPlan) -> int:
+    """Bits of one column of every full-shape input (a row of them: times its columns)."""
+    return sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
 
 
 def tile_sums_fit(
@@ -174,7 +178,7 @@ def chunked_params(
     in half the L2, so the passes after the first read from L2, not memory."""
     warps = 16
     step = min(next_power_of_two(columns), CHUNK_VALUES * warps * hardware.warp_size)
-    row_bits = columns * sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
+    row_bits = columns * full_bits(plan)
     fitting = hardware.l2_bits // 2 // max(row_bits, 1)
     programs = max(hardware.sm_count, min(4 * hardware.sm_count, fitting))
     why = (

@@ -82,7 +82,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         takes the warp-specialized one where ``WS_GAINS`` records a gain for this
         architecture and number of column sums and each program walks enough rows, and
         falls back to the multi-wave one when the warp-specialized parameters are
-        degenerate (one stage, or too few registers left). Where the multi-wave one
+        degenerate (one stage, or too few registers left), or short of registers where a
+        multi-wave program loads a row of at least 64 KiB at once (``rows_in_flight``).
+        Where the multi-wave one
         would walk the row in chunks (it does not fit a program's registers) and the
         reductions take one round of exchanges (RMSNorm and LayerNorm, forward and
         backward; not softmax), sm_90 and later split the row over programs instead
@@ -130,13 +132,13 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             why = (f"no warp-specialized gain recorded for sm_{hardware.arch} with "
                    f"{len(plan.column_sums)} column sums")  # fmt: skip
             return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
-        enough = rows_in_flight(plan, multiwave)
-        if enough:
-            return replace(multiwave, why=f"multi-wave ({enough}): {multiwave.why}")
         chosen = warp_specialized_params(plan, hardware, columns, rows)
         if isinstance(chosen, str):
             return replace(multiwave, why=f"multi-wave (warp-specialized fell back: "
                                           f"{chosen}): {multiwave.why}")  # fmt: skip
+        enough = rows_in_flight(plan, multiwave, chosen, columns)
+        if enough:
+            return replace(multiwave, why=f"multi-wave ({enough}): {multiwave.why}")
         walked = cdiv(rows, chosen.programs)
         threshold = ws_threshold(hardware, len(plan.column_sums), columns)
         if walked < threshold:

@@ -13,6 +13,7 @@ from schedulers.normalization.heuristics import (
     SPILL_ALLOWANCE,
     WARP_SPECIALIZED,
     NormalizationParams,
+    full_bits,
     tile_sums_fit,
 )
 from schedulers.runtime import next_power_of_two
@@ -30,13 +31,15 @@ WS_MAX_STAGES = 3  # tiles in a warp-specialized kernel's circular buffer, at mo
 WS_MAX_BLOCKS = 2  # programs an SM, at most
 WS_SCRATCH_BITS = 16 * 1024 * 8  # shared memory kept back: reductions' scratch, layouts
 WS_INFLIGHT_BITS = 64 * 1024 * 8  # loads a program keeps in flight: the unroll stops there
-# Degenerate when the register estimate passes SPILL_ALLOWANCE times the registers a
-# thread may have. RMSNorm backward at 16384 columns (1.06 times over)
-# spills a little and beats the 8-warp multi-wave kernel in every run (0.71-0.72 against
-# 0.67 of copy on H200; on H100 0.84 against 0.82, and 0.90 for a 16-warp one:
-# ``rows_in_flight``); LayerNorm backward there (1.31 times over) spills more and its
-# time was bimodal across runs, the same kernel 0.50 or 1.25 ms on H200 (0.60 or 1.69 on
-# H100), against a steady 0.71 ms for the multi-wave one: it falls back.
+# Degenerate when the register estimate passes SPILL_ALLOWANCE (shared with the
+# multi-wave heuristic) times the registers a thread may have. RMSNorm backward at 16384
+# columns (1.06 times over) spills a little and beats the 8-warp multi-wave kernel in
+# every run (0.71-0.72 against 0.67 of copy on H200; on H100 0.84 against 0.82, and
+# 0.90 for a 16-warp one: ``rows_in_flight``); LayerNorm backward there (1.31 times
+# over) spills more and its time was bimodal across runs, the same kernel 0.50 or
+# 1.25 ms on H200 (0.60 or 1.69 on H100), against a steady 0.71 ms for the multi-wave
+# one: it falls back.
+#
 # Where the warp-specialized strategy gains: by compute capability, then by the number of
 # column sums (1: RMSNorm backward, 2: LayerNorm backward), the fewest rows each program
 # must walk to amortize loading its weights and writing its partial sums. Measured on
@@ -67,26 +70,35 @@ def ws_threshold(hardware: HardwareProfile, sums: int, columns: int) -> int | No
     return gain
 
 
-def rows_in_flight(plan: NormalizationPlan, multiwave: NormalizationParams) -> str | None:
-    """Why the warp-specialized kernel would add nothing to the multi-wave ``multiwave``,
-    or None: each of its programs already loads a row of the full inputs at once as
-    large as the ``WS_INFLIGHT_BITS`` a warp-specialized program keeps in flight, without
-    the producer warps or a circular buffer's shared memory. One row: with rows of fewer
-    columns (a block of several), the walk's next block waits for this one's (H100,
-    RMSNorm backward at 8192x16384 and 16384x16384: 0.90-0.91 of copy, one row of 16 warps
-    a program, against 0.83-0.85 warp-specialized; H200, 4096-16384 rows: 0.76-0.83
-    against 0.69-0.74, ``results/norms_bwd16384_h200_cf2d605.json``; at 4096 columns, four
-    rows a block, LayerNorm backward 0.83 against 0.91)."""
-    if not multiwave.persistent or multiwave.strategy != MULTIWAVE:
+def rows_in_flight(
+    plan: NormalizationPlan,
+    multiwave: NormalizationParams,
+    specialized: NormalizationParams,
+    columns: int,
+) -> str | None:
+    """Why the warp-specialized kernel ``specialized`` would add nothing to the
+    multi-wave ``multiwave``, or None: it is short of registers (its weights read inside
+    the walk), and each multi-wave program already loads one row of the full inputs at
+    once, of at least the ``WS_INFLIGHT_BITS`` a warp-specialized program keeps in
+    flight, without producer warps or a circular buffer (H100, RMSNorm backward at
+    4096-16384x16384: 0.87-0.92 of copy, one row of 16 warps a program, against
+    0.81-0.86 warp-specialized, ``results/norms_bwd16384_h100_3ba5bc6.json``; H200
+    0.76-0.83 against 0.69-0.74, ``results/norms_bwd16384_h200_cf2d605.json``). One
+    row: with rows of fewer columns (a block of several) the walk's next block waits for
+    this one's (H100, LayerNorm backward at 4096 columns, four rows a block: 0.83
+    against 0.91). Where the warp-specialized kernel keeps its weights in registers
+    (bf16 at 12288 columns, float32 at 8192) nothing was measured: it stays."""
+    weights = any(plan.kinds[t] == "column" for t in plan.inputs)
+    if not multiwave.persistent or multiwave.strategy != MULTIWAVE or multiwave.block_rows != 1:
         return None
-    row_bits = multiwave.block_columns * sum(
-        t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full"
-    )
+    if weights and specialized.column_registers:
+        return None
+    row_bits = columns * full_bits(plan)
     if row_bits < WS_INFLIGHT_BITS:
         return None
     return (f"a row of {row_bits // 8 // 1024} KiB loaded at once a program, at least the "
             f"{WS_INFLIGHT_BITS // 8 // 1024} KiB a warp-specialized program keeps in "
-            "flight")  # fmt: skip
+            "flight, where that one is short of registers")  # fmt: skip
 
 
 def warp_specialized_params(
@@ -114,7 +126,7 @@ def warp_specialized_params(
     width = next_power_of_two(columns)
     if width * min(t.dtype.bits for t in full) < 128:
         return f"a tile {width} wide is narrower than 16 bytes"
-    row_bits = width * sum(t.dtype.bits for t in full)  # a tile row, every buffered input
+    row_bits = width * full_bits(plan)  # a tile row, every buffered input
     budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
     vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
     weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
