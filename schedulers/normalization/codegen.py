@@ -108,25 +108,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             (source,) = expr.inputs
             term = body.emit.as_compute(generator.value(body, source), float32)
             kept = f"tl.where(mask, {term}, 0.0)"
-            if persistent and params.tile_sums:  # a partial row per row of the block,
-                # added across the block after the walk: no reduction across warps a step
-                # (block_rows * block_columns / threads values a thread: TILE_SUM_VALUES)
-                before.append(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
-                body.emit.line(f"colsum{i} = colsum{i} + {kept}")
-                after.append(f"colsum{i} = tl.sum(colsum{i}, 0)")
-            elif persistent:  # added across the block every step
-                before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
-                body.emit.line(f"colsum{i} = colsum{i} + tl.sum({kept}, 0)")
-            if persistent:  # this program's partial sums stay in registers
-                after.append(
-                    f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
-                    f"colsum{i}, mask=col_mask)"
-                    if split else
-                    f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
-                    "+ tl.arange(0, BLOCK_COLUMNS), "
-                    f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
-                )  # fmt: skip
-            else:  # its row of partial sums, in memory (zeroed before the launch)
+            if not persistent:  # its row of partial sums, in memory (zeroed before the launch)
                 column = body.emit.assign(f"tl.sum({kept}, 0)")
                 row = body.emit.assign(
                     f"part{i} + tl.program_id(0).to(tl.int64) * COLUMNS + cols", "p"
@@ -135,6 +117,25 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                     f"tl.store({row}, tl.load({row}, mask=col_mask, other=0.0) + {column}, "
                     "mask=col_mask)"
                 )
+                continue
+            # this program's partial sums stay in registers
+            if params.tile_sums:  # a partial row per row of the block, added across the
+                # block after the walk: no reduction across warps a step
+                # (block_rows * block_columns / threads values a thread: TILE_SUM_VALUES)
+                before.append(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
+                body.emit.line(f"colsum{i} = colsum{i} + {kept}")
+                after.append(f"colsum{i} = tl.sum(colsum{i}, 0)")
+            else:  # added across the block every step
+                before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
+                body.emit.line(f"colsum{i} = colsum{i} + tl.sum({kept}, 0)")
+            after.append(
+                f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
+                f"colsum{i}, mask=col_mask)"
+                if split else
+                f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
+                "+ tl.arange(0, BLOCK_COLUMNS), "
+                f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
+            )  # fmt: skip
         if not persistent:
             generator.close(body)
     for i, tensor in enumerate(plan.outputs):
