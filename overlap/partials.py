@@ -51,8 +51,10 @@ class PartialCombiner:
         if op not in COMBINE:
             raise ValueError(f"partials are combined by sum, max or min, not {op!r}")
         self.parts, self.op, self.dtype = parts, op, dtype
-        # sums added in float32 (float64, integers: their own type), rounded once
-        self.accumulation = compute_dtype(DataType.from_torch(dtype)).torch_dtype
+        # sums added in float32 (float64, integers: their own type), rounded once; max
+        # and min are exact in the partials' own type
+        wide = compute_dtype(DataType.from_torch(dtype)).torch_dtype
+        self.accumulation = wide if op == "sum" else dtype
         generated = hardware is not None and op == "sum" and dtype in _GENERATED
         self.hardware = hardware if generated else None
         self._group = self._kernel_group() if generated else None
@@ -67,8 +69,7 @@ class PartialCombiner:
         if self._group is not None:
             self._generated(partials, out)
             return
-        wide = self.accumulation if self.op == "sum" else self.dtype  # max, min: exact
-        total = partials[0].to(wide)
+        total = partials[0].to(self.accumulation)
         for partial in partials[1:]:
             total = COMBINE[self.op](total, partial)
         out.copy_(total)
