@@ -591,13 +591,13 @@ def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():
     at any batch size. At 12288 columns (48 KiB rows) the warp-specialized kernel stays
     where it was chosen."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)
+    narrower, narrower_plan = _plan("rmsnorm_bwd", 12288)
     for profile in (H100, H200):
         for rows in (1024, 8192, 32768):
             params = scheduler.heuristics(plan, profile, [rows, 16384])
             assert params.strategy == MULTIWAVE and params.persistent, params
             assert (params.num_warps, params.block_rows, params.stages) == (16, 1, 1), params
             assert params.programs == profile.sm_count, params
-        narrower, narrower_plan = _plan("rmsnorm_bwd", 12288)
         kept = narrower.heuristics(narrower_plan, profile, [32768, 12288])
         assert kept.strategy == WARP_SPECIALIZED, kept
 
