@@ -75,6 +75,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
+from benchmarks.kernels import compiled_alone  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from overlap.planner import OverlapOptions  # noqa: E402
@@ -261,7 +262,7 @@ def compiled_async_tp_block(block: str):
     def project_scattered(h, w):
         return funcol.reduce_scatter_tensor(torch.mm(h, w.t()), "sum", 0, group)
 
-    return torch.compile(torch_block(block, project_gathered, project_scattered))
+    return compiled_alone(torch_block(block, project_gathered, project_scattered))
 
 
 def ours_alone(block: str, shape, kv: int, world: int, device: torch.device):
@@ -421,7 +422,7 @@ def run_training(communicator, shape, args) -> dict:
         import torch._inductor.config as inductor_config
 
         inductor_config._micro_pipeline_tp = True
-        compiled = torch.compile(eager)
+        compiled = compiled_alone(eager)
         forwards["compile_async_tp"] = lambda: compiled(*leaves)
     # the compute alone: the gather and the scatter replaced by copies of their sizes
     rows_here = leaves[0].shape[0]
