@@ -188,14 +188,16 @@ def time_ms(functions: dict, device, rounds: int, iterations: int) -> dict[str, 
     Each provider runs once untimed before its timed calls in every round, so none pays
     for the previous provider's state (dirty L2 lines of a large write: measured on H200,
     the first provider of a round of 40 us kernels read 0.75 of copy where the same
-    kernel later in the round read 0.82)."""
+    kernel later in the round read 0.82). On CPU (smoke runs, in Triton's interpreter:
+    they show the script runs, not how fast) only the timed calls are made."""
     times: dict[str, list[float]] = {name: [] for name in functions}
-    for function in functions.values():
+    cuda = device.type == "cuda"
+    for function in functions.values() if cuda else ():
         function()
     for _ in range(rounds):
         for name, function in functions.items():
-            function()
-            if device.type == "cuda":
+            if cuda:
+                function()
                 begin = torch.cuda.Event(enable_timing=True)
                 end = torch.cuda.Event(enable_timing=True)
                 begin.record()

@@ -35,8 +35,16 @@ _PROCESS_MODULES = {
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         module = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
-        if "rank_pools" in getattr(item, "fixturenames", ()) or module in _PROCESS_MODULES:
+        fixtures = getattr(item, "fixturenames", ())
+        if "rank_pools" in fixtures or module in _PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
+        if "ray_instance" in fixtures and not item.get_closest_marker("ray"):
+            raise pytest.UsageError(f"{item.nodeid} starts Ray: mark it pytest.mark.ray")
+        if item.get_closest_marker("ray"):
+            # under pytest-xdist (the README's -n 2), one worker runs them one at a time:
+            # a Ray cluster started without an address joins the last one started on the
+            # machine, and an "auto" address finds any
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.fixture

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from launch.local import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- doc-test: (setup|alone[^\n]*)\n(.*?)-->\n)?```python\n(.*?)```", re.S)
@@ -86,7 +88,12 @@ def test_every_python_block_of_the_docs_is_in_some_run():
     assert {b.where for _, run, _ in CASES for b in run} == every
 
 
-@pytest.mark.parametrize(("name", "run", "ranks"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize(
+    ("name", "run", "ranks"),
+    [pytest.param(*case, marks=[pytest.mark.ray] if any("needs ray" in b.alone for b in case[1])
+                  else []) for case in CASES],
+    ids=[c[0] for c in CASES],
+)  # fmt: skip
 def test_the_docs_code_runs(name, run, ranks, tmp_path):
     if any("needs ray" in b.alone for b in run):
         pytest.importorskip("ray")
@@ -97,8 +104,8 @@ def test_the_docs_code_runs(name, run, ranks, tmp_path):
         env.pop(variable, None)
     command = [sys.executable, str(path)]
     if ranks > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(ranks), str(path)]  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--master-port",
+                   str(free_port()), "--nproc-per-node", str(ranks), str(path)]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     said = result.stdout + result.stderr

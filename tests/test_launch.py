@@ -17,6 +17,7 @@ from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from launch.env import LaunchError, launcher, rank_environment
+from launch.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (64, 32, 128)  # tokens, hidden, ffn
@@ -227,6 +228,7 @@ def ray_instance():
     ray.shutdown()
 
 
+@pytest.mark.ray
 def test_the_ray_pool_runs_a_fusion_like_the_reference(ray_instance):
     from launch.ray_pool import PoolError, RayPool
 
@@ -270,6 +272,7 @@ def _fp8_and_fp4_pieces(world: int):
     return fd, [values.to(torch.float8_e4m3fn), to_fp4(values)]
 
 
+@pytest.mark.ray
 def test_the_ray_pool_moves_and_assembles_fp8_and_fp4(ray_instance):
     from launch.ray_pool import RayPool
 
@@ -295,6 +298,7 @@ def _wait_or_die(communicator):
     dist.barrier()
 
 
+@pytest.mark.ray
 def test_a_dead_actor_fails_the_call_promptly_and_names_its_rank(ray_instance):
     from launch.ray_pool import PoolError, RayPool
 
@@ -312,6 +316,7 @@ def test_a_dead_actor_fails_the_call_promptly_and_names_its_rank(ray_instance):
         assert fresh.call(lambda communicator: communicator.rank) == [0, 1]
 
 
+@pytest.mark.ray
 def test_overlap_run_through_a_ray_pool(script, tmp_path):
     result = _overlap("run", "--launcher", "ray", "--nproc", 2, script, tmp_path, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -373,7 +378,7 @@ def test_the_command_line_says_its_version_and_the_demos_defaults():
     assert "default 16384 on GPUs, 512 on CPUs" in " ".join(demo.stdout.split()), demo.stdout
 
 
-@pytest.mark.parametrize("how", ["torchrun", "ray"])
+@pytest.mark.parametrize("how", ["torchrun", pytest.param("ray", marks=pytest.mark.ray)])
 def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool(how):
     """``examples/tp_mlp.py``: a complete multi-rank script (seeded inputs, every rank's
     output checked against one device, the timings) run directly under torchrun, and by
@@ -385,8 +390,9 @@ def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER"):
             env.pop(name, None)
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
-             *sizes], cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+            [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+             "--nproc-per-node", "2", script, *sizes],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
     else:
         pytest.importorskip("ray")
@@ -471,8 +477,9 @@ def test_a_finished_rank_exits_zero_though_gloo_threads_release_tensors_late(tmp
         env.pop(name, None)
     for _ in range(4):
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-             str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
+            [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+             "--nproc-per-node", "2", str(script)],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
         assert result.stdout.count("done") == 2, result.stdout  # both ranks finished

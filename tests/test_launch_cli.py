@@ -9,6 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.ray  # it must find no cluster: never beside another Ray test
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

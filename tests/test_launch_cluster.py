@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
 
 ROOT = Path(__file__).resolve().parent.parent
 

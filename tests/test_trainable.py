@@ -104,7 +104,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launcher", ["local", "ray"])
+@pytest.mark.parametrize("launcher", ["local", pytest.param("ray", marks=pytest.mark.ray)])
 @pytest.mark.parametrize(("example", "steps"), [("train_mlp", 20), ("llama_block", 10)])
 def test_each_training_example_matches_one_device_under_each_launcher(example, steps, launcher):
     """``examples/train_mlp.py`` (a fusion written as IR) and ``examples/llama_block.py``
