@@ -129,6 +129,32 @@ def test_the_chunked_form_matches_the_reference(name, n):
     assert "tl.num_programs(0)" in source
 
 
+@pytest.mark.parametrize("n", HIDDEN)
+def test_a_chunked_variance_takes_one_pass_with_its_mean(n):
+    """LayerNorm forward walked in chunks: the mean and the variance in one pass
+    (Welford's update a lane, the lanes combined as Chan et al. combine partial
+    variances), then the outputs: two walks over the row, not three. Rows far from zero
+    (mean 1000, spread 1), where a sum of squares less the squared sum would lose the
+    variance: mean, rstd and y against float64."""
+    step = 4 if n < 1000 else 1024
+    params = NormalizationParams(2, step, 4, persistent=False, programs=2)
+    fd = BUILDERS["layernorm_fwd"](n, "float32")
+    generator = torch.Generator().manual_seed(n)
+    x = 1000.0 + torch.randn(5, n, generator=generator)
+    w, b = torch.randn(n, generator=generator), torch.randn(n, generator=generator)
+    KERNEL_CACHE.clear()
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    y, mean, rstd = executor.run([x, w, b])
+    source = next(s for s in KERNEL_CACHE.sources() if "chunked" in s)
+    assert source.count("for start in range(0, COLUMNS, BLOCK_COLUMNS)") == 2, source
+    var, want_mean = torch.var_mean(x.double(), dim=1, correction=0)
+    want_rstd = torch.rsqrt(var + 1e-5)
+    torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
+    torch.testing.assert_close(rstd.double(), want_rstd, rtol=1e-4, atol=0)
+    want_y = (x.double() - want_mean[:, None]) * want_rstd[:, None] * w.double() + b.double()
+    torch.testing.assert_close(y.double(), want_y, rtol=1e-3, atol=1e-3)
+
+
 def test_a_persistent_kernel_refuses_a_longer_row_before_launching():
     params = NormalizationParams(1, 512, 4, persistent=True)
     with pytest.raises(ValueError, match="holds 512 columns; the row has 1000"):
