@@ -178,14 +178,16 @@ class Emitter:
 
     # -- loads and stores ----------------------------------------------------------
 
-    def load(self, tensor: TensorView, pointer: str, index: str, mask: str) -> Value:
+    def load(self, tensor: TensorView, pointer: str, index: str, mask: str,
+             eviction: str = "") -> Value:  # fmt: skip
         dtype = tensor.dtype
+        hint = f", eviction_policy='{eviction}'" if eviction else ""
         if dtype is float4_e2m1:
-            byte = self.assign(f"tl.load({pointer} + ({index} >> 1), mask={mask}, other=0)")
+            byte = self.assign(f"tl.load({pointer} + ({index} >> 1), mask={mask}, other=0{hint})")
             shift = f"(({index} & 1) * 4).to(tl.uint8)"
             return Value(self.assign(f"({byte} >> {shift}) & 15"), dtype)
         return self.loaded(
-            self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0)"), dtype
+            self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0{hint})"), dtype
         )
 
     def loaded(self, raw: str, dtype: DataType) -> Value:

@@ -146,7 +146,11 @@ def test_a_chunked_variance_takes_one_pass_with_its_mean(n):
     executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
     y, mean, rstd = executor.run([x, w, b])
     source = next(s for s in KERNEL_CACHE.sources() if "chunked" in s)
-    assert source.count("for start in range(0, COLUMNS, BLOCK_COLUMNS)") == 2, source
+    walks = source.split("for start in range(0, COLUMNS, BLOCK_COLUMNS)")
+    assert len(walks) == 3, source
+    # the first walk's loads stay in L2 for the second, the second's leave it
+    assert "eviction_policy='evict_last'" in walks[1] and "evict_first" not in walks[1]
+    assert "eviction_policy='evict_first'" in walks[2] and "evict_last" not in walks[2]
     var, want_mean = torch.var_mean(x.double(), dim=1, correction=0)
     want_rstd = torch.rsqrt(var + 1e-5)
     torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)

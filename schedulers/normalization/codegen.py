@@ -88,7 +88,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                 generator.reduce_persistent(step, tensor)
             continue
         accumulators = {t: generator.accumulator(t) for t in group}
-        body = generator.loop()
+        body = generator.loop("evict_last")
         for tensor in group:
             generator.accumulate(body, tensor, accumulators[tensor])
         generator.close(body)
@@ -99,7 +99,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     partials = [f"part{i}" for i, _ in sums]
     before, after = [], []  # around the walk over the rows (column sums)
     if full or sums:
-        body = step if persistent else generator.loop()
+        body = step if persistent else generator.loop("evict_first")
         for i, tensor in full:
             value = generator.value(body, tensor)
             shaped = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
@@ -236,6 +236,13 @@ class _Step:
 
     emit: Emitter
     cache: dict[TensorView, Value]
+    # a chunked walk's full-row loads: kept in L2 for a later walk ("evict_last") or
+    # read for the last time ("evict_first"). H200, chunked rows: RMSNorm forward
+    # 4096x65536 0.81 of copy against 0.72 without, 8192x16384 in 4096-column steps
+    # 0.96 against 0.91; LayerNorm forward 4096x65536 0.67 against 0.65. (A persistent
+    # row's loads "evict_first", its weights' "evict_last": 0.90 against 0.95 at
+    # RMSNorm forward 16384x8192; not used.)
+    eviction: str = ""
 
 
 class _Generator:
@@ -324,10 +331,10 @@ class _Generator:
             emit.line("mask = row_mask[:, None] & col_mask[None, :]")
             emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
 
-    def loop(self) -> _Step:
+    def loop(self, eviction: str) -> _Step:
         body = self.outer.nested()
         self.columns(body, "start")
-        return _Step(body, {})
+        return _Step(body, {}, eviction)
 
     def close(self, step: _Step) -> None:
         self.outer.block("for start in range(0, COLUMNS, BLOCK_COLUMNS):", step.emit)
@@ -345,7 +352,7 @@ class _Generator:
             if tensor in self.tiles:
                 value = emit.load_tile(tensor, pointer, "row_block * BLOCK_ROWS, 0")
             elif kind == "full":
-                value = emit.load(tensor, pointer, "offs", "mask")
+                value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":
                 loaded = emit.load(tensor, pointer, "cols", "col_mask")
                 value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype)
