@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,21 @@ pytestmark = pytest.mark.ray  # it must find no cluster: never beside another Ra
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _no_ray_processes(timeout_s: float = 60.0) -> None:
+    """Until no Ray process on this machine names a GCS address, which ``auto`` finds by
+    listing processes: after ``ray.shutdown()`` (``test_launch.py``'s Ray instance, the
+    test before this one) its processes may outlive the call by seconds on a busy
+    machine (seen under two pytest-xdist workers)."""
+    services = pytest.importorskip("ray._private.services")
+    deadline = time.monotonic() + timeout_s
+    while services.find_gcs_addresses() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = services.find_gcs_addresses()
+    assert not left, f"Ray processes still serve {sorted(left)} after {timeout_s} s"
+
+
 def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
+    _no_ray_processes()
     script = tmp_path / "nothing.py"
     script.write_text("def main(communicator):\n    pass\n")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(tmp_path)}

@@ -236,12 +236,9 @@ class _Step:
 
     emit: Emitter
     cache: dict[TensorView, Value]
-    # a chunked walk's full-row loads: kept in L2 for a later walk ("evict_last") or
-    # read for the last time ("evict_first"). H200, chunked rows: RMSNorm forward
-    # 4096x65536 0.81 of copy against 0.72 without, 8192x16384 in 4096-column steps
-    # 0.96 against 0.91; LayerNorm forward 4096x65536 0.67 against 0.65. (A persistent
-    # row's loads "evict_first", its weights' "evict_last": 0.90 against 0.95 at
-    # RMSNorm forward 16384x8192; not used.)
+    # a chunked walk's full-row loads: kept in L2 for a later walk ("evict_last") or read
+    # a last time ("evict_first"); H200, RMSNorm forward 4096x65536 chunked: 0.81 of copy
+    # against 0.72 without (benchmarks/RESULTS.md; a persistent row's lose: not used)
     eviction: str = ""
 
 
@@ -454,8 +451,7 @@ class _Generator:
 
     # A chunked reduction: an accumulator a lane, updated every step, reduced after.
     def accumulator(self, tensor: TensorView) -> str | tuple[str, str, str]:
-        """Its accumulator; a variance's mean: Welford's three (count, mean and sum of
-        squares about it, a lane each), so the variance needs no pass of its own."""
+        """Its accumulator; a variance's mean: Welford's count, mean and squares, a lane each."""
         producer = tensor.definition
         kind = TRITON_TYPES[_accumulator(tensor.dtype).name]
         if isinstance(producer, VarMeanOp):
@@ -473,10 +469,8 @@ class _Generator:
             value = emit.as_compute(self.value(step, producer.inputs[0]), kind)
             emit.line(f"{count} = {count} + mask.to({TRITON_TYPES[kind.name]})")
             delta = emit.assign(f"tl.where(mask, {value} - {mean}, 0.0)")
-            # a lane this step counts this step and every one before (only the last
-            # step's columns and the rows past the end are masked, and those add
-            # nothing): one reciprocal a step, not a division a value (0.59 of copy
-            # against 0.91 for the three walks, H200, LayerNorm forward 8192x16384)
+            # a lane valid now was valid every step before (masked: the last step's
+            # tail, rows past the end): one reciprocal a step, not a division a value
             steps = emit.assign(f"tl.full((), 1.0, {TRITON_TYPES[kind.name]}) / "
                                 "(start // BLOCK_COLUMNS + 1)")  # fmt: skip
             emit.line(f"{mean} = {mean} + {delta} * {steps}")
