@@ -38,16 +38,11 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         fixtures = getattr(item, "fixturenames", ())
         if "rank_pools" in fixtures or module in _PROCESS_MODULES:
             item.add_marker(pytest.mark.slow)
+        # the README runs the others on two pytest-xdist workers, then these alone, one
+        # at a time: a Ray cluster started without an address joins the last one started
+        # on the machine, and an "auto" address finds any
         if "ray_instance" in fixtures and not item.get_closest_marker("ray"):
             raise pytest.UsageError(f"{item.nodeid} starts Ray: mark it pytest.mark.ray")
-        if item.get_closest_marker("ray"):
-            # under pytest-xdist (the README's -n 2), one worker runs them one at a time:
-            # a Ray cluster started without an address joins the last one started on the
-            # machine, and an "auto" address finds any
-            item.add_marker(pytest.mark.xdist_group("ray"))
-    # the Ray tests first (a stable sort): one worker runs them all, about two and a half
-    # minutes under two workers, which left last kept the other worker idle
-    items.sort(key=lambda item: item.get_closest_marker("ray") is None)
 
 
 @pytest.fixture

@@ -10,8 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import free_port
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -21,7 +19,7 @@ def test_ag_matmul_benchmark_smoke_run(tmp_path, world):
     otherwise); at 2 ranks every variant is bitwise equal to the sequential run; at
     any size a reduce-scatter's fixed chunk counts give the same bits (``c*_same``)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", str(world),
         str(ROOT / "benchmarks" / "ag_matmul.py"), "--smoke", "--rounds", "1",
         "--iterations", "1", "--timeline-dir", str(tmp_path),
@@ -52,7 +50,7 @@ def test_blocks_benchmark_smoke_run(tmp_path):
     the plan with the roof meter of a recorded run."""
     out = tmp_path / "blocks.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "2",
         str(ROOT / "benchmarks" / "blocks.py"), "--smoke", "--rounds", "1",
         "--iterations", "1", "--out", str(out),
@@ -152,7 +150,7 @@ def test_parallel_block_benchmark_smoke_run():
     tensor parallelism, each variant's output and gradients checked on every rank first
     (a wrong one fails the run)."""
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "2",
         str(ROOT / "benchmarks" / "parallel_block.py"), "--smoke", "--rounds", "1",
         "--iterations", "1",
@@ -171,7 +169,7 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     check passes on every rank, and the JSON holds each rank's verdict."""
     out = tmp_path / "check.json"
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
         "--nproc-per-node", "2",
         str(ROOT / "benchmarks" / "check_gpu.py"), "--out", str(out),
     ]  # fmt: skip

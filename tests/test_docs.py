@@ -26,8 +26,6 @@ from pathlib import Path
 
 import pytest
 
-from launch.local import free_port
-
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"(?:<!-- doc-test: (setup|alone[^\n]*)\n(.*?)-->\n)?```python\n(.*?)```", re.S)
@@ -104,8 +102,8 @@ def test_the_docs_code_runs(name, run, ranks, tmp_path):
         env.pop(variable, None)
     command = [sys.executable, str(path)]
     if ranks > 1:
-        command = [sys.executable, "-m", "torch.distributed.run", "--master-port",
-                   str(free_port()), "--nproc-per-node", str(ranks), str(path)]  # fmt: skip
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(ranks), str(path)]  # fmt: skip
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True,
                             timeout=300)  # fmt: skip
     said = result.stdout + result.stderr

@@ -17,7 +17,6 @@ from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from launch.env import LaunchError, launcher, rank_environment
-from launch.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (64, 32, 128)  # tokens, hidden, ffn
@@ -390,7 +389,7 @@ def test_the_tensor_parallel_example_runs_under_plain_torchrun_and_on_a_ray_pool
         for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "OVERLAP_LAUNCHER"):
             env.pop(name, None)
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", "2", script, *sizes],
             cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
         )  # fmt: skip
@@ -477,7 +476,7 @@ def test_a_finished_rank_exits_zero_though_gloo_threads_release_tensors_late(tmp
         env.pop(name, None)
     for _ in range(4):
         result = subprocess.run(
-            [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()),
+            [sys.executable, "-m", "torch.distributed.run", "--standalone",
              "--nproc-per-node", "2", str(script)],
             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120,
         )  # fmt: skip

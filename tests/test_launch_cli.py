@@ -12,8 +12,6 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.ray  # it must find no cluster: never beside another Ray test
-
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -22,14 +20,16 @@ def _no_ray_processes(timeout_s: float = 60.0) -> None:
     listing processes: after ``ray.shutdown()`` (``test_launch.py``'s Ray instance, the
     test before this one) its processes may outlive the call by seconds on a busy
     machine (seen under two pytest-xdist workers)."""
-    services = pytest.importorskip("ray._private.services")
+    from ray._private.services import find_gcs_addresses
+
     deadline = time.monotonic() + timeout_s
-    while services.find_gcs_addresses() and time.monotonic() < deadline:
+    while find_gcs_addresses() and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = services.find_gcs_addresses()
+    left = find_gcs_addresses()
     assert not left, f"Ray processes still serve {sorted(left)} after {timeout_s} s"
 
 
+@pytest.mark.ray  # it must find no cluster: never beside another Ray test
 def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
     _no_ray_processes()
     script = tmp_path / "nothing.py"
@@ -46,7 +46,6 @@ def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
 
 
 def test_more_ranks_than_the_machines_gpus_are_refused(monkeypatch):
-    import pytest
     import torch
 
     from launch.env import LaunchError

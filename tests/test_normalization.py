@@ -130,13 +130,13 @@ def test_the_chunked_form_matches_the_reference(name, n):
 
 
 @pytest.mark.parametrize("n", HIDDEN)
-def test_a_chunked_variance_takes_one_pass_with_its_mean(n):
-    """LayerNorm forward walked in chunks: the mean and the variance in one pass
-    (Welford's update a lane, the lanes combined as Chan et al. combine partial
-    variances), then the outputs: two walks over the row, not three. Rows far from zero
-    (mean 1000, spread 1), where a sum of squares less the squared sum would lose the
-    variance: mean, rstd and y against float64."""
-    step = 4 if n < 1000 else 1024
+def test_a_chunked_layernorm_walks_three_times_keeping_rows_in_l2_for_the_later_walks(n):
+    """LayerNorm forward walked in chunks (a ragged last step below 1024 columns, rows
+    past the end in the last block): the mean's walk and the variance's load the row
+    "evict_last" (a later walk reads it again), the outputs' walk "evict_first". Rows far
+    from zero (mean 1000, spread 1), where a one-pass variance would lose digits: mean,
+    rstd and y against float64."""
+    step = 4 if n < 1000 else 64 if n == 1000 else 1024
     params = NormalizationParams(2, step, 4, persistent=False, programs=2)
     fd = BUILDERS["layernorm_fwd"](n, "float32")
     generator = torch.Generator().manual_seed(n)
@@ -146,15 +146,15 @@ def test_a_chunked_variance_takes_one_pass_with_its_mean(n):
     executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
     y, mean, rstd = executor.run([x, w, b])
     source = next(s for s in KERNEL_CACHE.sources() if "chunked" in s)
-    walks = source.split("for start in range(0, COLUMNS, BLOCK_COLUMNS)")
+    walks = source.split("for start in range(0, COLUMNS, BLOCK_COLUMNS)")[1:]
     assert len(walks) == 3, source
-    # the first walk's loads stay in L2 for the second, the second's leave it
-    assert "eviction_policy='evict_last'" in walks[1] and "evict_first" not in walks[1]
+    for walk in walks[:2]:
+        assert "eviction_policy='evict_last'" in walk and "evict_first" not in walk, walk
     assert "eviction_policy='evict_first'" in walks[2] and "evict_last" not in walks[2]
     var, want_mean = torch.var_mean(x.double(), dim=1, correction=0)
     want_rstd = torch.rsqrt(var + 1e-5)
     torch.testing.assert_close(mean.double(), want_mean, rtol=1e-6, atol=0)
-    torch.testing.assert_close(rstd.double(), want_rstd, rtol=1e-4, atol=0)
+    torch.testing.assert_close(rstd.double(), want_rstd, rtol=1e-5, atol=0)
     want_y = (x.double() - want_mean[:, None]) * want_rstd[:, None] * w.double() + b.double()
     torch.testing.assert_close(y.double(), want_y, rtol=1e-3, atol=1e-3)
 

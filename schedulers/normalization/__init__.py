@@ -14,10 +14,9 @@ Each program takes ``block_rows`` rows. When the row fits in registers
 (``persistent``) the kernel loads every input once and runs straight through: each
 reduction, the row values that follow from it, then the outputs. When it does not, the
 kernel walks the row in steps of ``block_columns`` once per level of reductions (a
-reduction whose input needs another's result is one level deeper; a variance is
-reduced in its mean's walk, by Welford's update) and once more for the outputs,
-re-reading its inputs (from L2, mostly): Triton has no explicit shared-memory buffer
-to stage a row in.
+reduction whose input needs another's result is one level deeper) and once more for
+the outputs, re-reading its inputs (from L2, mostly): Triton has no explicit
+shared-memory buffer to stage a row in.
 
 The reduced extent is a ``tl.constexpr`` (``COLUMNS``): a kernel is specialised on it
 (a symbolic reduced extent cost 32 % in a measured Triton RMSNorm), never on the

@@ -34,12 +34,6 @@ class NormalizationPlan:
         return max(self.levels.values())
 
     @property
-    def rounds(self) -> int:
-        """Rounds of reductions, a variance's with its mean's: a chunked walk's passes
-        before the outputs' (Welford's update), a split row's exchanges."""
-        return len(self.exchanges)
-
-    @property
     def exchanges(self) -> dict[int, int]:
         """A split row's partials exchanged at each level that has any (the split
         strategy): one a reduction, a variance's with its mean (mean and sum of squares

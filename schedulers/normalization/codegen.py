@@ -76,10 +76,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         if split:
             generator.exchange_step(early, step, params.prefetch)
     for level in range(1, plan.depth + 1):
-        # (chunked) a variance is done at its mean's level, in the same pass
-        group = [t for t, v in plan.levels.items() if v == level and t not in row_cache]
-        if not group:
-            continue
+        group = [t for t, v in plan.levels.items() if v == level]
         if persistent and split:  # the level's reductions exchanged together
             generator.reduce_split(step, group, level)
             continue
@@ -449,52 +446,25 @@ class _Generator:
         reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
         self._finish(producer, tensor, op, reduced, accumulator)
 
-    # A chunked reduction: an accumulator a lane, updated every step, reduced after.
-    def accumulator(self, tensor: TensorView) -> str | tuple[str, str, str]:
-        """Its accumulator; a variance's mean: Welford's count, mean and squares, a lane each."""
+    def accumulator(self, tensor: TensorView) -> str:
         producer = tensor.definition
-        kind = TRITON_TYPES[_accumulator(tensor.dtype).name]
-        if isinstance(producer, VarMeanOp):
-            return tuple(self.outer.assign(f"tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), {kind})", name)
-                         for name in ("count", "mean", "squares"))  # fmt: skip
-        identity = reduction_identity(producer.op_name, _accumulator(tensor.dtype))
-        return self.outer.assign(f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {identity}, {kind})", "acc")
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        accumulator = _accumulator(tensor.dtype)
+        identity = reduction_identity(op, accumulator)
+        return self.outer.assign(
+            f"tl.full((BLOCK_ROWS, BLOCK_COLUMNS), {identity}, {TRITON_TYPES[accumulator.name]})",
+            "acc",
+        )
 
-    def accumulate(self, step: _Step, tensor: TensorView, accumulator) -> None:
-        emit = step.emit
-        producer = tensor.definition
-        if isinstance(producer, VarMeanOp):  # Welford's update, a lane at a time
-            count, mean, squares = accumulator
-            kind = _accumulator(tensor.dtype)
-            value = emit.as_compute(self.value(step, producer.inputs[0]), kind)
-            emit.line(f"{count} = {count} + mask.to({TRITON_TYPES[kind.name]})")
-            delta = emit.assign(f"tl.where(mask, {value} - {mean}, 0.0)")
-            # a lane valid now was valid every step before (masked: the last step's
-            # tail, rows past the end): one reciprocal a step, not a division a value
-            steps = emit.assign(f"tl.full((), 1.0, {TRITON_TYPES[kind.name]}) / "
-                                "(start // BLOCK_COLUMNS + 1)")  # fmt: skip
-            emit.line(f"{mean} = {mean} + {delta} * {steps}")
-            emit.line(f"{squares} = {squares} + {delta} * tl.where(mask, {value} - {mean}, 0.0)")
-            return
+    def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
         _, op, term, _ = self._term(step, tensor)
-        emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
+        step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
 
-    def finish(self, tensor: TensorView, accumulator) -> None:
-        emit = self.outer
+    def finish(self, tensor: TensorView, accumulator: str) -> None:
         producer = tensor.definition
-        kind = _accumulator(tensor.dtype)
-        if isinstance(producer, VarMeanOp):  # the lanes combined as in _chan
-            count, mean, squares = accumulator
-            total = emit.assign(f"tl.sum({count} * {mean}, 1, keep_dims=True)")
-            self._finish(producer, producer.outputs[1], "sum", total, kind)
-            spread = emit.assign(f"{mean} - {self.means[producer]}")
-            m2 = emit.assign(f"tl.sum({squares} + {count} * {spread} * {spread}, 1, "
-                             "keep_dims=True)")  # fmt: skip
-            self._finish(producer, producer.outputs[0], "sum", m2, kind)
-            return
-        op = producer.op_name
-        reduced = emit.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
-        self._finish(producer, tensor, op, reduced, kind)
+        op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
+        reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
+        self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
 
     def _finish(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
         emit = self.outer

@@ -183,7 +183,7 @@ def chunked_params(
     programs = max(hardware.sm_count, min(4 * hardware.sm_count, fitting))
     why = (
         f"a row of {columns} does not fit in registers ({plan.buffers} buffered "
-        f"inputs, at most {MAX_REGISTERS} registers a thread): {plan.rounds + 1} passes "
+        f"inputs, at most {MAX_REGISTERS} registers a thread): {plan.depth + 1} passes "
         f"of {step} columns; {programs} programs walk the rows so those in flight "
         f"({programs * row_bits // 8 // 2**20} MiB) stay in half the L2"
     )

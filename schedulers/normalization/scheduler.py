@@ -106,7 +106,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
-        rounds = plan.rounds
+        rounds = len(plan.exchanges)
         if rounds > 1:  # an exchange a level a row: the chunks' second pass is faster
             return replace(chosen, why=f"{chosen.why} (not split: {rounds} levels of "
                                        "reductions, an exchange each a row)")  # fmt: skip
@@ -114,7 +114,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
         return replace(split, why=f"split (the row does not fit one program's registers, "
-                                  f"and walked in chunks it is read {plan.rounds + 1} times): "
+                                  f"and walked in chunks it is read {plan.depth + 1} times): "
                                   f"{split.why} [instead of {chosen.why}]")  # fmt: skip
 
     def _heuristics(self, plan, hardware, columns, rows, strategy) -> NormalizationParams:
