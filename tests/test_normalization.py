@@ -376,6 +376,35 @@ def test_the_automatic_choice_on_h200(name, n, rows, strategy, reason):
     assert params.why.startswith(start)
 
 
+@pytest.mark.parametrize(
+    ("profile", "name", "n", "dtype", "walked"),
+    [
+        (H200, "layernorm_fwd", 16384, "bfloat16", True),  # 16.5 MiB held at once
+        (H200, "layernorm_fwd", 24576, "bfloat16", True),
+        (H200, "layernorm_fwd", 32768, "bfloat16", False),  # 33 MiB: over half the L2
+        (H200, "layernorm_fwd", 16384, "float32", False),
+        (H200, "layernorm_fwd", 8192, "bfloat16", False),  # shorter rows
+        (H200, "rmsnorm_fwd", 16384, "bfloat16", False),  # no variance
+        (H200, "layernorm_bwd", 16384, "bfloat16", False),  # column sums (and saved stats)
+        (H100, "layernorm_fwd", 16384, "bfloat16", False),  # 3000 GB/s
+        (B200, "layernorm_fwd", 16384, "bfloat16", True),  # by its bandwidth: not measured
+    ],
+)
+def test_a_layernorm_forward_walks_rows_of_16384_in_chunks_on_the_h200(
+    profile, name, n, dtype, walked
+):
+    scheduler, plan = _plan(name, n, dtype)
+    params = scheduler.heuristics(plan, profile, [8192, n])
+    assert (not params.persistent) == walked, params
+    if walked:
+        assert (params.block_columns, params.num_warps, params.programs) == (4096, 16, 0)
+        assert params.why.startswith("chunked (a variance over rows of") and "[instead of" in (
+            params.why
+        )
+    forced = scheduler.heuristics(plan, profile, [8192, n], MULTIWAVE)  # forced: as before
+    assert "a variance over rows" not in forced.why
+
+
 def test_short_rows_gain_sooner_on_the_h200_only():
     """RMSNorm backward with 32 rows a program of 1024 columns (4096 rows: one program an
     SM since the partial sums are kept by row of the tile): warp-specialized on the H200

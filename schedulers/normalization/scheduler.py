@@ -41,6 +41,7 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     multiwave_params,
     split_params,
+    variance_chunks,
 )
 from schedulers.normalization.warp_specialized import (
     WS_GAINS,
@@ -104,6 +105,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                 raise NotSchedulable(f"the split strategy (forced): {chosen}")
             return chosen
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
+        walked = None if strategy or not chosen.persistent else variance_chunks(
+            plan, hardware, columns)  # fmt: skip
+        if walked is not None:
+            return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
         rounds = len(plan.exchanges)
