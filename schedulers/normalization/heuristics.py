@@ -198,17 +198,27 @@ def chunked_params(
 # LayerNorm forward 8192x16384: 0.95 of copy against 0.87 in registers, 0.74-0.80 with a
 # grid of 528 programs walking the rows; at 4096x32768 (33 MiB held, over half the L2)
 # 0.78 against 0.75, not taken. H100: 0.96 against 0.98: the H200 only (results/
-# norms_lnfwdchunk_h200_*_75d68b1.json, norms_chunked_{h200,h100}_75d68b1.json).
+# norms_lnfwdchunk_h200_*_75d68b1.json, norms_chunked_{h200,h100}_75d68b1.json). Rows
+# too long for registers stay in chunks there rather than split (``chunked_params``;
+# 4096x65536: 0.75-0.76 of copy against 0.70-0.71 split, three runs; H100 0.79 against
+# 0.87). Measured with one 16-bit full input (bf16): the rule is for those.
 VARIANCE_CHUNKS = (16384, 4096, 4000.0)
+
+
+def walks_variance(plan: NormalizationPlan, hardware: HardwareProfile) -> bool:
+    """A forward with a variance over one 16-bit row, on a device ``VARIANCE_CHUNKS``
+    names, walks its long rows."""
+    variance = any(isinstance(expr, VarMeanOp) for expr in plan.reductions)
+    fast = hardware.memory_gbps >= VARIANCE_CHUNKS[2]
+    return variance and not plan.column_sums and full_bits(plan) <= 16 and fast
 
 
 def variance_chunks(
     plan: NormalizationPlan, hardware: HardwareProfile, columns: int
 ) -> NormalizationParams | None:
     """The chunked params ``VARIANCE_CHUNKS`` says a row of ``columns`` takes, or None."""
-    least, step, gbps = VARIANCE_CHUNKS
-    variance = any(isinstance(expr, VarMeanOp) for expr in plan.reductions)
-    if plan.column_sums or not variance or columns < least or hardware.memory_gbps < gbps:
+    least, step, _ = VARIANCE_CHUNKS
+    if not walks_variance(plan, hardware) or columns < least:
         return None
     warps = 16
     held = hardware.max_warps_per_sm // warps * hardware.sm_count * columns * full_bits(plan)
