@@ -159,6 +159,28 @@ def test_a_chunked_layernorm_walks_three_times_keeping_rows_in_l2_for_the_later_
     torch.testing.assert_close(y.double(), want_y, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.filterwarnings(r"ignore:var_mean\(\).{2}degrees of freedom:UserWarning")
+@pytest.mark.parametrize("persistent", [True, False])
+@pytest.mark.parametrize("n", [1, 2, 5])
+def test_a_variance_whose_correction_passes_the_row_is_inf_or_nan_as_torch_s(n, persistent):
+    """``var_mean(correction=2)``: a row of 5 divides by 3; rows of 1 and 2 by
+    max(0, n - 2) = 0, so torch gives NaN (no spread) or inf; the kernel did -0 and a
+    negative variance before."""
+    with FusionDefinition("corrected") as fd:
+        x = fd.define_tensor(["rows", n], "float32")
+        var, mean = fd.ops.var_mean(x, dims=[1], correction=2)
+        fd.add_output(x - fd.ops.broadcast(mean, [False, True]))
+        fd.add_output(var)
+    params = NormalizationParams(1, 8 if persistent else 2, 1, persistent=persistent)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    x = torch.tensor([[1.0, 3.0, 2.0, 7.0, 5.0][:n], [4.0] * n])
+    centred, var = executor.run([x])
+    expected = fd.execute([x])
+    torch.testing.assert_close(centred, expected[0])
+    torch.testing.assert_close(var, expected[1], equal_nan=True)
+    assert bool(torch.isnan(var[1])) == (n < 5) and bool(torch.isfinite(var[0])) == (n == 5), var
+
+
 def test_a_persistent_kernel_refuses_a_longer_row_before_launching():
     params = NormalizationParams(1, 512, 4, persistent=True)
     with pytest.raises(ValueError, match="holds 512 columns; the row has 1000"):

@@ -476,7 +476,8 @@ class _Generator:
                 self.means[producer] = result
             else:
                 kind = TRITON_TYPES[accumulator.name]
-                divisor = f"tl.full((), COLUMNS - {producer.correction}, {kind})"
+                # at least 0, as torch's: a correction past the row gives inf (or NaN)
+                divisor = f"tl.maximum(tl.full((), COLUMNS - {producer.correction}, {kind}), 0.0)"
                 result = emit.assign(f"div({reduced}, {divisor})")
         elif op == "mean":
             result = emit.assign(f"div({reduced}, {count})")
