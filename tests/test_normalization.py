@@ -406,25 +406,28 @@ def test_the_automatic_choice_on_h200(name, n, rows, strategy, reason):
         (H200, "layernorm_fwd", 32768, "bfloat16", False),  # 33 MiB: over half the L2
         (H200, "layernorm_fwd", 16384, "float32", False),
         (H200, "layernorm_fwd", 8192, "bfloat16", False),  # shorter rows
-        (H200, "rmsnorm_fwd", 16384, "bfloat16", False),  # no variance
+        (H200, "rmsnorm_fwd", 16384, "bfloat16", True),  # one level: from 8192 columns
+        (H200, "rmsnorm_fwd", 8192, "bfloat16", True),
+        (H200, "rmsnorm_fwd", 4096, "bfloat16", False),
+        (H200, "rmsnorm_fwd", 32768, "bfloat16", False),  # 33 MiB held
+        (H100, "rmsnorm_fwd", 8192, "bfloat16", False),
+        (H200, "softmax_fwd", 16384, "bfloat16", False),  # two levels, no variance
         (H200, "layernorm_bwd", 16384, "bfloat16", False),  # column sums (and saved stats)
         (H100, "layernorm_fwd", 16384, "bfloat16", False),  # 3000 GB/s
         (B200, "layernorm_fwd", 16384, "bfloat16", True),  # by its bandwidth: not measured
     ],
 )
-def test_a_layernorm_forward_walks_rows_of_16384_in_chunks_on_the_h200(
-    profile, name, n, dtype, walked
-):
+def test_a_forward_walks_long_rows_in_chunks_on_the_h200(profile, name, n, dtype, walked):
     scheduler, plan = _plan(name, n, dtype)
     params = scheduler.heuristics(plan, profile, [8192, n])
     assert (not params.persistent) == walked, params
     if walked:
         assert (params.block_columns, params.num_warps, params.programs) == (4096, 16, 0)
-        assert params.why.startswith("chunked (a variance over rows of") and "[instead of" in (
+        assert params.why.startswith("chunked (a forward over rows of") and "[instead of" in (
             params.why
         )
     forced = scheduler.heuristics(plan, profile, [8192, n], MULTIWAVE)  # forced: as before
-    assert "a variance over rows" not in forced.why
+    assert "a forward over rows" not in forced.why
 
 
 @pytest.mark.parametrize(

@@ -203,6 +203,13 @@ def chunked_params(
 # 4096x65536: 0.75-0.76 of copy against 0.70-0.71 split, three runs; H100 0.79 against
 # 0.87). Measured with one 16-bit full input (bf16): the rule is for those.
 VARIANCE_CHUNKS = (16384, 4096, 4000.0)
+# A forward of one level of reductions (RMSNorm's) walks rows of at least this many
+# columns the same way there: H200 16384x8192 0.97-0.98 of copy against 0.95 in
+# registers, 8192x16384 0.96 (three runs) against 0.94-0.95, where torch.compile read
+# 0.93-0.98 (norms_fwdprobe_h200_{0d4e56a,e630232}.json, norms_chunked_h200_75d68b1.json);
+# H100 level (0.97-0.99 against 0.98-0.99). At 65536 the split stays (0.80-0.81 either
+# way); softmax (two levels, no variance) is not measured and keeps its kernels.
+PLAIN_CHUNKS = 8192
 
 
 def walks_variance(plan: NormalizationPlan, hardware: HardwareProfile) -> bool:
@@ -213,18 +220,23 @@ def walks_variance(plan: NormalizationPlan, hardware: HardwareProfile) -> bool:
     return variance and not plan.column_sums and full_bits(plan) <= 16 and fast
 
 
-def variance_chunks(
+def forward_chunks(
     plan: NormalizationPlan, hardware: HardwareProfile, columns: int
 ) -> NormalizationParams | None:
-    """The chunked params ``VARIANCE_CHUNKS`` says a row of ``columns`` takes, or None."""
-    least, step, _ = VARIANCE_CHUNKS
-    if not walks_variance(plan, hardware) or columns < least:
+    """The chunked params ``VARIANCE_CHUNKS`` and ``PLAIN_CHUNKS`` say a row of
+    ``columns`` takes, or None."""
+    least, step, gbps = VARIANCE_CHUNKS
+    plain = plan.depth == 1 and not plan.column_sums and full_bits(plan) <= 16
+    if walks_variance(plan, hardware):
+        if columns < least:
+            return None
+    elif not (plain and hardware.memory_gbps >= gbps and columns >= PLAIN_CHUNKS):
         return None
     warps = 16
     held = hardware.max_warps_per_sm // warps * hardware.sm_count * columns * full_bits(plan)
     if held > hardware.l2_bits // 2:
         return None
-    why = (f"a variance over rows of {columns} on a device of {hardware.memory_gbps:.0f} "
+    why = (f"a forward over rows of {columns} on a device of {hardware.memory_gbps:.0f} "
            f"GB/s: {plan.depth + 1} walks of {step} columns, a program a row, the rows "
            f"held at once ({held // 8 // 2**20} MiB) in half the L2")  # fmt: skip
     return NormalizationParams(1, step, warps, False, 0, why=why)

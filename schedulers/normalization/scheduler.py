@@ -39,9 +39,9 @@ from schedulers.normalization.heuristics import (
     STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
+    forward_chunks,
     multiwave_params,
     split_params,
-    variance_chunks,
     walks_variance,
 )
 from schedulers.normalization.warp_specialized import (
@@ -106,7 +106,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                 raise NotSchedulable(f"the split strategy (forced): {chosen}")
             return chosen
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
-        walked = None if strategy or not chosen.persistent else variance_chunks(
+        walked = None if strategy or not chosen.persistent else forward_chunks(
             plan, hardware, columns)  # fmt: skip
         if walked is not None:
             return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
