@@ -202,7 +202,9 @@ def chunked_params(
 # too long for registers stay in chunks there rather than split (``chunked_params``;
 # 4096x65536: 0.75-0.76 of copy against 0.70-0.71 split, three runs; H100 0.79 against
 # 0.87). Measured with one 16-bit full input (bf16): the rule is for those.
-VARIANCE_CHUNKS = (16384, 4096, 4000.0)
+VARIANCE_CHUNKS = 16384
+FORWARD_STEP = 4096
+FAST_MEMORY_GBPS = 4000.0  # the H200 (4300), not the H100 (3000); also WS_SHORT_ROW_GAINS
 # A forward of one level of reductions (RMSNorm's) walks rows of at least this many
 # columns the same way there: H200 16384x8192 0.97-0.98 of copy against 0.95 in
 # registers, 8192x16384 0.96 (three runs) against 0.94-0.95, where torch.compile read
@@ -212,12 +214,20 @@ VARIANCE_CHUNKS = (16384, 4096, 4000.0)
 PLAIN_CHUNKS = 8192
 
 
+def _walked_from(plan: NormalizationPlan, hardware: HardwareProfile) -> int | None:
+    """The fewest columns from which a forward (no column sums, one 16-bit full input)
+    walks its rows in chunks on ``hardware``: ``VARIANCE_CHUNKS`` with a variance,
+    ``PLAIN_CHUNKS`` with one level of reductions; None otherwise."""
+    if plan.column_sums or full_bits(plan) > 16 or hardware.memory_gbps < FAST_MEMORY_GBPS:
+        return None
+    if any(isinstance(expr, VarMeanOp) for expr in plan.reductions):
+        return VARIANCE_CHUNKS
+    return PLAIN_CHUNKS if plan.depth == 1 else None
+
+
 def walks_variance(plan: NormalizationPlan, hardware: HardwareProfile) -> bool:
-    """A forward with a variance over one 16-bit row, on a device ``VARIANCE_CHUNKS``
-    names, walks its long rows."""
-    variance = any(isinstance(expr, VarMeanOp) for expr in plan.reductions)
-    fast = hardware.memory_gbps >= VARIANCE_CHUNKS[2]
-    return variance and not plan.column_sums and full_bits(plan) <= 16 and fast
+    """A forward with a variance that walks its long rows (``VARIANCE_CHUNKS``)."""
+    return _walked_from(plan, hardware) == VARIANCE_CHUNKS
 
 
 def forward_chunks(
@@ -225,14 +235,10 @@ def forward_chunks(
 ) -> NormalizationParams | None:
     """The chunked params ``VARIANCE_CHUNKS`` and ``PLAIN_CHUNKS`` say a row of
     ``columns`` takes, or None."""
-    least, step, gbps = VARIANCE_CHUNKS
-    plain = plan.depth == 1 and not plan.column_sums and full_bits(plan) <= 16
-    if walks_variance(plan, hardware):
-        if columns < least:
-            return None
-    elif not (plain and hardware.memory_gbps >= gbps and columns >= PLAIN_CHUNKS):
+    least = _walked_from(plan, hardware)
+    if least is None or columns < least:
         return None
-    warps = 16
+    step, warps = FORWARD_STEP, 16
     held = hardware.max_warps_per_sm // warps * hardware.sm_count * columns * full_bits(plan)
     if held > hardware.l2_bits // 2:
         return None

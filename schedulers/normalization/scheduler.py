@@ -106,10 +106,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                 raise NotSchedulable(f"the split strategy (forced): {chosen}")
             return chosen
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
-        walked = None if strategy or not chosen.persistent else forward_chunks(
-            plan, hardware, columns)  # fmt: skip
-        if walked is not None:
-            return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
+        if chosen.persistent and not strategy:
+            walked = forward_chunks(plan, hardware, columns)
+            if walked is not None:
+                return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
         if walks_variance(plan, hardware):

@@ -7,6 +7,7 @@ from __future__ import annotations
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import (
+    FAST_MEMORY_GBPS,
     MAX_REGISTERS,
     MULTIWAVE,
     OTHER_REGISTERS,
@@ -57,7 +58,9 @@ WS_GAINS: dict[int, dict[int, int]] = {90: {1: 48, 2: 16}}
 # H200 0.38 and 0.39 of copy against 0.28 in two runs, 0.25 against 0.27 in a third
 # (benchmarks/results/norms_programs_sweep.json, norms_threshold*.json); on H100 0.25
 # and 0.28 against 0.27 and 0.29 (norms_threshold_h100_1024.json): the H200 only.
-WS_SHORT_ROW_GAINS: dict[int, dict[int, tuple[int, int, float]]] = {90: {1: (1024, 32, 4000.0)}}
+WS_SHORT_ROW_GAINS: dict[int, dict[int, tuple[int, int, float]]] = {
+    90: {1: (1024, 32, FAST_MEMORY_GBPS)}
+}
 
 
 def ws_threshold(hardware: HardwareProfile, sums: int, columns: int) -> int | None:
@@ -88,9 +91,9 @@ def rows_in_flight(
     this one's (H100, LayerNorm backward at 4096 columns, four rows a block: 0.83
     against 0.91). Where the warp-specialized kernel keeps its weights in registers
     (bf16 at 12288 columns, float32 at 8192) nothing was measured: it stays."""
-    weights = any(plan.kinds[t] == "column" for t in plan.inputs)
     if not multiwave.persistent or multiwave.strategy != MULTIWAVE or multiwave.block_rows != 1:
         return None
+    weights = any(plan.kinds[t] == "column" for t in plan.inputs)
     if weights and specialized.column_registers:
         return None
     row_bits = columns * full_bits(plan)
