@@ -13,8 +13,8 @@ Ours runs through the executor, replayed from a CUDA graph, and is checked again
 reference evaluator first. Eager: ``F.rms_norm`` and ``F.layer_norm`` forward,
 ``aten.native_layer_norm_backward`` and the RMSNorm backward's formula in torch ops;
 compile: ``torch.compile`` of the same functions, compiled afresh for each shape
-(``compiled_alone``). Median of interleaved rounds (CUDA
-events), as ``benchmarks/kernels.py``.
+(``compiled_alone``). Median of interleaved rounds (CUDA events), as
+``benchmarks/kernels.py``.
 """
 
 from __future__ import annotations
@@ -178,7 +178,8 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
 
 
-FLAGS = ("persistent", "column_registers", "prefetch", "tile_sums")  # 0 or 1 in --params
+# the fields 0 or 1 in --params: NormalizationParams' booleans
+FLAGS = tuple(f.name for f in dataclasses.fields(NormalizationParams) if f.type == "bool")
 
 
 def parse_params(text: str) -> NormalizationParams:
