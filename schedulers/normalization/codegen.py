@@ -49,7 +49,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
     # full-shape inputs arrive as TMA descriptors of (rows, COLUMNS) in the
     # warp-specialized kernel
-    tiles = {t for t in plan.inputs if specialized and plan.kinds[t] == "full"}
+    tiled = specialized or (split and params.tma)
+    if params.tma and not (split and params.stages > 1 and not params.prefetch):
+        raise ValueError(f"{params}: TMA tiles are a split row's, with stages > 1 and "
+                         "without prefetch")
+    tiles = {t for t in plan.inputs if tiled and plan.kinds[t] == "full"}
     outer = Emitter()
     outer.line("pid = tl.cast(row_block, tl.int64)")
     outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -344,7 +348,8 @@ class _Generator:
         if tensor in self.pointers:
             pointer = self.pointers[tensor]
             if tensor in self.tiles:
-                value = emit.load_tile(tensor, pointer, "row_block * BLOCK_ROWS, 0")
+                start = "part * BLOCK_COLUMNS" if self.split else "0"
+                value = emit.load_tile(tensor, pointer, f"row_block * BLOCK_ROWS, {start}")
             elif kind == "full":
                 value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":

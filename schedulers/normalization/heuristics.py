@@ -72,6 +72,8 @@ class NormalizationParams:
     # thread holds block_rows * block_columns / threads values a sum: as many as one
     # row replicated over the block's warps only where each thread holds one of the
     # block's rows); off: added every step (a reduction across the block's warps)
+    tma: bool = False  # (SPLIT, stages > 1) the full inputs' slices loaded through TMA
+    # descriptors into shared memory, the walk pipelined ``stages`` rows deep
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -86,6 +88,7 @@ class NormalizationParams:
         text += f", parts={self.parts}" if self.parts != 1 else ""
         text += ", prefetch=True" if self.prefetch else ""
         text += ", tile_sums=False" if not self.tile_sums else ""
+        text += ", tma=True" if self.tma else ""
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 

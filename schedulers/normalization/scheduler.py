@@ -201,7 +201,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
             tiles=[i for i, t in enumerate(plan.inputs)
-                   if params.strategy == WARP_SPECIALIZED and plan.kinds[t] == "full"],
+                   if (params.strategy == WARP_SPECIALIZED or params.tma)
+                   and plan.kinds[t] == "full"],
             hardware=hardware,
         )  # fmt: skip
 
