@@ -305,6 +305,20 @@ class _Generator:
             )
             emit.line(f"tl.atomic_xchg({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits}, "
                       'sem="relaxed")')  # fmt: skip
+        if not self.asm_poll:
+            return self._old_poll(emit, base, width, partials)
+        gathered = []
+        for k in range(len(partials)):
+            got = emit.assign(
+                f"wait_tagged({base} + tl.arange(0, PARTS)[:, None] * ({width}) + "
+                f"{k} * BLOCK_ROWS + xlanes[None, :], xtag)"
+            )
+            gathered.append(emit.assign(f"{got}.to(tl.int32).to(tl.float32, bitcast=True)"))
+        return gathered
+
+    asm_poll = True
+
+    def _old_poll(self, emit, base, width, partials):
         # the lanes past the level's reductions are never written: they pass the poll
         used = f"(tl.arange(0, {width}) < {len(partials)} * BLOCK_ROWS)[None, :]"
         polled = emit.assign(f"tl.load({base} + xall, volatile=True)", "xgot")
