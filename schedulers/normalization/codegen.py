@@ -307,6 +307,15 @@ class _Generator:
                       'sem="relaxed")')  # fmt: skip
         if not self.asm_poll:
             return self._old_poll(emit, base, width, partials)
+        if self.asm_poll == "one":
+            lanes = f"tl.arange(0, {width})"
+            tags = emit.assign(f"tl.where(({lanes} < {len(partials)} * BLOCK_ROWS)[None, :], xtag, 0)")
+            got = emit.assign(f"wait_tagged({base} + xall, {tags})")
+            values = emit.assign(f"tl.reshape({got}.to(tl.int32).to(tl.float32, bitcast=True), "
+                                 f"(PARTS, {exchange_width(self.plan)}, BLOCK_ROWS))")
+            which = f"tl.arange(0, {exchange_width(self.plan)})[None, :, None]"
+            return [emit.assign(f"tl.sum(tl.where({which} == {k}, {values}, 0.0), 1)")
+                    for k in range(len(partials))]
         gathered = []
         for k in range(len(partials)):
             got = emit.assign(
