@@ -119,6 +119,10 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         variants["split,rows=4"] = replace(params, block_rows=4)
         if params.prefetch:
             variants["split,no prefetch"] = replace(params, prefetch=False)
+        if params.tma:  # the register prefetch it replaces; fewer and more stages
+            variants["split,prefetched"] = replace(params, tma=False, stages=1, prefetch=True)
+            for stages in (2, 4):
+                variants[f"split,stages={stages}"] = replace(params, stages=stages)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours
         for stages in (2, 3, 4):

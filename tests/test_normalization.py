@@ -24,6 +24,7 @@ from schedulers.normalization import (
     NormalizationParams,
     NormalizationScheduler,
 )
+from schedulers.normalization.heuristics import SPLIT_TMA_STAGES
 from schedulers.registry import split_into_kernels
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
@@ -592,9 +593,15 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
             assert_close(actual, value, reduction_extent=n)
     params = executor.chosen_params["k0"]
     assert params.strategy == SPLIT and params.parts == {24576: 4, 65536: 8}.get(n, 2), params
+    # one input of the full shape (a forward, softmax's too) whose rows TMA can stride:
+    # its slices come through descriptors, pipelined (the interpreter's profile allows it)
+    tma = name.endswith("_fwd") and n * DTYPES[dtype].itemsize % 16 == 0
+    assert params.tma == tma and params.prefetch == (not tma), params
+    assert params.stages == (SPLIT_TMA_STAGES if tma else 1), params
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     assert "split over programs exchanging partial reductions" in source
-    assert "(xtag << 32)" in source and "volatile=True" in source
+    assert "(xtag << 32)" in source and "wait_tagged(" in source
+    assert (".load([row_block * BLOCK_ROWS, part * BLOCK_COLUMNS])" in source) == tma
 
 
 @pytest.mark.parametrize("column_registers", [True, False])
@@ -646,11 +653,18 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     device holds; the interpreter keeps the chunks (its programs would run one at a
     time), as do rows that fit."""
     scheduler, plan = _plan(name, n)
+    forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
-        assert params.num_warps == warps and params.prefetch and params.programs == 0
+        assert params.num_warps == warps and params.programs == 0, params
+        assert params.tma == forward and params.prefetch == (not forward), params
+        assert params.stages == (SPLIT_TMA_STAGES if forward else 1), params
         assert params.block_columns * parts >= n and "[instead of " in params.why
+        if forward:  # rows TMA cannot stride (not a multiple of 16 bytes): prefetched
+            odd = scheduler.heuristics(plan, profile, [rows, n - 1])
+            assert odd.strategy == SPLIT and odd.prefetch and not odd.tma, odd
+            assert odd.stages == 1, odd
     interpreted = scheduler.heuristics(plan, INTERPRETER, [rows, n])
     assert interpreted.strategy == MULTIWAVE and not interpreted.persistent
     fitting = scheduler.heuristics(plan, H200, [rows, 4096])
@@ -686,7 +700,7 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
     for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
         assert_close(actual, expected, reduction_extent=1000)
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
-    assert source.count("while ") == 1 and source.count("tl.atomic_xchg(") == 2
+    assert source.count("wait_tagged(") == 1 and source.count("tl.atomic_xchg(") == 2
 
 
 def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():

@@ -41,6 +41,14 @@ SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64
 # norms_lnfwd_sweep_h100_0cd9b33.json; H200, 0.71 against 0.45, RMSNorm forward 0.80
 # either way, norms_fwd65536_sweep_h200_cf2d605.json)
 SPLIT_FORWARD_VALUES = 64
+# A split forward's input (one of the full shape, no column sums) comes through TMA
+# descriptors into shared memory, the walk pipelined this many rows deep, instead of the
+# next row's load held in registers: RMSNorm forward 4096x65536 0.86-0.88 of copy
+# against 0.81 on H200, LayerNorm forward 0.89 against 0.87 on H100 (RMSNorm level,
+# 0.91-0.92); two stages 0.69 for LayerNorm on H100, four 0.85-0.89. A backward's are
+# slower that way (RMSNorm 8192x16384, H200: 0.72-0.74 against 0.74-0.75 prefetched;
+# LayerNorm 0.51-0.58 against 0.62); results/norms_split_*_{h200,h100}_*.json.
+SPLIT_TMA_STAGES = 3
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
 STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT)
@@ -284,15 +292,36 @@ def split_params(
     warps = max(1, min(16, width // (values * hardware.warp_size)))
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
     prefetch = all(not t.dtype.storage_only for t in full)
+    # measured on forwards: one full input, no column sums
+    tma = len(full) == 1 and not plan.column_sums and tma_refusal(plan, hardware, columns) is None
+    loads = (f", the inputs' slices loaded through TMA, {SPLIT_TMA_STAGES} rows deep" if tma
+             else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
-        f"{len(plan.levels)} partial reductions exchanged a row"
-        + (", the next row's inputs loaded first" if prefetch else "")
-        + "; as many programs as the device holds at once"
+        f"{len(plan.levels)} partial reductions exchanged a row{loads}"
+        "; as many programs as the device holds at once"
     )
-    return NormalizationParams(1, width, warps, True, 0, strategy=SPLIT, column_registers=True,
-                               parts=parts, prefetch=prefetch, why=why)  # fmt: skip
+    return NormalizationParams(1, width, warps, True, 0, SPLIT_TMA_STAGES if tma else 1,
+                               strategy=SPLIT, column_registers=True, parts=parts,
+                               prefetch=prefetch and not tma, tma=tma, why=why)  # fmt: skip
+
+
+def tma_refusal(plan: NormalizationPlan, hardware: HardwareProfile, columns: int) -> str | None:
+    """Why the full-shape inputs cannot be loaded through TMA descriptors in rows of
+    ``columns`` on ``hardware``, or None."""
+    if hardware.arch and hardware.arch < 90:
+        return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
+    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+    if not full:
+        return "no input of the full shape to load through TMA"
+    for tensor in full:
+        if tensor.dtype.storage_only or tensor.dtype.bits < 8:
+            return f"{tensor}: {tensor.dtype} codes are not loaded through descriptors"
+        if columns * tensor.dtype.bits % 128:
+            return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
+                    "16 bytes (TMA strides)")  # fmt: skip
+    return None
 
 
 @dataclass

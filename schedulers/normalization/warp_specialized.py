@@ -16,6 +16,7 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     full_bits,
     tile_sums_fit,
+    tma_refusal,
 )
 from schedulers.runtime import next_power_of_two
 
@@ -115,17 +116,10 @@ def warp_specialized_params(
     have); the block width is the whole row (a persistent row). Short of registers
     it first reads the weights inside the walk, then takes fewer rows a tile. The
     number of rows plays no part: one compiled kernel serves every batch size."""
-    if hardware.arch and hardware.arch < 90:
-        return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
+    refusal = tma_refusal(plan, hardware, columns)
+    if refusal:
+        return refusal
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
-    if not full:
-        return "no input of the full shape to load through TMA"
-    for tensor in full:
-        if tensor.dtype.storage_only or tensor.dtype.bits < 8:
-            return f"{tensor}: {tensor.dtype} codes are not loaded through descriptors"
-        if columns * tensor.dtype.bits % 128:
-            return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
-                    "16 bytes (TMA strides)")  # fmt: skip
     width = next_power_of_two(columns)
     if width * min(t.dtype.bits for t in full) < 128:
         return f"a tile {width} wide is narrower than 16 bytes"
