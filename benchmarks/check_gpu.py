@@ -74,6 +74,9 @@ def checks(world: int, cuda: bool):
                     yield name, scenarios.special_values, (24, op, dtype, target, k)
         for norm in scenarios.NORMALIZATIONS:
             yield f"example {norm}, rows split", scenarios.row_split_normalization, (norm, 25, k)
+            if k == "generated":  # each row split over programs too
+                name = f"example {norm}, rows split, split-row kernel"
+                yield name, scenarios.row_split_normalization, (norm, 25, k, "split")
         yield "demo MLP", scenarios.demo_mlp, (26, k)
         two_by_two = world >= 4 and world % 2 == 0  # the data x tensor parallel mesh
         for block in [b for b in backward.BLOCKS if b != "dp_tp_mlp" or two_by_two]:

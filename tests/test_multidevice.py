@@ -35,9 +35,9 @@ def _inputs(seed: int, shapes: list[list[int]], dtype=torch.float32, device="cpu
 
 
 def _check(communicator, fd, full_inputs, reduction_extent: int, kernels: str,
-           partial_sums: int = 1) -> list[str]:  # fmt: skip
+           partial_sums: int = 1, kernel_params: dict | None = None) -> list[str]:  # fmt: skip
     """Run ``fd`` on this rank, compare with the reference, return the communications."""
-    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels, kernel_params=kernel_params)
     expected = executor.shard_outputs(fd.execute(full_inputs))
     outputs = executor.run(executor.shard_inputs(full_inputs))
     for position, (actual, wanted) in enumerate(zip(outputs, expected, strict=True)):
@@ -595,7 +595,10 @@ def test_nan_and_infinities_in_one_rank_piece_come_out_as_on_one_device(
 # tensor-parallel MLP
 
 
-def row_split_normalization(communicator, name: str, seed: int, kernels: str = "reference"):
+def row_split_normalization(communicator, name: str, seed: int, kernels: str = "reference",
+                            strategy: str | None = None):  # fmt: skip
+    """``strategy`` (generated kernels): the normalization kernel's, forced (a split row's
+    programs exchanging partial reductions, a forward's input through TMA)."""
     from examples.norms import BUILDERS, make_inputs
 
     n, rows = 48, 4 * communicator.world_size + 3  # uneven pieces
@@ -609,7 +612,9 @@ def row_split_normalization(communicator, name: str, seed: int, kernels: str = "
     full = make_inputs(name, rows, n, torch.bfloat16, communicator.device, generator)
     # a backward's weight gradients sum every rank's rows: one more rounding of a partial
     partial_sums = 2 if name.endswith("_bwd") else 1
-    return _check(communicator, fd, full, max(n, rows), kernels, partial_sums=partial_sums)
+    forced = {"k0": strategy} if strategy else None
+    return _check(communicator, fd, full, max(n, rows), kernels, partial_sums=partial_sums,
+                  kernel_params=forced)  # fmt: skip
 
 
 NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd",
