@@ -63,9 +63,9 @@ class NormalizationParams:
     num_warps: int
     persistent: bool  # the whole row in registers, inputs loaded once
     programs: int = 0  # >0: a grid of this many programs walking the rows
-    stages: int = 1  # >1 (a persistent row, programs > 0): the next rows' loads go out
-    # while this one is computed (Triton's async-copy pipeline over the walk); with the
-    # warp-specialized strategy, the tiles of its circular buffer
+    stages: int = 1  # >1 (a persistent row, programs > 0, or a split row): the next
+    # rows' loads go out while this one is computed (Triton's pipeline over the walk);
+    # with the warp-specialized strategy, the tiles of its circular buffer
     strategy: str = MULTIWAVE  # or WARP_SPECIALIZED: a persistent grid whose producer
     # warps load the full-shape inputs' tiles with TMA for the consumer warps
     column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
@@ -270,7 +270,8 @@ def split_params(
     the column sums) in registers, exchanges its partial reductions with the others
     through tagged slots in global memory (a round a level of reductions, a row),
     and applies them to its slice; weights are loaded once; the next row's inputs are
-    loaded before the exchange. Measured on H200 (``results/norms_split_h200.json``,
+    loaded before the exchange (a forward's one input through TMA, ``SPLIT_TMA_STAGES``
+    rows ahead, where TMA can stride its rows). Measured on H200 (``results/norms_split_h200.json``,
     commit ``215a8eb``; neighbours in ``results/norms_split_sweep_h200.json``): 8
     warps a slice of 8192 columns, the next row prefetched, as many programs as the
     device holds (one an SM at about 240 registers a thread); twice or half the parts,
@@ -278,7 +279,7 @@ def split_params(
     programs of a row wait for each other, so the grid is never larger than the device
     holds at once."""
     if hardware.arch and hardware.arch < 70:
-        return f"volatile polling of the exchange needs sm_70 or later (sm_{hardware.arch})"
+        return f"polling the exchange needs sm_70 or later (sm_{hardware.arch})"
     other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
     if other:
         return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
