@@ -82,7 +82,7 @@ from schedulers.triton_lib import (
 )
 from schedulers.triton_math import (
     add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16, round_to_f16,
-    sigmoid, sigmoid_narrow, sqrt, tanh, wait_tagged,
+    sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, wait_tagged,
 )
 """
 
@@ -417,6 +417,22 @@ def reduce_call(value: str, axis: int, combine: str, keep_dims: bool = False) ->
     if combine == "add":
         return f"tl.sum({value}, {axis}{keep})"
     return f"tl.reduce({value}, {axis}, {combine}{keep})"
+
+
+def reduce_terms(
+    emit: Emitter, terms: list[tuple[str, str]], axis: int, keep_dims: bool = False
+) -> list[str]:
+    """Names of the reductions of each ``(value, combine)`` of ``terms`` along ``axis``
+    (``reduce_call``'s), emitted into ``emit``: sums two at a time (``sum_pair``: one
+    exchange between warps for both)."""
+    names: list[str | None] = [None] * len(terms)
+    sums = [i for i, (_, combine) in enumerate(terms) if combine == "add"]
+    for first, second in zip(sums[::2], sums[1::2], strict=False):
+        names[first], names[second] = emit.fresh("v"), emit.fresh("v")
+        emit.line(f"{names[first]}, {names[second]} = sum_pair({terms[first][0]}, "
+                  f"{terms[second][0]}, {axis}, {keep_dims})")  # fmt: skip
+    return [name or emit.assign(reduce_call(value, axis, combine, keep_dims))
+            for name, (value, combine) in zip(names, terms, strict=True)]  # fmt: skip
 
 
 def reduction_identity(op: str, accumulator: DataType) -> str:

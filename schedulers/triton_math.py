@@ -131,6 +131,23 @@ def minimum(a, b):
 
 
 @triton.jit
+def _add_pairs(a0, a1, b0, b1):
+    return a0 + b0, a1 + b1
+
+
+@triton.jit
+def sum_pair(a, b, axis: tl.constexpr, keep_dims: tl.constexpr):
+    """Two sums along ``axis`` in one reduction: on a GPU one exchange between warps
+    (a round through shared memory and its barriers) instead of two, each sum the same
+    tree as ``tl.sum``'s; the interpreter sums each (it runs a ``tl.reduce`` with a
+    combine function one element at a time)."""
+    if _INTERPRETED:
+        return tl.sum(a, axis, keep_dims=keep_dims), tl.sum(b, axis, keep_dims=keep_dims)
+    else:
+        return tl.reduce((a, b), axis, _add_pairs, keep_dims=keep_dims)
+
+
+@triton.jit
 def wait_tagged(pointer, tag):
     """The int64 words at ``pointer`` (a block of pointers), each once its high 32 bits
     equal ``tag``, polled by the threads holding it. On a GPU each thread spins in its

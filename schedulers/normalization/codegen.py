@@ -21,6 +21,7 @@ from schedulers.codegen import (
     Value,
     kernel_source,
     reduce_call,
+    reduce_terms,
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
@@ -86,8 +87,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             generator.reduce_split(step, group, level)
             continue
         if persistent:
-            for tensor in group:
-                generator.reduce_persistent(step, tensor)
+            generator.reduce_persistent(step, group)
             continue
         accumulators = {t: generator.accumulator(t) for t in group}
         body = generator.loop("evict_last")
@@ -405,8 +405,7 @@ class _Generator:
         # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
         # against 0.51 with each summed before the next is computed; H200, 8192x16384)
         terms = [self._term(step, tensor) for tensor in plain]
-        partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
-                    for _, op, term, _ in terms]  # fmt: skip
+        partials = reduce_terms(emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1)
         finishes: list = list(zip(plain, terms, strict=True))
         for tensor in group:
             producer = tensor.definition
@@ -448,10 +447,23 @@ class _Generator:
         m2 = emit.assign(f"tl.sum({squares} + {counts} * {spread} * {spread}, 0)[:, None]")
         self._finish(producer, var, "sum", m2, float32)
 
-    def reduce_persistent(self, step: _Step, tensor: TensorView) -> None:
-        producer, op, term, accumulator = self._term(step, tensor)
-        reduced = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
-        self._finish(producer, tensor, op, reduced, accumulator)
+    def reduce_persistent(self, step: _Step, group: list[TensorView]) -> None:
+        """A level's reductions of a persistent row: its plain ones' terms first, then
+        their reductions, sums two at a time (``reduce_terms``); then its variances and
+        means in order (a variance's term needs its mean)."""
+        plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
+        terms = [self._term(step, tensor) for tensor in plain]
+        reduced = reduce_terms(step.emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1,
+                               keep_dims=True)  # fmt: skip
+        for tensor, (producer, op, _, accumulator), name in zip(plain, terms, reduced,
+                                                                strict=True):  # fmt: skip
+            self._finish(producer, tensor, op, name, accumulator)
+        for tensor in group:
+            if tensor in plain or tensor in self.row_cache:  # a variance: done with its mean
+                continue
+            producer, op, term, accumulator = self._term(step, tensor)
+            name = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
+            self._finish(producer, tensor, op, name, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
         producer = tensor.definition
