@@ -142,6 +142,14 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants[f"ws,programs={params.programs * 2},warps={params.num_warps // 2}"] = replace(
                 params, programs=params.programs * 2, num_warps=params.num_warps // 2
             )
+        if params.num_warps < 16:  # more consumer warps over the same tile
+            warps = params.num_warps * 2
+            variants[f"ws,warps={warps}"] = replace(params, num_warps=warps)
+        if params.block_rows > 1:  # half the tile, two programs an SM where registers allow
+            rows, programs = params.block_rows // 2, params.programs * 2
+            variants[f"ws,rows={rows},programs={programs}"] = replace(
+                params, block_rows=rows, programs=programs
+            )
         if params.column_registers:
             variants["ws,weights in walk"] = replace(params, column_registers=False)
     elif params.persistent:
