@@ -785,3 +785,22 @@ def test_a_device_that_cannot_hold_a_row_s_programs_refuses_before_launching():
                                  column_registers=True, parts=4)  # fmt: skip
     with pytest.raises(RuntimeError, match="fewer than the 4 that share a row"):
         _run("rmsnorm_fwd", 1000, "bfloat16", params=params)
+
+
+def test_a_persistent_rows_two_sums_are_reduced_together():
+    """LayerNorm backward's two sums of a row (of dy * w and of dy * w * x-hat) in one
+    ``sum_pair`` where the row is persistent (one exchange between warps on a GPU; the
+    interpreter sums each), each alone in a split row's slice; both match the reference
+    with the weight gradients against float64."""
+    scheduler, plan = _plan("layernorm_bwd", 1000)
+    for strategy, pairs in (("warp_specialized", 1), ("multiwave", 1), (SPLIT, 0)):
+        KERNEL_CACHE.clear()
+        params = scheduler.heuristics(plan, H200, [64, 1000], strategy)
+        fd, inputs, outputs, _ = _run("layernorm_bwd", 1000, "bfloat16", rows=9,
+                                      params=dataclasses.replace(params, why=""))  # fmt: skip
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+        exact = _weight_gradients_in_float64("layernorm_bwd", inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=9)
+        (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+        assert source.count(" = sum_pair(") == pairs, (strategy, source)
