@@ -621,11 +621,14 @@ NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "l
                   "layernorm_bwd"]  # fmt: skip
 
 
-@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize(("kernels", "strategy"), [(k, None) for k in KERNELS]
+                         + [("generated", "split")])  # fmt: skip
 @pytest.mark.parametrize("name", NORMALIZATIONS)
 @pytest.mark.parametrize("world", WORLD_SIZES)
-def test_the_examples_normalizations_with_rows_split(rank_pools, world, name, kernels):
-    results = rank_pools(world).run(row_split_normalization, name, 25, kernels)
+def test_the_examples_normalizations_with_rows_split(rank_pools, world, name, kernels, strategy):
+    """``strategy="split"``: each rank's rows split over programs too (the exchange of
+    partial reductions, a forward's input through TMA), as ``check_gpu.py`` runs it."""
+    results = rank_pools(world).run(row_split_normalization, name, 25, kernels, strategy)
     # forwards need nothing from other ranks; backwards all-reduce their weight gradients
     column_sums = {"rmsnorm_bwd": 1, "layernorm_bwd": 2}.get(name, 0)
     assert results == [["Allreduce(x)"] * column_sums] * world

@@ -790,10 +790,11 @@ def test_a_device_that_cannot_hold_a_row_s_programs_refuses_before_launching():
 def test_a_persistent_rows_two_sums_are_reduced_together():
     """LayerNorm backward's two sums of a row (of dy * w and of dy * w * x-hat) in one
     ``sum_pair`` where the row is persistent (one exchange between warps on a GPU; the
-    interpreter sums each), each alone in a split row's slice; both match the reference
-    with the weight gradients against float64."""
+    interpreter sums each, so its GPU branch, a ``tl.reduce`` of a pair, runs only on
+    GPUs: ``benchmarks/norms.py``, ``check_gpu.py``), each alone in a split row's slice;
+    both match the reference with the weight gradients against float64."""
     scheduler, plan = _plan("layernorm_bwd", 1000)
-    for strategy, pairs in (("warp_specialized", 1), ("multiwave", 1), (SPLIT, 0)):
+    for strategy, pairs in ((WARP_SPECIALIZED, 1), (MULTIWAVE, 1), (SPLIT, 0)):
         KERNEL_CACHE.clear()
         params = scheduler.heuristics(plan, H200, [64, 1000], strategy)
         fd, inputs, outputs, _ = _run("layernorm_bwd", 1000, "bfloat16", rows=9,
@@ -804,3 +805,56 @@ def test_a_persistent_rows_two_sums_are_reduced_together():
             assert_close(actual, wanted.to(torch.float32), reduction_extent=9)
         (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
         assert source.count(" = sum_pair(") == pairs, (strategy, source)
+
+
+@pytest.mark.parametrize(
+    ("block_rows", "block_columns", "parts"), [(1, 32, 4), (2, 32, 4), (2, 16, 8), (4, 128, 2)]
+)
+def test_a_split_rows_exchange_keeps_special_values_and_the_sign_of_zero(
+    block_rows, block_columns, parts
+):
+    """Forced split rows of a max, a min and a sum (and the row minus all three): rows with
+    a NaN, infinities of either sign, a row of -0.0 and rows of one infinity, 9 rows
+    over 2 groups. Every output as the reference's, signs of zero included (the
+    exchanged partials' bits are picked out exactly, not by a float sum)."""
+    rows, columns = 9, 100
+    with FusionDefinition("special") as fd:
+        x = fd.define_tensor([rows, columns], "float32")
+        shifted = x
+        for op in ("max", "min", "sum"):
+            reduced = getattr(fd.ops, op)(x, dims=[1])
+            fd.add_output(reduced)
+            shifted = shifted - fd.ops.broadcast(reduced, [False, True])
+        fd.add_output(shifted)
+    values = torch.randn(rows, columns, generator=torch.Generator().manual_seed(5))
+    values[0, 99], values[1, 0], values[2, 99] = float("nan"), float("inf"), -float("inf")
+    values[3, 0], values[3, 99] = float("inf"), -float("inf")
+    values[5], values[6], values[7] = -0.0, -float("inf"), float("inf")
+    params = NormalizationParams(block_rows, block_columns, 1, True, 0, strategy=SPLIT,
+                                 column_registers=True, parts=parts)  # fmt: skip
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    outputs = executor.run([values.clone()])
+    for position, (actual, expected) in enumerate(
+        zip(outputs, fd.execute([values.clone()]), strict=True)
+    ):
+        assert_close(actual, expected, reduction_extent=columns)
+        assert torch.equal(torch.signbit(actual), torch.signbit(expected)), position
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_fwd", "softmax_fwd"])
+@pytest.mark.parametrize(
+    ("n", "block_rows", "block_columns", "parts"),
+    [(1000, 2, 256, 4), (600, 2, 256, 4), (1000, 4, 128, 8), (1000, 1, 512, 2)],
+)
+def test_a_split_forward_through_tma_tiles(name, n, block_rows, block_columns, parts):
+    """Forced split rows whose input comes through TMA descriptors, pipelined 3 deep:
+    several rows a tile, a ragged last slice (1000 columns), an empty one (600 columns
+    over 4 slices of 256), 7 rows over 2 groups (rows past the end)."""
+    params = NormalizationParams(block_rows, block_columns, 2, True, 0, 3, strategy=SPLIT,
+                                 column_registers=True, parts=parts, tma=True)  # fmt: skip
+    KERNEL_CACHE.clear()
+    fd, inputs, outputs, _ = _run(name, n, "bfloat16", rows=7, params=params)
+    for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
+        assert_close(actual, expected, reduction_extent=n)
+    (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert ".load([row_block * BLOCK_ROWS, part * BLOCK_COLUMNS])" in source

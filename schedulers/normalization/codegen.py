@@ -48,14 +48,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
-    # full-shape inputs arrive as TMA descriptors of (rows, COLUMNS) in the
-    # warp-specialized kernel
-    tiled = specialized or (split and params.tma)
     if params.tma and not (split and params.stages > 1 and not params.prefetch):
         raise ValueError(
             f"{params}: TMA tiles are a split row's, with stages > 1 and without prefetch"
         )
-    tiles = {t for t in plan.inputs if tiled and plan.kinds[t] == "full"}
+    tiles = set(tma_inputs(plan, params))  # TMA descriptors of (rows, COLUMNS)
     outer = Emitter()
     outer.line("pid = tl.cast(row_block, tl.int64)")
     outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -177,6 +174,15 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                          comment)  # fmt: skip
 
 
+def tma_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[TensorView]:
+    """The inputs a kernel of ``params`` takes as TMA descriptors of (rows, COLUMNS), read
+    in (block_rows, block_columns) tiles: the full-shape ones of a warp-specialized
+    kernel, or of a split row with ``tma``."""
+    if params.strategy != WARP_SPECIALIZED and not params.tma:
+        return []
+    return [t for t in plan.inputs if plan.kinds[t] == "full"]
+
+
 def combine_source(plan: NormalizationPlan) -> str:
     """The column sums' second kernel, one launch for all of them: each program's
     partial row added in a fixed order (deterministic), rounded once to the output's
@@ -295,12 +301,16 @@ class _Generator:
         Against a loop in the kernel polling the whole block, then reading it again:
         RMSNorm backward 0.73-0.75 of copy against 0.65-0.67 at 8192x16384 and 0.66
         against 0.63 at 4096x65536 on H200, 0.88 against 0.83 and 0.83 against 0.80 on
-        H100; LayerNorm backward level (within 0.02); and the walk can be pipelined
+        H100; LayerNorm backward within 0.01 on H200, at 4096x65536 on H100 0.73 against
+        0.75; and the walk can be pipelined
         (``results/norms_split_poll_{h200,h100}_*.json``). The slots are written by
         atomic exchanges (relaxed: the word is the message), not stores: through the
         stores the exchange took 0.36 of copy against 0.57 (RMSNorm backward at
-        4096x65536, H200). The slots alternate between two rows: no program gets two
-        rows ahead of another, as each waits for all every row."""
+        4096x65536, H200). The slots alternate between two rows. A thread waits only for
+        its own words, but every thread of a program reaches the next row's writes only
+        after the reductions that follow this wait (across the program's warps), so no
+        program writes a row's slots before all its threads have read the slots of the
+        row two back, and no program gets two rows ahead of another."""
         width = f"{exchange_width(self.plan)} * BLOCK_ROWS"
         round_ = list(self.plan.exchanges).index(level)
         base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width})", "xbase")
@@ -316,10 +326,13 @@ class _Generator:
         lanes = f"tl.arange(0, {width})[None, :]"
         tags = emit.assign(f"tl.where({lanes} < {len(partials)} * BLOCK_ROWS, xtag, 0)")
         got = emit.assign(f"wait_tagged({base} + xall, {tags})", "xgot")
-        values = emit.assign(f"tl.reshape({got}.to(tl.int32).to(tl.float32, bitcast=True), "
-                             f"(PARTS, {exchange_width(self.plan)}, BLOCK_ROWS))")  # fmt: skip
+        bits = emit.assign(f"tl.reshape({got}.to(tl.int32), "
+                           f"(PARTS, {exchange_width(self.plan)}, BLOCK_ROWS))")  # fmt: skip
         which = f"tl.arange(0, {exchange_width(self.plan)})[None, :, None]"
-        return [emit.assign(f"tl.sum(tl.where({which} == {k}, {values}, 0.0), 1)")
+        # each partial's bits picked out by an integer sum of one word and zeros (exact;
+        # a float sum would turn a -0.0 into +0.0)
+        return [emit.assign(f"tl.sum(tl.where({which} == {k}, {bits}, 0), 1)"
+                            ".to(tl.float32, bitcast=True)")
                 for k in range(len(partials))]  # fmt: skip
 
     # Columns of a step: offsets, masks.
@@ -455,7 +468,8 @@ class _Generator:
         their reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
         warp-specialized at 32768x1024, 0.74 of copy against 0.69-0.70 on H200, level on
         H100, ``results/norms_lnbwd_{before,pair}*_{h200,h100}_*.json``); then its
-        variances and means in order (a variance's term needs its mean)."""
+        variances' means, each alone (a persistent row's variance is a level after its
+        mean: ``analysis``)."""
         plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
         terms = [self._term(step, tensor) for tensor in plain]
         reduced = reduce_terms(step.emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1,
@@ -464,7 +478,7 @@ class _Generator:
                                                                 strict=True):  # fmt: skip
             self._finish(producer, tensor, op, name, accumulator)
         for tensor in group:
-            if tensor in plain or tensor in self.row_cache:  # a variance: done with its mean
+            if tensor in plain:
                 continue
             producer, op, term, accumulator = self._term(step, tensor)
             name = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))

@@ -42,12 +42,14 @@ SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64
 # either way, norms_fwd65536_sweep_h200_cf2d605.json)
 SPLIT_FORWARD_VALUES = 64
 # A split forward's input (one of the full shape, no column sums) comes through TMA
-# descriptors into shared memory, the walk pipelined this many rows deep, instead of the
-# next row's load held in registers: RMSNorm forward 4096x65536 0.86-0.88 of copy
-# against 0.81 on H200, LayerNorm forward 0.89 against 0.87 on H100 (RMSNorm level,
-# 0.91-0.92); two stages 0.69 for LayerNorm on H100, four 0.85-0.89. A backward's are
+# descriptors into shared memory, the walk pipelined this many stages deep (Triton's
+# num_stages: two rows ahead), instead of the next row's load held in registers. 4096x
+# 65536, against the prefetch: RMSNorm forward 0.85-0.88 of copy against 0.81 on H200,
+# LayerNorm forward 0.89-0.90 against 0.86-0.87 on H100 (RMSNorm level, 0.90-0.92);
+# two stages 0.69 for LayerNorm on H100, four 0.88 (results/norms_splitfwd_sweep_
+# {h200,h100}_d9669bd.json, norms_split_poll_{h200,h100}_b1e13ab.json). A backward's are
 # slower that way (RMSNorm 8192x16384, H200: 0.72-0.74 against 0.74-0.75 prefetched;
-# LayerNorm 0.51-0.58 against 0.62); results/norms_split_*_{h200,h100}_*.json.
+# LayerNorm 0.51-0.58 against 0.62; norms_split_poll_h200_b1e13ab.json).
 SPLIT_TMA_STAGES = 3
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
@@ -270,14 +272,14 @@ def split_params(
     the column sums) in registers, exchanges its partial reductions with the others
     through tagged slots in global memory (a round a level of reductions, a row),
     and applies them to its slice; weights are loaded once; the next row's inputs are
-    loaded before the exchange (a forward's one input through TMA, ``SPLIT_TMA_STAGES``
-    rows ahead, where TMA can stride its rows). Measured on H200 (``results/norms_split_h200.json``,
-    commit ``215a8eb``; neighbours in ``results/norms_split_sweep_h200.json``): 8
-    warps a slice of 8192 columns, the next row prefetched, as many programs as the
-    device holds (one an SM at about 240 registers a thread); twice or half the parts,
-    16 warps, two rows a block, no prefetch: each slower at 16384 and 65536. The
-    programs of a row wait for each other, so the grid is never larger than the device
-    holds at once."""
+    loaded before the exchange (a forward's one input through TMA instead, the walk
+    pipelined ``SPLIT_TMA_STAGES`` stages deep, where TMA can stride its rows).
+    Measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``;
+    neighbours in ``results/norms_split_sweep_h200.json``): 8 warps a slice of 8192
+    columns, the next row prefetched, as many programs as the device holds (one an SM
+    at about 240 registers a thread); twice or half the parts, 16 warps, two rows a
+    block, no prefetch: each slower at 16384 and 65536. The programs of a row wait for
+    each other, so the grid is never larger than the device holds at once."""
     if hardware.arch and hardware.arch < 70:
         return f"polling the exchange needs sm_70 or later (sm_{hardware.arch})"
     other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
@@ -294,8 +296,10 @@ def split_params(
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
     prefetch = all(not t.dtype.storage_only for t in full)
     # measured on forwards: one full input, no column sums
-    tma = len(full) == 1 and not plan.column_sums and tma_refusal(plan, hardware, columns) is None
-    loads = (f", the inputs' slices loaded through TMA, {SPLIT_TMA_STAGES} rows deep" if tma
+    refusal = tma_refusal(plan, hardware, columns, width)
+    tma = len(full) == 1 and not plan.column_sums and refusal is None
+    loads = (f", the input's slices loaded through TMA, pipelined {SPLIT_TMA_STAGES} "
+             "stages deep" if tma
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
@@ -308,9 +312,11 @@ def split_params(
                                prefetch=prefetch and not tma, tma=tma, why=why)  # fmt: skip
 
 
-def tma_refusal(plan: NormalizationPlan, hardware: HardwareProfile, columns: int) -> str | None:
+def tma_refusal(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, width: int
+) -> str | None:
     """Why the full-shape inputs cannot be loaded through TMA descriptors in rows of
-    ``columns`` on ``hardware``, or None."""
+    ``columns``, tiles ``width`` wide, on ``hardware``, or None."""
     if hardware.arch and hardware.arch < 90:
         return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
@@ -322,6 +328,8 @@ def tma_refusal(plan: NormalizationPlan, hardware: HardwareProfile, columns: int
         if columns * tensor.dtype.bits % 128:
             return (f"{tensor}: a row of {columns} {tensor.dtype} is not a multiple of "
                     "16 bytes (TMA strides)")  # fmt: skip
+        if width * tensor.dtype.bits < 128:
+            return f"a tile {width} wide is narrower than 16 bytes"
     return None
 
 

@@ -32,6 +32,7 @@ from schedulers.normalization.codegen import (
     constants,
     exchange_slots,
     source,
+    tma_inputs,
 )
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
@@ -200,9 +201,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
-            tiles=[i for i, t in enumerate(plan.inputs)
-                   if (params.strategy == WARP_SPECIALIZED or params.tma)
-                   and plan.kinds[t] == "full"],
+            tiles=[plan.inputs.index(t) for t in tma_inputs(plan, params)],
             hardware=hardware,
         )  # fmt: skip
 

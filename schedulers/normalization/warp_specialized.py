@@ -116,13 +116,11 @@ def warp_specialized_params(
     have); the block width is the whole row (a persistent row). Short of registers
     it first reads the weights inside the walk, then takes fewer rows a tile. The
     number of rows plays no part: one compiled kernel serves every batch size."""
-    refusal = tma_refusal(plan, hardware, columns)
+    width = next_power_of_two(columns)
+    refusal = tma_refusal(plan, hardware, columns, width)
     if refusal:
         return refusal
     full = [t for t in plan.inputs if plan.kinds[t] == "full"]
-    width = next_power_of_two(columns)
-    if width * min(t.dtype.bits for t in full) < 128:
-        return f"a tile {width} wide is narrower than 16 bytes"
     row_bits = width * full_bits(plan)  # a tile row, every buffered input
     budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
     vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
