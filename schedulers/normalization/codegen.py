@@ -25,7 +25,12 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.heuristics import SPLIT, WARP_SPECIALIZED, NormalizationParams
+from schedulers.normalization.heuristics import (
+    SPLIT,
+    WARP_SPECIALIZED,
+    NormalizationParams,
+    tma_inputs,
+)
 from schedulers.runtime import next_power_of_two
 
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
@@ -49,9 +54,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
     if params.tma and not (split and params.stages > 1 and not params.prefetch):
-        raise ValueError(
-            f"{params}: TMA tiles are a split row's, with stages > 1 and without prefetch"
-        )
+        raise ValueError(f"{params}: TMA tiles need a split row, stages > 1, no prefetch")
     tiles = set(tma_inputs(plan, params))  # TMA descriptors of (rows, COLUMNS)
     outer = Emitter()
     outer.line("pid = tl.cast(row_block, tl.int64)")
@@ -174,15 +177,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                          comment)  # fmt: skip
 
 
-def tma_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[TensorView]:
-    """The inputs a kernel of ``params`` takes as TMA descriptors of (rows, COLUMNS), read
-    in (block_rows, block_columns) tiles: the full-shape ones of a warp-specialized
-    kernel, or of a split row with ``tma``."""
-    if params.strategy != WARP_SPECIALIZED and not params.tma:
-        return []
-    return [t for t in plan.inputs if plan.kinds[t] == "full"]
-
-
 def combine_source(plan: NormalizationPlan) -> str:
     """The column sums' second kernel, one launch for all of them: each program's
     partial row added in a fixed order (deterministic), rounded once to the output's
@@ -298,12 +292,11 @@ class _Generator:
         (a 64-bit word each: the row's tag, the value's bits), then waits for the
         level's slots of every program to carry this row's tag (``wait_tagged``: each
         thread spins on its own words, whose value is the one that carried the tag).
-        Against a loop in the kernel polling the whole block, then reading it again:
-        RMSNorm backward 0.73-0.75 of copy against 0.65-0.67 at 8192x16384 and 0.66
-        against 0.63 at 4096x65536 on H200, 0.88 against 0.83 and 0.83 against 0.80 on
-        H100; LayerNorm backward within 0.01 on H200, at 4096x65536 on H100 0.73 against
-        0.75; and the walk can be pipelined
-        (``results/norms_split_poll_{h200,h100}_*.json``). The slots are written by
+        Against a loop in the kernel polling the whole block (then reading it again),
+        RMSNorm backward 0.73-0.75 of copy against 0.65-0.67 at 8192x16384 on H200, 0.88
+        against 0.83 on H100; LayerNorm backward within 0.01, but 0.73 against 0.75 at
+        4096x65536 on H100 (RESULTS.md, ``results/norms_split_poll_*.json``); and the
+        walk can be pipelined. The slots are written by
         atomic exchanges (relaxed: the word is the message), not stores: through the
         stores the exchange took 0.36 of copy against 0.57 (RMSNorm backward at
         4096x65536, H200). The slots alternate between two rows. A thread waits only for
@@ -329,8 +322,7 @@ class _Generator:
         bits = emit.assign(f"tl.reshape({got}.to(tl.int32), "
                            f"(PARTS, {exchange_width(self.plan)}, BLOCK_ROWS))")  # fmt: skip
         which = f"tl.arange(0, {exchange_width(self.plan)})[None, :, None]"
-        # each partial's bits picked out by an integer sum of one word and zeros (exact;
-        # a float sum would turn a -0.0 into +0.0)
+        # each partial's bits by an integer sum of one word and zeros (a float one: -0.0 -> 0)
         return [emit.assign(f"tl.sum(tl.where({which} == {k}, {bits}, 0), 1)"
                             ".to(tl.float32, bitcast=True)")
                 for k in range(len(partials))]  # fmt: skip
@@ -418,8 +410,7 @@ class _Generator:
         # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
         # against 0.51 with each summed before the next is computed; H200, 8192x16384)
         terms = [self._term(step, tensor) for tensor in plain]
-        # each summed alone: two at a time (``reduce_terms``) took 0.79 of copy against
-        # 0.81-0.82 on H100 (LayerNorm backward 8192x16384; H200 level)
+        # each alone: two at a time took 0.79 of copy against 0.81-0.82 (H100, LN bwd 16384)
         partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
                     for _, op, term, _ in terms]  # fmt: skip
         finishes: list = list(zip(plain, terms, strict=True))
@@ -468,8 +459,7 @@ class _Generator:
         their reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
         warp-specialized at 32768x1024, 0.74 of copy against 0.69-0.70 on H200, level on
         H100, ``results/norms_lnbwd_{before,pair}*_{h200,h100}_*.json``); then its
-        variances' means, each alone (a persistent row's variance is a level after its
-        mean: ``analysis``)."""
+        var_mean outputs, each alone (a mean here, its variance a level later)."""
         plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
         terms = [self._term(step, tensor) for tensor in plain]
         reduced = reduce_terms(step.emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from fusion.exprs import VarMeanOp
+from fusion.ir import TensorView
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.runtime import cdiv, next_power_of_two
@@ -310,6 +311,15 @@ def split_params(
     return NormalizationParams(1, width, warps, True, 0, SPLIT_TMA_STAGES if tma else 1,
                                strategy=SPLIT, column_registers=True, parts=parts,
                                prefetch=prefetch and not tma, tma=tma, why=why)  # fmt: skip
+
+
+def tma_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[TensorView]:
+    """The inputs a kernel of ``params`` takes as TMA descriptors of (rows, COLUMNS), read
+    in (block_rows, block_columns) tiles: the full-shape ones of a warp-specialized
+    kernel, or of a split row with ``tma``."""
+    if params.strategy != WARP_SPECIALIZED and not params.tma:
+        return []
+    return [t for t in plan.inputs if plan.kinds[t] == "full"]
 
 
 def tma_refusal(

@@ -32,7 +32,6 @@ from schedulers.normalization.codegen import (
     constants,
     exchange_slots,
     source,
-    tma_inputs,
 )
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
@@ -43,6 +42,7 @@ from schedulers.normalization.heuristics import (
     forward_chunks,
     multiwave_params,
     split_params,
+    tma_inputs,
     walks_variance,
 )
 from schedulers.normalization.warp_specialized import (
