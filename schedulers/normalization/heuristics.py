@@ -70,7 +70,8 @@ class NormalizationParams:
     # rows' loads go out while this one is computed (Triton's pipeline over the walk);
     # with the warp-specialized strategy, the tiles of its circular buffer
     strategy: str = MULTIWAVE  # or WARP_SPECIALIZED: a persistent grid whose producer
-    # warps load the full-shape inputs' tiles with TMA for the consumer warps
+    # warps load the full-shape inputs' tiles with TMA for the consumer warps (on Triton
+    # 3.6, sm_90: TMA tiles pipelined by the same warps, ``warp_specialized``); or SPLIT
     column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
     # before the walk, and kept in registers
     parts: int = 1  # (SPLIT) programs sharing a row, block_columns each; programs=0 (the
