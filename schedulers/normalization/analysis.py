@@ -49,9 +49,14 @@ class NormalizationPlan:
         return dict(sorted(counts.items()))
 
     @property
+    def full_inputs(self) -> list[TensorView]:
+        """The inputs of the full shape S (a row each), in order."""
+        return [t for t in self.inputs if self.kinds[t] == "full"]
+
+    @property
     def buffers(self) -> int:
         """Full-row inputs a persistent kernel keeps in registers."""
-        return max(1, sum(1 for t in self.inputs if self.kinds[t] == "full"))
+        return max(1, len(self.full_inputs))
 
 
 def plan_normalization(

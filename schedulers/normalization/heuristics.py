@@ -173,7 +173,7 @@ def multiwave_params(
 
 def full_bits(plan: NormalizationPlan) -> int:
     """Bits of one column of every full-shape input (a row of them: times its columns)."""
-    return sum(t.dtype.bits for t in plan.inputs if plan.kinds[t] == "full")
+    return sum(t.dtype.bits for t in plan.full_inputs)
 
 
 def tile_sums_fit(
@@ -295,11 +295,11 @@ def split_params(
     width = next_power_of_two(cdiv(max(columns, 1), parts))
     values = SPLIT_VALUES if plan.column_sums else SPLIT_FORWARD_VALUES
     warps = max(1, min(16, width // (values * hardware.warp_size)))
-    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+    full = plan.full_inputs
     prefetch = all(not t.dtype.storage_only for t in full)
     # measured on forwards: one full input, no column sums
-    refusal = tma_refusal(plan, hardware, columns, width)
-    tma = len(full) == 1 and not plan.column_sums and refusal is None
+    tma = (len(full) == 1 and not plan.column_sums
+           and tma_refusal(plan, hardware, columns, width) is None)  # fmt: skip
     loads = (f", the input's slices loaded through TMA, pipelined {SPLIT_TMA_STAGES} "
              "stages deep" if tma
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
@@ -320,7 +320,7 @@ def tma_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[Ten
     kernel, or of a split row with ``tma``."""
     if params.strategy != WARP_SPECIALIZED and not params.tma:
         return []
-    return [t for t in plan.inputs if plan.kinds[t] == "full"]
+    return plan.full_inputs
 
 
 def tma_refusal(
@@ -330,10 +330,9 @@ def tma_refusal(
     ``columns``, tiles ``width`` wide, on ``hardware``, or None."""
     if hardware.arch and hardware.arch < 90:
         return f"tensor-memory-accelerator loads need sm_90 or later (sm_{hardware.arch})"
-    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
-    if not full:
+    if not plan.full_inputs:
         return "no input of the full shape to load through TMA"
-    for tensor in full:
+    for tensor in plan.full_inputs:
         if tensor.dtype.storage_only or tensor.dtype.bits < 8:
             return f"{tensor}: {tensor.dtype} codes are not loaded through descriptors"
         if columns * tensor.dtype.bits % 128:

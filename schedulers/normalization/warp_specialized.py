@@ -128,7 +128,7 @@ def warp_specialized_params(
     refusal = tma_refusal(plan, hardware, columns, width)
     if refusal:
         return refusal
-    full = [t for t in plan.inputs if plan.kinds[t] == "full"]
+    full = plan.full_inputs
     row_bits = width * full_bits(plan)  # a tile row, every buffered input
     budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
     vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
