@@ -61,9 +61,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     outer.line("rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
     outer.line("row_mask = rows < row_count")
     row_cache: dict[TensorView, Value] = {}
-    generator = _Generator(plan, pointers, outer, row_cache, tiles, split)
-    early = outer.nested()  # before the walk: weights kept in registers
     start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
+    generator = _Generator(plan, pointers, outer, row_cache, tiles, start)
+    early = outer.nested()  # before the walk: weights kept in registers
     if split:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
@@ -249,11 +249,11 @@ class _Generator:
     values (reductions and what follows from them) once, outside any loop."""
 
     def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset(),
-                 split: bool = False) -> None:  # fmt: skip
+                 start: str = "0") -> None:  # fmt: skip
         self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
-        self.split = split  # partial reductions exchanged with the row's other programs
+        self.start = start  # a persistent row's first column (a split row's slice's)
 
     # A split row: its inputs prefetched, its partial reductions exchanged.
     def exchange_step(self, early: Emitter, step: _Step, prefetch: bool) -> None:
@@ -355,8 +355,7 @@ class _Generator:
         if tensor in self.pointers:
             pointer = self.pointers[tensor]
             if tensor in self.tiles:
-                start = "part * BLOCK_COLUMNS" if self.split else "0"
-                value = emit.load_tile(tensor, pointer, f"row_block * BLOCK_ROWS, {start}")
+                value = emit.load_tile(tensor, pointer, f"row_block * BLOCK_ROWS, {self.start}")
             elif kind == "full":
                 value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":
