@@ -454,23 +454,16 @@ class _Generator:
         self._finish(producer, var, "sum", m2, float32)
 
     def reduce_persistent(self, step: _Step, group: list[TensorView]) -> None:
-        """A level's reductions of a persistent row: its plain ones' terms first, then
-        their reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
+        """A level's reductions of a persistent row: every term first, then their
+        reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
         warp-specialized at 32768x1024, 0.74 of copy against 0.69-0.70 on H200, level on
-        H100, ``results/norms_lnbwd_{before,pair}*_{h200,h100}_*.json``); then its
-        var_mean outputs, each alone (a mean here, its variance a level later)."""
-        plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
-        terms = [self._term(step, tensor) for tensor in plain]
+        H100, ``results/norms_lnbwd_{before,pair}*_{h200,h100}_*.json``). A var_mean's
+        variance is a level after its mean (``analysis``), so its term finds the mean."""
+        terms = [self._term(step, tensor) for tensor in group]
         reduced = reduce_terms(step.emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1,
                                keep_dims=True)  # fmt: skip
-        for tensor, (producer, op, _, accumulator), name in zip(plain, terms, reduced,
+        for tensor, (producer, op, _, accumulator), name in zip(group, terms, reduced,
                                                                 strict=True):  # fmt: skip
-            self._finish(producer, tensor, op, name, accumulator)
-        for tensor in group:
-            if tensor in plain:
-                continue
-            producer, op, term, accumulator = self._term(step, tensor)
-            name = step.emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=True))
             self._finish(producer, tensor, op, name, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
