@@ -81,8 +81,8 @@ from schedulers.triton_lib import (
     fp4_decode, fp4_encode, fp8e4m3_decode, fp8e4m3_encode, fp8e5m2_decode, fp8e5m2_encode,
 )
 from schedulers.triton_math import (
-    add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16, round_to_f16,
-    sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, wait_tagged,
+    INTERPRETED, add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16,
+    round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, wait_tagged,
 )
 """
 
@@ -454,12 +454,15 @@ def kernel_source(
     constants: list[str],
     lines: list[str],
     comment: str = "",
+    helpers: list[str] = (),
 ) -> str:
-    """A generated kernel's whole source: the prelude, a ``comment`` line (when given),
+    """A generated kernel's whole source: the prelude, the ``helpers`` (device functions'
+    sources), a ``comment`` line (when given),
     then ``def name(*pointers, *runtime, *constants)`` jitted without specializing on
     the ``runtime`` arguments (extents, strides) and with ``constants`` as
     ``tl.constexpr`` arguments, its body the ``lines``."""
     arguments = [*pointers, *runtime, *(f"{constant}: tl.constexpr" for constant in constants)]
     header = f"@triton.jit(do_not_specialize={runtime!r})\ndef {name}({', '.join(arguments)}):\n"
     body = "".join(f"    {line}\n" for line in lines)
-    return f"{PRELUDE}\n" + (f"{comment}\n" if comment else "") + header + body
+    defined = "".join(f"\n{helper}\n" for helper in helpers)
+    return f"{PRELUDE}{defined}\n" + (f"{comment}\n" if comment else "") + header + body

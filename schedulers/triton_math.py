@@ -16,13 +16,13 @@ import triton.language as tl
 from triton import knobs
 
 # Read when this module is imported: set TRITON_INTERPRET before importing it.
-_INTERPRETED: tl.constexpr = tl.constexpr(bool(knobs.runtime.interpret))
+INTERPRETED: tl.constexpr = tl.constexpr(bool(knobs.runtime.interpret))
 
 
 @triton.jit
 def round_to_bf16(x):
     """A float32 rounded to the nearest bfloat16 (ties to even), kept as float32."""
-    if _INTERPRETED:
+    if INTERPRETED:
         bits = x.to(tl.int32, bitcast=True)
         rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
         rounded = tl.where(x != x, bits | 0x00400000, rounded)  # keep NaN a (quiet) NaN
@@ -67,7 +67,7 @@ def sigmoid_narrow(x):
     """sigmoid of a float32 whose result is rounded to 16 bits or fewer: hardware
     approximations of 2**x and 1/x (within 2 float32 ulps each, 2**-22, far below a
     bf16 or f16 ulp) instead of IEEE division; subnormal results flush to zero."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return sigmoid(x)
     else:
         e = tl.inline_asm_elementwise(
@@ -141,7 +141,7 @@ def sum_pair(a, b, axis: tl.constexpr, keep_dims: tl.constexpr):
     (a round through shared memory and its barriers) instead of two, each sum the same
     tree as ``tl.sum``'s; the interpreter sums each (it runs a ``tl.reduce`` with a
     combine function one element at a time)."""
-    if _INTERPRETED:
+    if INTERPRETED:
         return tl.sum(a, axis, keep_dims=keep_dims), tl.sum(b, axis, keep_dims=keep_dims)
     else:
         return tl.reduce((a, b), axis, _add_pairs, keep_dims=keep_dims)
@@ -155,7 +155,7 @@ def wait_tagged(pointer, tag):
     that polls is still a loop Triton's pipeliner takes. The interpreter polls the
     whole block in a loop."""
     tag = tl.zeros(pointer.shape, tl.int64) + tag
-    if _INTERPRETED:
+    if INTERPRETED:
         got = tl.load(pointer, volatile=True)
         while tl.max(tl.ravel(((got >> 32) != tag).to(tl.int32)), 0) != 0:
             got = tl.load(pointer, volatile=True)

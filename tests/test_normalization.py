@@ -600,7 +600,12 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
     assert params.stages == (SPLIT_TMA_STAGES if tma else 1), params
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     assert "split over programs exchanging partial reductions" in source
-    assert "(xtag << 32)" in source and "wait_tagged(" in source
+    # a post and a wait a level, of tagged words, relaxed at GPU scope
+    levels = 2 if name == "softmax_fwd" else 1  # its max, then its sum
+    assert source.count(" = xpost0(") == levels == source.count(" = xwait1("), source
+    # one row a block: exchanged by the first thread, each lane of a warp polling a word
+    assert "atom.relaxed.gpu.global.exch.b64" in source and "%tid.x" in source
+    assert "ld.relaxed.gpu.global.b64 v, [a]" in source and "vote.sync.all.pred" in source
     assert (".load([row_block * BLOCK_ROWS, part * BLOCK_COLUMNS])" in source) == tma
 
 
@@ -700,7 +705,8 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
     for actual, expected in zip(outputs, fd.execute(inputs), strict=True):
         assert_close(actual, expected, reduction_extent=1000)
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
-    assert source.count("wait_tagged(") == 1 and source.count("tl.atomic_xchg(") == 2
+    # one round: one post of two words (sum, squares), one wait
+    assert source.count(" = xwait") == 1 and "def xpost0(pointer, tag, v0, v1):" in source
 
 
 def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():

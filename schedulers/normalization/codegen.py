@@ -25,13 +25,13 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.exchange import exchange_width, post_source, wait_source
 from schedulers.normalization.heuristics import (
     SPLIT,
     WARP_SPECIALIZED,
     NormalizationParams,
     tma_inputs,
 )
-from schedulers.runtime import next_power_of_two
 
 COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
 COMBINE_PARTS = 256  # and partial rows it adds per step
@@ -62,7 +62,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     outer.line("row_mask = rows < row_count")
     row_cache: dict[TensorView, Value] = {}
     start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
-    generator = _Generator(plan, pointers, outer, row_cache, tiles, start)
+    generator = _Generator(plan, params, pointers, outer, row_cache, tiles, start)
     early = outer.nested()  # before the walk: weights kept in registers
     if split:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
@@ -174,7 +174,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     arguments = [*pointers.values(), *targets, *partials, *(["slots"] if split else [])]
     constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
     return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
-                         comment)  # fmt: skip
+                         comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
 
 def combine_source(plan: NormalizationPlan) -> str:
@@ -212,20 +212,6 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
     return values
 
 
-def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
-    """The int64 slots a split row's programs exchange partial reductions through:
-    a group's, two rows' worth (a program is at most one row ahead of the others),
-    for each level of reductions, program, reduction of the level and row of the block."""
-    rounds = len(plan.exchanges)
-    return groups * 2 * rounds * params.parts * exchange_width(plan) * params.block_rows
-
-
-def exchange_width(plan: NormalizationPlan) -> int:
-    """Slots a program writes a round, per row of its block: the most partials a
-    level exchanges, to a power of two."""
-    return next_power_of_two(max(plan.exchanges.values()))
-
-
 def combine_constants(columns: int) -> dict[str, int]:
     """A combining kernel's ``tl.constexpr`` arguments: rows of ``columns``, taken
     ``COMBINE_COLUMNS`` at a time, ``COMBINE_PARTS`` partial rows a step."""
@@ -248,9 +234,11 @@ class _Generator:
     """Emits a normalization kernel's values: full and column values in a step, row
     values (reductions and what follows from them) once, outside any loop."""
 
-    def __init__(self, plan, pointers, outer: Emitter, row_cache, tiles=frozenset(),
+    def __init__(self, plan, params, pointers, outer: Emitter, row_cache, tiles=frozenset(),
                  start: str = "0") -> None:  # fmt: skip
-        self.plan, self.pointers, self.outer, self.row_cache = plan, pointers, outer, row_cache
+        self.plan, self.params, self.pointers = plan, params, pointers
+        self.outer, self.row_cache = outer, row_cache
+        self.helpers: dict[tuple, tuple[str, str]] = {}  # device functions: name, source
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.start = start  # a persistent row's first column (a split row's slice's)
@@ -261,13 +249,9 @@ class _Generator:
         inputs of this row taken from the loads the previous row issued (the first
         row's before the walk), the next row's issued at once."""
         emit = step.emit
-        width = f"{exchange_width(self.plan)} * BLOCK_ROWS"  # slots a program a level
         emit.line("xj = (row_block - group) // groups")  # this group's row count so far
-        emit.line("xtag = tl.cast(xj + 1, tl.int64)")  # marks this row's slots
-        emit.line("xlanes = tl.arange(0, BLOCK_ROWS)")
+        emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
         emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {len(self.plan.exchanges)}")
-        emit.line(f"xall = tl.arange(0, PARTS)[:, None] * ({width}) + "
-                  f"tl.arange(0, {width})[None, :]")  # fmt: skip
         if not prefetch:
             return
         early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -285,47 +269,40 @@ class _Generator:
                       "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
             step.cache[tensor] = emit.loaded(raw, tensor.dtype)
 
-    def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[str]:
+    def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[list[str]]:
         """Each of ``partials`` (this program's reduction of its slice, a float32 per row
-        of the block) with the other programs' of the row: a (PARTS, BLOCK_ROWS) float32
-        each, for the caller to combine in a fixed order. Each program writes its slots
-        (a 64-bit word each: the row's tag, the value's bits), then waits for the
-        level's slots of every program to carry this row's tag (``wait_tagged``: each
-        thread spins on its own words, whose value is the one that carried the tag).
-        Against a loop in the kernel polling the whole block (then reading it again),
-        RMSNorm backward 0.73-0.75 of copy against 0.65-0.67 at 8192x16384 on H200, 0.88
-        against 0.83 on H100; LayerNorm backward within 0.01, but 0.73 against 0.75 at
-        4096x65536 on H100 (RESULTS.md, ``results/norms_split_poll_*.json``); and the
-        walk can be pipelined. The slots are written by
-        atomic exchanges (relaxed: the word is the message), not stores: through the
-        stores the exchange took 0.36 of copy against 0.57 (RMSNorm backward at
-        4096x65536, H200). The slots alternate between two rows. A thread waits only for
-        its own words, but every thread of a program reaches the next row's writes only
-        after the reductions that follow this wait (across the program's warps), so no
-        program writes a row's slots before all its threads have read the slots of the
-        row two back, and no program gets two rows ahead of another."""
-        width = f"{exchange_width(self.plan)} * BLOCK_ROWS"
+        of the block) with the other programs' of the row: a list of ``parts`` float32s
+        (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
+        fixed order. Each program writes its slots (``exchange.post_source``), then waits
+        for the level's slots of every program to carry this row's tag
+        (``exchange.wait_source``), each thread for the rows it holds. The slots
+        alternate between two rows. Every thread of a program waits for the row's words
+        before the reductions of its next row (across the threads that hold each of its
+        rows), and posts that row only after them; so no program writes a row's slots
+        before every thread of every program has read the slots of the row two back,
+        and no program gets two rows ahead of another."""
+        width, rows = exchange_width(self.plan), self.params.block_rows
         round_ = list(self.plan.exchanges).index(level)
-        base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width})", "xbase")
-        mine = emit.assign(f"{base} + part * ({width})", "xmine")
-        for k, partial in enumerate(partials):
-            bits = emit.assign(
-                f"{partial}.to(tl.int32, bitcast=True).to(tl.uint32, bitcast=True).to(tl.int64)"
-            )
-            emit.line(f"tl.atomic_xchg({mine} + {k} * BLOCK_ROWS + xlanes, (xtag << 32) | {bits}, "
-                      'sem="relaxed")')  # fmt: skip
-        # every slot of the level at once; lanes past its reductions are never written
-        # (zero, tag 0): they are waited for as zero
-        lanes = f"tl.arange(0, {width})[None, :]"
-        tags = emit.assign(f"tl.where({lanes} < {len(partials)} * BLOCK_ROWS, xtag, 0)")
-        got = emit.assign(f"wait_tagged({base} + xall, {tags})", "xgot")
-        bits = emit.assign(f"tl.reshape({got}.to(tl.int32), "
-                           f"(PARTS, {exchange_width(self.plan)}, BLOCK_ROWS))")  # fmt: skip
-        which = f"tl.arange(0, {exchange_width(self.plan)})[None, :, None]"
-        # each partial's bits by an integer sum of one word and zeros (a float one: -0.0 -> 0)
-        return [emit.assign(f"tl.sum(tl.where({which} == {k}, {bits}, 0), 1)"
-                            ".to(tl.float32, bitcast=True)")
-                for k in range(len(partials))]  # fmt: skip
+        # the rows' first words, in the rows' layout (no conversion for the asm)
+        base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
+                           "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
+        post = self.helper("xpost", post_source, len(partials), rows)
+        bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
+        posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), xtag, {bits})")
+        wait = self.helper("xwait", wait_source, self.params.parts, width, len(partials), rows)
+        words = [emit.fresh("xw") for _ in range(self.params.parts * len(partials))]
+        emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
+        values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
+        return [values[k :: len(partials)] for k in range(len(partials))]
+
+    def helper(self, prefix: str, write, *shape: int) -> str:
+        """The name of a device function ``write(name, *shape)`` writes, defined once in
+        the kernel's source."""
+        key = (prefix, shape)
+        if key not in self.helpers:
+            name = f"{prefix}{len(self.helpers)}"
+            self.helpers[key] = (name, write(name, *shape))
+        return self.helpers[key][0]
 
     # Columns of a step: offsets, masks.
     @staticmethod
@@ -433,25 +410,28 @@ class _Generator:
                 self._chan(emit, item, next(gathered), next(gathered))
                 continue
             tensor, (producer, op, _, accumulator) = item
-            combined = emit.assign(reduce_call(next(gathered), 0, COMBINE[op], keep_dims=False))
+            combined = _combine(emit, COMBINE[op], next(gathered))
             reduced = emit.assign(f"{combined}[:, None]")
             self._finish(producer, tensor, op, reduced, accumulator)
 
-    def _chan(self, emit: Emitter, producer: VarMeanOp, totals: str, squares: str) -> None:
+    def _chan(self, emit: Emitter, producer: VarMeanOp, totals: list[str],
+              squares: list[str]) -> None:  # fmt: skip
         """A variance and its mean from every slice's sum and sum of squares about its
-        own mean ((PARTS, BLOCK_ROWS) each), in a fixed order."""
+        own mean ((BLOCK_ROWS,) each, a slice's each), in a fixed order."""
         var, mean = producer.outputs
-        columns = "COLUMNS - tl.arange(0, PARTS) * BLOCK_COLUMNS"  # each slice's, clamped
-        counts = emit.assign(
-            f"tl.minimum(tl.maximum({columns}, 0), BLOCK_COLUMNS).to(tl.float32)[:, None]"
-        )
-        total = emit.assign(f"tl.sum({totals}, 0)[:, None]")
+        total = emit.assign(f"{_combine(emit, 'add', totals)}[:, None]")
         self._finish(producer, mean, "sum", total, float32)
         row_mean = self.means[producer]  # float32, unrounded: (BLOCK_ROWS, 1)
-        local = emit.assign(f"{totals} / tl.maximum({counts}, 1.0)")
-        spread = emit.assign(f"{local} - tl.reshape({row_mean}, (1, BLOCK_ROWS))")
-        m2 = emit.assign(f"tl.sum({squares} + {counts} * {spread} * {spread}, 0)[:, None]")
-        self._finish(producer, var, "sum", m2, float32)
+        terms = []
+        for p, (slice_total, slice_squares) in enumerate(zip(totals, squares, strict=True)):
+            count = emit.assign(
+                f"tl.minimum(tl.maximum(COLUMNS - {p} * BLOCK_COLUMNS, 0), "
+                "BLOCK_COLUMNS).to(tl.float32)"
+            )  # each slice's, clamped
+            local = emit.assign(f"{slice_total}[:, None] / tl.maximum({count}, 1.0)")
+            spread = emit.assign(f"{local} - {row_mean}")
+            terms.append(emit.assign(f"{slice_squares}[:, None] + {count} * {spread} * {spread}"))
+        self._finish(producer, var, "sum", _combine(emit, "add", terms), float32)
 
     def reduce_persistent(self, step: _Step, group: list[TensorView]) -> None:
         """A level's reductions of a persistent row: every term first, then their
@@ -504,6 +484,16 @@ class _Generator:
         else:
             result = reduced
         self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
+
+
+def _combine(emit: Emitter, combine: str, values: list[str]) -> str:
+    """``values`` combined with ``combine`` ("add", "maximum", "minimum") in a fixed
+    order: pairs of neighbours, then pairs of those."""
+    while len(values) > 1:
+        pairs = [emit.assign(f"{combine}({a}, {b})")
+                 for a, b in zip(values[::2], values[1::2], strict=False)]  # fmt: skip
+        values = pairs + values[len(pairs) * 2 :]
+    return values[0]
 
 
 def _accumulator(dtype: DataType) -> DataType:

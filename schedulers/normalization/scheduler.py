@@ -30,9 +30,9 @@ from schedulers.normalization.codegen import (
     combine_constants,
     combine_source,
     constants,
-    exchange_slots,
     source,
 )
+from schedulers.normalization.exchange import exchange_slots
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
     SPLIT,

@@ -1,0 +1,128 @@
+"""A split row's exchange of partial reductions: the device functions a kernel's source
+defines for it, written for the slots they touch.
+
+The programs that share a row each reduce their slice of it, then exchange those
+partials through tagged 64-bit slots in global memory (the high 32 bits the row's tag,
+the low the float32's bits): a program posts its partials (``post_source``), then waits
+until every program's slots of the level carry the row's tag and reads them
+(``wait_source``). Each thread posts and waits for the rows it holds, in the layout its
+reductions left them in: every thread that holds a row waits for all of the row's
+words itself, in one spin over all of them. Against a block of (parts, partials) words
+spread over the threads (each polling one, the others' values then gathered by
+reductions across threads and warps), this takes no shuffles, no shared memory and no
+barriers a row (profiled on H200: the gathering was about a quarter of the split
+kernel's warp time; ``benchmarks/RESULTS.md``).
+"""
+
+from __future__ import annotations
+
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.heuristics import NormalizationParams
+from schedulers.runtime import next_power_of_two
+
+
+def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
+    """The int64 slots a split row's programs exchange partial reductions through:
+    a group's, two rows' worth (a program is at most one row ahead of the others),
+    for each level of reductions, program, reduction of the level and row of the block."""
+    rounds = len(plan.exchanges)
+    return groups * 2 * rounds * params.parts * exchange_width(plan) * params.block_rows
+
+
+def exchange_width(plan: NormalizationPlan) -> int:
+    """Slots a program writes a round, per row of its block: the most partials a
+    level exchanges, to a power of two."""
+    return next_power_of_two(max(plan.exchanges.values()))
+
+
+def post_source(name: str, count: int, rows: int) -> str:
+    """``name(pointer, tag, v0, ...)``: the ``count`` values ``v`` (a float32's bits, int32)
+    stored with ``tag`` (int32) in the high half at ``pointer + k * rows`` (int64 words).
+    It returns zeros (int32) for the wait to take: the wait follows the post by a
+    dependency, not by its side effects (``wait_source``). The interpreter exchanges
+    the words atomically. On a GPU, at GPU scope:
+    - one row a block (every thread holds it): relaxed atomic exchanges from the first
+      thread. Relaxed stores instead, which reach L2 later: 0.34 of copy against 0.70
+      (LayerNorm backward 8192x16384, H200), 0.52 against 0.71 (RMSNorm backward
+      4096x65536); the same words from every thread that holds them (8 warps) 0.36
+      stored, 0.20 exchanged (``results/norms_split_post_h200_*.json``);
+    - several rows a block (a thread holds some of them): relaxed stores from every
+      thread that holds the row (correct, not fast: never chosen, forced only)."""
+    values = ", ".join(f"v{k}" for k in range(count))
+    if rows == 1:  # the first thread only
+        stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
+                          f"atom.relaxed.gpu.global.exch.b64 w, [$1+{8 * k}], w;"
+                          for k in range(count))  # fmt: skip
+        stores = f"mov.u32 t, %tid.x; setp.ne.u32 q, t, 0; @q bra DONE; {stores} DONE:"
+    else:
+        stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
+                          f"st.relaxed.gpu.global.b64 [$1+{8 * k * rows}], w;"
+                          for k in range(count))  # fmt: skip
+    constraints = "=r,l,r" + ",r" * count
+    interpreted = "".join(
+        f"        tl.atomic_xchg(pointer + {k * rows}, (tag.to(tl.int64) << 32) | "
+        f'v{k}.to(tl.uint32, bitcast=True).to(tl.int64), sem="relaxed")\n'
+        for k in range(count)
+    )
+    return (
+        f"@triton.jit\ndef {name}(pointer, tag, {values}):\n"
+        f"    if INTERPRETED:\n{interpreted}        return tag * 0\n"
+        "    else:\n"
+        f'        return tl.inline_asm_elementwise("{{ .reg .b64 w; .reg .pred q; .reg .b32 t; '
+        f'{stores} mov.u32 $0, 0; }}", "{constraints}", [pointer, tag, {values}], '
+        "dtype=tl.int32, is_pure=False, pack=1)\n"
+    )
+
+
+def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str:
+    """``name(pointer, tag)``: the low halves (int32) of the int64 words at ``pointer +
+    (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
+    ``k`` (in that order), once each word's high half equals ``tag``. The interpreter
+    polls each word in turn (``wait_tagged``). On a GPU, relaxed loads at GPU scope, in
+    one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
+    pipeliner takes).
+    - One row a block (every thread of a warp holds it), at most 32 words: each lane of
+      a warp polls one word (one load a warp a poll), the warp polls until every lane
+      has its tag (a vote), then each word goes to every lane by a shuffle. Every thread
+      loading every word took 0.35 of copy against 0.66 (LayerNorm backward
+      4096x65536, 16 words, H200): the same line polled 16 times a warp.
+    - Otherwise each thread loads every word and again until every tag is there.
+
+    Declared pure: Triton copies an elementwise op into each layout its users want
+    (removing layout conversions) and cannot remove a copy with side effects, so an
+    impure wait was left spinning 7 times a row, 6 of them for nothing (LayerNorm
+    backward, compiled for sm_90). Pure, the copies no one reads are removed; the
+    caller makes ``pointer`` depend on the post's result, so the wait cannot move
+    ahead of it."""
+    offsets = [(p * width + k) * rows for p in range(parts) for k in range(count)]
+    words = len(offsets)
+    tag = f"${words + 1}"
+    if rows == 1 and words <= 32:
+        shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
+        body = (  # this lane's word: (lane % words) -> its program and partial
+            f".reg .pred p; .reg .b32 i, j, lo, hi; .reg .b64 a, v; mov.u32 i, %laneid; "
+            f"rem.u32 i, i, {words}; div.u32 j, i, {count}; rem.u32 i, i, {count}; "
+            f"mad.lo.u32 i, j, {width}, i; mul.wide.u32 a, i, 8; add.s64 a, a, ${words}; "
+            f"WAIT: ld.relaxed.gpu.global.b64 v, [a]; mov.b64 {{lo, hi}}, v; "
+            f"setp.eq.u32 p, hi, {tag}; vote.sync.all.pred p, p, -1; @!p bra WAIT; {shuffles}"
+        )
+    else:
+        loads = " ".join(f"ld.relaxed.gpu.global.b64 w{k}, [${words}+{8 * at}];"
+                         for k, at in enumerate(offsets))  # fmt: skip
+        checks = " ".join(f"mov.b64 {{${k}, h}}, w{k}; setp.ne.u32 p, h, {tag}; @p bra WAIT;"
+                          for k in range(words))  # fmt: skip
+        body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; WAIT: {loads} {checks}"
+    constraints = ",".join(["=r"] * words + ["l", "r"])
+    names = ", ".join(f"w{k}" for k in range(words))
+    interpreted = "".join(
+        f"        w{k} = wait_tagged(pointer + {at}, tag.to(tl.int64)).to(tl.int32)\n"
+        for k, at in enumerate(offsets)
+    )
+    dtype = "tl.int32" if words == 1 else f"({', '.join(['tl.int32'] * words)})"
+    return (
+        f"@triton.jit\ndef {name}(pointer, tag):\n"
+        f"    if INTERPRETED:\n{interpreted}        return {names}\n"
+        "    else:\n"
+        f'        return tl.inline_asm_elementwise("{{ {body} }}", "{constraints}", '
+        f"[pointer, tag], dtype={dtype}, is_pure=True, pack=1)\n"
+    )
