@@ -214,9 +214,10 @@ def chunked_params(
 # grid of 528 programs walking the rows; at 4096x32768 (33 MiB held, over half the L2)
 # 0.78 against 0.75, not taken. H100: 0.96 against 0.98: the H200 only (results/
 # norms_lnfwdchunk_h200_*_75d68b1.json, norms_chunked_{h200,h100}_75d68b1.json). Rows
-# too long for registers stay in chunks there rather than split (``chunked_params``;
-# 4096x65536: 0.75-0.76 of copy against 0.70-0.71 split, three runs; H100 0.79 against
-# 0.87). Measured with one 16-bit full input (bf16): the rule is for those.
+# too long for registers are split, as on the H100: 4096x65536, 0.82 of copy against
+# 0.75 in chunks, twice, since the exchange is in the rows' layout (0.70-0.71 against
+# 0.75-0.76 before; norms_lnfwd_long_h200_*_6b9ab9f.json). Measured with one 16-bit
+# full input (bf16): the rule is for those.
 VARIANCE_CHUNKS = 16384
 FORWARD_STEP = 4096
 FAST_MEMORY_GBPS = 4000.0  # the H200 (4300), not the H100 (3000); also WS_SHORT_ROW_GAINS
@@ -238,11 +239,6 @@ def _walked_from(plan: NormalizationPlan, hardware: HardwareProfile) -> int | No
     if any(isinstance(expr, VarMeanOp) for expr in plan.reductions):
         return VARIANCE_CHUNKS
     return PLAIN_CHUNKS if plan.depth == 1 else None
-
-
-def walks_variance(plan: NormalizationPlan, hardware: HardwareProfile) -> bool:
-    """A forward with a variance that walks its long rows (``VARIANCE_CHUNKS``)."""
-    return _walked_from(plan, hardware) == VARIANCE_CHUNKS
 
 
 def forward_chunks(

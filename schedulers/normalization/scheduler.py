@@ -43,7 +43,6 @@ from schedulers.normalization.heuristics import (
     multiwave_params,
     split_params,
     tma_inputs,
-    walks_variance,
 )
 from schedulers.normalization.warp_specialized import (
     WS_GAINS,
@@ -113,9 +112,6 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                 return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
-        if walks_variance(plan, hardware):
-            faster = f"a variance on a device of {hardware.memory_gbps:.0f} GB/s walks faster"
-            return replace(chosen, why=f"{chosen.why} (not split: {faster})")
         rounds = len(plan.exchanges)
         if rounds > 1:  # an exchange a level a row: the chunks' second pass is faster
             return replace(chosen, why=f"{chosen.why} (not split: {rounds} levels of "
