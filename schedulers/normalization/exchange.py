@@ -141,19 +141,16 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     )
 
 
-# A deferred row's names from its own turn that its finish reads: carried over a turn
-# (their values before the first row), or worked out again from the carried rows (2-D
-# masks and offsets held over a turn cost registers: 96 a thread at 32 values)
+# A deferred row's names from its own turn that its finish reads, carried over a turn,
+# and their values before the first row
 _CARRIED = {
     "rows": "tl.zeros((BLOCK_ROWS,), tl.int64)",
+    "row_mask": "tl.zeros((BLOCK_ROWS,), tl.int1)",
+    "mask": "tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.int1)",
+    "offs": "tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.int64)",
     "pid": "tl.program_id(0).to(tl.int64) * 0",
     "row_block": "tl.program_id(0) * 0",
     "xtag": "tl.program_id(0) * 0",
-}
-_DERIVED = {
-    "row_mask": "prev_rows < row_count",
-    "mask": "(prev_rows < row_count)[:, None] & col_mask[None, :]",
-    "offs": "prev_rows[:, None] * COLUMNS + cols[None, :]",
 }
 
 
@@ -164,24 +161,20 @@ def deferred_walk(
     and those after it. Each turn posts its row's partials (``posting``: loads, terms,
     the post at ``base``), then, from the second turn on, finishes the previous row
     (``finishing``: its wait, after this turn's post by ``posted``; its outputs, column
-    sums) with the names it reads from its own turn as ``prev_*``: the rows, tag, first
-    words and the full inputs' raw tensors (``carried``: recomputed from, not their
-    float32 values) carried over the turn; its masks and offsets worked out again. The
-    last row is finished after the walk. A program posts a row before the previous
-    one's wait: a partner behind it waits less (``kept_rows``)."""
+    sums) with the names it reads from its own turn carried over as ``prev_*``: the
+    rows, masks, offsets, tag, first words and the full inputs' raw tensors
+    (``carried``, recomputed from, not their float32 values: registers). The last row
+    is finished after the walk. A program posts a row before the previous one's wait:
+    a partner behind it waits less (``kept_rows``)."""
     values = dict(_CARRIED)
     values[base] = "slots + tl.zeros((BLOCK_ROWS,), tl.int64)"
     for tensor, raw in carried.items():
         values[raw] = f"tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), {TRITON_TYPES[tensor.dtype.name]})"
     text = "\n".join(finishing)
-    derived = [name for name in _DERIVED if re.search(rf"\b{name}\b", text)]
-    used = [name for name in values if re.search(rf"\b{name}\b", text)
-            or (name == "rows" and derived)]  # fmt: skip
+    used = [name for name in values if re.search(rf"\b{name}\b", text)]
     # a name read, not a keyword argument's (``mask=``)
-    pattern = re.compile(rf"\b({'|'.join([*used, *derived])})\b(?!\s*=(?!=))")
-    preamble = [f"prev_{name} = {_DERIVED[name]}" for name in derived]
-    renamed = ["    " + line for line in preamble]
-    renamed += ["    " + pattern.sub(r"prev_\1", line) for line in finishing]
+    pattern = re.compile(rf"\b({'|'.join(used)})\b(?!\s*=(?!=))")
+    renamed = ["    " + pattern.sub(r"prev_\1", line) for line in finishing]
     ahead = [f"prev_{name} = {values[name]}" for name in used]
     body = [*posting, f"xafter = {posted}", "if xj > 0:  # the previous row", *renamed,
             *(f"prev_{name} = {name}" for name in used)]  # fmt: skip
