@@ -124,7 +124,6 @@ class Value:
 
     name: str
     dtype: DataType
-    raw: str | None = None  # a loaded value's variable as loaded (its storage type)
 
 
 class NameSupply:
@@ -195,8 +194,8 @@ class Emitter:
         """``raw`` (a tensor loaded as ``dtype`` is stored) in value form: floats carried
         as float32 (float64 and storage-only codes as they are)."""
         if dtype.is_floating and not dtype.storage_only and dtype is not float64:
-            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype, raw)
-        return Value(raw, dtype, raw)
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+        return Value(raw, dtype)
 
     def load_tile(self, tensor: TensorView, descriptor: str, offsets: str) -> Value:
         """A tile through a TMA tensor descriptor (rows past the end read as zeros)."""
@@ -205,8 +204,8 @@ class Emitter:
             raise ValueError(f"{tensor}: {dtype} codes are not loaded through descriptors")
         raw = self.assign(f"{descriptor}.load([{offsets}])")
         if dtype.is_floating and dtype is not float64:
-            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype, raw)
-        return Value(raw, dtype, raw)
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+        return Value(raw, dtype)
 
     def stored(self, value: Value) -> str:
         """The expression to store for ``value`` (exact: it already has the dtype's value)."""

@@ -25,13 +25,7 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.exchange import (
-    deferred_walk,
-    exchange_width,
-    kept_rows,
-    post_source,
-    wait_source,
-)
+from schedulers.normalization.exchange import exchange_width, post_source, wait_source
 from schedulers.normalization.heuristics import (
     SPLIT,
     WARP_SPECIALIZED,
@@ -82,11 +76,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
                 generator.value(_Step(early, row_cache), tensor)
-    deferred = split and params.deferred  # each row finished in the next row's turn
-    if deferred and len(plan.exchanges) != 1:
-        raise ValueError(f"{params}: a deferred row takes one round of exchanges")
-    walked_in = dict(row_cache)  # the values before the walk, a deferred finish's too
-    pending = None
     if persistent:
         generator.columns(outer, start)
         step = _Step(outer, row_cache)  # one step: everything shares one cache
@@ -95,10 +84,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
         if persistent and split:  # the level's reductions exchanged together
-            if not deferred:
-                generator.reduce_split(step, group, level)
-            elif pending is None:  # its one round (a variance comes with its mean)
-                pending = generator.post_split(step, group, level)
+            generator.reduce_split(step, group, level)
             continue
         if persistent:
             generator.reduce_persistent(step, group)
@@ -110,11 +96,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         generator.close(body)
         for tensor in group:
             generator.finish(tensor, accumulators[tensor])
-    if deferred:  # from here on, the previous row's turn: waited for, finished
-        posting, carried = outer, _carried(generator, walked_in)
-        generator = generator.later(pending, walked_in, carried)
-        outer, row_cache = generator.outer, generator.row_cache
-        step = _Step(outer, row_cache)
     full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
     sums = [(i, e) for i, e in enumerate(plan.column_sums)]
     partials = [f"part{i}" for i, _ in sums]
@@ -173,7 +154,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         f"{'persistent' if persistent else 'chunked'}"
         + (", warp-specialized (TMA tiles)" if specialized else "")
         + (", split over programs exchanging partial reductions" if split else "")
-        + (", each row finished in the next row's turn" if deferred else "")
     )
     if params.programs or split:  # a fixed grid walks the row blocks
         blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
@@ -185,14 +165,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             walk = f"for row_block in tl.range({blocks}{options}):"
         else:
             walk = f"for row_block in range({blocks}):"
-        if deferred:
-            body, ahead, epilogue = deferred_walk(posting.lines, outer.lines, pending.base,
-                                                  pending.posted, carried)  # fmt: skip
-            lines = [*before, *early.lines, *ahead, walk, *(f"    {line}" for line in body),
-                     *epilogue, *after]  # fmt: skip
-        else:
-            lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
-                     *after]  # fmt: skip
+        lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
+                 *after]  # fmt: skip
     else:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
@@ -256,18 +230,6 @@ class _Step:
     eviction: str = ""
 
 
-@dataclass
-class _Pending:
-    """A split row's posted partials, waited for and finished later (``wait_split``):
-    what each partial finishes (a reduction and its term, or a var_mean's two), their
-    count, the rows' first words and the post's result."""
-
-    finishes: list
-    count: int
-    base: str
-    posted: str
-
-
 class _Generator:
     """Emits a normalization kernel's values: full and column values in a step, row
     values (reductions and what follows from them) once, outside any loop."""
@@ -289,9 +251,7 @@ class _Generator:
         emit = step.emit
         emit.line("xj = (row_block - group) // groups")  # this group's row count so far
         emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
-        kept = kept_rows(self.params)  # rows of slots, used in turn
-        emit.line(f"xrow = (tl.cast(group, tl.int64) * {kept} + xj % {kept}) * "
-                  f"{len(self.plan.exchanges)}")  # fmt: skip
+        emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {len(self.plan.exchanges)}")
         if not prefetch:
             return
         early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
@@ -309,14 +269,18 @@ class _Generator:
                       "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
             step.cache[tensor] = emit.loaded(raw, tensor.dtype)
 
-    def post(self, emit: Emitter, partials: list[str], level: int) -> tuple[str, str]:
-        """Post ``partials`` (this program's reduction of its slice, a float32 per row of
-        the block) to its slots of the row (``exchange.post_source``): the names of the
-        rows' first words and of the post's result, for ``wait`` to take. The slots are
-        used in turn over ``kept_rows`` rows. Every thread of a program waits for a row's
-        words before the reductions of the row it posts next (across the threads that
-        hold each of its rows), and posts that row only after them; deferred, before the
-        reductions of the row after it (``kept_rows``)."""
+    def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[list[str]]:
+        """Each of ``partials`` (this program's reduction of its slice, a float32 per row
+        of the block) with the other programs' of the row: a list of ``parts`` float32s
+        (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
+        fixed order. Each program writes its slots (``exchange.post_source``), then waits
+        for the level's slots of every program to carry this row's tag
+        (``exchange.wait_source``), each thread for the rows it holds. The slots
+        alternate between two rows. Every thread of a program waits for the row's words
+        before the reductions of its next row (across the threads that hold each of its
+        rows), and posts that row only after them; so no program writes a row's slots
+        before every thread of every program has read the slots of the row two back,
+        and no program gets two rows ahead of another."""
         width, rows = exchange_width(self.plan), self.params.block_rows
         round_ = list(self.plan.exchanges).index(level)
         # the rows' first words, in the rows' layout (no conversion for the asm)
@@ -325,35 +289,11 @@ class _Generator:
         post = self.helper("xpost", post_source, len(partials), rows)
         bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
         posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), xtag, {bits})")
-        return base, posted
-
-    def wait(self, emit: Emitter, base: str, after: str, count: int) -> list[list[str]]:
-        """Each of the ``count`` partials the programs of the row posted at ``base``, once
-        every program's slots carry the row's tag (``exchange.wait_source``, each thread
-        for the rows it holds): a list of ``parts`` float32s (BLOCK_ROWS,) each, in the
-        order of the programs, for the caller to combine in a fixed order. ``after``
-        (zeros) orders the wait after the post that made it."""
-        width, rows = exchange_width(self.plan), self.params.block_rows
-        wait = self.helper("xwait", wait_source, self.params.parts, width, count, rows)
-        words = [emit.fresh("xw") for _ in range(self.params.parts * count)]
-        emit.line(f"{', '.join(words)} = {wait}({base} + {after}, xtag)")
+        wait = self.helper("xwait", wait_source, self.params.parts, width, len(partials), rows)
+        words = [emit.fresh("xw") for _ in range(self.params.parts * len(partials))]
+        emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
         values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
-        return [values[k::count] for k in range(count)]
-
-    def later(self, pending: _Pending, walked_in: dict, carried: dict) -> _Generator:
-        """A generator for a deferred row's finish, in the next row's turn: its own
-        lines and values (the values before the walk, the row's loaded full inputs from
-        their ``carried`` raw tensors), the row's reductions waited for from ``pending``
-        (its first words renamed as the finish sees them, ``deferred_walk``)."""
-        emit = self.outer.nested()
-        cache = dict(walked_in)
-        for tensor, raw in carried.items():
-            cache[tensor] = emit.loaded(raw, tensor.dtype)
-        later = _Generator(self.plan, self.params, self.pointers, emit, cache, self.tiles,
-                           self.start)  # fmt: skip
-        later.helpers = self.helpers
-        later.wait_split(pending, pending.base, "xafter")
-        return later
+        return [values[k :: len(partials)] for k in range(len(partials))]
 
     def helper(self, prefix: str, write, *shape: int) -> str:
         """The name of a device function ``write(name, *shape)`` writes, defined once in
@@ -433,22 +373,15 @@ class _Generator:
         return producer, op, term, accumulator
 
     def reduce_split(self, step: _Step, group: list[TensorView], level: int) -> None:
-        """A level's reductions of a split row (``post_split``, then ``wait_split``)."""
-        pending = self.post_split(step, group, level)
-        if pending is not None:
-            self.wait_split(pending, pending.base, pending.posted)
-
-    def post_split(self, step: _Step, group: list[TensorView], level: int) -> _Pending | None:
-        """A level's reductions of a split row: this program's slice of each, posted
-        together for the whole row's (None: done already). A variance comes with its
-        mean: this slice's sum and sum of squares about the slice's mean, combined as
-        Chan et al. combine
+        """A level's reductions of a split row: this program's slice of each, then the
+        whole row's, exchanged together. A variance comes with its mean: this slice's
+        sum and sum of squares about the slice's mean, combined as Chan et al. combine
         partial variances (the mean, then each slice's squares plus its count times
         its mean's distance from the row's squared), so one round gives both."""
         emit = step.emit
         group = [t for t in group if t not in self.row_cache]  # variances already done
         if not group:
-            return None
+            return
         plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
         # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
         # against 0.51 with each summed before the next is computed; H200, 8192x16384)
@@ -471,14 +404,8 @@ class _Generator:
                 squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
                 partials += [total, squares]
                 finishes.append(producer)
-        base, posted = self.post(emit, partials, level)
-        return _Pending(finishes, len(partials), base, posted)
-
-    def wait_split(self, pending: _Pending, base: str, after: str) -> None:
-        """The row's reductions from what every program posted (``post_split``)."""
-        emit = self.outer
-        gathered = iter(self.wait(emit, base, after, pending.count))
-        for item in pending.finishes:
+        gathered = iter(self.exchange(emit, partials, level))
+        for item in finishes:
             if isinstance(item, VarMeanOp):
                 self._chan(emit, item, next(gathered), next(gathered))
                 continue
@@ -557,13 +484,6 @@ class _Generator:
         else:
             result = reduced
         self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
-
-
-def _carried(generator: _Generator, walked_in: dict) -> dict[TensorView, str]:
-    """The full inputs a deferred row loaded in its turn: their raw tensors' names."""
-    return {tensor: value.raw for tensor, value in generator.row_cache.items()
-            if tensor not in walked_in and tensor in generator.pointers
-            and generator.plan.kinds[tensor] == "full" and value.raw is not None}  # fmt: skip
 
 
 def _combine(emit: Emitter, combine: str, values: list[str]) -> str:

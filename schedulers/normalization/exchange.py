@@ -16,9 +16,6 @@ kernel's warp time; ``benchmarks/RESULTS.md``).
 
 from __future__ import annotations
 
-import re
-
-from schedulers.codegen import TRITON_TYPES
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
 from schedulers.runtime import next_power_of_two
@@ -26,20 +23,10 @@ from schedulers.runtime import next_power_of_two
 
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
     """The int64 slots a split row's programs exchange partial reductions through:
-    a group's, ``kept_rows`` rows' worth, for each level of reductions, program,
-    reduction of the level and row of the block."""
+    a group's, two rows' worth (a program is at most one row ahead of the others),
+    for each level of reductions, program, reduction of the level and row of the block."""
     rounds = len(plan.exchanges)
-    return (groups * kept_rows(params) * rounds * params.parts * exchange_width(plan)
-            * params.block_rows)  # fmt: skip
-
-
-def kept_rows(params: NormalizationParams) -> int:
-    """Rows of slots a group keeps, used in turn. A program posts row j+2 after reading
-    row j+1, which needed every program's post of j+1, each made after reading row j:
-    two rows. Deferred, a program reads a row's words after posting the next row: it
-    posts row j+3 after reading row j+1, which needed every program's post of j+1, each
-    made after reading row j-1; rows j to j+3 may be unread somewhere: four rows."""
-    return 4 if params.deferred else 2
+    return groups * 2 * rounds * params.parts * exchange_width(plan) * params.block_rows
 
 
 def exchange_width(plan: NormalizationPlan) -> int:
@@ -139,45 +126,3 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
         f'        return tl.inline_asm_elementwise("{{ {body} }}", "{constraints}", '
         f"[pointer, tag], dtype={dtype}, is_pure=True, pack=1)\n"
     )
-
-
-# A deferred row's names from its own turn that its finish reads, carried over a turn,
-# and their values before the first row
-_CARRIED = {
-    "rows": "tl.zeros((BLOCK_ROWS,), tl.int64)",
-    "row_mask": "tl.zeros((BLOCK_ROWS,), tl.int1)",
-    "mask": "tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.int1)",
-    "offs": "tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.int64)",
-    "pid": "tl.program_id(0).to(tl.int64) * 0",
-    "row_block": "tl.program_id(0) * 0",
-    "xtag": "tl.program_id(0) * 0",
-}
-
-
-def deferred_walk(
-    posting: list[str], finishing: list[str], base: str, posted: str, carried: dict
-) -> tuple[list[str], list[str], list[str]]:
-    """A walk whose rows are finished a turn late: the walk's body, the lines before it
-    and those after it. Each turn posts its row's partials (``posting``: loads, terms,
-    the post at ``base``), then, from the second turn on, finishes the previous row
-    (``finishing``: its wait, after this turn's post by ``posted``; its outputs, column
-    sums) with the names it reads from its own turn carried over as ``prev_*``: the
-    rows, masks, offsets, tag, first words and the full inputs' raw tensors
-    (``carried``, recomputed from, not their float32 values: registers). The last row
-    is finished after the walk. A program posts a row before the previous one's wait:
-    a partner behind it waits less (``kept_rows``)."""
-    values = dict(_CARRIED)
-    values[base] = "slots + tl.zeros((BLOCK_ROWS,), tl.int64)"
-    for tensor, raw in carried.items():
-        values[raw] = f"tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), {TRITON_TYPES[tensor.dtype.name]})"
-    text = "\n".join(finishing)
-    used = [name for name in values if re.search(rf"\b{name}\b", text)]
-    # a name read, not a keyword argument's (``mask=``)
-    pattern = re.compile(rf"\b({'|'.join(used)})\b(?!\s*=(?!=))")
-    renamed = ["    " + pattern.sub(r"prev_\1", line) for line in finishing]
-    ahead = [f"prev_{name} = {values[name]}" for name in used]
-    body = [*posting, f"xafter = {posted}", "if xj > 0:  # the previous row", *renamed,
-            *(f"prev_{name} = {name}" for name in used)]  # fmt: skip
-    epilogue = ["if group < tl.cdiv(row_count, BLOCK_ROWS):  # the last row", "    xafter = 0",
-                *renamed]  # fmt: skip
-    return body, ahead, epilogue

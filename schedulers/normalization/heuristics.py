@@ -86,8 +86,6 @@ class NormalizationParams:
     # block's rows); off: added every step (a reduction across the block's warps)
     tma: bool = False  # (SPLIT, stages > 1) the full inputs' slices loaded through TMA
     # descriptors into shared memory, the walk pipelined ``stages`` rows deep
-    deferred: bool = False  # (SPLIT, one round of exchanges) a row finished a row
-    # later: its partials posted, then the previous row's waited for and finished
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -103,7 +101,6 @@ class NormalizationParams:
         text += ", prefetch=True" if self.prefetch else ""
         text += ", tile_sums=False" if not self.tile_sums else ""
         text += ", tma=True" if self.tma else ""
-        text += ", deferred=True" if self.deferred else ""
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 
