@@ -130,3 +130,40 @@ def test_a_weight_of_an_outer_reduction_is_read_once_before_its_loop(widths):
         assert int(bits) == 128 and count % 8 == 1, row
         counts.add(count)
     assert counts == {8 * k + 1 for k in (1, 2, 3, 5)}, counts
+
+
+_SPLIT_EXCHANGE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from examples.norms import BUILDERS
+from schedulers.hardware import H200
+from schedulers.normalization.heuristics import SPLIT
+from schedulers.ptx import compile_ptx
+from schedulers.registry import split_into_kernels
+fd = BUILDERS["layernorm_bwd"](16384, "bfloat16")
+group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+params = group.scheduler.heuristics(group.plan, H200, [8192, 16384], SPLIT)
+(kernel, *_) = group.scheduler.kernels(group.plan, params, [8192, 16384], True)
+ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
+                  kernel.num_warps)
+print(json.dumps({"parts": params.parts, "polls": ptx.count("ld.relaxed.gpu.global.b64"),
+                  "posts": ptx.count("atom.relaxed.gpu.global.exch.b64"),
+                  "shuffles": ptx.count("shfl.sync.idx.b32"), "votes": ptx.count("vote.sync.all")}))
+"""
+
+
+def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
+    """LayerNorm backward's split kernel for sm_90: its two partials posted by one
+    atomic each, one spin (one load a lane, a vote), the words shuffled to every lane.
+    A wait with side effects and no dependency on the post was copied by Triton into
+    every layout its users wanted, each copy kept (7 spins a row); the exchange before
+    gathered the words across warps through shared memory."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _SPLIT_EXCHANGE, str(ROOT)], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = json.loads(result.stdout.strip().splitlines()[-1])
+    words = found["parts"] * 2
+    assert found["polls"] == 1 and found["posts"] == 2 and found["votes"] == 1, found
+    assert found["shuffles"] == words, found
