@@ -42,10 +42,10 @@ def post_source(name: str, count: int, rows: int) -> str:
     dependency, not by its side effects (``wait_source``). The interpreter exchanges
     the words atomically. On a GPU, at GPU scope:
     - one row a block (every thread holds it): relaxed atomic exchanges from the first
-      thread. Relaxed stores instead, which reach L2 later: 0.34 of copy against 0.70
-      (LayerNorm backward 8192x16384, H200), 0.52 against 0.71 (RMSNorm backward
-      4096x65536); the same words from every thread that holds them (8 warps) 0.36
-      stored, 0.20 exchanged (``results/norms_split_post_h200_*.json``);
+      thread. Relaxed stores instead: 0.34 of copy against 0.70 (LayerNorm backward
+      8192x16384, H200), 0.52 against 0.71 (RMSNorm backward 4096x65536), with the
+      lanes' polls of ``wait_source``; the same words from every thread that holds them
+      (8 warps) 0.36 stored, 0.20 exchanged (``results/norms_split_post*_h200*.json``);
     - several rows a block (a thread holds some of them): relaxed stores from every
       thread that holds the row (correct, not fast: never chosen, forced only)."""
     values = ", ".join(f"v{k}" for k in range(count))
