@@ -430,6 +430,24 @@ def test_a_forward_walks_long_rows_in_chunks_on_the_h200(profile, name, n, dtype
         assert params.why.endswith(f"{forced.why}]") and "[instead of " in params.why
 
 
+def test_a_layernorm_forward_of_32768_columns_is_split_on_the_h200_only():
+    """Rows that fit the registers (16 warps, 64 values a thread) but are not walked (33
+    MiB held at once): the H200 splits LayerNorm's (0.82-0.83 of copy against 0.74-0.77
+    in registers), the H100 keeps the registers (0.94-0.97 against 0.80-0.88), and
+    RMSNorm (one level) keeps them on the H200 (0.88-0.90 against 0.82-0.83)."""
+    scheduler, plan = _plan("layernorm_fwd", 32768)
+    for rows in (4096, 8192):
+        params = scheduler.heuristics(plan, H200, [rows, 32768])
+        assert params.strategy == SPLIT and params.parts == 4, params
+        assert params.why.startswith("split (a variance over rows of 32768"), params.why
+        assert scheduler.heuristics(plan, H100, [rows, 32768]).strategy == MULTIWAVE
+    narrower, narrower_plan = _plan("layernorm_fwd", 24576)
+    walked = narrower.heuristics(narrower_plan, H200, [8192, 24576])
+    assert not walked.persistent, walked  # walked in chunks (25 MiB held)
+    rms, rms_plan = _plan("rmsnorm_fwd", 32768)
+    assert rms.heuristics(rms_plan, H200, [8192, 32768]).strategy == MULTIWAVE
+
+
 @pytest.mark.parametrize(
     ("profile", "name", "dtype"),
     [

@@ -241,6 +241,22 @@ def _walked_from(plan: NormalizationPlan, hardware: HardwareProfile) -> int | No
     return PLAIN_CHUNKS if plan.depth == 1 else None
 
 
+# A forward with a variance over rows of at least this many columns that fit the
+# registers but are not walked (the rows held at once would pass half the L2) is split
+# on such a device: H200 LayerNorm forward 8192x32768 0.83 of copy split against 0.77 in
+# registers, 4096x32768 0.82 against 0.74-0.75 (three runs, results/norms_lnfwd_long_
+# h200_*_6b9ab9f.json, norms_fwd32k_{h200,h100_*}_6f71824.json); the H100 keeps the
+# registers (0.97 / 0.94 against 0.86-0.88 / 0.80-0.82 split), and so does RMSNorm (one
+# level) on the H200 (0.88-0.90 against 0.82-0.83).
+VARIANCE_SPLIT = 32768
+
+
+def splits_variance(plan: NormalizationPlan, hardware: HardwareProfile, columns: int) -> bool:
+    """Whether a forward's rows of ``columns`` that fit the registers are split
+    (``VARIANCE_SPLIT``)."""
+    return _walked_from(plan, hardware) == VARIANCE_CHUNKS and columns >= VARIANCE_SPLIT
+
+
 def forward_chunks(
     plan: NormalizationPlan, hardware: HardwareProfile, columns: int
 ) -> NormalizationParams | None:
