@@ -149,20 +149,12 @@ def sum_pair(a, b, axis: tl.constexpr, keep_dims: tl.constexpr):
 
 @triton.jit
 def wait_tagged(pointer, tag):
-    """The int64 words at ``pointer`` (a block of pointers), each once its high 32 bits
-    equal ``tag``, polled by the threads holding it. On a GPU each thread spins in its
-    own instructions (relaxed loads at GPU scope): no loop in the kernel's IR, so a walk
-    that polls is still a loop Triton's pipeliner takes. The interpreter polls the
-    whole block in a loop."""
+    """The int64 words at ``pointer`` (a block of pointers), once each one's high 32 bits
+    equal ``tag``: the interpreter's wait of a split row's exchange (polling the whole
+    block in a loop). On a GPU the exchange polls in PTX of its own
+    (``schedulers.normalization.exchange``)."""
     tag = tl.zeros(pointer.shape, tl.int64) + tag
-    if INTERPRETED:
+    got = tl.load(pointer, volatile=True)
+    while tl.max(tl.ravel(((got >> 32) != tag).to(tl.int32)), 0) != 0:
         got = tl.load(pointer, volatile=True)
-        while tl.max(tl.ravel(((got >> 32) != tag).to(tl.int32)), 0) != 0:
-            got = tl.load(pointer, volatile=True)
-        return got
-    else:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; .reg .b64 t; WAIT: ld.relaxed.gpu.global.b64 $0, [$1]; "
-            "shr.s64 t, $0, 32; setp.ne.s64 p, t, $2; @p bra WAIT; }",
-            "=l,l,l", [pointer, tag], dtype=tl.int64, is_pure=False, pack=1,
-        )  # fmt: skip
+    return got

@@ -24,6 +24,7 @@ from schedulers.normalization import (
     NormalizationParams,
     NormalizationScheduler,
 )
+from schedulers.normalization.codegen import source
 from schedulers.normalization.heuristics import SPLIT_TMA_STAGES
 from schedulers.registry import split_into_kernels
 
@@ -641,6 +642,18 @@ def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
             exact = _weight_gradients_in_float64(name, inputs)
             for actual, wanted in zip(outputs[1:], exact, strict=True):
                 assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+
+
+def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
+    """Where a slice is narrower than 256 columns a warp, warps may each hold the whole row
+    and reduce it without crossing warps: the block waits at a barrier after the
+    exchange's wait, so no thread reads a row's slots after a partner reused them. The
+    heuristics' slices (8192 columns, at most 16 warps) have none."""
+    scheduler, plan = _plan("layernorm_bwd", 16384)
+    chosen = scheduler.heuristics(plan, H200, [8192, 16384], SPLIT)
+    narrow = dataclasses.replace(chosen, block_columns=1024, parts=16)
+    assert "tl.debug_barrier()" not in source(plan, chosen)
+    assert source(plan, narrow).count("tl.debug_barrier()") == 1
 
 
 def test_the_split_kernel_is_reused_across_batch_sizes():

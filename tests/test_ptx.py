@@ -133,7 +133,7 @@ def test_a_weight_of_an_outer_reduction_is_read_once_before_its_loop(widths):
 
 
 _SPLIT_EXCHANGE = """
-import json, sys
+import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
@@ -143,13 +143,26 @@ from schedulers.registry import split_into_kernels
 fd = BUILDERS["layernorm_bwd"](16384, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
 params = group.scheduler.heuristics(group.plan, H200, [8192, 16384], SPLIT)
+params = dataclasses.replace(params, **json.loads(sys.argv[2]))
 (kernel, *_) = group.scheduler.kernels(group.plan, params, [8192, 16384], True)
 ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
                   kernel.num_warps)
 print(json.dumps({"parts": params.parts, "polls": ptx.count("ld.relaxed.gpu.global.b64"),
                   "posts": ptx.count("atom.relaxed.gpu.global.exch.b64"),
-                  "shuffles": ptx.count("shfl.sync.idx.b32"), "votes": ptx.count("vote.sync.all")}))
+                  "stores": ptx.count("st.relaxed.gpu.global.b64"),
+                  "shuffles": ptx.count("shfl.sync.idx.b32"),
+                  "votes": ptx.count("vote.sync.all")}))
 """
+
+
+def _split_exchange(overrides: dict) -> dict:
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _SPLIT_EXCHANGE, str(ROOT),
+                             json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True,
+                            text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return json.loads(result.stdout.strip().splitlines()[-1])
 
 
 def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
@@ -158,12 +171,26 @@ def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
     A wait with side effects and no dependency on the post was copied by Triton into
     every layout its users wanted, each copy kept (7 spins a row); the exchange before
     gathered the words across warps through shared memory."""
-    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _SPLIT_EXCHANGE, str(ROOT)], cwd=ROOT,
-                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
-    words = found["parts"] * 2
+    found = _split_exchange({})
     assert found["polls"] == 1 and found["posts"] == 2 and found["votes"] == 1, found
-    assert found["shuffles"] == words, found
+    assert found["shuffles"] == found["parts"] * 2 and found["stores"] == 0, found
+
+
+@pytest.mark.parametrize(
+    ("overrides", "polls"),
+    [
+        # 64 words (32 programs of 2 partials): every lane polls every word
+        ({"parts": 32, "block_columns": 512, "num_warps": 2}, 64),
+        # two rows a block: every thread holding a row stores and polls its words
+        ({"block_rows": 2, "block_columns": 4096, "parts": 4, "num_warps": 8}, 8),
+    ],
+)
+def test_a_split_rows_exchange_falls_back_to_polling_every_word(overrides, polls):
+    """The other forms of the exchange's PTX, accepted by ptxas: no vote, no shuffle."""
+    found = _split_exchange(overrides)
+    assert found["votes"] == 0 and found["shuffles"] == 0, found
+    assert found["polls"] % polls == 0 and found["polls"] > 0, found
+    if overrides.get("block_rows", 1) == 1:
+        assert found["posts"] == 2 and found["stores"] == 0, found
+    else:
+        assert found["stores"] > 0 and found["posts"] == 0, found

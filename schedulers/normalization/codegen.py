@@ -273,14 +273,15 @@ class _Generator:
         """Each of ``partials`` (this program's reduction of its slice, a float32 per row
         of the block) with the other programs' of the row: a list of ``parts`` float32s
         (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
-        fixed order. Each program writes its slots (``exchange.post_source``), then waits
-        for the level's slots of every program to carry this row's tag
-        (``exchange.wait_source``), each thread for the rows it holds. The slots
-        alternate between two rows. Every thread of a program waits for the row's words
-        before the reductions of its next row (across the threads that hold each of its
-        rows), and posts that row only after them; so no program writes a row's slots
-        before every thread of every program has read the slots of the row two back,
-        and no program gets two rows ahead of another."""
+        fixed order. The program posts its slots (``exchange.post_source``: with one row
+        a block its first thread), then its threads wait for the level's slots of every
+        program to carry this row's tag (``exchange.wait_source``). The slots alternate
+        between two rows: a program posts row j+2 after its first thread read every
+        program's post of j+1, each made after that program's reductions of j+1, which
+        none of its threads reaches before reading row j: a barrier of the block where
+        the row's values are spread over the warps (a reduction across them), and one
+        written after the wait where warps may hold copies of the row (a slice narrower
+        than 256 columns a warp)."""
         width, rows = exchange_width(self.plan), self.params.block_rows
         round_ = list(self.plan.exchanges).index(level)
         # the rows' first words, in the rows' layout (no conversion for the asm)
@@ -292,6 +293,8 @@ class _Generator:
         wait = self.helper("xwait", wait_source, self.params.parts, width, len(partials), rows)
         words = [emit.fresh("xw") for _ in range(self.params.parts * len(partials))]
         emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
+        if self.params.block_columns < 256 * self.params.num_warps:  # copies of the row
+            emit.line("tl.debug_barrier()")
         values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
         return [values[k :: len(partials)] for k in range(len(partials))]
 

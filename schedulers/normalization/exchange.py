@@ -5,13 +5,14 @@ The programs that share a row each reduce their slice of it, then exchange those
 partials through tagged 64-bit slots in global memory (the high 32 bits the row's tag,
 the low the float32's bits): a program posts its partials (``post_source``), then waits
 until every program's slots of the level carry the row's tag and reads them
-(``wait_source``). Each thread posts and waits for the rows it holds, in the layout its
-reductions left them in: every thread that holds a row waits for all of the row's
-words itself, in one spin over all of them. Against a block of (parts, partials) words
-spread over the threads (each polling one, the others' values then gathered by
-reductions across threads and warps), this takes no shuffles, no shared memory and no
-barriers a row (profiled on H200: the gathering was about a quarter of the split
-kernel's warp time; ``benchmarks/RESULTS.md``).
+(``wait_source``). Both run elementwise over the rows' values in the layout the
+reductions left them in, so no value changes layout: with one row a block the first
+thread posts, each lane of every warp polls one word and shuffles give every lane
+every word; otherwise every thread that holds a row posts it and loads every word.
+Against a block of (parts, partials) words spread over the threads and gathered by
+reductions across threads and warps (layout conversions through shared memory, a
+barrier each), profiled on H200 as about a quarter of the split kernel's warp time:
+LayerNorm backward 0.70 of copy against 0.61 at 8192x16384 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ def post_source(name: str, count: int, rows: int) -> str:
         stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
                           f"atom.relaxed.gpu.global.exch.b64 w, [$1+{8 * k}], w;"
                           for k in range(count))  # fmt: skip
-        stores = f"mov.u32 t, %tid.x; setp.ne.u32 q, t, 0; @q bra DONE; {stores} DONE:"
-    else:
+        stores = (".reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 q, t, 0; "
+                  f"@q bra DONE; {stores} DONE:")  # fmt: skip
+    else:  # every thread holding the row
         stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
                           f"st.relaxed.gpu.global.b64 [$1+{8 * k * rows}], w;"
                           for k in range(count))  # fmt: skip
@@ -68,8 +70,8 @@ def post_source(name: str, count: int, rows: int) -> str:
         f"@triton.jit\ndef {name}(pointer, tag, {values}):\n"
         f"    if INTERPRETED:\n{interpreted}        return tag * 0\n"
         "    else:\n"
-        f'        return tl.inline_asm_elementwise("{{ .reg .b64 w; .reg .pred q; .reg .b32 t; '
-        f'{stores} mov.u32 $0, 0; }}", "{constraints}", [pointer, tag, {values}], '
+        f'        return tl.inline_asm_elementwise("{{ .reg .b64 w; {stores} mov.u32 $0, 0; }}", '
+        f'"{constraints}", [pointer, tag, {values}], '
         "dtype=tl.int32, is_pure=False, pack=1)\n"
     )
 
@@ -78,7 +80,8 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     """``name(pointer, tag)``: the low halves (int32) of the int64 words at ``pointer +
     (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
     ``k`` (in that order), once each word's high half equals ``tag``. The interpreter
-    polls each word in turn (``wait_tagged``). On a GPU, relaxed loads at GPU scope, in
+    polls every slot of the round at once (``wait_tagged``). On a GPU, relaxed loads at
+    GPU scope, in
     one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
     pipeliner takes).
     - One row a block (every thread of a warp holds it), at most 32 words: each lane of
@@ -114,10 +117,17 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
         body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; WAIT: {loads} {checks}"
     constraints = ",".join(["=r"] * words + ["l", "r"])
     names = ", ".join(f"w{k}" for k in range(words))
-    interpreted = "".join(
-        f"        w{k} = wait_tagged(pointer + {at}, tag.to(tl.int64)).to(tl.int32)\n"
-        for k, at in enumerate(offsets)
-    )
+    # the interpreter: every slot of the round polled at once (unused ones carry tag 0),
+    # each word picked out as integer bits (one word at a time: 76 s against 9 s, forced
+    # LayerNorm forward over 32 programs of 2 rows)
+    interpreted = (
+        f"        slots = tl.arange(0, {parts * width})\n"
+        f"        live = (slots % {width}) < {count}\n"
+        f"        got = wait_tagged(pointer[:, None] + (slots * {rows})[None, :], "
+        "tl.where(live, tag.to(tl.int64), 0)[None, :])\n"
+        + "".join(f"        w{k} = tl.sum(tl.where(slots[None, :] == {at // rows}, got, 0), 1)"
+                  ".to(tl.int32)\n" for k, at in enumerate(offsets))
+    )  # fmt: skip
     dtype = "tl.int32" if words == 1 else f"({', '.join(['tl.int32'] * words)})"
     return (
         f"@triton.jit\ndef {name}(pointer, tag):\n"
