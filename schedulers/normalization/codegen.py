@@ -491,9 +491,10 @@ class _Generator:
 
 def _combine(emit: Emitter, combine: str, values: list[str]) -> str:
     """``values`` combined with ``combine`` ("add", "maximum", "minimum") in a fixed
-    order: pairs of neighbours, then pairs of those."""
+    order: pairs of neighbours, then pairs of those (sums as ``+``: a call a pair costs
+    the interpreter)."""
     while len(values) > 1:
-        pairs = [emit.assign(f"{combine}({a}, {b})")
+        pairs = [emit.assign(f"{a} + {b}" if combine == "add" else f"{combine}({a}, {b})")
                  for a, b in zip(values[::2], values[1::2], strict=False)]  # fmt: skip
         values = pairs + values[len(pairs) * 2 :]
     return values[0]
