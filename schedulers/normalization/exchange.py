@@ -9,10 +9,10 @@ until every program's slots of the level carry the row's tag and reads them
 reductions left them in, so no value changes layout: with one row a block the first
 thread posts, each lane of every warp polls one word and shuffles give every lane
 every word; otherwise every thread that holds a row posts it and loads every word.
-Against a block of (parts, partials) words spread over the threads and gathered by
+Before, a block of (parts, partials) words was spread over the threads and gathered by
 reductions across threads and warps (layout conversions through shared memory, a
-barrier each), profiled on H200 as about a quarter of the split kernel's warp time:
-LayerNorm backward 0.70 of copy against 0.61 at 8192x16384 (``benchmarks/RESULTS.md``).
+barrier each): about a quarter of the split kernel's warp time, profiled on H200. Now
+LayerNorm backward reads 0.70 of copy against 0.61 at 8192x16384 (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
