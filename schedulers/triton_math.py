@@ -145,16 +145,3 @@ def sum_pair(a, b, axis: tl.constexpr, keep_dims: tl.constexpr):
         return tl.sum(a, axis, keep_dims=keep_dims), tl.sum(b, axis, keep_dims=keep_dims)
     else:
         return tl.reduce((a, b), axis, _add_pairs, keep_dims=keep_dims)
-
-
-@triton.jit
-def wait_tagged(pointer, tag):
-    """The int64 words at ``pointer`` (a block of pointers), once each one's high 32 bits
-    equal ``tag``: the interpreter's wait of a split row's exchange (polling the whole
-    block in a loop). On a GPU the exchange polls in PTX of its own
-    (``schedulers.normalization.exchange``)."""
-    tag = tl.zeros(pointer.shape, tl.int64) + tag
-    got = tl.load(pointer, volatile=True)
-    while tl.max(tl.ravel(((got >> 32) != tag).to(tl.int32)), 0) != 0:
-        got = tl.load(pointer, volatile=True)
-    return got

@@ -25,7 +25,12 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.exchange import exchange_width, post_source, wait_source
+from schedulers.normalization.exchange import (
+    KEPT_ROWS,
+    exchange_width,
+    post_source,
+    wait_source,
+)
 from schedulers.normalization.heuristics import (
     SPLIT,
     WARP_SPECIALIZED,
@@ -251,7 +256,8 @@ class _Generator:
         emit = step.emit
         emit.line("xj = (row_block - group) // groups")  # this group's row count so far
         emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
-        emit.line(f"xrow = (tl.cast(group, tl.int64) * 2 + xj % 2) * {len(self.plan.exchanges)}")
+        emit.line(f"xrow = (tl.cast(group, tl.int64) * {KEPT_ROWS} + xj % {KEPT_ROWS}) * "
+                  f"{len(self.plan.exchanges)}")  # fmt: skip
         if not prefetch:
             return
         early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")

@@ -21,13 +21,18 @@ from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
 from schedulers.runtime import next_power_of_two
 
+# Rows of slots a group uses in turn: a program is at most one row ahead of the others
+# (``_Generator.exchange`` in ``codegen`` says why)
+KEPT_ROWS = 2
+
 
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
     """The int64 slots a split row's programs exchange partial reductions through:
-    a group's, two rows' worth (a program is at most one row ahead of the others),
-    for each level of reductions, program, reduction of the level and row of the block."""
+    a group's, ``KEPT_ROWS`` rows' worth, for each level of reductions, program,
+    reduction of the level and row of the block."""
     rounds = len(plan.exchanges)
-    return groups * 2 * rounds * params.parts * exchange_width(plan) * params.block_rows
+    return (groups * KEPT_ROWS * rounds * params.parts * exchange_width(plan)
+            * params.block_rows)  # fmt: skip
 
 
 def exchange_width(plan: NormalizationPlan) -> int:
@@ -80,7 +85,7 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     """``name(pointer, tag)``: the low halves (int32) of the int64 words at ``pointer +
     (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
     ``k`` (in that order), once each word's high half equals ``tag``. The interpreter
-    polls every slot of the round at once (``wait_tagged``). On a GPU, relaxed loads at
+    polls every slot of the round at once, in a loop. On a GPU, relaxed loads at
     GPU scope, in
     one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
     pipeliner takes).
@@ -123,8 +128,11 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     interpreted = (
         f"        slots = tl.arange(0, {parts * width})\n"
         f"        live = (slots % {width}) < {count}\n"
-        f"        got = wait_tagged(pointer[:, None] + (slots * {rows})[None, :], "
-        "tl.where(live, tag.to(tl.int64), 0)[None, :])\n"
+        f"        words = pointer[:, None] + (slots * {rows})[None, :]\n"
+        "        tags = tl.where(live, tag.to(tl.int64), 0)[None, :]\n"
+        "        got = tl.load(words, volatile=True)\n"
+        "        while tl.max(tl.ravel(((got >> 32) != tags).to(tl.int32)), 0) != 0:\n"
+        "            got = tl.load(words, volatile=True)\n"
         + "".join(f"        w{k} = tl.sum(tl.where(slots[None, :] == {at // rows}, got, 0), 1)"
                   ".to(tl.int32)\n" for k, at in enumerate(offsets))
     )  # fmt: skip

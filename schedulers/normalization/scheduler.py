@@ -111,13 +111,12 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             walked = forward_chunks(plan, hardware, columns)
             if walked is not None:
                 return replace(walked, why=f"chunked ({walked.why}) [instead of {chosen.why}]")
-            split = splits_variance(plan, hardware, columns) and split_params(
-                plan, hardware, columns
-            )
-            if split and not isinstance(split, str):
-                return replace(split, why=f"split (a variance over rows of {columns} on a "
-                                          f"device of {hardware.memory_gbps:.0f} GB/s): "
-                                          f"{split.why} [instead of {chosen.why}]")  # fmt: skip
+            if splits_variance(plan, hardware, columns):
+                split = split_params(plan, hardware, columns)
+                if not isinstance(split, str):
+                    return replace(split, why=f"split (a variance over rows of {columns} on "
+                                              f"a device of {hardware.memory_gbps:.0f} GB/s): "
+                                              f"{split.why} [instead of {chosen.why}]")  # fmt: skip
         if chosen.persistent or strategy or hardware.arch < 90:
             return chosen
         rounds = len(plan.exchanges)
