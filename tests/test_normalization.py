@@ -374,7 +374,8 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
 @pytest.mark.parametrize(
     ("name", "n", "rows", "strategy", "reason"),
     [
-        ("rmsnorm_bwd", 1024, 32768, WARP_SPECIALIZED, "249 rows a program, at least 32"),
+        # rows of 1024 walked in small tiles where the warp-specialized kernel would be taken
+        ("rmsnorm_bwd", 1024, 32768, MULTIWAVE, "instead of warp-specialized (249 rows a"),
         ("rmsnorm_bwd", 2048, 32768, WARP_SPECIALIZED, "at least 48"),
         ("layernorm_bwd", 4096, 32768, WARP_SPECIALIZED, "249 rows a program"),
         ("layernorm_bwd", 8192, 16384, WARP_SPECIALIZED, "16 consumer warps"),
@@ -384,7 +385,7 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_bwd", 1024, 4096, WARP_SPECIALIZED, "32 rows a program, at least 32"),
         ("rmsnorm_bwd", 1024, 2048, MULTIWAVE, "16 rows a program, fewer than the 32"),
         ("layernorm_bwd", 1024, 1024, MULTIWAVE, "8 rows a program, fewer than the 16"),
-        ("layernorm_bwd", 1024, 32768, WARP_SPECIALIZED, "column sums kept by row of the tile"),
+        ("layernorm_bwd", 1024, 32768, MULTIWAVE, "short rows (2x1024 tiles over 4 warps"),
         ("layernorm_bwd", 4096, 4096, WARP_SPECIALIZED, "32 rows a program, at least 16"),
         ("layernorm_bwd", 65536, 4096, SPLIT, "fell back: degenerate: one stage"),
         ("layernorm_bwd", 16384, 8192, SPLIT, "fell back: degenerate: about 168 registers"),
@@ -473,14 +474,71 @@ def test_short_rows_gain_sooner_on_the_h200_only():
     SM since the partial sums are kept by row of the tile): warp-specialized on the H200
     (where, at two programs an SM, it was 0.38 of copy against 0.28), multi-wave on the
     H100 (where it lost by 5-7 %) and where the memory's speed is not known. At 8192 rows
-    (63 a program) both take it (H100: 0.69-0.70 against 0.40, commit 2105a11)."""
+    (63 a program) both take it (H100: 0.69-0.70 against 0.40, commit 2105a11), and the
+    short rows' walk replaces it there (21 rows a program at 3 programs an SM)."""
     scheduler, plan = _plan("rmsnorm_bwd", 1024)
     for profile, strategy in ((H200, WARP_SPECIALIZED), (H100, MULTIWAVE),
                               (dataclasses.replace(H200, memory_gbps=0.0), MULTIWAVE)):  # fmt: skip
         params = scheduler.heuristics(plan, profile, [4096, 1024])
         assert params.strategy == strategy, (profile.name, params.why)
-        assert scheduler.heuristics(plan, profile, [8192, 1024]).strategy == WARP_SPECIALIZED
+        longer = scheduler.heuristics(plan, profile, [8192, 1024]).why
+        assert "short rows" in longer and "[instead of warp-specialized (63 rows" in longer
     assert "fewer than the 48" in scheduler.heuristics(plan, H100, [4096, 1024]).why
+
+
+@pytest.mark.parametrize("profile", [H200, H100])
+@pytest.mark.parametrize(("name", "n"), [("rmsnorm_bwd", 1024), ("layernorm_bwd", 1024),
+                                         ("layernorm_bwd", 1000)])  # fmt: skip
+def test_short_rows_are_walked_in_small_tiles_where_the_warp_specialized_kernel_would_be(
+    profile, name, n
+):
+    """Column sums over rows of 1024 (16-bit inputs, sm_90): 2x1024 tiles over 4 warps, 3
+    programs an SM, loads pipelined 3 deep, weights in registers, partial sums by row of
+    the tile (H200 LayerNorm backward 32768x1024: 0.80 of copy against 0.74
+    warp-specialized; H100 0.84 against 0.83). One kernel for every batch size it takes."""
+    scheduler, plan = _plan(name, n)
+    chosen = {rows: scheduler.heuristics(plan, profile, [rows, n]) for rows in (8192, 32768)}
+    for params in chosen.values():
+        assert params.strategy == MULTIWAVE and params.why.startswith("multi-wave, short rows")
+        assert (params.block_rows, params.block_columns, params.num_warps) == (2, 1024, 4)
+        assert (params.programs, params.stages) == (3 * profile.sm_count, 3)
+        assert params.persistent and params.column_registers and params.tile_sums
+    assert chosen[8192] == chosen[32768]  # the same kernel (``why`` is not compared)
+    forced = scheduler.heuristics(plan, profile, [32768, n], WARP_SPECIALIZED)
+    assert forced.strategy == WARP_SPECIALIZED
+
+
+@pytest.mark.parametrize(
+    ("profile", "name", "n", "dtype", "rows", "strategy"),
+    [
+        (H200, "rmsnorm_bwd", 1024, "bfloat16", 4096, WARP_SPECIALIZED),  # 11 rows a program
+        (H200, "layernorm_bwd", 1024, "float32", 32768, WARP_SPECIALIZED),  # not measured
+        (H200, "layernorm_bwd", 2048, "bfloat16", 32768, WARP_SPECIALIZED),
+        (H200, "layernorm_bwd", 512, "bfloat16", 32768, WARP_SPECIALIZED),
+        (B200, "layernorm_bwd", 1024, "bfloat16", 32768, MULTIWAVE),  # no gain recorded
+        (H200, "layernorm_fwd", 1024, "bfloat16", 32768, MULTIWAVE),  # no column sums
+    ],
+)
+def test_short_rows_keep_their_kernel_elsewhere(profile, name, n, dtype, rows, strategy):
+    scheduler, plan = _plan(name, n, dtype)
+    params = scheduler.heuristics(plan, profile, [rows, n])
+    assert params.strategy == strategy and "short rows" not in params.why, params
+
+
+@pytest.mark.parametrize("n", [1000, 1024])
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_the_short_rows_walk_matches_the_reference(name, n):
+    """The H200's short-row params, on 3 programs walking 13 rows (the last tile masked):
+    every output against float64."""
+    scheduler, plan = _plan(name, n)
+    params = scheduler.heuristics(plan, H200, [32768, n])
+    assert "short rows" in params.why
+    fd, inputs, outputs, _ = _run(name, n, "bfloat16", rows=13,
+                                  params=dataclasses.replace(params, programs=3))  # fmt: skip
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=n)
+    for actual, wanted in zip(outputs[1:], _weight_gradients_in_float64(name, inputs),
+                              strict=True):  # fmt: skip
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=13)
 
 
 def test_the_warp_specialized_parameter_loop():

@@ -171,6 +171,60 @@ def multiwave_params(
                                tile_sums=tiled, why=why)  # fmt: skip
 
 
+# Column sums over rows of this many columns (the kernel's block width) on this
+# architecture, with 16-bit full inputs: where the warp-specialized kernel would be taken,
+# a wave of programs walks the rows instead, SHORT_ROWS rows a tile, SHORT_VALUES values a
+# thread a buffered row (two 128-bit vectors; at 1024 columns 4 warps), SHORT_BLOCKS
+# programs an SM, loads pipelined 3 deep, weights in registers, partial sums by row of the
+# tile, where each program walks at least SHORT_WALK rows. Fraction of copy at 32768x1024
+# / 8192x1024 against the warp-specialized kernel (8x1024 tiles, 8 warps, one program an
+# SM; results/sweep1024b_{h200,h100}_f80a9d6.json, every output checked first):
+#   H200 LayerNorm backward 0.80 / 0.53 against 0.74 / 0.47, RMSNorm 0.87 / 0.64 against
+#   0.83 / 0.59; H100 LayerNorm 0.84 / 0.65 against 0.83 / 0.60, RMSNorm 0.90 / 0.74
+#   against 0.88 / 0.70.
+# ncu on the H200 (LayerNorm): the warp-specialized kernel's 241 registers a thread leave
+# 8 warps an SM, issue slots 60 % busy, DRAM 66 %; the walk's kernels take 112-127 (three
+# programs: 12 warps). Four programs an SM: level on the H200, below on the H100 (LayerNorm
+# 0.78 against 0.84); five do not fit (0.63-0.75); 8 warps over 2 or 4 rows, 4 warps over
+# 1 or 4, 2 warps over 1 or 2: below (results/sweep1024*_h200_f80a9d6.json). Rows a warp
+# each, (rows, chunks, 256) tiles with no exchange between warps: 0.64-0.71 on the H200
+# (results/probe3d_h200_f80a9d6.json).
+SHORT_ROW_COLUMNS: dict[int, int] = {90: 1024}
+SHORT_ROWS, SHORT_VALUES, SHORT_BLOCKS = 2, 16, 3
+SHORT_WALK = 16  # rows a program: 8192 rows walk 21 on 396 programs (132 SMs)
+
+
+def short_row_params(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
+) -> NormalizationParams | None:
+    """The walk ``SHORT_ROW_COLUMNS`` gives column sums over ``rows`` rows of
+    ``columns`` on ``hardware``, or None where it does not apply or fit."""
+    width = next_power_of_two(max(columns, 1))
+    full = plan.full_inputs
+    if (SHORT_ROW_COLUMNS.get(hardware.arch) != width or not plan.column_sums or not full
+            or any(t.dtype.bits != 16 or t.dtype.storage_only for t in full)):  # fmt: skip
+        return None
+    threads = SHORT_ROWS * width // SHORT_VALUES
+    warps = threads // hardware.warp_size
+    programs = SHORT_BLOCKS * hardware.sm_count
+    if warps < 1 or cdiv(rows, programs) < SHORT_WALK:
+        return None
+    weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
+    per_row = max(1, width // threads)
+    registers = ((plan.buffers + len(plan.column_sums)) * SHORT_VALUES + weights * per_row
+                 + OTHER_REGISTERS)  # fmt: skip
+    tile_bits = SHORT_ROWS * width * full_bits(plan)
+    if (SHORT_BLOCKS * registers * threads > hardware.registers_per_sm
+            or 3 * tile_bits > hardware.smem_per_block_bits // 2):  # fmt: skip
+        return None
+    why = (f"{SHORT_ROWS}x{width} tiles over {warps} warps ({SHORT_VALUES} values a thread a "
+           f"buffer, about {registers} registers), {programs} programs ({SHORT_BLOCKS} an SM, "
+           f"{cdiv(rows, programs)} rows each) keep column partial sums by row of the tile, "
+           "the next rows' loads pipelined 3 deep, weights in registers")  # fmt: skip
+    return NormalizationParams(SHORT_ROWS, width, warps, True, programs, 3,
+                               column_registers=bool(weights), why=why)  # fmt: skip
+
+
 def full_bits(plan: NormalizationPlan) -> int:
     """Bits of one column of every full-shape input (a row of them: times its columns)."""
     return sum(t.dtype.bits for t in plan.full_inputs)

@@ -41,6 +41,7 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     forward_chunks,
     multiwave_params,
+    short_row_params,
     split_params,
     splits_variance,
     tma_inputs,
@@ -86,7 +87,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         architecture and number of column sums and each program walks enough rows, and
         falls back to the multi-wave one when the warp-specialized parameters are
         degenerate (one stage, or too few registers left), or short of registers where a
-        multi-wave program loads a row of at least 64 KiB at once (``rows_in_flight``).
+        multi-wave program loads a row of at least 64 KiB at once (``rows_in_flight``);
+        over rows of ``SHORT_ROW_COLUMNS`` a multi-wave walk of small tiles, several
+        programs an SM, replaces the warp-specialized kernel (``short_row_params``).
         Where the multi-wave one
         would walk the row in chunks (it does not fit a program's registers) and the
         reductions take one round of exchanges (RMSNorm and LayerNorm, forward and
@@ -158,8 +161,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             why = (f"{walked} rows a program, fewer than the {threshold} that amortize a "
                    "warp-specialized program's weights and partial sums")  # fmt: skip
             return replace(multiwave, why=f"multi-wave ({why}): {multiwave.why}")
-        return replace(chosen, why=f"warp-specialized ({walked} rows a program, at least "
-                                   f"{threshold}): {chosen.why}")  # fmt: skip
+        why = f"warp-specialized ({walked} rows a program, at least {threshold}): {chosen.why}"
+        short = short_row_params(plan, hardware, columns, rows)
+        if short is not None:
+            return replace(short, why=f"multi-wave, short rows ({short.why}) [instead of {why}]")
+        return replace(chosen, why=why)
 
     def kernels(
         self,
