@@ -38,7 +38,11 @@ from schedulers.normalization.heuristics import (
     tma_inputs,
 )
 
-COMBINE_COLUMNS = 32  # column sums: columns a program of the combining kernel
+# column sums: columns a program of the combining kernel. 16, not 32: at 1024 columns 64
+# programs, not 32 (ncu, H200, LayerNorm backward 32768x1024: 9.5 us of the 61 in all at
+# 32); 0.84 of copy against 0.80 on the H200, 0.89 against 0.87 on the H100, the other
+# backward shapes within 0.01 (results/probe_combine_{h200,h100}_54047f8.json)
+COMBINE_COLUMNS = 16
 COMBINE_PARTS = 256  # and partial rows it adds per step
 COMBINE_WARPS = 8
 
