@@ -175,8 +175,9 @@ def multiwave_params(
 # architecture, with 16-bit full inputs: where the warp-specialized kernel would be taken,
 # a wave of programs walks the rows instead, SHORT_ROWS rows a tile, SHORT_VALUES values a
 # thread a buffered row (two 128-bit vectors; at 1024 columns 4 warps), SHORT_BLOCKS
-# programs an SM, loads pipelined 3 deep, weights in registers, partial sums by row of the
-# tile, where each program walks at least SHORT_WALK rows. Fraction of copy at 32768x1024
+# programs an SM, loads pipelined SHORT_STAGES deep, weights in registers, partial sums by
+# row of the tile, where each program walks at least SHORT_WALK rows. Fraction of copy at
+# 32768x1024
 # / 8192x1024 against the warp-specialized kernel (8x1024 tiles, 8 warps, one program an
 # SM; results/sweep1024b_{h200,h100}_f80a9d6.json, every output checked first):
 #   H200 LayerNorm backward 0.80 / 0.53 against 0.74 / 0.47, RMSNorm 0.87 / 0.64 against
@@ -190,7 +191,7 @@ def multiwave_params(
 # each, (rows, chunks, 256) tiles with no exchange between warps: 0.64-0.71 on the H200
 # (results/probe3d_h200_f80a9d6.json).
 SHORT_ROW_COLUMNS: dict[int, int] = {90: 1024}
-SHORT_ROWS, SHORT_VALUES, SHORT_BLOCKS = 2, 16, 3
+SHORT_ROWS, SHORT_VALUES, SHORT_BLOCKS, SHORT_STAGES = 2, 16, 3, 3
 SHORT_WALK = 16  # rows a program: 8192 rows walk 21 on 396 programs (132 SMs)
 
 
@@ -215,13 +216,13 @@ def short_row_params(
                  + OTHER_REGISTERS)  # fmt: skip
     tile_bits = SHORT_ROWS * width * full_bits(plan)
     if (SHORT_BLOCKS * registers * threads > hardware.registers_per_sm
-            or 3 * tile_bits > hardware.smem_per_block_bits // 2):  # fmt: skip
+            or SHORT_STAGES * tile_bits > hardware.smem_per_block_bits // 2):  # fmt: skip
         return None
     why = (f"{SHORT_ROWS}x{width} tiles over {warps} warps ({SHORT_VALUES} values a thread a "
            f"buffer, about {registers} registers), {programs} programs ({SHORT_BLOCKS} an SM, "
            f"{cdiv(rows, programs)} rows each) keep column partial sums by row of the tile, "
-           "the next rows' loads pipelined 3 deep, weights in registers")  # fmt: skip
-    return NormalizationParams(SHORT_ROWS, width, warps, True, programs, 3,
+           f"the next rows' loads pipelined {SHORT_STAGES} deep, weights in registers")  # fmt: skip
+    return NormalizationParams(SHORT_ROWS, width, warps, True, programs, SHORT_STAGES,
                                column_registers=bool(weights), why=why)  # fmt: skip
 
 
