@@ -487,16 +487,19 @@ def test_short_rows_gain_sooner_on_the_h200_only():
 
 
 @pytest.mark.parametrize("profile", [H200, H100])
-@pytest.mark.parametrize(("name", "n"), [("rmsnorm_bwd", 1024), ("layernorm_bwd", 1024),
-                                         ("layernorm_bwd", 1000)])  # fmt: skip
+@pytest.mark.parametrize(("name", "n", "dtype"), [("rmsnorm_bwd", 1024, "bfloat16"),
+                                                  ("layernorm_bwd", 1024, "bfloat16"),
+                                                  ("layernorm_bwd", 1000, "bfloat16"),
+                                                  ("layernorm_bwd", 1024, "float16")])  # fmt: skip
 def test_short_rows_are_walked_in_small_tiles_where_the_warp_specialized_kernel_would_be(
-    profile, name, n
+    profile, name, n, dtype
 ):
     """Column sums over rows of 1024 (16-bit inputs, sm_90): 2x1024 tiles over 4 warps, 3
     programs an SM, loads pipelined 3 deep, weights in registers, partial sums by row of
     the tile (H200 LayerNorm backward 32768x1024: 0.80 of copy against 0.74
-    warp-specialized; H100 0.84 against 0.83). One kernel for every batch size it takes."""
-    scheduler, plan = _plan(name, n)
+    warp-specialized; H100 0.84 against 0.83). One kernel for every batch size it takes;
+    forced, the warp-specialized kernel keeps its column sums by row of its tile."""
+    scheduler, plan = _plan(name, n, dtype)
     chosen = {rows: scheduler.heuristics(plan, profile, [rows, n]) for rows in (8192, 32768)}
     for params in chosen.values():
         assert params.strategy == MULTIWAVE and params.why.startswith("multi-wave, short rows")
@@ -506,6 +509,22 @@ def test_short_rows_are_walked_in_small_tiles_where_the_warp_specialized_kernel_
     assert chosen[8192] == chosen[32768]  # the same kernel (``why`` is not compared)
     forced = scheduler.heuristics(plan, profile, [32768, n], WARP_SPECIALIZED)
     assert forced.strategy == WARP_SPECIALIZED
+    assert "column sums kept by row of the tile" in forced.why, forced.why
+
+
+@pytest.mark.parametrize(
+    "profile",
+    [
+        # three programs of about 112 registers x 128 threads do not fit (the
+        # warp-specialized kernel, one program an SM, is still taken)
+        dataclasses.replace(H200, registers_per_sm=40000),
+        dataclasses.replace(H200, smem_per_block_bits=64 * 1024 * 8),  # 3 x 3 x 8 KiB tiles
+    ],
+)
+def test_short_rows_keep_the_warp_specialized_kernel_where_three_programs_do_not_fit(profile):
+    scheduler, plan = _plan("layernorm_bwd", 1024)
+    params = scheduler.heuristics(plan, profile, [32768, 1024])
+    assert params.strategy == WARP_SPECIALIZED and "short rows" not in params.why, params
 
 
 @pytest.mark.parametrize(

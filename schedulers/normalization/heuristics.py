@@ -171,28 +171,32 @@ def multiwave_params(
                                tile_sums=tiled, why=why)  # fmt: skip
 
 
-# Column sums over rows of this many columns (the kernel's block width) on this
-# architecture, with 16-bit full inputs: where the warp-specialized kernel would be taken,
-# a wave of programs walks the rows instead, SHORT_ROWS rows a tile, SHORT_VALUES values a
-# thread a buffered row (two 128-bit vectors; at 1024 columns 4 warps), SHORT_BLOCKS
-# programs an SM, loads pipelined SHORT_STAGES deep, weights in registers, partial sums by
-# row of the tile, where each program walks at least SHORT_WALK rows. Fraction of copy at
-# 32768x1024
-# / 8192x1024 against the warp-specialized kernel (8x1024 tiles, 8 warps, one program an
-# SM; results/sweep1024b_{h200,h100}_f80a9d6.json, every output checked first):
-#   H200 LayerNorm backward 0.80 / 0.53 against 0.74 / 0.47, RMSNorm 0.87 / 0.64 against
-#   0.83 / 0.59; H100 LayerNorm 0.84 / 0.65 against 0.83 / 0.60, RMSNorm 0.90 / 0.74
-#   against 0.88 / 0.70.
-# ncu on the H200 (LayerNorm): the warp-specialized kernel's 241 registers a thread leave
-# 8 warps an SM, issue slots 60 % busy, DRAM 66 %; the walk's kernels take 112-127 (three
-# programs: 12 warps). Four programs an SM: level on the H200, below on the H100 (LayerNorm
-# 0.78 against 0.84); five do not fit (0.63-0.75); 8 warps over 2 or 4 rows, 4 warps over
-# 1 or 4, 2 warps over 1 or 2: below (results/sweep1024*_h200_f80a9d6.json). Rows a warp
-# each, (rows, chunks, 256) tiles with no exchange between warps: 0.64-0.71 on the H200
-# (results/probe3d_h200_f80a9d6.json).
+# Column sums over rows of this many columns (the kernel's block width: 513-1024 columns;
+# measured at 1000 and 1024) on this architecture, with 16-bit full inputs (measured with
+# bf16): where the warp-specialized kernel would be taken (RMSNorm and LayerNorm backward
+# measured; any fusion with one or two column sums, WS_GAINS's, takes it), a wave of programs
+# walks the rows instead: SHORT_ROWS rows a tile, SHORT_VALUES values a thread a buffered
+# row (two 128-bit vectors; 4 warps at 1024 columns), SHORT_BLOCKS programs an SM, loads
+# pipelined SHORT_STAGES deep, weights in registers, partial sums by row of the tile, where
+# each program walks at least SHORT_WALK rows. Rows the warp-specialized kernel refuses
+# (a row not a multiple of 16 bytes, for TMA) keep the multi-wave kernel: not measured.
+#
+# Fraction of copy, 32768x1024 / 8192x1024, against the warp-specialized kernel (8x1024
+# tiles, 8 warps, one program an SM; results/sweep1024b_{h200,h100}_f80a9d6.json, every
+# output checked first): H200 LayerNorm backward 0.80 / 0.52 against 0.74 / 0.47, RMSNorm
+# 0.87 / 0.64 against 0.82 / 0.59; H100 LayerNorm 0.84 / 0.65 against 0.83 / 0.60,
+# RMSNorm 0.90 / 0.74 against 0.88 / 0.70. Four programs an SM: level or below on the
+# H200, below on the H100 (LayerNorm 0.78 against 0.84); five or six (they do not fit the
+# registers together): below three everywhere (0.63-0.84 at 32768 rows); 8 warps over 2
+# or 4 rows, 4 warps over 1 or 4, 2 warps over 1 or 2: below. ncu on the H200
+# (LayerNorm): the warp-specialized kernel's 241 registers a thread leave 8 warps an SM,
+# issue slots 60 % busy, DRAM 66 %; the walk's kernels take 112-127 (three programs: 12
+# warps). Rows a warp each, (rows, chunks, 256) tiles with no exchange between warps:
+# 0.64-0.71 on the H200 (results/probe3d_h200_f80a9d6.json).
 SHORT_ROW_COLUMNS: dict[int, int] = {90: 1024}
 SHORT_ROWS, SHORT_VALUES, SHORT_BLOCKS, SHORT_STAGES = 2, 16, 3, 3
-SHORT_WALK = 16  # rows a program: 8192 rows walk 21 on 396 programs (132 SMs)
+SHORT_WALK = 16  # rows a program: 8192 rows walk 21 on 396 programs (132 SMs, measured);
+# 4096 walk 11 (not taken); 12-20 not measured
 
 
 def short_row_params(
@@ -215,8 +219,10 @@ def short_row_params(
     registers = ((plan.buffers + len(plan.column_sums)) * SHORT_VALUES + weights * per_row
                  + OTHER_REGISTERS)  # fmt: skip
     tile_bits = SHORT_ROWS * width * full_bits(plan)
+    # the SM's programs together: its registers, and its shared memory (on Hopper about
+    # what one block may ask for: 228 KiB against 227)
     if (SHORT_BLOCKS * registers * threads > hardware.registers_per_sm
-            or SHORT_STAGES * tile_bits > hardware.smem_per_block_bits // 2):  # fmt: skip
+            or SHORT_BLOCKS * SHORT_STAGES * tile_bits > hardware.smem_per_block_bits):  # fmt: skip
         return None
     why = (f"{SHORT_ROWS}x{width} tiles over {warps} warps ({SHORT_VALUES} values a thread a "
            f"buffer, about {registers} registers), {programs} programs ({SHORT_BLOCKS} an SM, "
