@@ -124,8 +124,6 @@ def multiwave_params(
     for warps in (1, 2, 4, 8, 16):
         threads = warps * hardware.warp_size
         for block_rows in (1, 2, 4, 8, 16, 32, 64):
-            # per thread, per buffered row (a tile smaller than a warp: one value)
-            values = max(1, block_rows * width // threads)
             if (block_rows * width < threads and warps > 1) or block_rows * width > 65536:
                 continue
             if block_rows > 1 and block_rows > next_power_of_two(rows):
@@ -133,8 +131,7 @@ def multiwave_params(
             if block_rows > threads:  # every row needs a thread (a row of one column)
                 continue
             # buffered rows, plus a program's partial column sums when it keeps any
-            sums = len(plan.column_sums) * max(1, width // threads)
-            registers = plan.buffers * values + sums + OTHER_REGISTERS
+            registers = walk_registers(plan, hardware, width, warps, block_rows, False, False)
             if registers > MAX_REGISTERS:
                 continue
             candidate = _Candidate.of(hardware, warps, block_rows, width, columns, rows,
@@ -214,10 +211,8 @@ def short_row_params(
     programs = SHORT_BLOCKS * hardware.sm_count
     if warps < 1 or cdiv(rows, programs) < SHORT_WALK:
         return None
-    weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
-    per_row = max(1, width // threads)
-    registers = ((plan.buffers + len(plan.column_sums)) * SHORT_VALUES + weights * per_row
-                 + OTHER_REGISTERS)  # fmt: skip
+    weights = weight_inputs(plan)
+    registers = walk_registers(plan, hardware, width, warps, SHORT_ROWS, bool(weights), True)
     tile_bits = SHORT_ROWS * width * full_bits(plan)
     # the SM's programs together: its registers, and its shared memory (on Hopper about
     # what one block may ask for: 228 KiB against 227)
@@ -230,6 +225,33 @@ def short_row_params(
            f"the next rows' loads pipelined {SHORT_STAGES} deep, weights in registers")  # fmt: skip
     return NormalizationParams(SHORT_ROWS, width, warps, True, programs, SHORT_STAGES,
                                column_registers=bool(weights), why=why)  # fmt: skip
+
+
+def weight_inputs(plan: NormalizationPlan) -> int:
+    """How many inputs are column vectors (weights, biases): loaded once a program where
+    they are kept in registers."""
+    return sum(1 for t in plan.inputs if plan.kinds[t] == "column")
+
+
+def walk_registers(
+    plan: NormalizationPlan,
+    hardware: HardwareProfile,
+    width: int,
+    warps: int,
+    block_rows: int,
+    weights_held: bool,
+    tiled: bool,
+) -> int:
+    """Estimated registers a thread of a persistent walk over ``block_rows`` x ``width``
+    tiles on ``warps`` warps: each buffered input's values, the column sums' (a value a
+    thread of the tile where ``tiled``, of one row otherwise), the weights' where
+    ``weights_held``, and ``OTHER_REGISTERS``."""
+    threads = warps * hardware.warp_size
+    values = max(1, block_rows * width // threads)
+    per_row = max(1, width // threads)  # a column vector's values a thread
+    sums = len(plan.column_sums) * (values if tiled else per_row)
+    weights = weight_inputs(plan) * per_row if weights_held else 0
+    return plan.buffers * values + sums + weights + OTHER_REGISTERS
 
 
 def full_bits(plan: NormalizationPlan) -> int:

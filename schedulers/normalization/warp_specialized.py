@@ -18,13 +18,14 @@ from schedulers.normalization.heuristics import (
     FAST_MEMORY_GBPS,
     MAX_REGISTERS,
     MULTIWAVE,
-    OTHER_REGISTERS,
     SPILL_ALLOWANCE,
     WARP_SPECIALIZED,
     NormalizationParams,
     full_bits,
     tile_sums_fit,
     tma_refusal,
+    walk_registers,
+    weight_inputs,
 )
 from schedulers.runtime import next_power_of_two
 
@@ -102,8 +103,7 @@ def rows_in_flight(
     (bf16 at 12288 columns, float32 at 8192) nothing was measured: it stays."""
     if not multiwave.persistent or multiwave.strategy != MULTIWAVE or multiwave.block_rows != 1:
         return None
-    weights = any(plan.kinds[t] == "column" for t in plan.inputs)
-    if weights and specialized.column_registers:
+    if weight_inputs(plan) and specialized.column_registers:
         return None
     row_bits = columns * full_bits(plan)
     if row_bits < WS_INFLIGHT_BITS:
@@ -132,14 +132,10 @@ def warp_specialized_params(
     row_bits = width * full_bits(plan)  # a tile row, every buffered input
     budget = hardware.smem_per_block_bits - WS_SCRATCH_BITS
     vector = max(1, 128 // max(t.dtype.bits for t in full))  # values of a 16-byte load
-    weights = sum(1 for t in plan.inputs if plan.kinds[t] == "column")
+    weights = weight_inputs(plan)
 
     def registers(warps: int, block_rows: int, hoist: bool, tiled: bool = False) -> int:
-        threads = warps * hardware.warp_size
-        values = max(1, block_rows * width // threads)
-        per_row = max(1, width // threads)  # a column vector's values a thread
-        sums = len(plan.column_sums) * (values if tiled else per_row)
-        return plan.buffers * values + sums + hoist * weights * per_row + OTHER_REGISTERS
+        return walk_registers(plan, hardware, width, warps, block_rows, hoist, tiled)
 
     def limit(warps: int) -> int:  # registers a thread may have
         return min(MAX_REGISTERS, hardware.registers_per_sm // (warps * hardware.warp_size))
