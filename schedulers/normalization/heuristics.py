@@ -141,10 +141,13 @@ def multiwave_params(
     if not candidates:
         return chunked_params(plan, hardware, columns)
     # With column sums a wave of programs walks the rows, a reduction or two a row
-    # each step: there a row within one warp (no shared memory in its reductions)
-    # ranks second instead of the two-vector criterion (RMSNorm backward at 1024 on
-    # H200: 0.55 of copy with 8 warps of a row each, 0.34 with 16 warps over 2 rows,
-    # 0.14 with 2 warps over 1).
+    # each step: there at most a warp's threads a row (``in_warp``) ranks second instead
+    # of the two-vector criterion (RMSNorm backward at 1024 on H200: 0.55 of copy with 8
+    # warps over 8 rows, 0.34 with 16 warps over 2 rows, 0.14 with 2 warps over 1). It
+    # does not keep a row in one warp: Triton lays a tile's warps along its rows first
+    # (8x1024 bf16 over 8 warps: warpsPerCTA [2, 4], a row over 4 warps; compiled for
+    # sm_90), so the row's reductions still cross warps; the criterion stays for what it
+    # measured.
     walks = bool(plan.column_sums)
     best = min(candidates, key=lambda candidate: candidate.rank(walks))
     why = f"{best.describe()}; best of {len(candidates)} persistent candidates"
@@ -450,7 +453,8 @@ class _Candidate:
     waves: int
     blocks: int  # programs an SM holds at once
     busy: bool  # at least four 128-bit vectors a thread per buffered row
-    in_warp: bool  # a row within one warp, at most 32 values a thread per buffered row
+    in_warp: bool  # at most a warp's threads a row (not a row a warp: see
+    # ``multiwave_params``), at most 32 values a thread per buffered row
 
     @classmethod
     def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
