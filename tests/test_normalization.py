@@ -25,7 +25,12 @@ from schedulers.normalization import (
     NormalizationScheduler,
 )
 from schedulers.normalization.codegen import source
-from schedulers.normalization.heuristics import SPLIT_TMA_STAGES, short_row_params
+from schedulers.normalization.heuristics import (
+    SPLIT_SUMS_STAGES,
+    SPLIT_TMA_STAGES,
+    short_row_params,
+    split_params,
+)
 from schedulers.registry import split_into_kernels
 
 HIDDEN = [1, 7, 1000, 1024, 4096, 24576, 65536]
@@ -671,8 +676,8 @@ def _split_grid() -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize(("name", "n", "dtype"), _split_grid())
 def test_the_split_kernel_matches_the_reference(name, n, dtype):
-    """Forced: a row split over programs (2; 4 at 24576, 8 at 65536) that exchange their
-    partial reductions; the interpreter runs a launch's programs concurrently (they wait
+    """Forced: a row split over programs (2; with column sums 8 at 24576, 16 at 65536)
+    that exchange their partial reductions; the interpreter runs a launch's programs concurrently (they wait
     for each other), two groups of them walking 5 rows. Every output, the column sums
     against float64 arithmetic."""
     rows = 5
@@ -692,12 +697,15 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
         for actual, value in zip(outputs, expected, strict=True):
             assert_close(actual, value, reduction_extent=n)
     params = executor.chosen_params["k0"]
-    assert params.strategy == SPLIT and params.parts == {24576: 4, 65536: 8}.get(n, 2), params
+    sums = name in ("rmsnorm_bwd", "layernorm_bwd")  # column sums: slices of 4096
+    parts = {24576: 8, 65536: 16}.get(n, 2) if sums else 2
+    assert params.strategy == SPLIT and params.parts == parts, params
     # one input of the full shape (a forward, softmax's too) whose rows TMA can stride:
     # its slices come through descriptors, pipelined (the interpreter's profile allows it)
     tma = name.endswith("_fwd") and n * DTYPES[dtype].itemsize % 16 == 0
-    assert params.tma == tma and params.prefetch == (not tma), params
-    assert params.stages == (SPLIT_TMA_STAGES if tma else 1), params
+    assert params.tma == tma and params.prefetch == (not tma and not sums), params
+    stages = SPLIT_TMA_STAGES if tma else SPLIT_SUMS_STAGES if sums else 1
+    assert params.stages == stages, params
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     assert "split over programs exchanging partial reductions" in source
     # a post and a wait a level, of tagged words, relaxed at GPU scope
@@ -730,10 +738,11 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
     """Where a slice is narrower than 256 columns a warp, warps may each hold the whole row
     and reduce it without crossing warps: the block waits at a barrier after the
     exchange's wait, so no thread reads a row's slots after a partner reused them. The
-    heuristics' slices (8192 columns, at most 16 warps) have none."""
+    heuristics' slices (4096 columns over 4 warps, 8192 over 4-16) have none."""
     scheduler, plan = _plan("layernorm_bwd", 16384)
     chosen = scheduler.heuristics(plan, H200, [8192, 16384], SPLIT)
-    narrow = dataclasses.replace(chosen, block_columns=1024, parts=16)
+    assert chosen.block_columns >= 256 * chosen.num_warps, chosen
+    narrow = dataclasses.replace(chosen, block_columns=512, parts=32)
     assert "tl.debug_barrier()" not in source(plan, chosen)
     assert source(plan, narrow).count("tl.debug_barrier()") == 1
 
@@ -756,27 +765,29 @@ def test_the_split_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_fwd", 65536, 4096, 8, 4, (H100, H200)),  # a forward: 64 values a thread
         # its variance in one round (the H200 walks it: the test after the next)
         ("layernorm_fwd", 65536, 4096, 8, 4, (H100,)),
-        ("rmsnorm_bwd", 65536, 4096, 8, 8, (H100, H200)),
-        ("layernorm_bwd", 65536, 4096, 8, 8, (H100, H200)),
-        ("layernorm_bwd", 16384, 8192, 2, 8, (H100, H200)),
-        # 6144 columns a program, padded to 8192
-        ("rmsnorm_bwd", 24576, 4096, 4, 8, (H100, H200)),
+        # column sums: 4096 columns a program over 4 warps
+        ("rmsnorm_bwd", 65536, 4096, 16, 4, (H100, H200)),
+        ("layernorm_bwd", 65536, 4096, 16, 4, (H100, H200)),
+        ("layernorm_bwd", 16384, 8192, 4, 4, (H100, H200)),
+        # 3072 columns a program, padded to 4096
+        ("rmsnorm_bwd", 24576, 4096, 8, 4, (H100, H200)),
     ],
 )
 def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, profiles):
     """Where the multi-wave kernel would walk the row in chunks (and the warp-specialized
-    one is degenerate), H100 and H200 split it, a program per 8192 columns, 8 warps (4
-    for a forward, which keeps no column sums), prefetching, as many programs as the
-    device holds; the interpreter keeps the chunks (its programs would run one at a
-    time), as do rows that fit."""
+    one is degenerate), H100 and H200 split it: with column sums a program per 4096
+    columns over 4 warps, its loads pipelined; a forward a program per 8192 columns over
+    4 warps, through TMA (prefetched where TMA cannot stride its rows); as many programs
+    as the device holds. The interpreter keeps the chunks (its programs would run one at
+    a time), as do rows that fit."""
     scheduler, plan = _plan(name, n)
     forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
         assert params.num_warps == warps and params.programs == 0, params
-        assert params.tma == forward and params.prefetch == (not forward), params
-        assert params.stages == (SPLIT_TMA_STAGES if forward else 1), params
+        assert params.tma == forward and not params.prefetch, params
+        assert params.stages == (SPLIT_TMA_STAGES if forward else SPLIT_SUMS_STAGES), params
         assert params.block_columns * parts >= n and "[instead of " in params.why
         if forward:  # rows TMA cannot stride (not a multiple of 16 bytes): prefetched
             odd = scheduler.heuristics(plan, profile, [rows, n - 1])
@@ -786,6 +797,21 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     assert interpreted.strategy == MULTIWAVE and not interpreted.persistent
     fitting = scheduler.heuristics(plan, H200, [rows, 4096])
     assert fitting.strategy != SPLIT
+
+
+@pytest.mark.parametrize(
+    ("name", "parts", "warps"), [("rmsnorm_bwd", 32, 4), ("layernorm_bwd", 16, 8)]
+)
+def test_a_split_row_has_no_more_words_a_round_than_a_warp_polls(name, parts, warps):
+    """A warp polls a round's words a lane each (``wait_source``), at most 32 (every
+    thread loading every word was half as fast): LayerNorm backward's two partials a
+    program cap its rows of 131072 columns at 16 programs of 8192 (8 warps keep 32
+    values a thread); RMSNorm's one partial allows 32 of 4096."""
+    _, plan = _plan(name, 131072)
+    params = split_params(plan, H200, 131072)
+    assert params.parts == parts and params.num_warps == warps, params
+    assert params.parts * max(plan.exchanges.values()) <= 32
+    assert params.block_columns * params.parts == 131072
 
 
 def test_two_rounds_of_exchanges_keep_the_chunks():

@@ -52,6 +52,19 @@ SPLIT_FORWARD_VALUES = 64
 # slower that way (RMSNorm 8192x16384, H200: 0.72-0.74 against 0.74-0.75 prefetched;
 # LayerNorm 0.51-0.58 against 0.62; norms_split_poll_h200_b1e13ab.json).
 SPLIT_TMA_STAGES = 3
+# A split row with column sums (a backward): slices of this many columns (SPLIT_VALUES a
+# thread: 4 warps), its inputs loaded by pointer, pipelined SPLIT_SUMS_STAGES rows deep,
+# instead of 8192 over 8 warps with the next row prefetched (fraction of copy, H200 / H100,
+# results/norms_split_pipelined_{h200,h100}_{1,2}_554e014.json): LayerNorm backward
+# 8192x16384 0.80 / 0.90 against 0.70 / 0.84, 4096x65536 0.69 / 0.86 against 0.66 / 0.80;
+# RMSNorm backward 4096x65536 0.76 / 0.90 against 0.71 / 0.86. Pipelined at 8192 over 8
+# warps: 0.77 / 0.90 (16384), 0.69 / 0.87 (65536); 2 or 4 deep, 16 values a thread: lower.
+SPLIT_SUMS_SLICE = 4096
+SPLIT_SUMS_STAGES = 3
+# Rows with column sums held by one multi-wave program from this block width on are split
+# too (RMSNorm backward at 16384: 16 warps, 32 values a thread, spilling a little):
+# 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92.
+SPLIT_SUMS_FROM = 16384
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
 STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT)
@@ -367,39 +380,44 @@ def split_params(
     columns: int,
     parts: int | None = None,
 ) -> NormalizationParams | str:
-    """A row split over ``parts`` programs (by default one per ``SPLIT_SLICE`` columns,
-    at least two), or why it cannot be: each program keeps its slice of the row (and of
-    the column sums) in registers, exchanges its partial reductions with the others
-    through tagged slots in global memory (a round a level of reductions, a row),
-    and applies them to its slice; weights are loaded once; the next row's inputs are
-    loaded before the exchange (a forward's one input through TMA instead, the walk
-    pipelined ``SPLIT_TMA_STAGES`` stages deep, where TMA can stride its rows).
-    Measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``;
-    neighbours in ``results/norms_split_sweep_h200.json``): 8 warps a slice of 8192
-    columns, the next row prefetched, as many programs as the device holds (one an SM
-    at about 240 registers a thread); twice or half the parts, 16 warps, two rows a
-    block, no prefetch: each slower at 16384 and 65536. The programs of a row wait for
-    each other, so the grid is never larger than the device holds at once."""
+    """A row split over ``parts`` programs, or why it cannot be: each program keeps its
+    slice of the row (and of the column sums) in registers, exchanges its partial
+    reductions with the others through tagged slots in global memory (a round a level of
+    reductions, a row), and applies them to its slice; weights are loaded once.
+    By default, at least two programs, and no more than a warp polls words at once:
+    - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns, the walk's loads
+      pipelined ``SPLIT_SUMS_STAGES`` rows deep;
+    - without, a program per ``SPLIT_SLICE`` columns, the one input's slices through TMA,
+      pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA can stride its rows, else the
+      next row's inputs loaded before the exchange.
+    First measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``): 8 warps
+    a slice of 8192 columns, the next row prefetched; the constants say what replaced
+    it. The programs of a row wait for each other, so the grid is never larger than the
+    device holds at once."""
     if hardware.arch and hardware.arch < 70:
         return f"polling the exchange needs sm_70 or later (sm_{hardware.arch})"
     other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
     if other:
         return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
                 "integer and float64 reductions are not split")  # fmt: skip
-    if parts is None:
-        parts = max(2, next_power_of_two(cdiv(columns, SPLIT_SLICE)))
+    sums = bool(plan.column_sums)
+    if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
+        most = 1 << max(0, (hardware.warp_size // max(plan.exchanges.values())).bit_length() - 1)
+        slice_ = SPLIT_SUMS_SLICE if sums else SPLIT_SLICE
+        parts = max(2, min(next_power_of_two(cdiv(columns, slice_)), most))
     if parts < 1:
         return f"parts={parts}: at least one program a row"
     width = next_power_of_two(cdiv(max(columns, 1), parts))
-    values = SPLIT_VALUES if plan.column_sums else SPLIT_FORWARD_VALUES
+    values = SPLIT_VALUES if sums else SPLIT_FORWARD_VALUES
     warps = max(1, min(16, width // (values * hardware.warp_size)))
     full = plan.full_inputs
-    prefetch = all(not t.dtype.storage_only for t in full)
     # measured on forwards: one full input, no column sums
-    tma = (len(full) == 1 and not plan.column_sums
+    tma = (len(full) == 1 and not sums
            and tma_refusal(plan, hardware, columns, width) is None)  # fmt: skip
-    loads = (f", the input's slices loaded through TMA, pipelined {SPLIT_TMA_STAGES} "
-             "stages deep" if tma
+    prefetch = not sums and not tma and all(not t.dtype.storage_only for t in full)
+    stages = SPLIT_TMA_STAGES if tma else SPLIT_SUMS_STAGES if sums else 1
+    loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
+             else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
@@ -407,9 +425,9 @@ def split_params(
         f"{len(plan.levels)} partial reductions exchanged a row{loads}"
         "; as many programs as the device holds at once"
     )
-    return NormalizationParams(1, width, warps, True, 0, SPLIT_TMA_STAGES if tma else 1,
-                               strategy=SPLIT, column_registers=True, parts=parts,
-                               prefetch=prefetch and not tma, tma=tma, why=why)  # fmt: skip
+    return NormalizationParams(1, width, warps, True, 0, stages, strategy=SPLIT,
+                               column_registers=True, parts=parts, prefetch=prefetch,
+                               tma=tma, why=why)  # fmt: skip
 
 
 def tma_inputs(plan: NormalizationPlan, params: NormalizationParams) -> list[TensorView]:

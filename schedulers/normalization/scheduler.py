@@ -36,6 +36,7 @@ from schedulers.normalization.exchange import exchange_slots
 from schedulers.normalization.heuristics import (
     MULTIWAVE,
     SPLIT,
+    SPLIT_SUMS_FROM,
     STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
@@ -59,6 +60,11 @@ from schedulers.runtime import (
     resident_programs,
     tma_descriptor,
 )
+
+# sm_90 and later: the combining kernel is launched as the walk's programmatic dependent
+# (``launch_pdl``): the walk lets it be scheduled from its start, and it waits in
+# ``wait_prior_kernel`` for the walk to end and its writes to be visible.
+PDL = True
 
 
 class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
@@ -120,7 +126,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                     return replace(split, why=f"split (a variance over rows of {columns} on "
                                               f"a device of {hardware.memory_gbps:.0f} GB/s): "
                                               f"{split.why} [instead of {chosen.why}]")  # fmt: skip
-        if chosen.persistent or strategy or hardware.arch < 90:
+        if strategy or hardware.arch < 90:
+            return chosen
+        held = (plan.column_sums and chosen.strategy == MULTIWAVE
+                and chosen.block_columns >= SPLIT_SUMS_FROM)  # fmt: skip
+        if chosen.persistent and not held:
             return chosen
         rounds = len(plan.exchanges)
         if rounds > 1:  # an exchange a level a row: the chunks' second pass is faster
@@ -129,9 +139,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
-        return replace(split, why=f"split (the row does not fit one program's registers, "
-                                  f"and walked in chunks it is read {plan.depth + 1} times): "
-                                  f"{split.why} [instead of {chosen.why}]")  # fmt: skip
+        reason = (f"rows of {chosen.block_columns} with column sums"
+                  if chosen.persistent else "the row does not fit one program's registers, "
+                  f"and walked in chunks it is read {plan.depth + 1} times")  # fmt: skip
+        return replace(split, why=f"split ({reason}): {split.why} [instead of {chosen.why}]")
 
     def _heuristics(self, plan, hardware, columns, rows, strategy) -> NormalizationParams:
         """The multi-wave or the warp-specialized params (``heuristics``, split aside)."""
@@ -277,9 +288,11 @@ class NormalizationLauncher(Launcher):
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
+            cuda = device.type == "cuda" and self.hardware.arch >= 90
+            pdl = {"launch_pdl": True} if PDL and cuda else {}
             self.combine[(cdiv(columns, COMBINE_COLUMNS),)](*partials, *sums, count,
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
-                **COMPILE_OPTIONS)  # fmt: skip
+                **COMPILE_OPTIONS, **pdl)  # fmt: skip
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
