@@ -677,9 +677,9 @@ def _split_grid() -> list[tuple[str, int, str]]:
 @pytest.mark.parametrize(("name", "n", "dtype"), _split_grid())
 def test_the_split_kernel_matches_the_reference(name, n, dtype):
     """Forced: a row split over programs (2; with column sums 8 at 24576, 16 at 65536)
-    that exchange their partial reductions; the interpreter runs a launch's programs concurrently (they wait
-    for each other), two groups of them walking 5 rows. Every output, the column sums
-    against float64 arithmetic."""
+    that exchange their partial reductions; the interpreter runs a launch's programs
+    concurrently (they wait for each other), two groups of them walking 5 rows. Every
+    output, the column sums against float64 arithmetic."""
     rows = 5
     KERNEL_CACHE.clear()
     fd = BUILDERS[name](n, dtype)
