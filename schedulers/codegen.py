@@ -81,9 +81,8 @@ from schedulers.triton_lib import (
     fp4_decode, fp4_encode, fp8e4m3_decode, fp8e4m3_encode, fp8e5m2_decode, fp8e5m2_encode,
 )
 from schedulers.triton_math import (
-    INTERPRETED, add, div, gelu, gelu_tanh, launch_dependents, maximum, minimum, reciprocal,
-    round_to_bf16, round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh,
-    wait_prior_kernel,
+    INTERPRETED, add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16,
+    round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh,
 )
 """
 

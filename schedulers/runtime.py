@@ -15,6 +15,7 @@ import inspect
 import itertools
 import sys
 import threading
+import time
 
 import torch
 
@@ -123,21 +124,35 @@ def concurrent_programs():
                            for index in itertools.product(*map(range, grid))]  # fmt: skip
                 for thread in threads:
                     thread.start()
-                for thread in threads:
-                    thread.join(CONCURRENT_TIMEOUT_S)
-                    if thread.is_alive():
+                # a program that failed leaves its partners waiting for it: its error
+                # is raised at once (they are daemon threads, left waiting)
+                deadline = time.monotonic() + CONCURRENT_TIMEOUT_S
+                while any(thread.is_alive() for thread in threads) and not failures:
+                    if time.monotonic() > deadline:
                         raise TimeoutError(
                             f"a program of {self.fn.__name__} did not finish in "
                             f"{CONCURRENT_TIMEOUT_S} s under the interpreter"
                         )
+                    time.sleep(0.01)
             finally:
                 patched.restore()
             if failures:
                 raise failures[0]
             self._restore_args_dev(args_dev, args_hst, kwargs, kwargs_hst)
 
+        # A device function's call patches triton.language again (``_patch_lang``), which
+        # iterates module dicts another thread may be patching: one program failed so
+        # ("dictionary changed size during iteration") and its partners waited forever.
+        plain_patch = interpreter._patch_lang
+        patching = threading.Lock()
+
+        def patch(fn):
+            with patching:
+                return plain_patch(fn)
+
         builder.__class__ = Concurrent
         executor.__call__ = call
+        interpreter._patch_lang = patch
         # The waiting programs poll; Python's default 5 ms between thread switches lets
         # each poll hold the interpreter that long while the program it waits for
         # stands still (a split row test took 13 s so, 2.5 s at 0.2 ms).
@@ -149,6 +164,7 @@ def concurrent_programs():
             sys.setswitchinterval(switch_interval)
             builder.__class__ = plain_class
             executor.__call__ = plain_call
+            interpreter._patch_lang = plain_patch
 
 
 CONCURRENT_TIMEOUT_S = 300  # a program under concurrent_programs, at most

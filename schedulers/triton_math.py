@@ -14,8 +14,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton import knobs
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-from triton.language.target_info import cuda_capability_geq
 
 # Read when this module is imported: set TRITON_INTERPRET before importing it.
 INTERPRETED: tl.constexpr = tl.constexpr(bool(knobs.runtime.interpret))
@@ -31,26 +29,6 @@ def round_to_bf16(x):
         return rounded.to(tl.float32, bitcast=True)
     else:
         return x.to(tl.bfloat16).to(tl.float32)
-
-
-@triton.jit
-def wait_prior_kernel():
-    """A kernel launched as a programmatic dependent (``launch_pdl``) waits here until
-    the kernel before it on the stream has finished and its writes are visible. A
-    no-op in a launch that was not programmatic, before sm_90 and in the interpreter."""
-    if not INTERPRETED:
-        if cuda_capability_geq(9):
-            gdc_wait()
-
-
-@triton.jit
-def launch_dependents():
-    """Lets the next kernel on the stream, where launched as a programmatic dependent,
-    be scheduled now (it still waits in ``wait_prior_kernel`` for this one to finish).
-    A no-op otherwise, before sm_90 and in the interpreter."""
-    if not INTERPRETED:
-        if cuda_capability_geq(9):
-            gdc_launch_dependents()
 
 
 @triton.jit

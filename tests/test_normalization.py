@@ -384,7 +384,7 @@ def test_the_warp_specialized_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_bwd", 2048, 32768, WARP_SPECIALIZED, "at least 48"),
         ("layernorm_bwd", 4096, 32768, WARP_SPECIALIZED, "249 rows a program"),
         ("layernorm_bwd", 8192, 16384, WARP_SPECIALIZED, "16 consumer warps"),
-        ("rmsnorm_bwd", 16384, 8192, MULTIWAVE, "a row of 64 KiB loaded at once a program"),
+        ("rmsnorm_bwd", 16384, 8192, SPLIT, "with column sums): the row split over 4 programs"),
         ("rmsnorm_bwd", 4096, 4096, MULTIWAVE, "32 rows a program, fewer than the 48"),
         # rows of 1024 columns gain from 32 rows a program on the H200 (not on the H100)
         ("rmsnorm_bwd", 1024, 4096, WARP_SPECIALIZED, "32 rows a program, at least 32"),
@@ -676,7 +676,7 @@ def _split_grid() -> list[tuple[str, int, str]]:
 
 @pytest.mark.parametrize(("name", "n", "dtype"), _split_grid())
 def test_the_split_kernel_matches_the_reference(name, n, dtype):
-    """Forced: a row split over programs (2; with column sums 8 at 24576, 16 at 65536)
+    """Forced: a row split over programs (2; with column sums 6 at 24576, 16 at 65536)
     that exchange their partial reductions; the interpreter runs a launch's programs
     concurrently (they wait for each other), two groups of them walking 5 rows. Every
     output, the column sums against float64 arithmetic."""
@@ -698,7 +698,7 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
             assert_close(actual, value, reduction_extent=n)
     params = executor.chosen_params["k0"]
     sums = name in ("rmsnorm_bwd", "layernorm_bwd")  # column sums: slices of 4096
-    parts = {24576: 8, 65536: 16}.get(n, 2) if sums else 2
+    parts = {24576: 6, 65536: 16}.get(n, 2) if sums else 2
     assert params.strategy == SPLIT and params.parts == parts, params
     # one input of the full shape (a forward, softmax's too) whose rows TMA can stride:
     # its slices come through descriptors, pipelined (the interpreter's profile allows it)
@@ -732,6 +732,22 @@ def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
             exact = _weight_gradients_in_float64(name, inputs)
             for actual, wanted in zip(outputs[1:], exact, strict=True):
                 assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_a_split_row_in_three_pipelined_slices(name):
+    """The column sums' split as the heuristics give it (no prefetch, loads pipelined
+    SPLIT_SUMS_STAGES rows deep), over a number of programs a row that is not a power of
+    two (three slices of 512, the last one ragged, as 12288 columns in three of 4096):
+    7 rows, each output against the reference, the column sums against float64."""
+    params = NormalizationParams(1, 512, 1, True, 0, SPLIT_SUMS_STAGES, strategy=SPLIT,
+                                 column_registers=True, parts=3)  # fmt: skip
+    fd, inputs, outputs, executor = _run(name, 1300, "bfloat16", rows=7, params=params)
+    assert executor.chosen_params["k0"] == params
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1300)
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=7)
 
 
 def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
@@ -769,8 +785,9 @@ def test_the_split_kernel_is_reused_across_batch_sizes():
         ("rmsnorm_bwd", 65536, 4096, 16, 4, (H100, H200)),
         ("layernorm_bwd", 65536, 4096, 16, 4, (H100, H200)),
         ("layernorm_bwd", 16384, 8192, 4, 4, (H100, H200)),
-        # 3072 columns a program, padded to 4096
-        ("rmsnorm_bwd", 24576, 4096, 8, 4, (H100, H200)),
+        # six programs of 4096 columns (a forward's would be four of 8192, one empty)
+        ("rmsnorm_bwd", 24576, 4096, 6, 4, (H100, H200)),
+        ("layernorm_bwd", 12288, 4096, 3, 4, (H100, H200)),
     ],
 )
 def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, profiles):
@@ -847,23 +864,30 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
     assert source.count(" = xwait") == 1 and "def xpost0(pointer, tag, v0, v1):" in source
 
 
-def test_rmsnorm_backward_at_16384_takes_one_row_of_16_warps_a_program():
-    """Its row (64 KiB of x and dy) is loaded at once by 16 warps, a program an SM: about
-    136 registers a thread estimated against the 128 of a block of 512 threads, within
-    the spill allowance (H100: 0.87-0.92 of copy at 4096-16384 rows, against 0.81-0.86
-    warp-specialized; 0.91 against 0.82 with 8 warps). Not split, not warp-specialized,
-    at any batch size. At 12288 columns (48 KiB rows) the warp-specialized kernel stays
-    where it was chosen."""
+def test_rmsnorm_backward_at_16384_is_split_in_four():
+    """Its row (64 KiB of x and dy) held by one multi-wave program takes 16 warps, a
+    program an SM, about 136 registers a thread against the 128 of a block of 512 threads
+    (within the spill allowance). Split in four slices of 4096, loads pipelined, it read
+    0.81-0.82 of copy against 0.76-0.78 on the H200, 0.91 against 0.90-0.92 on the H100
+    (8192 rows), so from ``SPLIT_SUMS_FROM`` columns rows with column sums are split, at
+    any batch size; the multi-wave kernel forced is still that row of 16 warps. At 12288
+    columns (48 KiB rows) the multi-wave (0.79 of copy against 0.66 split, H200, 4096
+    rows) and warp-specialized kernels stay where they were chosen."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)
     narrower, narrower_plan = _plan("rmsnorm_bwd", 12288)
     for profile in (H100, H200):
         for rows in (1024, 8192, 32768):
             params = scheduler.heuristics(plan, profile, [rows, 16384])
-            assert params.strategy == MULTIWAVE and params.persistent, params
-            assert (params.num_warps, params.block_rows, params.stages) == (16, 1, 1), params
-            assert params.programs == profile.sm_count, params
+            assert params.strategy == SPLIT and params.parts == 4, params
+            assert params.num_warps == 4 and params.block_columns == 4096, params
+            assert "split (rows of 16384 with column sums)" in params.why, params
+            held = scheduler.heuristics(plan, profile, [rows, 16384], MULTIWAVE)
+            assert (held.num_warps, held.block_rows, held.stages) == (16, 1, 1), held
+            assert held.persistent and held.programs == profile.sm_count, held
         kept = narrower.heuristics(narrower_plan, profile, [32768, 12288])
         assert kept.strategy == WARP_SPECIALIZED, kept
+        kept = narrower.heuristics(narrower_plan, profile, [4096, 12288])
+        assert kept.strategy == MULTIWAVE and kept.persistent, kept
 
 
 def test_the_spill_allowance_of_a_multi_wave_block():

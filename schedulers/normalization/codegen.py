@@ -45,7 +45,6 @@ from schedulers.normalization.heuristics import (
 COMBINE_COLUMNS = 16
 COMBINE_PARTS = 256  # and partial rows it adds per step
 COMBINE_WARPS = 8
-DEPENDENTS_EARLY = True  # a walk with column sums lets its combining kernel be scheduled
 
 
 def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
@@ -177,8 +176,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             walk = f"for row_block in range({blocks}):"
         lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
                  *after]  # fmt: skip
-        if sums and DEPENDENTS_EARLY:  # the combining kernel scheduled from the start
-            lines = ["launch_dependents()", *lines]
     else:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
@@ -195,7 +192,6 @@ def combine_source(plan: NormalizationPlan) -> str:
     dtype (LayerNorm backward's two combining launches cost 2.3 us each at 1024x4096,
     H200, of 16 us in all)."""
     emit = Emitter()
-    emit.line("wait_prior_kernel()  # launched as the walk's programmatic dependent")
     emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
     emit.line("col_mask = cols < COLUMNS")
     sums = range(len(plan.column_sums))

@@ -125,14 +125,16 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     # the interpreter: every slot of the round polled at once (unused ones carry tag 0),
     # each word picked out as integer bits (one word at a time: 76 s against 9 s, forced
     # LayerNorm forward over 32 programs of 2 rows)
+    # (a power of two of them: arange's; those past the round's are not loaded)
     interpreted = (
-        f"        slots = tl.arange(0, {parts * width})\n"
-        f"        live = (slots % {width}) < {count}\n"
+        f"        slots = tl.arange(0, {next_power_of_two(parts * width)})\n"
+        f"        there = slots < {parts * width}\n"
+        f"        live = ((slots % {width}) < {count}) & there\n"
         f"        words = pointer[:, None] + (slots * {rows})[None, :]\n"
         "        tags = tl.where(live, tag.to(tl.int64), 0)[None, :]\n"
-        "        got = tl.load(words, volatile=True)\n"
+        "        got = tl.load(words, mask=there[None, :], other=0, volatile=True)\n"
         "        while tl.max(tl.ravel(((got >> 32) != tags).to(tl.int32)), 0) != 0:\n"
-        "            got = tl.load(words, volatile=True)\n"
+        "            got = tl.load(words, mask=there[None, :], other=0, volatile=True)\n"
         + "".join(f"        w{k} = tl.sum(tl.where(slots[None, :] == {at // rows}, got, 0), 1)"
                   ".to(tl.int32)\n" for k, at in enumerate(offsets))
     )  # fmt: skip

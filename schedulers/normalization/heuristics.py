@@ -61,9 +61,10 @@ SPLIT_TMA_STAGES = 3
 # warps: 0.77 / 0.90 (16384), 0.69 / 0.87 (65536); 2 or 4 deep, 16 values a thread: lower.
 SPLIT_SUMS_SLICE = 4096
 SPLIT_SUMS_STAGES = 3
-# Rows with column sums held by one multi-wave program from this block width on are split
+# Rows with column sums held by one multi-wave program from this many columns on are split
 # too (RMSNorm backward at 16384: 16 warps, 32 values a thread, spilling a little):
-# 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92.
+# 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
+# 12288 (4096 rows) the multi-wave row read 0.79 against 0.66 split in four, one empty.
 SPLIT_SUMS_FROM = 16384
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
@@ -403,8 +404,10 @@ def split_params(
     sums = bool(plan.column_sums)
     if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
         most = 1 << max(0, (hardware.warp_size // max(plan.exchanges.values())).bit_length() - 1)
-        slice_ = SPLIT_SUMS_SLICE if sums else SPLIT_SLICE
-        parts = max(2, min(next_power_of_two(cdiv(columns, slice_)), most))
+        # with column sums as many slices as the row fills (none empty; 3 at 12288)
+        wanted = cdiv(columns, SPLIT_SUMS_SLICE) if sums else next_power_of_two(
+            cdiv(columns, SPLIT_SLICE))  # fmt: skip
+        parts = max(2, min(wanted, most))
     if parts < 1:
         return f"parts={parts}: at least one program a row"
     width = next_power_of_two(cdiv(max(columns, 1), parts))

@@ -61,11 +61,6 @@ from schedulers.runtime import (
     tma_descriptor,
 )
 
-# sm_90 and later: the combining kernel is launched as the walk's programmatic dependent
-# (``launch_pdl``): the walk lets it be scheduled from its start, and it waits in
-# ``wait_prior_kernel`` for the walk to end and its writes to be visible.
-PDL = True
-
 
 class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
     """Takes row reductions whose results are used back along the rows (softmax,
@@ -128,8 +123,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                                               f"{split.why} [instead of {chosen.why}]")  # fmt: skip
         if strategy or hardware.arch < 90:
             return chosen
-        held = (plan.column_sums and chosen.strategy == MULTIWAVE
-                and chosen.block_columns >= SPLIT_SUMS_FROM)  # fmt: skip
+        held = plan.column_sums and chosen.strategy == MULTIWAVE and columns >= SPLIT_SUMS_FROM
         if chosen.persistent and not held:
             return chosen
         rounds = len(plan.exchanges)
@@ -139,7 +133,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
-        reason = (f"rows of {chosen.block_columns} with column sums"
+        reason = (f"rows of {columns} with column sums"
                   if chosen.persistent else "the row does not fit one program's registers, "
                   f"and walked in chunks it is read {plan.depth + 1} times")  # fmt: skip
         return replace(split, why=f"split ({reason}): {split.why} [instead of {chosen.why}]")
@@ -288,11 +282,9 @@ class NormalizationLauncher(Launcher):
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
-            cuda = device.type == "cuda" and self.hardware.arch >= 90
-            pdl = {"launch_pdl": True} if PDL and cuda else {}
             self.combine[(cdiv(columns, COMBINE_COLUMNS),)](*partials, *sums, count,
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
-                **COMPILE_OPTIONS, **pdl)  # fmt: skip
+                **COMPILE_OPTIONS)  # fmt: skip
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
