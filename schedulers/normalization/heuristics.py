@@ -34,8 +34,8 @@ TILE_SUM_VALUES = 32  # column sums: each row of a block keeps its own partial s
 # warp-specialized 8x1024 tiles over 8 consumer warps (32 values) 0.84 / 0.76; over 4
 # warps (64 values) 0.63 / 0.38, against 0.74 / 0.67 with the sums added every step;
 # multi-wave 16 warps x 16 rows (32 values) 0.57 against 0.49 added every step.
-SPLIT_SLICE = 8192  # columns a program of a split row: the width at which one program's
-# persistent row reaches 0.90-0.96 of copy (H200, RMSNorm and LayerNorm, #20)
+SPLIT_SLICE = 8192  # columns a program of a split forward (no column sums): the width at
+# which one program's persistent row reaches 0.90-0.96 of copy (H200, RMSNorm, LayerNorm)
 SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64 where
 # the row keeps no column sums (a forward: H100, LayerNorm forward 4096x65536, 4 warps
 # a slice of 8192 0.87 of copy against 0.60 with 8, commit 0cd9b33,
@@ -64,7 +64,7 @@ SPLIT_SUMS_STAGES = 3
 # Rows with column sums held by one multi-wave program from this many columns on are split
 # too (RMSNorm backward at 16384: 16 warps, 32 values a thread, spilling a little):
 # 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
-# 12288 (4096 rows) the multi-wave row read 0.79 against 0.66 split in four, one empty.
+# 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
 SPLIT_SUMS_FROM = 16384
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
