@@ -743,7 +743,8 @@ def test_a_split_row_in_three_pipelined_slices(name):
     params = NormalizationParams(1, 512, 1, True, 0, SPLIT_SUMS_STAGES, strategy=SPLIT,
                                  column_registers=True, parts=3)  # fmt: skip
     fd, inputs, outputs, executor = _run(name, 1300, "bfloat16", rows=7, params=params)
-    assert executor.chosen_params["k0"] == params
+    text = source(_plan(name, 1300)[1], params)  # the walk pipelined by Triton, no prefetch
+    assert f"num_stages={SPLIT_SUMS_STAGES})" in text and "tl.range(group," in text
     assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1300)
     exact = _weight_gradients_in_float64(name, inputs)
     for actual, wanted in zip(outputs[1:], exact, strict=True):
@@ -817,18 +818,25 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
 
 
 @pytest.mark.parametrize(
-    ("name", "parts", "warps"), [("rmsnorm_bwd", 32, 4), ("layernorm_bwd", 16, 8)]
+    ("name", "n", "parts", "width", "warps"),
+    [
+        ("rmsnorm_bwd", 131072, 32, 4096, 4),  # one partial a program: 32 slices of 4096
+        ("rmsnorm_bwd", 262144, 32, 8192, 8),  # 64 would be past the cap: wider slices
+        ("layernorm_bwd", 131072, 16, 8192, 8),  # two partials a program: 16 at most
+        ("layernorm_bwd", 135168, 9, 16384, 16),  # capped: as many wider slices as it fills
+        ("layernorm_fwd", 262144, 16, 16384, 8),  # a forward's: a power of two, 64 values
+    ],
 )
-def test_a_split_row_has_no_more_words_a_round_than_a_warp_polls(name, parts, warps):
+def test_a_split_row_has_no_more_words_a_round_than_a_warp_polls(name, n, parts, width, warps):
     """A warp polls a round's words a lane each (``wait_source``), at most 32 (every
-    thread loading every word was half as fast): LayerNorm backward's two partials a
-    program cap its rows of 131072 columns at 16 programs of 8192 (8 warps keep 32
-    values a thread); RMSNorm's one partial allows 32 of 4096."""
-    _, plan = _plan(name, 131072)
-    params = split_params(plan, H200, 131072)
-    assert params.parts == parts and params.num_warps == warps, params
+    thread loading every word was half as fast; LayerNorm backward over 32 programs, 64
+    words, read 0.20-0.22 of copy on the H200): past that the slices widen, over more
+    warps (32 values a thread with column sums, 64 without), none of them empty."""
+    _, plan = _plan(name, n)
+    params = split_params(plan, H200, n)
+    assert (params.parts, params.block_columns, params.num_warps) == (parts, width, warps)
     assert params.parts * max(plan.exchanges.values()) <= 32
-    assert params.block_columns * params.parts == 131072
+    assert (params.parts - 1) * params.block_columns < n <= params.parts * params.block_columns
 
 
 def test_two_rounds_of_exchanges_keep_the_chunks():
@@ -869,8 +877,9 @@ def test_rmsnorm_backward_at_16384_is_split_in_four():
     program an SM, about 136 registers a thread against the 128 of a block of 512 threads
     (within the spill allowance). Split in four slices of 4096, loads pipelined, it read
     0.81-0.82 of copy against 0.76-0.78 on the H200, 0.91 against 0.90-0.92 on the H100
-    (8192 rows), so from ``SPLIT_SUMS_FROM`` columns rows with column sums are split, at
-    any batch size; the multi-wave kernel forced is still that row of 16 warps. At 12288
+    (8192 rows; 4096 and 16384 rows measured too), so from ``SPLIT_SUMS_FROM`` columns
+    rows with column sums are split, whatever the batch size (the rule does not look at
+    it); the multi-wave kernel forced is still that row of 16 warps. At 12288
     columns (48 KiB rows) the multi-wave (0.79 of copy against 0.66 split, H200, 4096
     rows) and warp-specialized kernels stay where they were chosen."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)

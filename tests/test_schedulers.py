@@ -585,3 +585,38 @@ def test_tma_tiles_are_refused_where_they_cannot_be():
     inputs.append(_random([12], "float16", generator))
     with pytest.raises(NotSchedulable, match="not a multiple of 16 bytes"):
         executor.run(inputs)
+
+
+def test_a_failed_concurrent_program_raises_at_once():
+    """Under ``concurrent_programs`` (a split row's programs, each in a thread) a program
+    that fails leaves its partners waiting for it: its error is raised at once, not after
+    ``CONCURRENT_TIMEOUT_S``. While it runs, the interpreter re-patches
+    ``triton.language`` under a lock (a device function's call does so: unlocked, a program
+    died of "dictionary changed size during iteration"), and the plain patching is back
+    after it."""
+    import time
+
+    import triton
+    import triton.language as tl
+    import triton.runtime.interpreter as interpreter
+
+    from schedulers.runtime import CONCURRENT_TIMEOUT_S, concurrent_programs
+
+    @triton.jit
+    def waits_for_program_0(flag, out):
+        pid = tl.program_id(0)
+        if pid == 0:  # fails: a shape of 3 elements
+            tl.store(out + tl.arange(0, 4), tl.reshape(tl.arange(0, 4), (3,)))
+        while tl.load(flag, volatile=True) == 0:
+            pass
+        tl.store(out + pid, 1)
+
+    plain = interpreter._patch_lang
+    flag, out = torch.zeros(1, dtype=torch.int32), torch.zeros(4, dtype=torch.int32)
+    start = time.monotonic()
+    with pytest.raises(Exception, match="must be a power of 2"):
+        with concurrent_programs():
+            assert interpreter._patch_lang is not plain
+            waits_for_program_0[(2,)](flag, out)
+    assert time.monotonic() - start < CONCURRENT_TIMEOUT_S / 10
+    assert interpreter._patch_lang is plain

@@ -58,7 +58,8 @@ SPLIT_TMA_STAGES = 3
 # results/norms_split_pipelined_{h200,h100}_{1,2}_554e014.json): LayerNorm backward
 # 8192x16384 0.80 / 0.90 against 0.70 / 0.84, 4096x65536 0.69 / 0.86 against 0.66 / 0.80;
 # RMSNorm backward 4096x65536 0.76 / 0.90 against 0.71 / 0.86. Pipelined at 8192 over 8
-# warps: 0.77 / 0.90 (16384), 0.69 / 0.87 (65536); 2 or 4 deep, 16 values a thread: lower.
+# warps: 0.77 / 0.90 (16384), 0.69 / 0.87 (65536); 4 or 5 deep within 0.02 (RMSNorm up,
+# LayerNorm down); 2 deep, and 16 values a thread for LayerNorm: lower.
 SPLIT_SUMS_SLICE = 4096
 SPLIT_SUMS_STAGES = 3
 # Rows with column sums held by one multi-wave program from this many columns on are split
@@ -385,10 +386,12 @@ def split_params(
     slice of the row (and of the column sums) in registers, exchanges its partial
     reductions with the others through tagged slots in global memory (a round a level of
     reductions, a row), and applies them to its slice; weights are loaded once.
-    By default, at least two programs, and no more than a warp polls words at once:
-    - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns, the walk's loads
-      pipelined ``SPLIT_SUMS_STAGES`` rows deep;
-    - without, a program per ``SPLIT_SLICE`` columns, the one input's slices through TMA,
+    By default, at least two programs, and no more than a warp polls words at once (a
+    row longer than that many slices takes wider ones, more warps):
+    - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
+      fills), the walk's loads pipelined ``SPLIT_SUMS_STAGES`` rows deep;
+    - without, a power of two of programs, one per ``SPLIT_SLICE`` columns, the one
+      input's slices through TMA,
       pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA can stride its rows, else the
       next row's inputs loaded before the exchange.
     First measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``): 8 warps
@@ -402,15 +405,19 @@ def split_params(
         return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
                 "integer and float64 reductions are not split")  # fmt: skip
     sums = bool(plan.column_sums)
-    if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
-        most = 1 << max(0, (hardware.warp_size // max(plan.exchanges.values())).bit_length() - 1)
-        # with column sums as many slices as the row fills (none empty; 3 at 12288)
-        wanted = cdiv(columns, SPLIT_SUMS_SLICE) if sums else next_power_of_two(
-            cdiv(columns, SPLIT_SLICE))  # fmt: skip
-        parts = max(2, min(wanted, most))
+    chosen = parts is None
+    if chosen:  # at most as many words a round as a warp polls at once (wait_source)
+        most = max(1, hardware.warp_size // max(plan.exchanges.values()))
+        if sums:  # as many slices as the row fills (none empty: 3 at 12288)
+            parts = max(2, min(cdiv(columns, SPLIT_SUMS_SLICE), most))
+        else:  # a power of two of them
+            parts = max(2, min(next_power_of_two(cdiv(columns, SPLIT_SLICE)),
+                               1 << (most.bit_length() - 1)))  # fmt: skip
     if parts < 1:
         return f"parts={parts}: at least one program a row"
     width = next_power_of_two(cdiv(max(columns, 1), parts))
+    if chosen and sums:  # where capped, wider slices: as many as the row fills
+        parts = max(2, cdiv(columns, width))
     values = SPLIT_VALUES if sums else SPLIT_FORWARD_VALUES
     warps = max(1, min(16, width // (values * hardware.warp_size)))
     full = plan.full_inputs
