@@ -880,8 +880,8 @@ def test_rmsnorm_backward_at_16384_is_split_in_four():
     (8192 rows; 4096 and 16384 rows measured too), so from ``SPLIT_SUMS_FROM`` columns
     rows with column sums are split, whatever the batch size (the rule does not look at
     it); the multi-wave kernel forced is still that row of 16 warps. At 12288
-    columns (48 KiB rows) the multi-wave (0.79 of copy against 0.66 split, H200, 4096
-    rows) and warp-specialized kernels stay where they were chosen."""
+    columns (48 KiB rows) the multi-wave (0.78-0.79 of copy against 0.74 split in three,
+    H200, 4096 rows) and warp-specialized kernels stay where they were chosen."""
     scheduler, plan = _plan("rmsnorm_bwd", 16384)
     narrower, narrower_plan = _plan("rmsnorm_bwd", 12288)
     for profile in (H100, H200):

@@ -391,9 +391,8 @@ def split_params(
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
       fills), the walk's loads pipelined ``SPLIT_SUMS_STAGES`` rows deep;
     - without, a power of two of programs, one per ``SPLIT_SLICE`` columns, the one
-      input's slices through TMA,
-      pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA can stride its rows, else the
-      next row's inputs loaded before the exchange.
+      input's slices through TMA, pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA
+      can stride its rows, else the next row's inputs loaded before the exchange.
     First measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``): 8 warps
     a slice of 8192 columns, the next row prefetched; the constants say what replaced
     it. The programs of a row wait for each other, so the grid is never larger than the
@@ -405,19 +404,17 @@ def split_params(
         return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
                 "integer and float64 reductions are not split")  # fmt: skip
     sums = bool(plan.column_sums)
-    chosen = parts is None
-    if chosen:  # at most as many words a round as a warp polls at once (wait_source)
+    if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
         most = max(1, hardware.warp_size // max(plan.exchanges.values()))
-        if sums:  # as many slices as the row fills (none empty: 3 at 12288)
-            parts = max(2, min(cdiv(columns, SPLIT_SUMS_SLICE), most))
+        if sums:  # slices wider where capped; as many as the row fills (3 at 12288)
+            wide = max(SPLIT_SUMS_SLICE, next_power_of_two(cdiv(columns, most)))
+            parts = max(2, cdiv(columns, wide))
         else:  # a power of two of them
             parts = max(2, min(next_power_of_two(cdiv(columns, SPLIT_SLICE)),
                                1 << (most.bit_length() - 1)))  # fmt: skip
     if parts < 1:
         return f"parts={parts}: at least one program a row"
     width = next_power_of_two(cdiv(max(columns, 1), parts))
-    if chosen and sums:  # where capped, wider slices: as many as the row fills
-        parts = max(2, cdiv(columns, width))
     values = SPLIT_VALUES if sums else SPLIT_FORWARD_VALUES
     warps = max(1, min(16, width // (values * hardware.warp_size)))
     full = plan.full_inputs
