@@ -10,9 +10,13 @@ evaluator cannot pass for a generated kernel.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+import triton.runtime.interpreter as interpreter
 
 from fusion import FusionDefinition
 from fusion.dtypes import as_dtype
@@ -30,6 +34,7 @@ from schedulers.reduction.codegen import (
     aligned_arguments as reduction_aligned_arguments,
 )
 from schedulers.registry import split_into_kernels
+from schedulers.runtime import CONCURRENT_TIMEOUT_S, concurrent_programs
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]
@@ -594,13 +599,6 @@ def test_a_failed_concurrent_program_raises_at_once():
     ``triton.language`` under a lock (a device function's call does so: unlocked, a program
     died of "dictionary changed size during iteration"), and the plain patching is back
     after it."""
-    import time
-
-    import triton
-    import triton.language as tl
-    import triton.runtime.interpreter as interpreter
-
-    from schedulers.runtime import CONCURRENT_TIMEOUT_S, concurrent_programs
 
     @triton.jit
     def waits_for_program_0(flag, out):
