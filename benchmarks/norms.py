@@ -48,6 +48,7 @@ from overlap.executor import MultiDeviceExecutor  # noqa: E402
 from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.normalization import (  # noqa: E402
+    COLUMN_WALK,
     MULTIWAVE,
     SPLIT,
     STRATEGIES,
@@ -102,6 +103,22 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
     if not isinstance(params, NormalizationParams):
         return {}
     variants = {}
+    if params.strategy == COLUMN_WALK:  # its strips, their programs, the rows' steps
+        for strip in (params.strip_columns // 2, params.strip_columns * 2):
+            if strip >= 256:
+                variants[f"column,strip={strip}"] = replace(params, strip_columns=strip)
+        for warps in (params.strip_warps // 2, params.strip_warps * 2):
+            if 1 <= warps <= 16:
+                variants[f"column,strip warps={warps}"] = replace(params, strip_warps=warps)
+        for programs in (params.programs // 2, params.programs * 2):
+            variants[f"column,programs={programs}"] = replace(params, programs=programs)
+        for stages in (1, 2, 4):
+            if stages != params.stages:
+                variants[f"column,stages={stages}"] = replace(params, stages=stages)
+        for warps in (params.num_warps // 2,):
+            if warps >= 4:
+                variants[f"column,row warps={warps}"] = replace(params, num_warps=warps)
+        return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == SPLIT:  # more or fewer programs a row, warps, rows, prefetch
         for parts in (params.parts // 2, params.parts * 2):
             if parts >= 2:
@@ -293,6 +310,7 @@ def main() -> None:
                 ("ours_ws", WARP_SPECIALIZED),
                 ("ours_multiwave", MULTIWAVE),
                 ("ours_split", SPLIT),
+                ("ours_column", COLUMN_WALK),
             ):
                 variant = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke,
                                               kernel_params={"k0": strategy})  # fmt: skip

@@ -627,7 +627,8 @@ def test_other_architectures_keep_the_multi_wave_kernel():
 def test_the_executor_checks_strategy_names_before_running():
     fd = BUILDERS["rmsnorm_bwd"](64, "bfloat16")
     with pytest.raises(
-        ValueError, match="strategies are \\['multiwave', 'warp_specialized', 'split'\\]"
+        ValueError,
+        match="strategies are \\['multiwave', 'warp_specialized', 'split', 'column_walk'\\]",
     ):
         MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": "fastest"})
     with pytest.raises(ValueError, match="no generated kernel 'k9'"):

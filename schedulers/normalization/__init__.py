@@ -26,12 +26,14 @@ number of rows, so a new batch size reuses it. Reductions accumulate in float32
 Modules: ``analysis`` (the plan: each tensor's kind, the reductions' levels),
 ``heuristics`` (``NormalizationParams`` and the multi-wave strategy),
 ``warp_specialized`` (the warp-specialized strategy), ``codegen`` (the kernels'
-source) and ``scheduler`` (``NormalizationScheduler``: the choice between the
-strategies, and its launcher).
+source), ``column_sums`` (the kernel adding partial column sums, and the column walk:
+the rows' values first, then strips walked down the rows) and ``scheduler``
+(``NormalizationScheduler``: the choice between the strategies, and its launcher).
 """
 
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import (
+    COLUMN_WALK,
     MULTIWAVE,
     SPLIT,
     STRATEGIES,
@@ -42,6 +44,7 @@ from schedulers.normalization.scheduler import NormalizationLauncher, Normalizat
 from schedulers.normalization.warp_specialized import WS_GAINS
 
 __all__ = [
+    "COLUMN_WALK",
     "MULTIWAVE",
     "SPLIT",
     "STRATEGIES",

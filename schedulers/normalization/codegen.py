@@ -1,6 +1,7 @@
 """A normalization's Triton source: ``source`` writes the kernel (reductions, the row
-values that follow from them, the outputs and a program's partial column sums);
-``combine_source`` the kernel that adds a column sum's partial rows in a fixed order.
+values that follow from them, the outputs and a program's partial column sums; a column
+walk's first kernel: the reductions and their row values). ``column_sums`` writes the
+kernel that adds a column sum's partial rows and the column walk's second kernel.
 
 Full and column values are emitted in a step over the columns (the whole row when it
 is persistent, a loop over chunks otherwise); row values (reductions and what follows
@@ -32,19 +33,12 @@ from schedulers.normalization.exchange import (
     wait_source,
 )
 from schedulers.normalization.heuristics import (
+    COLUMN_WALK,
     SPLIT,
     WARP_SPECIALIZED,
     NormalizationParams,
     tma_inputs,
 )
-
-# column sums: columns a program of the combining kernel. 16, not 32: at 1024 columns 64
-# programs, not 32 (ncu, H200, LayerNorm backward 32768x1024: 9.5 us of the 61 in all at
-# 32); 0.84 of copy against 0.80 on the H200, 0.89 against 0.87 on the H100, the other
-# backward shapes within 0.01 (results/probe_combine_{h200,h100}_54047f8.json)
-COMBINE_COLUMNS = 16
-COMBINE_PARTS = 256  # and partial rows it adds per step
-COMBINE_WARPS = 8
 
 
 def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
@@ -53,8 +47,10 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     targets = [f"out{i}" for i in range(len(plan.outputs))]
     persistent = params.persistent
     split = params.strategy == SPLIT  # programs of a row exchange partial reductions
-    if split and not persistent:
-        raise ValueError(f"{params}: a split row is persistent")
+    # the rows' reductions only, their values kept for the column walk's kernel
+    stashing = params.strategy == COLUMN_WALK
+    if (split or stashing) and persistent != split:
+        raise ValueError(f"{params}: a split row is persistent, a column walk's is not")
     # a fixed grid walks persistent rows (a split row's: as many as the device holds)
     walking = persistent and (params.programs > 0 or split)
     specialized = params.strategy == WARP_SPECIALIZED
@@ -71,7 +67,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     outer.line("row_mask = rows < row_count")
     row_cache: dict[TensorView, Value] = {}
     start = "part * BLOCK_COLUMNS" if split else "0"  # a split row: this program's slice
-    generator = _Generator(plan, params, pointers, outer, row_cache, tiles, start)
+    generator = Generator(plan, params, pointers, outer, row_cache, tiles, start)
     early = outer.nested()  # before the walk: weights kept in registers
     if split:
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
@@ -84,10 +80,10 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     if params.column_registers:
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
-                generator.value(_Step(early, row_cache), tensor)
+                generator.value(Step(early, row_cache), tensor)
     if persistent:
         generator.columns(outer, start)
-        step = _Step(outer, row_cache)  # one step: everything shares one cache
+        step = Step(outer, row_cache)  # one step: everything shares one cache
         if split:
             generator.exchange_step(early, step, params.prefetch)
     for level in range(1, plan.depth + 1):
@@ -99,29 +95,22 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             generator.reduce_persistent(step, group)
             continue
         accumulators = {t: generator.accumulator(t) for t in group}
-        body = generator.loop("evict_last")
+        body = generator.loop("" if stashing else "evict_last")  # read again by the walk
         for tensor in group:
             generator.accumulate(body, tensor, accumulators[tensor])
-        generator.close(body)
+        generator.close(body, params.stages if stashing else 1)
         for tensor in group:
             generator.finish(tensor, accumulators[tensor])
-    full = [(i, t) for i, t in enumerate(plan.outputs) if plan.kinds[t] == "full"]
-    sums = [(i, e) for i, e in enumerate(plan.column_sums)]
-    partials = [f"part{i}" for i, _ in sums]
     before, after = [], []  # around the walk over the rows (column sums)
-    if full or sums:
+    sums = [] if stashing else plan.column_sums
+    if stashing:  # the column walk's row values, float32 (``column_walk``)
+        for j, tensor in enumerate(stashed(plan)):
+            outer.line(f"tl.store(stash + rows[:, None] * {len(stashed(plan))} + {j}, "
+                       f"{row_cache[tensor].name}, mask=row_mask[:, None])")  # fmt: skip
+    elif any(plan.kinds[t] == "full" for t in plan.outputs) or sums:
         body = step if persistent else generator.loop("evict_first")
-        for i, tensor in full:
-            value = generator.value(body, tensor)
-            shaped = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
-            body.emit.line(
-                f"tl.store({targets[i]} + offs, "
-                f"{body.emit.stored(Value(shaped, value.dtype))}, mask=mask)"
-            )
-        for i, expr in sums:
-            (source,) = expr.inputs
-            term = body.emit.as_compute(generator.value(body, source), float32)
-            kept = f"tl.where(mask, {term}, 0.0)"
+        generator.full_outputs(body, targets)
+        for i, kept in enumerate(generator.column_terms(body)):
             if not persistent:  # its row of partial sums, in memory (zeroed before the launch)
                 column = body.emit.assign(f"tl.sum({kept}, 0)")
                 row = body.emit.assign(
@@ -155,7 +144,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     for i, tensor in enumerate(plan.outputs):
         if plan.kinds[tensor] != "row":
             continue
-        value = generator.value(_Step(outer, row_cache), tensor)
+        value = generator.value(Step(outer, row_cache), tensor)
         mask = "row_mask[:, None] & (part == 0)" if split else "row_mask[:, None]"
         outer.line(f"tl.store({targets[i]} + rows[:, None], {outer.stored(value)}, mask={mask})")
     comment = (
@@ -163,8 +152,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         f"{'persistent' if persistent else 'chunked'}"
         + (", warp-specialized (TMA tiles)" if specialized else "")
         + (", split over programs exchanging partial reductions" if split else "")
+        + (", the rows' reductions of a column walk" if stashing else "")
     )
-    if params.programs or split:  # a fixed grid walks the row blocks
+    if (params.programs and not stashing) or split:  # a fixed grid walks the row blocks
         blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
         if split:  # the programs of a group walk the same rows
             blocks = "group, tl.cdiv(row_count, BLOCK_ROWS), groups"
@@ -180,35 +170,12 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
         lines = ["row_block = tl.program_id(0)", *outer.lines]
-    arguments = [*pointers.values(), *targets, *partials, *(["slots"] if split else [])]
+    partials = [f"part{i}" for i, _ in enumerate(sums)]
+    extra = ["slots"] if split else ["stash"] if stashing else []
+    arguments = [*pointers.values(), *targets, *partials, *extra]
     constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
     return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
-
-
-def combine_source(plan: NormalizationPlan) -> str:
-    """The column sums' second kernel, one launch for all of them: each program's
-    partial row added in a fixed order (deterministic), rounded once to the output's
-    dtype (LayerNorm backward's two combining launches cost 2.3 us each at 1024x4096,
-    H200, of 16 us in all)."""
-    emit = Emitter()
-    emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
-    emit.line("col_mask = cols < COLUMNS")
-    sums = range(len(plan.column_sums))
-    for i in sums:
-        emit.line(f"acc{i} = tl.zeros((PARTS, BLOCK_COLUMNS), tl.float32)")
-    emit.line("for first in range(0, programs, PARTS):")
-    emit.line("    parts = first + tl.arange(0, PARTS)")
-    emit.line("    offsets = parts[:, None] * COLUMNS + cols[None, :]")
-    emit.line("    kept = (parts < programs)[:, None] & col_mask[None, :]")
-    for i in sums:
-        emit.line(f"    acc{i} += tl.load(partial{i} + offsets, mask=kept, other=0.0)")
-    for i, expr in enumerate(plan.column_sums):
-        value = emit.rounded(f"tl.sum(acc{i}, 0)", float32, expr.output.dtype)
-        emit.line(f"tl.store(out{i} + cols, {emit.stored(value)}, mask=col_mask)")
-    arguments = [*(f"partial{i}" for i in sums), *(f"out{i}" for i in sums)]
-    constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS"]
-    return kernel_source("combine_kernel", arguments, ["programs"], constants, emit.lines)
 
 
 def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int) -> dict[str, int]:
@@ -221,14 +188,8 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
     return values
 
 
-def combine_constants(columns: int) -> dict[str, int]:
-    """A combining kernel's ``tl.constexpr`` arguments: rows of ``columns``, taken
-    ``COMBINE_COLUMNS`` at a time, ``COMBINE_PARTS`` partial rows a step."""
-    return {"COLUMNS": columns, "BLOCK_COLUMNS": COMBINE_COLUMNS, "PARTS": COMBINE_PARTS}
-
-
 @dataclass
-class _Step:
+class Step:
     """Where values of one walk over the columns are emitted, and those already there."""
 
     emit: Emitter
@@ -239,7 +200,7 @@ class _Step:
     eviction: str = ""
 
 
-class _Generator:
+class Generator:
     """Emits a normalization kernel's values: full and column values in a step, row
     values (reductions and what follows from them) once, outside any loop."""
 
@@ -253,7 +214,7 @@ class _Generator:
         self.start = start  # a persistent row's first column (a split row's slice's)
 
     # A split row: its inputs prefetched, its partial reductions exchanged.
-    def exchange_step(self, early: Emitter, step: _Step, prefetch: bool) -> None:
+    def exchange_step(self, early: Emitter, step: Step, prefetch: bool) -> None:
         """The walk's per-row names of the exchange and, with ``prefetch``, the full
         inputs of this row taken from the loads the previous row issued (the first
         row's before the walk), the next row's issued at once."""
@@ -326,19 +287,40 @@ class _Generator:
             emit.line("mask = row_mask[:, None] & col_mask[None, :]")
             emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
 
-    def loop(self, eviction: str) -> _Step:
+    def loop(self, eviction: str) -> Step:
         body = self.outer.nested()
         self.columns(body, "start")
-        return _Step(body, {}, eviction)
+        return Step(body, {}, eviction)
 
-    def close(self, step: _Step) -> None:
-        self.outer.block("for start in range(0, COLUMNS, BLOCK_COLUMNS):", step.emit)
+    def close(self, step: Step, stages: int = 1) -> None:
+        walk = "range(0, COLUMNS, BLOCK_COLUMNS" + (f", num_stages={stages}" if stages > 1 else "")
+        self.outer.block(f"for start in {'tl.' if stages > 1 else ''}{walk}):", step.emit)
+
+    # Outputs of a step.
+    def full_outputs(self, step: Step, targets: list[str]) -> None:
+        """Stores the step's values of the full-shape outputs."""
+        for i, tensor in enumerate(self.plan.outputs):
+            if self.plan.kinds[tensor] != "full":
+                continue
+            value = self.value(step, tensor)
+            shaped = f"tl.broadcast_to({value.name}, (BLOCK_ROWS, BLOCK_COLUMNS))"
+            stored = step.emit.stored(Value(shaped, value.dtype))
+            step.emit.line(f"tl.store({targets[i]} + offs, {stored}, mask=mask)")
+
+    def column_terms(self, step: Step) -> list[str]:
+        """The step's float32 terms of each column sum, zero outside the mask."""
+        terms = []
+        for expr in self.plan.column_sums:
+            (summed,) = expr.inputs
+            term = step.emit.as_compute(self.value(step, summed), float32)
+            terms.append(f"tl.where(mask, {term}, 0.0)")
+        return terms
 
     # Values.
-    def value(self, step: _Step, tensor: TensorView) -> Value:
+    def value(self, step: Step, tensor: TensorView) -> Value:
         kind = self.plan.kinds[tensor]
         if kind in ("row", "scalar") and step.cache is not self.row_cache:
-            return self.value(_Step(self.outer, self.row_cache), tensor)
+            return self.value(Step(self.outer, self.row_cache), tensor)
         if tensor in step.cache:
             return step.cache[tensor]
         emit = step.emit
@@ -370,7 +352,7 @@ class _Generator:
         return step.cache[tensor]
 
     # Reductions.
-    def _term(self, step: _Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
+    def _term(self, step: Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
         """The masked term a reduction output sums (or maxes) in a step."""
         producer = tensor.definition
         (source,) = producer.inputs
@@ -385,7 +367,7 @@ class _Generator:
         term = step.emit.assign(f"tl.where(mask, {value}, {identity})")
         return producer, op, term, accumulator
 
-    def reduce_split(self, step: _Step, group: list[TensorView], level: int) -> None:
+    def reduce_split(self, step: Step, group: list[TensorView], level: int) -> None:
         """A level's reductions of a split row: this program's slice of each, then the
         whole row's, exchanged together. A variance comes with its mean: this slice's
         sum and sum of squares about the slice's mean, combined as Chan et al. combine
@@ -446,7 +428,7 @@ class _Generator:
             terms.append(emit.assign(f"{slice_squares}[:, None] + {count} * {spread} * {spread}"))
         self._finish(producer, var, "sum", _combine(emit, "add", terms), float32)
 
-    def reduce_persistent(self, step: _Step, group: list[TensorView]) -> None:
+    def reduce_persistent(self, step: Step, group: list[TensorView]) -> None:
         """A level's reductions of a persistent row: every term first, then their
         reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
         warp-specialized at 32768x1024, 0.74 of copy against 0.69-0.70 on H200, level on
@@ -469,7 +451,7 @@ class _Generator:
             "acc",
         )
 
-    def accumulate(self, step: _Step, tensor: TensorView, accumulator: str) -> None:
+    def accumulate(self, step: Step, tensor: TensorView, accumulator: str) -> None:
         _, op, term, _ = self._term(step, tensor)
         step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
 
@@ -497,6 +479,12 @@ class _Generator:
         else:
             result = reduced
         self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
+
+
+def stashed(plan: NormalizationPlan) -> list[TensorView]:
+    """The row values a column walk's first kernel stores for its second, a float32
+    a row each (``stash``): the reductions' outputs."""
+    return list(plan.levels)
 
 
 def _combine(emit: Emitter, combine: str, values: list[str]) -> str:

@@ -22,7 +22,7 @@ from schedulers.normalization.heuristics import NormalizationParams
 from schedulers.runtime import next_power_of_two
 
 # Rows of slots a group uses in turn: a program is at most one row ahead of the others
-# (``_Generator.exchange`` in ``codegen`` says why)
+# (``Generator.exchange`` in ``codegen`` says why)
 KEPT_ROWS = 2
 
 

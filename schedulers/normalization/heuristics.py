@@ -69,7 +69,8 @@ SPLIT_SUMS_STAGES = 3
 SPLIT_SUMS_FROM = 16384
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
-STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT)
+COLUMN_WALK = "column_walk"  # ``schedulers.normalization.column_walk``
+STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT, COLUMN_WALK)
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class NormalizationParams:
     # block's rows); off: added every step (a reduction across the block's warps)
     tma: bool = False  # (SPLIT, stages > 1) the full inputs' slices loaded through TMA
     # descriptors into shared memory, the walk pipelined ``stages`` rows deep
+    strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
+    strip_warps: int = 0  # walks down the rows (``programs`` of them), and its warps
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
@@ -116,6 +119,8 @@ class NormalizationParams:
         text += ", prefetch=True" if self.prefetch else ""
         text += ", tile_sums=False" if not self.tile_sums else ""
         text += ", tma=True" if self.tma else ""
+        if self.strip_columns:
+            text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 

@@ -24,16 +24,20 @@ from schedulers.cache import KERNEL_CACHE
 from schedulers.codegen import COMPILE_OPTIONS, memory_type, pointer_types
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan, plan_normalization
-from schedulers.normalization.codegen import (
+from schedulers.normalization.codegen import constants, source, stashed
+from schedulers.normalization.column_sums import (
     COMBINE_COLUMNS,
     COMBINE_WARPS,
+    column_constants,
+    column_source,
+    column_walk_params,
     combine_constants,
     combine_source,
-    constants,
-    source,
+    strip_grid,
 )
 from schedulers.normalization.exchange import exchange_slots
 from schedulers.normalization.heuristics import (
+    COLUMN_WALK,
     MULTIWAVE,
     SPLIT,
     SPLIT_SUMS_FROM,
@@ -105,10 +109,13 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         rank = len(shape)
         columns = math.prod(shape[rank - plan.reduced :])
         rows = math.prod(shape[: rank - plan.reduced])
-        if strategy == SPLIT:
-            chosen = split_params(plan, hardware, columns)
+        if strategy in (SPLIT, COLUMN_WALK):
+            if strategy == SPLIT:
+                chosen = split_params(plan, hardware, columns)
+            else:
+                chosen = column_walk_params(plan, hardware, columns)
             if isinstance(chosen, str):
-                raise NotSchedulable(f"the split strategy (forced): {chosen}")
+                raise NotSchedulable(f"the {strategy} strategy (forced): {chosen}")
             return chosen
         chosen = self._heuristics(plan, hardware, columns, rows, strategy)
         if chosen.persistent and not strategy:
@@ -186,9 +193,16 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         pointers |= {f"part{i}": "tl.float32" for i in range(len(plan.column_sums))}
         if params.strategy == SPLIT:
             pointers["slots"] = "tl.int64"
+        walks = params.strategy == COLUMN_WALK
+        if walks:
+            pointers["stash"] = "tl.float32"
         main = source(plan, params)
         kernels = [KernelSource("normalization_kernel", main, constants(plan, params, columns),
                                 params.num_warps, pointers)]  # fmt: skip
+        if walks:
+            kernels.append(KernelSource("column_kernel", column_source(plan, params),
+                                        column_constants(params, columns),
+                                        params.strip_warps, pointers))  # fmt: skip
         if plan.column_sums:
             combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
             combining |= {f"out{i}": memory_type(e.output.dtype)
@@ -212,6 +226,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             plan,
             params,
             kernel=KERNEL_CACHE.get(source(plan, params), "normalization_kernel"),
+            strips=(KERNEL_CACHE.get(column_source(plan, params), "column_kernel")
+                    if params.strategy == COLUMN_WALK else None),
             combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
@@ -228,6 +244,7 @@ class NormalizationLauncher(Launcher):
     plan: NormalizationPlan
     params: NormalizationParams
     kernel: object  # the compiled normalization kernel
+    strips: object | None  # (COLUMN_WALK) the compiled kernel walking strips down the rows
     combine: object | None  # the kernel adding every column sum's partial rows
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
@@ -265,6 +282,9 @@ class NormalizationLauncher(Launcher):
         split = params.strategy == SPLIT
         options = {**constants(plan, params, columns), "num_warps": params.num_warps,
                    **COMPILE_OPTIONS}  # fmt: skip
+        if self.strips is not None:  # a column walk: the rows' values, then the strips
+            self._walk(plan, pointers, rows, columns, options, targets, device)
+            return
         slots = []
         if split:  # groups of `parts` programs, every one of them resident at once
             groups = min(grid[0], self._resident(device, pointers, rows, options) // params.parts)
@@ -280,11 +300,29 @@ class NormalizationLauncher(Launcher):
         concurrently = split and device.type != "cuda"  # the interpreter's programs
         with concurrent_programs() if concurrently else contextlib.nullcontext():
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
+        self._combine(partials, targets, count, columns)
+
+    def _combine(self, partials: list, targets: list, count: int, columns: int) -> None:
+        """Adds ``count`` partial rows of each column sum into its target."""
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
             self.combine[(cdiv(columns, COMBINE_COLUMNS),)](*partials, *sums, count,
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
                 **COMPILE_OPTIONS)  # fmt: skip
+
+    def _walk(self, plan, pointers, rows, columns, options, targets, device) -> None:
+        """A column walk's kernels: a program a row block for the rows' values, then a
+        program a strip and group of rows, then the combining kernel."""
+        params = self.params
+        stash = torch.empty((rows, len(stashed(plan))), dtype=torch.float32, device=device)
+        self.kernel[(cdiv(rows, params.block_rows),)](*pointers, stash, rows, **options)
+        strips, groups = strip_grid(params, rows, columns)
+        partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
+                    for _ in plan.column_sums]  # fmt: skip
+        self.strips[(strips * groups,)](*pointers, *partials, stash, rows,
+            **column_constants(params, columns), num_warps=params.strip_warps,
+            **COMPILE_OPTIONS)  # fmt: skip
+        self._combine(partials, targets, groups, columns)
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the

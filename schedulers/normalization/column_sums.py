@@ -1,0 +1,159 @@
+"""A normalization's column sums (a backward's weight gradients) beyond a program's own
+partial rows: the kernel that adds those rows in a fixed order (``combine_source``), and
+the column walk, a strategy of two kernels for rows too wide for a split row's registers.
+
+The column walk: its first kernel is the chunked walk of the rows' reductions alone
+(``codegen.source``), which stores each row's reduced values (float32, ``stashed``) in a
+small buffer; its second (``column_source``) walks strips of ``strip_columns`` columns
+down the rows: a program a strip and a group of rows, the row values loaded, the full
+outputs stored and the strip's partial column sums kept in registers, stored once at the
+end (a partial row a group, added by the combining kernel). A row's inputs are read
+twice (10 bytes a column for LayerNorm backward against the 6 it must move), but neither
+kernel's traffic depends on the rows fitting the L2 or the registers: the chunked walk
+with column sums adds every row's terms into its program's partial row in memory (16
+bytes more a column), and a split row wider than 16 slices spills.
+"""
+
+from __future__ import annotations
+
+from fusion.dtypes import float32
+from schedulers.codegen import Emitter, Value, kernel_source
+from schedulers.hardware import HardwareProfile
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.codegen import Generator, Step, stashed
+from schedulers.normalization.heuristics import (
+    CHUNK_VALUES,
+    COLUMN_WALK,
+    NormalizationParams,
+)
+from schedulers.runtime import cdiv, next_power_of_two
+
+# column sums: columns a program of the combining kernel. 16, not 32: at 1024 columns 64
+# programs, not 32 (ncu, H200, LayerNorm backward 32768x1024: 9.5 us of the 61 in all at
+# 32); 0.84 of copy against 0.80 on the H200, 0.89 against 0.87 on the H100, the other
+# backward shapes within 0.01 (results/probe_combine_{h200,h100}_54047f8.json)
+COMBINE_COLUMNS = 16
+COMBINE_PARTS = 256  # and partial rows it adds per step
+COMBINE_WARPS = 8
+
+# The column walk (not measured yet: first guesses, to be swept): the rows' walk in steps
+# of CHUNK_VALUES a thread over ROW_WARPS warps; strips of STRIP_COLUMNS over STRIP_WARPS
+# warps, STRIP_PROGRAMS an SM; both walks' loads pipelined WALK_STAGES deep.
+ROW_WARPS = 16
+STRIP_COLUMNS = 1024
+STRIP_WARPS = 4
+STRIP_PROGRAMS = 4
+WALK_STAGES = 3
+
+
+def column_walk_params(
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int
+) -> NormalizationParams | str:
+    """The column walk's params for rows of ``columns``, or why it cannot be."""
+    if not plan.column_sums:
+        return "no column sums: the column walk writes them"
+    for tensor in stashed(plan):
+        dtype = tensor.dtype
+        if not dtype.is_floating or dtype.storage_only or dtype.bits > 32:
+            return f"{tensor} ({dtype}): the column walk keeps row values as float32"
+    step = min(next_power_of_two(columns), CHUNK_VALUES * ROW_WARPS * hardware.warp_size)
+    strip = min(next_power_of_two(columns), STRIP_COLUMNS)
+    programs = STRIP_PROGRAMS * hardware.sm_count
+    why = (f"the rows' {len(stashed(plan))} reductions in steps of {step} columns, then "
+           f"strips of {strip} columns ({cdiv(columns, strip)} of them) walked down the "
+           f"rows by {programs} programs, their column sums in registers")  # fmt: skip
+    return NormalizationParams(1, step, ROW_WARPS, False, programs, WALK_STAGES,
+                               strategy=COLUMN_WALK, strip_columns=strip,
+                               strip_warps=STRIP_WARPS, why=why)  # fmt: skip
+
+
+def strip_grid(params: NormalizationParams, rows: int, columns: int) -> tuple[int, int]:
+    """The second kernel's strips and groups of rows: a program each pair, at most
+    ``params.programs`` (at least a group), no group without a row."""
+    strips = cdiv(columns, params.strip_columns)
+    groups = max(1, min(cdiv(rows, params.block_rows), params.programs // strips))
+    return strips, groups
+
+
+def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
+    """The column walk's second kernel: program ``p`` takes strip ``p % strips`` and
+    every ``groups``-th row block from ``p // strips``; its partial column sums go to
+    row ``p // strips`` of each ``part`` buffer."""
+    pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
+    targets = [f"out{i}" for i in range(len(plan.outputs))]
+    strip = Emitter()
+    strip.line("strips = tl.cdiv(COLUMNS, BLOCK_COLUMNS)")
+    strip.line("group = tl.program_id(0) // strips")
+    strip.line("groups = tl.num_programs(0) // strips")
+    strip.line("cols = tl.program_id(0) % strips * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
+    strip.line("col_mask = cols < COLUMNS")
+    walk = strip.nested()
+    cache: dict = {}  # one step: row values and the strip's weights included
+    generator = Generator(plan, params, pointers, walk, cache)
+    for tensor in plan.inputs:  # weights: loaded once a strip
+        if plan.kinds[tensor] == "column":
+            generator.value(Step(strip, cache), tensor)
+    walk.line("rows = tl.cast(row_block, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+    walk.line("row_mask = rows < row_count")
+    walk.line("mask = row_mask[:, None] & col_mask[None, :]")
+    walk.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
+    kept = stashed(plan)
+    for j, tensor in enumerate(kept):  # float32, the value the first kernel rounded
+        loaded = walk.assign(f"tl.load(stash + rows[:, None] * {len(kept)} + {j}, "
+                             "mask=row_mask[:, None], other=0.0)", "row")  # fmt: skip
+        cache[tensor] = Value(loaded, tensor.dtype)
+    step = Step(walk, cache, "evict_first")
+    generator.full_outputs(step, targets)
+    sums = generator.column_terms(step)
+    for i, term in enumerate(sums):  # a partial row a row of the tile, added at the end
+        strip.line(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
+        walk.line(f"colsum{i} = colsum{i} + {term}")
+    blocks = "group, tl.cdiv(row_count, BLOCK_ROWS), groups"
+    stages = f", num_stages={params.stages}" if params.stages > 1 else ""
+    strip.block(f"for row_block in tl.range({blocks}{stages}):", walk)
+    for i in range(len(sums)):
+        strip.line(f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
+                   f"tl.sum(colsum{i}, 0), mask=col_mask)")  # fmt: skip
+    arguments = [*pointers.values(), *targets, *(f"part{i}" for i in range(len(sums))), "stash"]
+    comment = (f"# normalization: a column walk's strips, {len(kept)} row values, "
+               f"{len(sums)} column sums")  # fmt: skip
+    return kernel_source("column_kernel", arguments, ["row_count"],
+                         ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS"], strip.lines, comment,
+                         [text for _, text in generator.helpers.values()])  # fmt: skip
+
+
+def column_constants(params: NormalizationParams, columns: int) -> dict[str, int]:
+    """The column walk's second kernel's ``tl.constexpr`` arguments."""
+    return {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
+            "BLOCK_COLUMNS": params.strip_columns}  # fmt: skip
+
+
+def combine_source(plan: NormalizationPlan) -> str:
+    """The column sums' second kernel, one launch for all of them: each program's
+    partial row added in a fixed order (deterministic), rounded once to the output's
+    dtype (LayerNorm backward's two combining launches cost 2.3 us each at 1024x4096,
+    H200, of 16 us in all)."""
+    emit = Emitter()
+    emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
+    emit.line("col_mask = cols < COLUMNS")
+    sums = range(len(plan.column_sums))
+    for i in sums:
+        emit.line(f"acc{i} = tl.zeros((PARTS, BLOCK_COLUMNS), tl.float32)")
+    emit.line("for first in range(0, programs, PARTS):")
+    emit.line("    parts = first + tl.arange(0, PARTS)")
+    emit.line("    offsets = parts[:, None] * COLUMNS + cols[None, :]")
+    emit.line("    kept = (parts < programs)[:, None] & col_mask[None, :]")
+    for i in sums:
+        emit.line(f"    acc{i} += tl.load(partial{i} + offsets, mask=kept, other=0.0)")
+    for i, expr in enumerate(plan.column_sums):
+        value = emit.rounded(f"tl.sum(acc{i}, 0)", float32, expr.output.dtype)
+        emit.line(f"tl.store(out{i} + cols, {emit.stored(value)}, mask=col_mask)")
+    arguments = [*(f"partial{i}" for i in sums), *(f"out{i}" for i in sums)]
+    constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS"]
+    return kernel_source("combine_kernel", arguments, ["programs"], constants, emit.lines)
+
+
+def combine_constants(columns: int) -> dict[str, int]:
+    """A combining kernel's ``tl.constexpr`` arguments: rows of ``columns``, taken
+    ``COMBINE_COLUMNS`` at a time, ``COMBINE_PARTS`` partial rows a step."""
+    return {"COLUMNS": columns, "BLOCK_COLUMNS": COMBINE_COLUMNS, "PARTS": COMBINE_PARTS}
