@@ -17,6 +17,7 @@ from schedulers.analysis import NotSchedulable
 from schedulers.cache import KERNEL_CACHE
 from schedulers.hardware import B200, H100, H200, INTERPRETER
 from schedulers.normalization import (
+    COLUMN_WALK,
     MULTIWAVE,
     SPLIT,
     WARP_SPECIALIZED,
@@ -597,23 +598,25 @@ def test_the_forced_strategies_ignore_the_recorded_gains():
 
 
 @pytest.mark.parametrize(
-    ("name", "n", "profile", "reason"),
+    ("name", "n", "profile", "reason", "fallback"),
     [
-        ("rmsnorm_bwd", 65536, H200, "degenerate: one stage"),
-        ("rmsnorm_bwd", 1000 + 4, H100, "not a multiple of 16 bytes"),  # 1004 bf16
-        ("rmsnorm_bwd", 1024, replace_arch(H100, 80), "need sm_90 or later"),
-        ("rmsnorm_bwd", 16384, replace_registers(H200, 16384), "degenerate: about"),
+        ("rmsnorm_bwd", 65536, H200, "degenerate: one stage", SPLIT),
+        ("rmsnorm_bwd", 1000 + 4, H100, "not a multiple of 16 bytes", MULTIWAVE),  # 1004 bf16
+        ("rmsnorm_bwd", 1024, replace_arch(H100, 80), "need sm_90 or later", MULTIWAVE),
+        # a quarter of the registers: the row does not fit them, and a split's programs
+        # (4 of 4096 columns, about 168 registers a thread) neither: the columns walked
+        ("rmsnorm_bwd", 16384, replace_registers(H200, 16384), "degenerate: about", COLUMN_WALK),
     ],
 )
-def test_a_forced_warp_specialized_kernel_says_why_it_cannot_be(name, n, profile, reason):
+def test_a_forced_warp_specialized_kernel_says_why_it_cannot_be(name, n, profile, reason, fallback):
     """No fallback when forced: NotSchedulable with the reason, before any launch."""
     scheduler, plan = _plan(name, n)
     with pytest.raises(NotSchedulable, match=reason):
         scheduler.heuristics(plan, profile, [8192, n], WARP_SPECIALIZED)
     # automatically, the same case falls back to the multi-wave kernel (or, where its
-    # row does not fit, to the split one) and says why
+    # row does not fit, to the split one or the column walk) and says why
     params = scheduler.heuristics(plan, profile, [8192, n])
-    assert params.strategy == (SPLIT if n > 8192 and profile.arch == 90 else MULTIWAVE)
+    assert params.strategy == fallback, params
     if profile.arch == 90 and reason.startswith("degenerate"):
         assert f"fell back: {reason}" in params.why, params.why
 
@@ -798,7 +801,7 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     columns over 4 warps, its loads pipelined; a forward a program per 8192 columns over
     4 warps, through TMA (prefetched where TMA cannot stride its rows); as many programs
     as the device holds. The interpreter keeps the chunks (its programs would run one at
-    a time), as do rows that fit."""
+    a time; with column sums the columns walked), as do rows that fit."""
     scheduler, plan = _plan(name, n)
     forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:
@@ -813,7 +816,8 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
             assert odd.strategy == SPLIT and odd.prefetch and not odd.tma, odd
             assert odd.stages == 1, odd
     interpreted = scheduler.heuristics(plan, INTERPRETER, [rows, n])
-    assert interpreted.strategy == MULTIWAVE and not interpreted.persistent
+    walked = COLUMN_WALK if plan.column_sums else MULTIWAVE
+    assert interpreted.strategy == walked and not interpreted.persistent, interpreted
     fitting = scheduler.heuristics(plan, H200, [rows, 4096])
     assert fitting.strategy != SPLIT
 
@@ -1036,3 +1040,135 @@ def test_a_split_forward_through_tma_tiles(name, n, block_rows, block_columns, p
         assert_close(actual, expected, reduction_extent=n)
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     assert ".load([row_block * BLOCK_ROWS, part * BLOCK_COLUMNS])" in source
+
+
+# -- the column walk ----------------------------------------------------------------------
+
+
+def _column_walk_grid() -> list[tuple[str, int, str]]:
+    """Both backward ops over the issue's hidden sizes up to 4096 in bf16, and float32 and
+    float16 at 1000. At 24576 and 65536 the interpreter's automatic choice is this walk
+    (``test_rows_with_column_sums_walk_their_columns_where_nothing_splits``), so
+    ``test_backward_matches_the_reference`` runs it there in every dtype (15-25 s a case)."""
+    names = ("rmsnorm_bwd", "layernorm_bwd")
+    cases = [(name, n, "bfloat16") for name in names for n in HIDDEN if n < LARGE]
+    return cases + [(name, 1000, dtype) for name in names for dtype in ("float32", "float16")]
+
+
+@pytest.mark.parametrize(("name", "n", "dtype"), _column_walk_grid())
+def test_the_column_walk_matches_the_reference(name, n, dtype):
+    """Forced: the rows' reductions first (their values kept in float32), then strips of
+    columns walked down 5 rows. Every output, the column sums against float64."""
+    rows = 5
+    fd = BUILDERS[name](n, dtype)
+    generator = torch.Generator().manual_seed(rows + n)
+    inputs = make_inputs(name, rows, n, DTYPES[dtype], "cpu", generator)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": COLUMN_WALK})
+    outputs = executor.run(inputs)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=n)
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
+    params = executor.chosen_params["k0"]
+    assert params.strategy == COLUMN_WALK and not params.persistent, params
+    assert params.strip_columns == min(2048, 1 << (n - 1).bit_length()), params
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_a_column_walk_of_ragged_strips_two_rows_a_block_and_three_groups(name):
+    """Strips of 256 over 1000 columns (the last ragged), two rows a block, 12 programs:
+    three groups of rows over the four strips, each group's partial rows added by the
+    combining kernel; 17 rows (the last block half empty), not pipelined. The first
+    kernel keeps no partial column sums; the second stores its once, after its walk."""
+    params = NormalizationParams(2, 256, 4, False, programs=12, strategy=COLUMN_WALK,
+                                 strip_columns=256, strip_warps=2)  # fmt: skip
+    KERNEL_CACHE.clear()  # the sources checked below are this run's
+    fd, inputs, outputs, executor = _run(name, 1000, "bfloat16", rows=17, params=params)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=17)
+    assert "strip_columns=256, strip_warps=2" in executor.kernel_report()
+    sums = len(outputs) - 1
+    (rows,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert "part0" not in rows and rows.count("tl.store(stash + ") == sums, rows
+    (strips,) = [s for s in KERNEL_CACHE.sources() if "def column_kernel" in s]
+    assert "tl.load(part" not in strips and strips.count("tl.store(part") == sums, strips
+    walk = strips[strips.index("for row_block in range(group, ") :]  # one stage: range
+    assert all(line.startswith("        ") for line in walk.splitlines()[1:-sums])
+    assert all(line.startswith("    tl.store(part") for line in walk.splitlines()[-sums:])
+
+
+def test_the_column_walk_is_reused_across_batch_sizes():
+    fd = BUILDERS["layernorm_bwd"](1000, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": COLUMN_WALK})
+    generator = torch.Generator().manual_seed(5)
+    KERNEL_CACHE.clear()
+    for rows in (1, 3, 8):
+        inputs = make_inputs("layernorm_bwd", rows, 1000, torch.bfloat16, "cpu", generator)
+        outputs = executor.run(inputs)
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+    # the rows' kernel, the strips' and the combining one
+    assert KERNEL_CACHE.compilations == 3, KERNEL_CACHE.sources()
+
+
+@pytest.mark.parametrize("profile", [H100, H200])
+@pytest.mark.parametrize(
+    ("name", "n", "rows", "strategy", "reason"),
+    [
+        # LayerNorm's slices of 16384 (16 warps) do not fit an SM's registers
+        ("layernorm_bwd", 135168, 1024, COLUMN_WALK, "hold 0 rows at once"),
+        ("layernorm_bwd", 262144, 512, COLUMN_WALK, "hold 0 rows at once"),
+        ("rmsnorm_bwd", 262144, 512, COLUMN_WALK, "32 programs a row hold 4 rows at once"),
+        ("rmsnorm_bwd", 524288, 256, COLUMN_WALK, "hold 0 rows at once"),
+        ("rmsnorm_bwd", 196608, 1024, SPLIT, "split (the row does not fit"),  # 5 rows
+        ("layernorm_bwd", 131072, 2048, SPLIT, "split (the row does not fit"),  # 8 rows
+        ("layernorm_bwd", 65536, 4096, SPLIT, "split (the row does not fit"),
+    ],
+)
+def test_rows_a_split_cannot_hold_walk_their_columns(profile, name, n, rows, strategy, reason):
+    """Wide rows with column sums: split while its programs hold at least
+    SPLIT_LEAST_ROWS rows at once (by their estimated registers), the columns walked
+    below that; every choice says why."""
+    scheduler, plan = _plan(name, n)
+    params = scheduler.heuristics(plan, profile, [rows, n])
+    assert params.strategy == strategy and reason in params.why, params
+    if strategy == COLUMN_WALK:
+        assert "column walk (rows of " in params.why and "[instead of " in params.why
+        assert (params.block_columns, params.num_warps, params.stages) == (8192, 8, 3)
+        assert (params.strip_columns, params.strip_warps) == (2048, 4), params
+        assert params.programs == 4 * profile.sm_count, params
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+def test_rows_with_column_sums_walk_their_columns_where_nothing_splits(name):
+    """Before sm_90 (no split) and in the interpreter, rows with column sums that do not
+    fit the registers walk their columns instead of chunks; forwards keep the multi-wave
+    kernel, and rows that fit keep the registers."""
+    for n, profile in ((65536, replace_arch(H100, 80)), (24576, INTERPRETER),
+                       (65536, INTERPRETER)):  # fmt: skip
+        scheduler, plan = _plan(name, n)
+        params = scheduler.heuristics(plan, profile, [4096, n])
+        assert params.strategy == COLUMN_WALK, params
+        assert "[instead of " in params.why, params
+        assert f"a row of {n} does not fit in registers" in params.why, params
+        forward_scheduler, forward = _plan(name.replace("_bwd", "_fwd"), n)
+        kept = forward_scheduler.heuristics(forward, profile, [4096, n])
+        assert kept.strategy == MULTIWAVE, kept  # in registers or in chunks
+    scheduler, plan = _plan(name, 4096)
+    assert scheduler.heuristics(plan, replace_arch(H100, 80), [4096, 4096]).persistent
+
+
+def test_a_forced_column_walk_says_why_it_cannot_be():
+    """It writes column sums, and keeps row values as float32."""
+    scheduler, plan = _plan("rmsnorm_fwd", 1000)
+    with pytest.raises(NotSchedulable, match="no column sums: the column walk writes them"):
+        scheduler.heuristics(plan, H200, [8, 1000], COLUMN_WALK)
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 64], "float64")
+        centred = x - fd.ops.sum(x, dims=[1], keepdim=True)
+        fd.add_output(centred)
+        fd.add_output(fd.ops.sum(centred, dims=[0]))
+    (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    with pytest.raises(NotSchedulable, match="keeps row values as float32"):
+        group.scheduler.heuristics(group.plan, H200, [8, 64], COLUMN_WALK)

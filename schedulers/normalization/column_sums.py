@@ -22,9 +22,10 @@ from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.codegen import Generator, Step, stashed
 from schedulers.normalization.heuristics import (
-    CHUNK_VALUES,
     COLUMN_WALK,
+    MAX_REGISTERS,
     NormalizationParams,
+    walk_registers,
 )
 from schedulers.runtime import cdiv, next_power_of_two
 
@@ -36,14 +37,28 @@ COMBINE_COLUMNS = 16
 COMBINE_PARTS = 256  # and partial rows it adds per step
 COMBINE_WARPS = 8
 
-# The column walk (not measured yet: first guesses, to be swept): the rows' walk in steps
-# of CHUNK_VALUES a thread over ROW_WARPS warps; strips of STRIP_COLUMNS over STRIP_WARPS
-# warps, STRIP_PROGRAMS an SM; both walks' loads pipelined WALK_STAGES deep.
-ROW_WARPS = 16
-STRIP_COLUMNS = 1024
-STRIP_WARPS = 4
+# The column walk: the rows' walk in steps of ROW_STEP columns over ROW_WARPS warps (32
+# values a thread a buffer); strips of STRIP_COLUMNS over STRIP_WARPS warps (16 values),
+# STRIP_PROGRAMS an SM; both walks' loads pipelined WALK_STAGES deep. H200, fraction of
+# copy, LayerNorm backward 1024x135168 / 512x262144: 0.53 / 0.49 (torch.compile 0.41 /
+# 0.36, the split row 0.09 / 0.09); RMSNorm backward 512x262144 0.54 (0.36, split 0.45-
+# 0.47). Its neighbours (two rounds, results/norms_colwalk{,2}_{layernorm,rmsnorm}_bwd_
+# h200_f1ee613.json), LayerNorm 1024x135168: strips of 1024 over 4 warps 0.50, of 512
+# 0.44, of 4096 over 8 0.50; 2 or 8 strip warps 0.50-0.52; 2, 4, 8 programs an SM 0.43,
+# 0.50-0.53, 0.50-0.51; stages 1, 2, 4, 5: 0.45, 0.38, 0.52-0.53, 0.51; 16 row warps 0.50-
+# 0.52, steps of 4096 or 16384 0.50-0.52; the other shapes alike.
+ROW_STEP, ROW_WARPS = 8192, 8
+STRIP_COLUMNS, STRIP_WARPS = 2048, 4
 STRIP_PROGRAMS = 4
 WALK_STAGES = 3
+# A split row whose programs hold fewer rows than this at once (the device's programs,
+# estimated from registers, over the programs a row) walks the columns instead: H200,
+# RMSNorm backward 512x262144, 4 rows (32 programs of 8192 columns, one an SM): 0.45-0.47
+# split against 0.54; at 1024x196608 (5 rows, 24 programs) 0.59 split against 0.57,
+# 2048x131072 (12 rows) 0.63 against 0.59; LayerNorm backward 2048x131072 (8 rows) 0.59
+# against 0.57, 4096x65536 (16) 0.70 against 0.59. Where the slices do not fit the
+# registers at all (LayerNorm backward from 131073 columns: 16384 a slice) it holds none.
+SPLIT_LEAST_ROWS = 5
 
 
 def column_walk_params(
@@ -56,7 +71,7 @@ def column_walk_params(
         dtype = tensor.dtype
         if not dtype.is_floating or dtype.storage_only or dtype.bits > 32:
             return f"{tensor} ({dtype}): the column walk keeps row values as float32"
-    step = min(next_power_of_two(columns), CHUNK_VALUES * ROW_WARPS * hardware.warp_size)
+    step = min(next_power_of_two(columns), ROW_STEP)
     strip = min(next_power_of_two(columns), STRIP_COLUMNS)
     programs = STRIP_PROGRAMS * hardware.sm_count
     why = (f"the rows' {len(stashed(plan))} reductions in steps of {step} columns, then "
@@ -65,6 +80,22 @@ def column_walk_params(
     return NormalizationParams(1, step, ROW_WARPS, False, programs, WALK_STAGES,
                                strategy=COLUMN_WALK, strip_columns=strip,
                                strip_warps=STRIP_WARPS, why=why)  # fmt: skip
+
+
+def split_rows_in_flight(
+    plan: NormalizationPlan, hardware: HardwareProfile, split: NormalizationParams
+) -> int:
+    """Rows a ``split`` holds at once: the programs the device holds, estimated from
+    their registers (``walk_registers``: a row of the slice, weights and column sums),
+    over the programs a row."""
+    threads = split.num_warps * hardware.warp_size
+    registers = walk_registers(plan, hardware, split.block_columns, split.num_warps, 1,
+                               split.column_registers, False)  # fmt: skip
+    if registers > MAX_REGISTERS:
+        return 0
+    blocks = min(hardware.max_warps_per_sm // split.num_warps,
+                 hardware.registers_per_sm // (registers * threads))  # fmt: skip
+    return blocks * hardware.sm_count // split.parts
 
 
 def strip_grid(params: NormalizationParams, rows: int, columns: int) -> tuple[int, int]:
@@ -109,8 +140,11 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         strip.line(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
         walk.line(f"colsum{i} = colsum{i} + {term}")
     blocks = "group, tl.cdiv(row_count, BLOCK_ROWS), groups"
-    stages = f", num_stages={params.stages}" if params.stages > 1 else ""
-    strip.block(f"for row_block in tl.range({blocks}{stages}):", walk)
+    if params.stages > 1:
+        blocks = f"tl.range({blocks}, num_stages={params.stages})"
+    else:
+        blocks = f"range({blocks})"
+    strip.block(f"for row_block in {blocks}:", walk)
     for i in range(len(sums)):
         strip.line(f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
                    f"tl.sum(colsum{i}, 0), mask=col_mask)")  # fmt: skip

@@ -28,11 +28,13 @@ from schedulers.normalization.codegen import constants, source, stashed
 from schedulers.normalization.column_sums import (
     COMBINE_COLUMNS,
     COMBINE_WARPS,
+    SPLIT_LEAST_ROWS,
     column_constants,
     column_source,
     column_walk_params,
     combine_constants,
     combine_source,
+    split_rows_in_flight,
     strip_grid,
 )
 from schedulers.normalization.exchange import exchange_slots
@@ -102,9 +104,12 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         (``split_params``; H200, 4096x65536: RMSNorm forward 0.78 of copy against 0.72
         chunked, backward 0.63 against 0.29, LayerNorm backward 0.56 against 0.19;
         H100: LayerNorm forward 0.87 with 4 warps a slice against 0.68 chunked, 0.60
-        with 8; H200: 0.71 with 4 against 0.62 chunked). The interpreter keeps the
-        chunks (its programs run one after the other; a forced split row's run
-        concurrently, ``schedulers.runtime.concurrent_programs``)."""
+        with 8; H200: 0.71 with 4 against 0.62 chunked). Rows with column sums that
+        would be walked in chunks walk their columns instead (``column_walk_params``;
+        every architecture and the interpreter): so where the split is not taken, and
+        where its programs would hold fewer than ``SPLIT_LEAST_ROWS`` rows at once. The
+        interpreter never splits (its programs run one after the other; a forced split
+        row's run concurrently, ``schedulers.runtime.concurrent_programs``)."""
         strategy = check_strategy(self, strategy)
         rank = len(shape)
         columns = math.prod(shape[rank - plan.reduced :])
@@ -128,7 +133,16 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                     return replace(split, why=f"split (a variance over rows of {columns} on "
                                               f"a device of {hardware.memory_gbps:.0f} GB/s): "
                                               f"{split.why} [instead of {chosen.why}]")  # fmt: skip
-        if strategy or hardware.arch < 90:
+        if strategy:
+            return chosen
+        walk = None  # rows with column sums that do not fit: the columns walked, not chunks
+        if plan.column_sums and not chosen.persistent:
+            walk = column_walk_params(plan, hardware, columns)
+            if not isinstance(walk, str):
+                chosen = replace(walk, why=f"column walk (rows of {columns} with column sums "
+                                           f"do not fit the registers): {walk.why} [instead "
+                                           f"of {chosen.why}]")  # fmt: skip
+        if hardware.arch < 90:
             return chosen
         held = plan.column_sums and chosen.strategy == MULTIWAVE and columns >= SPLIT_SUMS_FROM
         if chosen.persistent and not held:
@@ -140,6 +154,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
+        in_flight = split_rows_in_flight(plan, hardware, split)
+        if chosen.strategy == COLUMN_WALK and in_flight < SPLIT_LEAST_ROWS:
+            return replace(chosen, why=f"{chosen.why} (not split: {split.parts} programs a "
+                                       f"row hold {in_flight} rows at once, fewer than "
+                                       f"{SPLIT_LEAST_ROWS})")  # fmt: skip
         reason = (f"rows of {columns} with column sums"
                   if chosen.persistent else "the row does not fit one program's registers, "
                   f"and walked in chunks it is read {plan.depth + 1} times")  # fmt: skip
