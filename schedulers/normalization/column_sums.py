@@ -52,13 +52,17 @@ STRIP_COLUMNS, STRIP_WARPS = 2048, 4
 STRIP_PROGRAMS = 4
 WALK_STAGES = 3
 # A split row whose programs hold fewer rows than this at once (the device's programs,
-# estimated from registers, over the programs a row) walks the columns instead: H200,
-# RMSNorm backward 512x262144, 4 rows (32 programs of 8192 columns, one an SM): 0.45-0.47
-# split against 0.54; at 1024x196608 (5 rows, 24 programs) 0.59 split against 0.57,
-# 2048x131072 (12 rows) 0.63 against 0.59; LayerNorm backward 2048x131072 (8 rows) 0.59
-# against 0.57, 4096x65536 (16) 0.70 against 0.59. Where the slices do not fit the
-# registers at all (LayerNorm backward from 131073 columns: 16384 a slice) it holds none.
-SPLIT_LEAST_ROWS = 5
+# estimated from registers, over the programs a row) on a device whose memory moves
+# SPLIT_ROWS_GBPS (the H200), in proportion on others (the bytes in flight that keep the
+# memory busy), walks the columns instead. H200, RMSNorm backward 512x262144, 4 rows (32
+# programs of 8192 columns, one an SM): 0.45-0.47 split against 0.54; at 1024x196608 (5
+# rows, 24 programs) 0.59 split against 0.57, 2048x131072 (12 rows) 0.63 against 0.59;
+# LayerNorm backward 2048x131072 (8 rows) 0.59 against 0.57, 4096x65536 (16) 0.70 against
+# 0.59. H100 (3.5 rows): RMSNorm 512x262144 0.58 split against 0.55, 1024x196608 0.74
+# against 0.57; LayerNorm 2048x131072 0.76 against 0.57 (results/norms_colwalk3_*_h100_
+# 0da0dd4.json). Where the slices do not fit the registers at all (LayerNorm backward
+# from 131073 columns: 16384 a slice, 16 warps) it holds none: 0.09-0.10 on both.
+SPLIT_LEAST_ROWS, SPLIT_ROWS_GBPS = 5, 4300.0
 
 
 def column_walk_params(
@@ -82,20 +86,23 @@ def column_walk_params(
                                strip_warps=STRIP_WARPS, why=why)  # fmt: skip
 
 
-def split_rows_in_flight(
+def split_short_of_rows(
     plan: NormalizationPlan, hardware: HardwareProfile, split: NormalizationParams
-) -> int:
-    """Rows a ``split`` holds at once: the programs the device holds, estimated from
-    their registers (``walk_registers``: a row of the slice, weights and column sums),
-    over the programs a row."""
+) -> str | None:
+    """Why a ``split`` holds too few rows at once (``SPLIT_LEAST_ROWS``), or None: the
+    programs the device holds, estimated from their registers (``walk_registers``: a row
+    of the slice, weights and column sums), over the programs a row."""
     threads = split.num_warps * hardware.warp_size
     registers = walk_registers(plan, hardware, split.block_columns, split.num_warps, 1,
                                split.column_registers, False)  # fmt: skip
-    if registers > MAX_REGISTERS:
-        return 0
     blocks = min(hardware.max_warps_per_sm // split.num_warps,
                  hardware.registers_per_sm // (registers * threads))  # fmt: skip
-    return blocks * hardware.sm_count // split.parts
+    rows = blocks * hardware.sm_count // split.parts if registers <= MAX_REGISTERS else 0
+    least = SPLIT_LEAST_ROWS * hardware.memory_gbps / SPLIT_ROWS_GBPS
+    if rows and rows >= least:
+        return None
+    return (f"{split.parts} programs a row hold {rows} rows at once, fewer than {least:.1f} "
+            f"on a device of {hardware.memory_gbps:.0f} GB/s")  # fmt: skip
 
 
 def strip_grid(params: NormalizationParams, rows: int, columns: int) -> tuple[int, int]:

@@ -28,13 +28,12 @@ from schedulers.normalization.codegen import constants, source, stashed
 from schedulers.normalization.column_sums import (
     COMBINE_COLUMNS,
     COMBINE_WARPS,
-    SPLIT_LEAST_ROWS,
     column_constants,
     column_source,
     column_walk_params,
     combine_constants,
     combine_source,
-    split_rows_in_flight,
+    split_short_of_rows,
     strip_grid,
 )
 from schedulers.normalization.exchange import exchange_slots
@@ -154,11 +153,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
-        in_flight = split_rows_in_flight(plan, hardware, split)
-        if chosen.strategy == COLUMN_WALK and in_flight < SPLIT_LEAST_ROWS:
-            return replace(chosen, why=f"{chosen.why} (not split: {split.parts} programs a "
-                                       f"row hold {in_flight} rows at once, fewer than "
-                                       f"{SPLIT_LEAST_ROWS})")  # fmt: skip
+        short = split_short_of_rows(plan, hardware, split)
+        if chosen.strategy == COLUMN_WALK and short:
+            return replace(chosen, why=f"{chosen.why} (not split: {short})")
         reason = (f"rows of {columns} with column sums"
                   if chosen.persistent else "the row does not fit one program's registers, "
                   f"and walked in chunks it is read {plan.depth + 1} times")  # fmt: skip
