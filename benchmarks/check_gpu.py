@@ -77,6 +77,9 @@ def checks(world: int, cuda: bool):
             if k == "generated":  # each row split over programs too
                 name = f"example {norm}, rows split, split-row kernel"
                 yield name, scenarios.row_split_normalization, (norm, 25, k, "split")
+            if k == "generated" and norm in ("rmsnorm_bwd", "layernorm_bwd"):
+                name = f"example {norm}, rows split, column walk"
+                yield name, scenarios.row_split_normalization, (norm, 25, k, "column_walk")
         yield "demo MLP", scenarios.demo_mlp, (26, k)
         two_by_two = world >= 4 and world % 2 == 0  # the data x tensor parallel mesh
         for block in [b for b in backward.BLOCKS if b != "dp_tp_mlp" or two_by_two]:

@@ -598,7 +598,8 @@ def test_nan_and_infinities_in_one_rank_piece_come_out_as_on_one_device(
 def row_split_normalization(communicator, name: str, seed: int, kernels: str = "reference",
                             strategy: str | None = None):  # fmt: skip
     """``strategy`` (generated kernels): the normalization kernel's, forced (a split row's
-    programs exchanging partial reductions, a forward's input through TMA)."""
+    programs exchanging partial reductions, a forward's input through TMA; a backward's
+    column walk)."""
     from examples.norms import BUILDERS, make_inputs
 
     n, rows = 48, 4 * communicator.world_size + 3  # uneven pieces
@@ -621,13 +622,22 @@ NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "l
                   "layernorm_bwd"]  # fmt: skip
 
 
-@pytest.mark.parametrize(("kernels", "strategy"), [(k, None) for k in KERNELS]
-                         + [("generated", "split")])  # fmt: skip
-@pytest.mark.parametrize("name", NORMALIZATIONS)
+def _normalization_cases() -> list[tuple[str, str, str | None]]:
+    """Every normalization with each kernel kind, split rows forced, and the backward
+    ones' column walk forced (it writes column sums)."""
+    cases = [(name, k, None) for name in NORMALIZATIONS for k in KERNELS]
+    cases += [(name, "generated", "split") for name in NORMALIZATIONS]
+    return cases + [(name, "generated", "column_walk") for name in NORMALIZATIONS
+                    if name.endswith("_bwd") and not name.startswith("softmax")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("name", "kernels", "strategy"), _normalization_cases())
 @pytest.mark.parametrize("world", WORLD_SIZES)
 def test_the_examples_normalizations_with_rows_split(rank_pools, world, name, kernels, strategy):
     """``strategy="split"``: each rank's rows split over programs too (the exchange of
-    partial reductions, a forward's input through TMA), as ``check_gpu.py`` runs it."""
+    partial reductions, a forward's input through TMA); ``"column_walk"``: the rows'
+    values first, then strips of columns walked down each rank's rows; as
+    ``check_gpu.py`` runs them."""
     results = rank_pools(world).run(row_split_normalization, name, 25, kernels, strategy)
     # forwards need nothing from other ranks; backwards all-reduce their weight gradients
     column_sums = {"rmsnorm_bwd": 1, "layernorm_bwd": 2}.get(name, 0)
