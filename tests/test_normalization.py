@@ -768,16 +768,21 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
     assert source(plan, narrow).count("tl.debug_barrier()") == 1
 
 
-def test_the_split_kernel_is_reused_across_batch_sizes():
-    fd = BUILDERS["rmsnorm_bwd"](1000, "bfloat16")
-    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": SPLIT})
+@pytest.mark.parametrize(
+    ("name", "strategy", "kernels"),
+    # the split kernel and the combining one; the column walk's rows, strips and combining
+    [("rmsnorm_bwd", SPLIT, 2), ("layernorm_bwd", COLUMN_WALK, 3)],
+)
+def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, strategy, kernels):
+    fd = BUILDERS[name](1000, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": strategy})
     generator = torch.Generator().manual_seed(4)
     KERNEL_CACHE.clear()
     for rows in (1, 3, 8):
-        inputs = make_inputs("rmsnorm_bwd", rows, 1000, torch.bfloat16, "cpu", generator)
+        inputs = make_inputs(name, rows, 1000, torch.bfloat16, "cpu", generator)
         outputs = executor.run(inputs)
         assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
-    assert KERNEL_CACHE.compilations == 2, KERNEL_CACHE.sources()  # and the combining one
+    assert KERNEL_CACHE.compilations == kernels, KERNEL_CACHE.sources()
 
 
 @pytest.mark.parametrize(
@@ -1097,19 +1102,6 @@ def test_a_column_walk_of_ragged_strips_two_rows_a_block_and_three_groups(name):
     walk = strips[strips.index("for row_block in range(group, ") :]  # one stage: range
     assert all(line.startswith("        ") for line in walk.splitlines()[1:-sums])
     assert all(line.startswith("    tl.store(part") for line in walk.splitlines()[-sums:])
-
-
-def test_the_column_walk_is_reused_across_batch_sizes():
-    fd = BUILDERS["layernorm_bwd"](1000, "bfloat16")
-    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": COLUMN_WALK})
-    generator = torch.Generator().manual_seed(5)
-    KERNEL_CACHE.clear()
-    for rows in (1, 3, 8):
-        inputs = make_inputs("layernorm_bwd", rows, 1000, torch.bfloat16, "cpu", generator)
-        outputs = executor.run(inputs)
-        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
-    # the rows' kernel, the strips' and the combining one
-    assert KERNEL_CACHE.compilations == 3, KERNEL_CACHE.sources()
 
 
 @pytest.mark.parametrize(

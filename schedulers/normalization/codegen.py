@@ -95,7 +95,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             generator.reduce_persistent(step, group)
             continue
         accumulators = {t: generator.accumulator(t) for t in group}
-        body = generator.loop("" if stashing else "evict_last")  # read again by the walk
+        # rows kept in L2 for the walk after (a column walk's rows are read again by its
+        # second kernel, after every row's first walk: not from L2)
+        body = generator.loop("" if stashing else "evict_last")
         for tensor in group:
             generator.accumulate(body, tensor, accumulators[tensor])
         generator.close(body, params.stages if stashing else 1)
@@ -103,7 +105,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             generator.finish(tensor, accumulators[tensor])
     before, after = [], []  # around the walk over the rows (column sums)
     sums = [] if stashing else plan.column_sums
-    if stashing:  # the column walk's row values, float32 (``column_walk``)
+    if stashing:  # the column walk's row values, float32 (``column_sums``)
         for j, tensor in enumerate(stashed(plan)):
             outer.line(f"tl.store(stash + rows[:, None] * {len(stashed(plan))} + {j}, "
                        f"{row_cache[tensor].name}, mask=row_mask[:, None])")  # fmt: skip

@@ -104,11 +104,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         chunked, backward 0.63 against 0.29, LayerNorm backward 0.56 against 0.19;
         H100: LayerNorm forward 0.87 with 4 warps a slice against 0.68 chunked, 0.60
         with 8; H200: 0.71 with 4 against 0.62 chunked). Rows with column sums that
-        would be walked in chunks walk their columns instead (``column_walk_params``;
-        every architecture and the interpreter): so where the split is not taken, and
-        where its programs would hold fewer than ``SPLIT_LEAST_ROWS`` rows at once. The
-        interpreter never splits (its programs run one after the other; a forced split
-        row's run concurrently, ``schedulers.runtime.concurrent_programs``)."""
+        would be walked in chunks walk their columns instead (``column_walk_params``,
+        on every architecture), unless they are split: the split stays where its
+        programs hold at least ``SPLIT_LEAST_ROWS`` rows at once (``split_short_of_rows``).
+        The interpreter never splits (its programs run one after the other; a forced
+        split row's run concurrently, ``schedulers.runtime.concurrent_programs``)."""
         strategy = check_strategy(self, strategy)
         rank = len(shape)
         columns = math.prod(shape[rank - plan.reduced :])
@@ -134,8 +134,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                                               f"{split.why} [instead of {chosen.why}]")  # fmt: skip
         if strategy:
             return chosen
-        walk = None  # rows with column sums that do not fit: the columns walked, not chunks
-        if plan.column_sums and not chosen.persistent:
+        if plan.column_sums and not chosen.persistent:  # the columns walked, not chunks
             walk = column_walk_params(plan, hardware, columns)
             if not isinstance(walk, str):
                 chosen = replace(walk, why=f"column walk (rows of {columns} with column sums "
