@@ -115,9 +115,9 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         for stages in (1, 2, 4):
             if stages != params.stages:
                 variants[f"column,stages={stages}"] = replace(params, stages=stages)
-        for warps in (params.num_warps // 2,):
-            if warps >= 4:
-                variants[f"column,row warps={warps}"] = replace(params, num_warps=warps)
+        if params.num_warps >= 8:
+            warps = params.num_warps // 2
+            variants[f"column,row warps={warps}"] = replace(params, num_warps=warps)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == SPLIT:  # more or fewer programs a row, warps, rows, prefetch
         for parts in (params.parts // 2, params.parts * 2):

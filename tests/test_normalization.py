@@ -778,10 +778,13 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, strateg
     executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": strategy})
     generator = torch.Generator().manual_seed(4)
     KERNEL_CACHE.clear()
-    for rows in (1, 3, 8):
+    for rows in (1, 3, 8):  # the column walk: 1, 3 and 4 groups of rows (their partials)
         inputs = make_inputs(name, rows, 1000, torch.bfloat16, "cpu", generator)
         outputs = executor.run(inputs)
         assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+        exact = _weight_gradients_in_float64(name, inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
     assert KERNEL_CACHE.compilations == kernels, KERNEL_CACHE.sources()
 
 
@@ -1169,3 +1172,61 @@ def test_a_forced_column_walk_says_why_it_cannot_be():
     (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
     with pytest.raises(NotSchedulable, match="keeps row values as float32"):
         group.scheduler.heuristics(group.plan, H200, [8, 64], COLUMN_WALK)
+
+
+def _two_level_column_sums(kind: str, n: int, dtype: str) -> FusionDefinition:
+    """Column sums behind two levels of reductions: a variance with its mean (a
+    LayerNorm forward's, and the column sums of y and of xhat rounded to ``dtype``), or
+    a max then a sum (a softmax's, and the column sums of p)."""
+    with FusionDefinition(kind) as fd:
+        x = fd.define_tensor(["rows", n], dtype)
+        xf = fd.ops.cast(x, "float32")
+        if kind == "variance":
+            var, mean = fd.ops.var_mean(xf, dims=[1], correction=1)
+            rstd = fd.ops.rsqrt(var + 1e-5)
+            xhat = (xf - fd.ops.broadcast(mean, [False, True])) * fd.ops.broadcast(
+                rstd, [False, True]
+            )
+            fd.add_output(fd.ops.cast(xhat, dtype))
+            fd.add_output(mean)
+            fd.add_output(fd.ops.sum(xhat, dims=[0]))
+            fd.add_output(fd.ops.sum(fd.ops.cast(xhat, dtype), dims=[0]))
+        else:
+            e = fd.ops.exp(xf - fd.ops.max(xf, dims=[1], keepdim=True))
+            p = e / fd.ops.sum(e, dims=[1], keepdim=True)
+            fd.add_output(fd.ops.cast(p, dtype))
+            fd.add_output(fd.ops.sum(p, dims=[0]))
+    return fd
+
+
+@pytest.mark.parametrize("kind", ["variance", "max_then_sum"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_column_walk_behind_two_levels_of_reductions(kind, dtype):
+    """Forced over 9 rows of 300: the first kernel walks each row once a level (the
+    variance after its mean, the sum after the max) and keeps every level's row values;
+    the strips read them back. Every output against the reference."""
+    fd = _two_level_column_sums(kind, 300, dtype)
+    generator = torch.Generator().manual_seed(6)
+    inputs = [(3 * torch.randn(9, 300, generator=generator) + 1).to(DTYPES[dtype])]
+    params = NormalizationParams(2, 128, 4, False, programs=6, strategy=COLUMN_WALK,
+                                 strip_columns=64, strip_warps=2)  # fmt: skip
+    KERNEL_CACHE.clear()
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    for actual, expected in zip(executor.run(inputs), fd.execute(inputs), strict=True):
+        assert_close(actual, expected, reduction_extent=300)
+    (rows,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert rows.count("for start in range(0, COLUMNS, BLOCK_COLUMNS)") == 2, rows
+    assert rows.count("tl.store(stash + ") == 2, rows  # both levels' row values
+
+
+@pytest.mark.parametrize(
+    ("fields", "reason"),
+    [({"strip_columns": 0}, "power of two"), ({"strip_columns": 24}, "power of two"),
+     ({"strip_warps": 0}, "strip_warps at least 1")],
+)  # fmt: skip
+def test_a_column_walk_s_strips_are_checked_before_launching(fields, reason):
+    scheduler, plan = _plan("rmsnorm_bwd", 1000)
+    params = dataclasses.replace(scheduler.heuristics(plan, H200, [8, 1000], COLUMN_WALK),
+                                 **fields)  # fmt: skip
+    with pytest.raises(ValueError, match=reason):
+        scheduler.launcher(plan, params, H200, None)

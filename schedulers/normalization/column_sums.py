@@ -11,7 +11,8 @@ end (a partial row a group, added by the combining kernel). A row's inputs are r
 twice (10 bytes a column for LayerNorm backward against the 6 it must move), but neither
 kernel's traffic depends on the rows fitting the L2 or the registers: the chunked walk
 with column sums adds every row's terms into its program's partial row in memory (16
-bytes more a column), and a split row wider than 16 slices spills.
+bytes more a column), LayerNorm backward's split slices of 16384 columns (past 131072)
+spill, and a split whose programs hold few rows at once waits on its exchange.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     MAX_REGISTERS,
     NormalizationParams,
+    full_bits,
     walk_registers,
 )
 from schedulers.runtime import cdiv, next_power_of_two
@@ -91,12 +93,15 @@ def split_short_of_rows(
 ) -> str | None:
     """Why a ``split`` holds too few rows at once (``SPLIT_LEAST_ROWS``), or None: the
     programs the device holds, estimated from their registers (``walk_registers``: a row
-    of the slice, weights and column sums), over the programs a row."""
+    of the slice, weights and column sums) and the shared memory of their pipelined
+    loads, over the programs a row."""
     threads = split.num_warps * hardware.warp_size
     registers = walk_registers(plan, hardware, split.block_columns, split.num_warps, 1,
                                split.column_registers, False)  # fmt: skip
+    staged = split.stages * split.block_rows * split.block_columns * full_bits(plan)
     blocks = min(hardware.max_warps_per_sm // split.num_warps,
-                 hardware.registers_per_sm // (registers * threads))  # fmt: skip
+                 hardware.registers_per_sm // (registers * threads),
+                 hardware.smem_per_block_bits // staged if split.stages > 1 else 32)  # fmt: skip
     rows = blocks * hardware.sm_count // split.parts if registers <= MAX_REGISTERS else 0
     least = SPLIT_LEAST_ROWS * hardware.memory_gbps / SPLIT_ROWS_GBPS
     if rows and rows >= least:

@@ -69,7 +69,7 @@ SPLIT_SUMS_STAGES = 3
 SPLIT_SUMS_FROM = 16384
 
 MULTIWAVE, WARP_SPECIALIZED, SPLIT = "multiwave", "warp_specialized", "split"
-COLUMN_WALK = "column_walk"  # ``schedulers.normalization.column_walk``
+COLUMN_WALK = "column_walk"  # ``schedulers.normalization.column_sums``
 STRATEGIES = (MULTIWAVE, WARP_SPECIALIZED, SPLIT, COLUMN_WALK)
 
 

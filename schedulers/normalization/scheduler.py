@@ -87,10 +87,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         strategy: str | None = None,
     ) -> NormalizationParams:
         """The launch configuration for S's ``shape``. ``strategy`` forces one strategy
-        (``MULTIWAVE``, ``WARP_SPECIALIZED`` or ``SPLIT``, no fallback: a kernel that
-        cannot be built raises ``NotSchedulable`` saying why); None (or ``"auto"``)
-        takes the warp-specialized one where ``WS_GAINS`` records a gain for this
-        architecture and number of column sums and each program walks enough rows, and
+        (``MULTIWAVE``, ``WARP_SPECIALIZED``, ``SPLIT`` or ``COLUMN_WALK``, no fallback:
+        a kernel that cannot be built raises ``NotSchedulable`` saying why); None (or
+        ``"auto"``) takes the warp-specialized one where ``WS_GAINS`` records a gain for
+        this architecture and number of column sums and each program walks enough rows, and
         falls back to the multi-wave one when the warp-specialized parameters are
         degenerate (one stage, or too few registers left), or short of registers where a
         multi-wave program loads a row of at least 64 KiB at once (``rows_in_flight``);
@@ -152,8 +152,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         split = split_params(plan, hardware, columns)
         if isinstance(split, str):
             return replace(chosen, why=f"{chosen.why} (not split: {split})")
-        short = split_short_of_rows(plan, hardware, split)
-        if chosen.strategy == COLUMN_WALK and short:
+        short = chosen.strategy == COLUMN_WALK and split_short_of_rows(plan, hardware, split)
+        if short:
             return replace(chosen, why=f"{chosen.why} (not split: {short})")
         reason = (f"rows of {columns} with column sums"
                   if chosen.persistent else "the row does not fit one program's registers, "
@@ -201,8 +201,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         shape: list[int],
         aligned: bool = False,
     ) -> list[KernelSource]:
-        """The normalization kernel and one combining kernel for its column sums, for rows of
-        ``shape``'s reduced extent (a constexpr); one form only (``aligned`` is not read)."""
+        """The normalization kernel (a column walk's: and its strips' kernel) and one
+        combining kernel for its column sums, for rows of ``shape``'s reduced extent (a
+        constexpr); one form only (``aligned`` is not read)."""
         columns = math.prod(shape[plan.rank - plan.reduced :])
         pointers = pointer_types(plan.inputs, plan.outputs)
         pointers |= {f"part{i}": "tl.float32" for i in range(len(plan.column_sums))}
@@ -237,6 +238,11 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         """Builds the kernels now: params they cannot have raise ``ValueError`` here."""
         if params.block_columns & (params.block_columns - 1) or params.block_rows < 1:
             raise ValueError(f"{params}: block_columns must be a power of two")
+        strip = params.strip_columns
+        if params.strategy == COLUMN_WALK and (strip < 1 or strip & (strip - 1)
+                                               or params.strip_warps < 1):  # fmt: skip
+            raise ValueError(f"{params}: a column walk's strip_columns is a power of two, "
+                             "its strip_warps at least 1")  # fmt: skip
         return NormalizationLauncher(
             plan,
             params,
@@ -254,7 +260,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
 @dataclass(frozen=True)
 class NormalizationLauncher(Launcher):
     """Launches a normalization: a program per ``block_rows`` rows (or a grid of
-    ``programs`` walking them), then one combining kernel for its column sums."""
+    ``programs`` walking them), then one combining kernel for its column sums; a column
+    walk: a program per row block, then a program per strip and group of rows, then the
+    combining kernel."""
 
     plan: NormalizationPlan
     params: NormalizationParams
@@ -325,7 +333,8 @@ class NormalizationLauncher(Launcher):
                 **combine_constants(columns), num_warps=COMBINE_WARPS,
                 **COMPILE_OPTIONS)  # fmt: skip
 
-    def _walk(self, plan, pointers, rows, columns, options, targets, device) -> None:
+    def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
+              options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
         """A column walk's kernels: a program a row block for the rows' values, then a
         program a strip and group of rows, then the combining kernel."""
         params = self.params
