@@ -1230,3 +1230,43 @@ def test_a_column_walk_s_strips_are_checked_before_launching(fields, reason):
                                  **fields)  # fmt: skip
     with pytest.raises(ValueError, match=reason):
         scheduler.launcher(plan, params, H200, None)
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+@pytest.mark.parametrize("block_rows", [1, 2])
+def test_a_column_walk_s_rows_reduced_in_parts(name, block_rows):
+    """Three programs a row block reduce their parts of it (3 steps of 128 columns each,
+    the last past the row's 1000), each part's sums stored unfinished; the strips add
+    the parts in a fixed order and finish them (a mean's division). 5 rows, every
+    output against the reference, the column sums against float64."""
+    params = NormalizationParams(block_rows, 128, 4, False, programs=8, parts=3,
+                                 strategy=COLUMN_WALK, strip_columns=256,
+                                 strip_warps=2)  # fmt: skip
+    KERNEL_CACHE.clear()
+    fd, inputs, outputs, _ = _run(name, 1000, "bfloat16", rows=5, params=params)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=5)
+    (rows,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+    assert "for offset in range(0, SPAN, BLOCK_COLUMNS)" in rows and "div(" not in rows
+    (strips,) = [s for s in KERNEL_CACHE.sources() if "def column_kernel" in s]
+    assert "(rows[:, None] * PARTS + parts[None, :])" in strips and "div(" in strips
+
+
+def test_rows_too_few_to_fill_the_device_are_reduced_in_parts():
+    """As many parts of whole steps as fill ROW_PROGRAMS programs an SM: 64 rows of
+    262144 columns (32 steps of 8192) on an H200, 9 parts asked, 8 of 4 steps each;
+    512 rows, 2; 1024 rows, one. A variance (two levels) is never taken in parts, and
+    forced parts of it are refused before launching."""
+    scheduler, plan = _plan("layernorm_bwd", 262144)
+    for rows, parts in ((64, 8), (512, 2), (1024, 1), (8, 32)):
+        params = scheduler.heuristics(plan, H200, [rows, 262144])
+        assert params.strategy == COLUMN_WALK and params.parts == parts, (rows, params)
+        assert (f"in {parts} parts a row" in params.why) == (parts > 1), params.why
+    fd = _two_level_column_sums("variance", 262144, "bfloat16")
+    (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    params = group.scheduler.heuristics(group.plan, H200, [64, 262144], COLUMN_WALK)
+    assert params.parts == 1, params
+    with pytest.raises(ValueError, match="reduced in parts"):
+        group.scheduler.launcher(group.plan, dataclasses.replace(params, parts=2), H200, None)

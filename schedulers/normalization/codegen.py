@@ -26,12 +26,7 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.exchange import (
-    KEPT_ROWS,
-    exchange_width,
-    post_source,
-    wait_source,
-)
+from schedulers.normalization.exchange import exchange_step, reduce_split
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     SPLIT,
@@ -39,6 +34,7 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     tma_inputs,
 )
+from schedulers.runtime import cdiv
 
 
 def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
@@ -47,10 +43,15 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     targets = [f"out{i}" for i in range(len(plan.outputs))]
     persistent = params.persistent
     split = params.strategy == SPLIT  # programs of a row exchange partial reductions
-    # the rows' reductions only, their values kept for the column walk's kernel
+    # the rows' reductions only, their values kept for the column walk's kernel; with
+    # parts, each program's part of a row reduced, finished by the strips
     stashing = params.strategy == COLUMN_WALK
     if (split or stashing) and persistent != split:
         raise ValueError(f"{params}: a split row is persistent, a column walk's is not")
+    partial = stashing and params.parts > 1
+    if partial and not parts_combine(plan):
+        raise ValueError(f"{params}: only one level of sums, maxima or minima and no row "
+                         "output are reduced in parts")  # fmt: skip
     # a fixed grid walks persistent rows (a split row's: as many as the device holds)
     walking = persistent and (params.programs > 0 or split)
     specialized = params.strategy == WARP_SPECIALIZED
@@ -85,11 +86,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         generator.columns(outer, start)
         step = Step(outer, row_cache)  # one step: everything shares one cache
         if split:
-            generator.exchange_step(early, step, params.prefetch)
+            exchange_step(generator, early, step, params.prefetch)
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
         if persistent and split:  # the level's reductions exchanged together
-            generator.reduce_split(step, group, level)
+            reduce_split(generator, step, group, level)
             continue
         if persistent:
             generator.reduce_persistent(step, group)
@@ -97,19 +98,22 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         accumulators = {t: generator.accumulator(t) for t in group}
         # rows kept in L2 for the walk after (a column walk's rows are read again by its
         # second kernel, after every row's first walk: not from L2)
-        body = generator.loop("" if stashing else "evict_last")
+        body = generator.loop("" if stashing else "evict_last", "part * SPAN" if partial else "")
         for tensor in group:
             generator.accumulate(body, tensor, accumulators[tensor])
-        generator.close(body, params.stages if stashing else 1)
+        generator.close(body, params.stages if stashing else 1, "SPAN" if partial else "")
         for tensor in group:
-            generator.finish(tensor, accumulators[tensor])
+            if partial:  # this part's reduction, unfinished
+                generator.stash_part(tensor, accumulators[tensor], stashed(plan))
+            else:
+                generator.finish(tensor, accumulators[tensor])
     before, after = [], []  # around the walk over the rows (column sums)
     sums = [] if stashing else plan.column_sums
-    if stashing:  # the column walk's row values, float32 (``column_sums``)
+    if stashing and not partial:  # the column walk's row values, float32 (``column_sums``)
         for j, tensor in enumerate(stashed(plan)):
             outer.line(f"tl.store(stash + rows[:, None] * {len(stashed(plan))} + {j}, "
                        f"{row_cache[tensor].name}, mask=row_mask[:, None])")  # fmt: skip
-    elif any(plan.kinds[t] == "full" for t in plan.outputs) or sums:
+    elif not stashing and (any(plan.kinds[t] == "full" for t in plan.outputs) or sums):
         body = step if persistent else generator.loop("evict_first")
         generator.full_outputs(body, targets)
         for i, kept in enumerate(generator.column_terms(body)):
@@ -171,11 +175,14 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     else:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
-        lines = ["row_block = tl.program_id(0)", *outer.lines]
+        first = (["row_block = tl.program_id(0) // PARTS", "part = tl.program_id(0) % PARTS"]
+                 if partial else ["row_block = tl.program_id(0)"])  # fmt: skip
+        lines = [*first, *outer.lines]
     partials = [f"part{i}" for i, _ in enumerate(sums)]
     extra = ["slots"] if split else ["stash"] if stashing else []
     arguments = [*pointers.values(), *targets, *partials, *extra]
-    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else []),
+                 *(["PARTS", "SPAN"] if partial else [])]  # fmt: skip
     return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
@@ -187,6 +194,11 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
               "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
     if params.strategy == SPLIT:
         values["PARTS"] = params.parts
+    if params.strategy == COLUMN_WALK and params.parts > 1:  # a part: whole steps
+        values["PARTS"] = params.parts
+        values["SPAN"] = cdiv(cdiv(columns, params.parts), params.block_columns) * (
+            params.block_columns
+        )
     return values
 
 
@@ -215,62 +227,6 @@ class Generator:
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.start = start  # a persistent row's first column (a split row's slice's)
 
-    # A split row: its inputs prefetched, its partial reductions exchanged.
-    def exchange_step(self, early: Emitter, step: Step, prefetch: bool) -> None:
-        """The walk's per-row names of the exchange and, with ``prefetch``, the full
-        inputs of this row taken from the loads the previous row issued (the first
-        row's before the walk), the next row's issued at once."""
-        emit = step.emit
-        emit.line("xj = (row_block - group) // groups")  # this group's row count so far
-        emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
-        emit.line(f"xrow = (tl.cast(group, tl.int64) * {KEPT_ROWS} + xj % {KEPT_ROWS}) * "
-                  f"{len(self.plan.exchanges)}")  # fmt: skip
-        if not prefetch:
-            return
-        early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
-        early.line("first_mask = (first < row_count)[:, None] & col_mask[None, :]")
-        emit.line("ahead = (pid + groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
-        emit.line("ahead_mask = (ahead < row_count)[:, None] & col_mask[None, :]")
-        for tensor, pointer in self.pointers.items():
-            if self.plan.kinds[tensor] != "full":
-                continue
-            name = emit.fresh("ahead")
-            early.line(f"{name} = tl.load({pointer} + (first[:, None] * COLUMNS + "
-                       "cols[None, :]), mask=first_mask, other=0)")  # fmt: skip
-            raw = emit.assign(name, "raw")
-            emit.line(f"{name} = tl.load({pointer} + (ahead[:, None] * COLUMNS + "
-                      "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
-            step.cache[tensor] = emit.loaded(raw, tensor.dtype)
-
-    def exchange(self, emit: Emitter, partials: list[str], level: int) -> list[list[str]]:
-        """Each of ``partials`` (this program's reduction of its slice, a float32 per row
-        of the block) with the other programs' of the row: a list of ``parts`` float32s
-        (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
-        fixed order. The program posts its slots (``exchange.post_source``: with one row
-        a block its first thread), then its threads wait for the level's slots of every
-        program to carry this row's tag (``exchange.wait_source``). The slots alternate
-        between two rows: a program posts row j+2 after its first thread read every
-        program's post of j+1, each made after that program's reductions of j+1, which
-        none of its threads reaches before reading row j: a barrier of the block where
-        the row's values are spread over the warps (a reduction across them), and one
-        written after the wait where warps may hold copies of the row (a slice narrower
-        than 256 columns a warp)."""
-        width, rows = exchange_width(self.plan), self.params.block_rows
-        round_ = list(self.plan.exchanges).index(level)
-        # the rows' first words, in the rows' layout (no conversion for the asm)
-        base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
-                           "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
-        post = self.helper("xpost", post_source, len(partials), rows)
-        bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
-        posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), xtag, {bits})")
-        wait = self.helper("xwait", wait_source, self.params.parts, width, len(partials), rows)
-        words = [emit.fresh("xw") for _ in range(self.params.parts * len(partials))]
-        emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
-        if self.params.block_columns < 256 * self.params.num_warps:  # copies of the row
-            emit.line("tl.debug_barrier()")
-        values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
-        return [values[k :: len(partials)] for k in range(len(partials))]
-
     def helper(self, prefix: str, write, *shape: int) -> str:
         """The name of a device function ``write(name, *shape)`` writes, defined once in
         the kernel's source."""
@@ -289,14 +245,19 @@ class Generator:
             emit.line("mask = row_mask[:, None] & col_mask[None, :]")
             emit.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
 
-    def loop(self, eviction: str) -> Step:
+    def loop(self, eviction: str, first: str = "") -> Step:
+        """A walk's step over the row's columns (from ``first``: a part of them)."""
         body = self.outer.nested()
+        if first:
+            body.line(f"start = {first} + offset")
         self.columns(body, "start")
         return Step(body, {}, eviction)
 
-    def close(self, step: Step, stages: int = 1) -> None:
-        walk = "range(0, COLUMNS, BLOCK_COLUMNS" + (f", num_stages={stages}" if stages > 1 else "")
-        self.outer.block(f"for start in {'tl.' if stages > 1 else ''}{walk}):", step.emit)
+    def close(self, step: Step, stages: int = 1, span: str = "") -> None:
+        """The walk's loop (over ``span`` columns from the step's first: a part)."""
+        name, end = ("offset", span) if span else ("start", "COLUMNS")
+        walk = f"range(0, {end}, BLOCK_COLUMNS" + (f", num_stages={stages}" if stages > 1 else "")
+        self.outer.block(f"for {name} in {'tl.' if stages > 1 else ''}{walk}):", step.emit)
 
     # Outputs of a step.
     def full_outputs(self, step: Step, targets: list[str]) -> None:
@@ -354,7 +315,7 @@ class Generator:
         return step.cache[tensor]
 
     # Reductions.
-    def _term(self, step: Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
+    def term(self, step: Step, tensor: TensorView) -> tuple[Expr, str, str, DataType]:
         """The masked term a reduction output sums (or maxes) in a step."""
         producer = tensor.definition
         (source,) = producer.inputs
@@ -369,79 +330,18 @@ class Generator:
         term = step.emit.assign(f"tl.where(mask, {value}, {identity})")
         return producer, op, term, accumulator
 
-    def reduce_split(self, step: Step, group: list[TensorView], level: int) -> None:
-        """A level's reductions of a split row: this program's slice of each, then the
-        whole row's, exchanged together. A variance comes with its mean: this slice's
-        sum and sum of squares about the slice's mean, combined as Chan et al. combine
-        partial variances (the mean, then each slice's squares plus its count times
-        its mean's distance from the row's squared), so one round gives both."""
-        emit = step.emit
-        group = [t for t in group if t not in self.row_cache]  # variances already done
-        if not group:
-            return
-        plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
-        # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
-        # against 0.51 with each summed before the next is computed; H200, 8192x16384)
-        terms = [self._term(step, tensor) for tensor in plain]
-        # each alone: two at a time took 0.79 of copy against 0.81-0.82 (H100, LN bwd 16384)
-        partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
-                    for _, op, term, _ in terms]  # fmt: skip
-        finishes: list = list(zip(plain, terms, strict=True))
-        for tensor in group:
-            producer = tensor.definition
-            if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
-                value = emit.as_compute(self.value(step, producer.inputs[0]), float32)
-                total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
-                # the slice's columns, counted without a reduction (a row past the
-                # last has no values and is not stored)
-                count = emit.assign("tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), "
-                                    "BLOCK_COLUMNS).to(tl.float32)")  # fmt: skip
-                local = emit.assign(f"{total} / tl.maximum({count}, 1.0)")
-                centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
-                squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
-                partials += [total, squares]
-                finishes.append(producer)
-        gathered = iter(self.exchange(emit, partials, level))
-        for item in finishes:
-            if isinstance(item, VarMeanOp):
-                self._chan(emit, item, next(gathered), next(gathered))
-                continue
-            tensor, (producer, op, _, accumulator) = item
-            combined = _combine(emit, COMBINE[op], next(gathered))
-            reduced = emit.assign(f"{combined}[:, None]")
-            self._finish(producer, tensor, op, reduced, accumulator)
-
-    def _chan(self, emit: Emitter, producer: VarMeanOp, totals: list[str],
-              squares: list[str]) -> None:  # fmt: skip
-        """A variance and its mean from every slice's sum and sum of squares about its
-        own mean ((BLOCK_ROWS,) each, a slice's each), in a fixed order."""
-        var, mean = producer.outputs
-        total = emit.assign(f"{_combine(emit, 'add', totals)}[:, None]")
-        self._finish(producer, mean, "sum", total, float32)
-        row_mean = self.means[producer]  # float32, unrounded: (BLOCK_ROWS, 1)
-        terms = []
-        for p, (slice_total, slice_squares) in enumerate(zip(totals, squares, strict=True)):
-            count = emit.assign(
-                f"tl.minimum(tl.maximum(COLUMNS - {p} * BLOCK_COLUMNS, 0), "
-                "BLOCK_COLUMNS).to(tl.float32)"
-            )  # each slice's, clamped
-            local = emit.assign(f"{slice_total}[:, None] / tl.maximum({count}, 1.0)")
-            spread = emit.assign(f"{local} - {row_mean}")
-            terms.append(emit.assign(f"{slice_squares}[:, None] + {count} * {spread} * {spread}"))
-        self._finish(producer, var, "sum", _combine(emit, "add", terms), float32)
-
     def reduce_persistent(self, step: Step, group: list[TensorView]) -> None:
         """A level's reductions of a persistent row: every term first, then their
         reductions, sums two at a time (``reduce_terms``: LayerNorm backward's two,
         warp-specialized at 32768x1024, 0.74 of copy against 0.69-0.70 on H200, level on
         H100, ``results/norms_lnbwd_{before,pair}*_{h200,h100}_*.json``). A var_mean's
         variance is a level after its mean (``analysis``), so its term finds the mean."""
-        terms = [self._term(step, tensor) for tensor in group]
+        terms = [self.term(step, tensor) for tensor in group]
         reduced = reduce_terms(step.emit, [(term, COMBINE[op]) for _, op, term, _ in terms], 1,
                                keep_dims=True)  # fmt: skip
         for tensor, (producer, op, _, accumulator), name in zip(group, terms, reduced,
                                                                 strict=True):  # fmt: skip
-            self._finish(producer, tensor, op, name, accumulator)
+            self.finish_reduced(producer, tensor, op, name, accumulator)
 
     def accumulator(self, tensor: TensorView) -> str:
         producer = tensor.definition
@@ -454,16 +354,25 @@ class Generator:
         )
 
     def accumulate(self, step: Step, tensor: TensorView, accumulator: str) -> None:
-        _, op, term, _ = self._term(step, tensor)
+        _, op, term, _ = self.term(step, tensor)
         step.emit.line(f"{accumulator} = {COMBINE[op]}({accumulator}, {term})")
+
+    def stash_part(self, tensor: TensorView, accumulator: str, kept: list[TensorView]) -> None:
+        """A part's reduction of ``tensor`` (float32, unfinished) stored at its row's and
+        part's place among the ``kept`` values: a column walk's strips combine the parts
+        (``column_sums.column_source``)."""
+        op = tensor.definition.op_name
+        reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
+        self.outer.line(f"tl.store(stash + (rows[:, None] * PARTS + part) * {len(kept)} + "
+                        f"{kept.index(tensor)}, {reduced}, mask=row_mask[:, None])")  # fmt: skip
 
     def finish(self, tensor: TensorView, accumulator: str) -> None:
         producer = tensor.definition
         op = "sum" if isinstance(producer, VarMeanOp) else producer.op_name
         reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
-        self._finish(producer, tensor, op, reduced, _accumulator(tensor.dtype))
+        self.finish_reduced(producer, tensor, op, reduced, _accumulator(tensor.dtype))
 
-    def _finish(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
+    def finish_reduced(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
         emit = self.outer
         count = f"tl.full((), COLUMNS, {TRITON_TYPES[accumulator.name]})"
         if isinstance(producer, VarMeanOp):
@@ -483,21 +392,20 @@ class Generator:
         self.row_cache[tensor] = emit.rounded(result, accumulator, tensor.dtype)
 
 
+def parts_combine(plan: NormalizationPlan) -> bool:
+    """Whether a row's reductions may be taken in parts and combined by the strips: one
+    level of sums, means, maxima or minima (no variance: its parts would need Chan's
+    combination), accumulated in float32, and no row output (the strips do not store)."""
+    return (plan.depth == 1 and not any(plan.kinds[t] == "row" for t in plan.outputs)
+            and all(isinstance(e, ReductionOp) and e.op_name in ("sum", "mean", "max", "min")
+                    for e in plan.reductions)
+            and all(_accumulator(t.dtype) is float32 for t in plan.levels))  # fmt: skip
+
+
 def stashed(plan: NormalizationPlan) -> list[TensorView]:
     """The row values a column walk's first kernel stores for its second, a float32
     a row each (``stash``): the reductions' outputs."""
     return list(plan.levels)
-
-
-def _combine(emit: Emitter, combine: str, values: list[str]) -> str:
-    """``values`` combined with ``combine`` ("add", "maximum", "minimum") in a fixed
-    order: pairs of neighbours, then pairs of those (sums as ``+``: a call a pair costs
-    the interpreter)."""
-    while len(values) > 1:
-        pairs = [emit.assign(f"{a} + {b}" if combine == "add" else f"{combine}({a}, {b})")
-                 for a, b in zip(values[::2], values[1::2], strict=False)]  # fmt: skip
-        values = pairs + values[len(pairs) * 2 :]
-    return values[0]
 
 
 def _accumulator(dtype: DataType) -> DataType:

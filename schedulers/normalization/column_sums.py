@@ -18,10 +18,17 @@ spill, and a split whose programs hold few rows at once waits on its exchange.
 from __future__ import annotations
 
 from fusion.dtypes import float32
-from schedulers.codegen import Emitter, Value, kernel_source
+from schedulers.codegen import (
+    COMBINE,
+    Emitter,
+    Value,
+    kernel_source,
+    reduce_call,
+    reduction_identity,
+)
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.codegen import Generator, Step, stashed
+from schedulers.normalization.codegen import Generator, Step, parts_combine, stashed
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     MAX_REGISTERS,
@@ -53,6 +60,9 @@ ROW_STEP, ROW_WARPS = 8192, 8
 STRIP_COLUMNS, STRIP_WARPS = 2048, 4
 STRIP_PROGRAMS = 4
 WALK_STAGES = 3
+# The first kernel's programs an SM at least (not measured yet), a row's reductions
+# taken in parts where the rows are fewer
+ROW_PROGRAMS = 4
 # A split row whose programs hold fewer rows than this at once (the device's programs,
 # estimated from registers, over the programs a row) on a device whose memory moves
 # SPLIT_ROWS_GBPS (the H200), in proportion on others (the bytes in flight that keep the
@@ -68,9 +78,12 @@ SPLIT_LEAST_ROWS, SPLIT_ROWS_GBPS = 5, 4300.0
 
 
 def column_walk_params(
-    plan: NormalizationPlan, hardware: HardwareProfile, columns: int
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
 ) -> NormalizationParams | str:
-    """The column walk's params for rows of ``columns``, or why it cannot be."""
+    """The column walk's params for ``rows`` rows of ``columns``, or why it cannot be.
+    Fewer rows than the first kernel needs to fill the device (``ROW_PROGRAMS`` an SM)
+    are reduced in parts of whole steps, where the strips may combine them
+    (``codegen.parts_combine``)."""
     if not plan.column_sums:
         return "no column sums: the column walk writes them"
     for tensor in stashed(plan):
@@ -80,11 +93,17 @@ def column_walk_params(
     step = min(next_power_of_two(columns), ROW_STEP)
     strip = min(next_power_of_two(columns), STRIP_COLUMNS)
     programs = STRIP_PROGRAMS * hardware.sm_count
-    why = (f"the rows' {len(stashed(plan))} reductions in steps of {step} columns, then "
-           f"strips of {strip} columns ({cdiv(columns, strip)} of them) walked down the "
-           f"rows by {programs} programs, their column sums in registers")  # fmt: skip
+    parts = 1
+    if parts_combine(plan):  # as many parts of whole steps as fill the device, at most
+        steps = cdiv(columns, step)  # one a step
+        parts = min(steps, max(1, cdiv(ROW_PROGRAMS * hardware.sm_count, max(rows, 1))))
+        parts = cdiv(steps, cdiv(steps, parts))  # none empty
+    reduced = f" in {parts} parts a row" if parts > 1 else ""
+    why = (f"the rows' {len(stashed(plan))} reductions{reduced} in steps of {step} columns, "
+           f"then strips of {strip} columns ({cdiv(columns, strip)} of them) walked down "
+           f"the rows by {programs} programs, their column sums in registers")  # fmt: skip
     return NormalizationParams(1, step, ROW_WARPS, False, programs, WALK_STAGES,
-                               strategy=COLUMN_WALK, strip_columns=strip,
+                               strategy=COLUMN_WALK, parts=parts, strip_columns=strip,
                                strip_warps=STRIP_WARPS, why=why)  # fmt: skip
 
 
@@ -141,10 +160,21 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     walk.line("mask = row_mask[:, None] & col_mask[None, :]")
     walk.line("offs = rows[:, None] * COLUMNS + cols[None, :]")
     kept = stashed(plan)
+    if params.parts > 1:  # the parts' reductions, combined in a fixed order and finished
+        walk.line("parts = tl.arange(0, PARTS_BLOCK)")
     for j, tensor in enumerate(kept):  # float32, the value the first kernel rounded
-        loaded = walk.assign(f"tl.load(stash + rows[:, None] * {len(kept)} + {j}, "
-                             "mask=row_mask[:, None], other=0.0)", "row")  # fmt: skip
-        cache[tensor] = Value(loaded, tensor.dtype)
+        if params.parts == 1:
+            loaded = walk.assign(f"tl.load(stash + rows[:, None] * {len(kept)} + {j}, "
+                                 "mask=row_mask[:, None], other=0.0)", "row")  # fmt: skip
+            cache[tensor] = Value(loaded, tensor.dtype)
+            continue
+        op = tensor.definition.op_name
+        loaded = walk.assign(
+            f"tl.load(stash + (rows[:, None] * PARTS + parts[None, :]) * {len(kept)} + {j}, "
+            f"mask=row_mask[:, None] & (parts < PARTS)[None, :], "
+            f"other={reduction_identity(op, float32)})", "row")  # fmt: skip
+        reduced = walk.assign(reduce_call(loaded, 1, COMBINE[op], keep_dims=True))
+        generator.finish_reduced(tensor.definition, tensor, op, reduced, float32)
     step = Step(walk, cache, "evict_first")
     generator.full_outputs(step, targets)
     sums = generator.column_terms(step)
@@ -163,15 +193,19 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     arguments = [*pointers.values(), *targets, *(f"part{i}" for i in range(len(sums))), "stash"]
     comment = (f"# normalization: a column walk's strips, {len(kept)} row values, "
                f"{len(sums)} column sums")  # fmt: skip
-    return kernel_source("column_kernel", arguments, ["row_count"],
-                         ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS"], strip.lines, comment,
-                         [text for _, text in generator.helpers.values()])  # fmt: skip
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS",
+                 *(["PARTS", "PARTS_BLOCK"] if params.parts > 1 else [])]  # fmt: skip
+    return kernel_source("column_kernel", arguments, ["row_count"], constants, strip.lines,
+                         comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
 
 def column_constants(params: NormalizationParams, columns: int) -> dict[str, int]:
     """The column walk's second kernel's ``tl.constexpr`` arguments."""
-    return {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
-            "BLOCK_COLUMNS": params.strip_columns}  # fmt: skip
+    values = {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
+              "BLOCK_COLUMNS": params.strip_columns}  # fmt: skip
+    if params.parts > 1:
+        values |= {"PARTS": params.parts, "PARTS_BLOCK": next_power_of_two(params.parts)}
+    return values
 
 
 def combine_source(plan: NormalizationPlan) -> str:

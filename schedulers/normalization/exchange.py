@@ -1,5 +1,8 @@
 """A split row's exchange of partial reductions: the device functions a kernel's source
-defines for it, written for the slots they touch.
+defines for it, written for the slots they touch, and what the kernel's generator
+(``codegen.Generator``) emits around them: the walk's per-row names and prefetch
+(``exchange_step``), a level's partial reductions exchanged and combined in a fixed order
+(``reduce_split``; a variance with its mean by Chan's combination).
 
 The programs that share a row each reduce their slice of it, then exchange those
 partials through tagged 64-bit slots in global memory (the high 32 bits the row's tag,
@@ -17,12 +20,21 @@ LayerNorm backward reads 0.70 of copy against 0.61 at 8192x16384 (``benchmarks/R
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+from fusion.dtypes import float32
+from fusion.exprs import VarMeanOp
+from fusion.ir import TensorView
+from schedulers.codegen import COMBINE, Emitter, reduce_call
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
 from schedulers.runtime import next_power_of_two
 
+if TYPE_CHECKING:  # the generator calls these; they emit through it
+    from schedulers.normalization.codegen import Generator, Step
+
 # Rows of slots a group uses in turn: a program is at most one row ahead of the others
-# (``Generator.exchange`` in ``codegen`` says why)
+# (``exchange_partials`` says why)
 KEPT_ROWS = 2
 
 
@@ -146,3 +158,139 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
         f'        return tl.inline_asm_elementwise("{{ {body} }}", "{constraints}", '
         f"[pointer, tag], dtype={dtype}, is_pure=True, pack=1)\n"
     )
+
+
+# A split row's walk: its inputs prefetched, its partial reductions exchanged and combined.
+def exchange_step(generator: Generator, early: Emitter, step: Step, prefetch: bool) -> None:
+    """The walk's per-row names of the exchange and, with ``prefetch``, the full
+    inputs of this row taken from the loads the previous row issued (the first
+    row's before the walk), the next row's issued at once."""
+    emit = step.emit
+    emit.line("xj = (row_block - group) // groups")  # this group's row count so far
+    emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
+    emit.line(f"xrow = (tl.cast(group, tl.int64) * {KEPT_ROWS} + xj % {KEPT_ROWS}) * "
+              f"{len(generator.plan.exchanges)}")  # fmt: skip
+    if not prefetch:
+        return
+    early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+    early.line("first_mask = (first < row_count)[:, None] & col_mask[None, :]")
+    emit.line("ahead = (pid + groups) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
+    emit.line("ahead_mask = (ahead < row_count)[:, None] & col_mask[None, :]")
+    for tensor, pointer in generator.pointers.items():
+        if generator.plan.kinds[tensor] != "full":
+            continue
+        name = emit.fresh("ahead")
+        early.line(f"{name} = tl.load({pointer} + (first[:, None] * COLUMNS + "
+                   "cols[None, :]), mask=first_mask, other=0)")  # fmt: skip
+        raw = emit.assign(name, "raw")
+        emit.line(f"{name} = tl.load({pointer} + (ahead[:, None] * COLUMNS + "
+                  "cols[None, :]), mask=ahead_mask, other=0)")  # fmt: skip
+        step.cache[tensor] = emit.loaded(raw, tensor.dtype)
+
+
+def exchange_partials(
+    generator: Generator, emit: Emitter, partials: list[str], level: int
+) -> list[list[str]]:
+    """Each of ``partials`` (this program's reduction of its slice, a float32 per row
+    of the block) with the other programs' of the row: a list of ``parts`` float32s
+    (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
+    fixed order. The program posts its slots (``exchange.post_source``: with one row
+    a block its first thread), then its threads wait for the level's slots of every
+    program to carry this row's tag (``exchange.wait_source``). The slots alternate
+    between two rows: a program posts row j+2 after its first thread read every
+    program's post of j+1, each made after that program's reductions of j+1, which
+    none of its threads reaches before reading row j: a barrier of the block where
+    the row's values are spread over the warps (a reduction across them), and one
+    written after the wait where warps may hold copies of the row (a slice narrower
+    than 256 columns a warp)."""
+    width, rows = exchange_width(generator.plan), generator.params.block_rows
+    round_ = list(generator.plan.exchanges).index(level)
+    # the rows' first words, in the rows' layout (no conversion for the asm)
+    base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
+                       "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
+    post = generator.helper("xpost", post_source, len(partials), rows)
+    bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
+    posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), xtag, {bits})")
+    wait = generator.helper(
+        "xwait", wait_source, generator.params.parts, width, len(partials), rows
+    )
+    words = [emit.fresh("xw") for _ in range(generator.params.parts * len(partials))]
+    emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
+    if generator.params.block_columns < 256 * generator.params.num_warps:  # copies of the row
+        emit.line("tl.debug_barrier()")
+    values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
+    return [values[k :: len(partials)] for k in range(len(partials))]
+
+
+def reduce_split(generator: Generator, step: Step, group: list[TensorView], level: int) -> None:
+    """A level's reductions of a split row: this program's slice of each, then the
+    whole row's, exchanged together. A variance comes with its mean: this slice's
+    sum and sum of squares about the slice's mean, combined as Chan et al. combine
+    partial variances (the mean, then each slice's squares plus its count times
+    its mean's distance from the row's squared), so one round gives both."""
+    emit = step.emit
+    group = [t for t in group if t not in generator.row_cache]  # variances already done
+    if not group:
+        return
+    plain = [t for t in group if not isinstance(t.definition, VarMeanOp)]
+    # every term first, then their sums (LayerNorm backward's two: 0.62 of copy
+    # against 0.51 with each summed before the next is computed; H200, 8192x16384)
+    terms = [generator.term(step, tensor) for tensor in plain]
+    # each alone: two at a time took 0.79 of copy against 0.81-0.82 (H100, LN bwd 16384)
+    partials = [emit.assign(reduce_call(term, 1, COMBINE[op], keep_dims=False))
+                for _, op, term, _ in terms]  # fmt: skip
+    finishes: list = list(zip(plain, terms, strict=True))
+    for tensor in group:
+        producer = tensor.definition
+        if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
+            value = emit.as_compute(generator.value(step, producer.inputs[0]), float32)
+            total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
+            # the slice's columns, counted without a reduction (a row past the
+            # last has no values and is not stored)
+            count = emit.assign("tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), "
+                                "BLOCK_COLUMNS).to(tl.float32)")  # fmt: skip
+            local = emit.assign(f"{total} / tl.maximum({count}, 1.0)")
+            centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
+            squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
+            partials += [total, squares]
+            finishes.append(producer)
+    gathered = iter(exchange_partials(generator, emit, partials, level))
+    for item in finishes:
+        if isinstance(item, VarMeanOp):
+            _chan(generator, emit, item, next(gathered), next(gathered))
+            continue
+        tensor, (producer, op, _, accumulator) = item
+        combined = combine_in_order(emit, COMBINE[op], next(gathered))
+        reduced = emit.assign(f"{combined}[:, None]")
+        generator.finish_reduced(producer, tensor, op, reduced, accumulator)
+
+
+def _chan(generator: Generator, emit: Emitter, producer: VarMeanOp,
+          totals: list[str], squares: list[str]) -> None:  # fmt: skip
+    """A variance and its mean from every slice's sum and sum of squares about its
+    own mean ((BLOCK_ROWS,) each, a slice's each), in a fixed order."""
+    var, mean = producer.outputs
+    total = emit.assign(f"{combine_in_order(emit, 'add', totals)}[:, None]")
+    generator.finish_reduced(producer, mean, "sum", total, float32)
+    row_mean = generator.means[producer]  # float32, unrounded: (BLOCK_ROWS, 1)
+    terms = []
+    for p, (slice_total, slice_squares) in enumerate(zip(totals, squares, strict=True)):
+        count = emit.assign(
+            f"tl.minimum(tl.maximum(COLUMNS - {p} * BLOCK_COLUMNS, 0), "
+            "BLOCK_COLUMNS).to(tl.float32)"
+        )  # each slice's, clamped
+        local = emit.assign(f"{slice_total}[:, None] / tl.maximum({count}, 1.0)")
+        spread = emit.assign(f"{local} - {row_mean}")
+        terms.append(emit.assign(f"{slice_squares}[:, None] + {count} * {spread} * {spread}"))
+    generator.finish_reduced(producer, var, "sum", combine_in_order(emit, "add", terms), float32)
+
+
+def combine_in_order(emit: Emitter, combine: str, values: list[str]) -> str:
+    """``values`` combined with ``combine`` ("add", "maximum", "minimum") in a fixed
+    order: pairs of neighbours, then pairs of those (sums as ``+``: a call a pair costs
+    the interpreter)."""
+    while len(values) > 1:
+        pairs = [emit.assign(f"{a} + {b}" if combine == "add" else f"{combine}({a}, {b})")
+                 for a, b in zip(values[::2], values[1::2], strict=False)]  # fmt: skip
+        values = pairs + values[len(pairs) * 2 :]
+    return values[0]

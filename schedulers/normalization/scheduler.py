@@ -117,7 +117,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             if strategy == SPLIT:
                 chosen = split_params(plan, hardware, columns)
             else:
-                chosen = column_walk_params(plan, hardware, columns)
+                chosen = column_walk_params(plan, hardware, columns, rows)
             if isinstance(chosen, str):
                 raise NotSchedulable(f"the {strategy} strategy (forced): {chosen}")
             return chosen
@@ -135,7 +135,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         if strategy:
             return chosen
         if plan.column_sums and not chosen.persistent:  # the columns walked, not chunks
-            walk = column_walk_params(plan, hardware, columns)
+            walk = column_walk_params(plan, hardware, columns, rows)
             if not isinstance(walk, str):
                 chosen = replace(walk, why=f"column walk (rows of {columns} with column sums "
                                            f"do not fit the registers): {walk.why} [instead "
@@ -335,11 +335,13 @@ class NormalizationLauncher(Launcher):
 
     def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
               options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
-        """A column walk's kernels: a program a row block for the rows' values, then a
-        program a strip and group of rows, then the combining kernel."""
+        """A column walk's kernels: a program a row block (and part) for the rows'
+        values, then a program a strip and group of rows, then the combining kernel."""
         params = self.params
-        stash = torch.empty((rows, len(stashed(plan))), dtype=torch.float32, device=device)
-        self.kernel[(cdiv(rows, params.block_rows),)](*pointers, stash, rows, **options)
+        stash = torch.empty((rows, params.parts, len(stashed(plan))), dtype=torch.float32,
+                            device=device)  # fmt: skip
+        grid = (cdiv(rows, params.block_rows) * params.parts,)
+        self.kernel[grid](*pointers, stash, rows, **options)
         strips, groups = strip_grid(params, rows, columns)
         partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
                     for _ in plan.column_sums]  # fmt: skip
