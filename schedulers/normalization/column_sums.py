@@ -43,7 +43,9 @@ from schedulers.runtime import cdiv, next_power_of_two
 # 32); 0.84 of copy against 0.80 on the H200, 0.89 against 0.87 on the H100, the other
 # backward shapes within 0.01 (results/probe_combine_{h200,h100}_54047f8.json)
 COMBINE_COLUMNS = 16
-COMBINE_PARTS = 256  # and partial rows it adds per step
+COMBINE_PARTS = 256  # and partial rows it adds per step (fewer rows: as many, and as many
+# more columns a program; H200, ncu, the column walk's 4 partial rows of 262144 columns
+# took 72 us in tiles of 256 rows, against 49 for its strips' kernel)
 COMBINE_WARPS = 8
 
 # The column walk: the rows' walk in steps of ROW_STEP columns over ROW_WARPS warps (32
@@ -123,7 +125,8 @@ def split_short_of_rows(
     staged = split.stages * split.block_rows * split.block_columns * full_bits(plan)
     blocks = min(hardware.max_warps_per_sm // split.num_warps,
                  hardware.registers_per_sm // (registers * threads),
-                 hardware.smem_per_block_bits // staged if split.stages > 1 else 32)  # fmt: skip
+                 hardware.smem_per_block_bits // staged if split.stages > 1 and staged
+                 else 32)  # fmt: skip
     rows = blocks * hardware.sm_count // split.parts if registers <= MAX_REGISTERS else 0
     least = SPLIT_LEAST_ROWS * hardware.memory_gbps / SPLIT_ROWS_GBPS
     if rows and rows >= least:
@@ -236,7 +239,21 @@ def combine_source(plan: NormalizationPlan) -> str:
     return kernel_source("combine_kernel", arguments, ["programs"], constants, emit.lines)
 
 
-def combine_constants(columns: int) -> dict[str, int]:
-    """A combining kernel's ``tl.constexpr`` arguments: rows of ``columns``, taken
-    ``COMBINE_COLUMNS`` at a time, ``COMBINE_PARTS`` partial rows a step."""
-    return {"COLUMNS": columns, "BLOCK_COLUMNS": COMBINE_COLUMNS, "PARTS": COMBINE_PARTS}
+def combine_rows(params: NormalizationParams, columns: int) -> int:
+    """The most partial rows of a column sum a launch of ``params`` over rows of
+    ``columns`` writes (not a split's: as many as the device holds groups): a program's
+    each, a column walk's a group of rows' each."""
+    if params.strategy == COLUMN_WALK:
+        return max(1, params.programs // cdiv(columns, params.strip_columns))
+    return max(1, params.programs)
+
+
+def combine_constants(columns: int, most: int = COMBINE_PARTS) -> dict[str, int]:
+    """A combining kernel's ``tl.constexpr`` arguments for at most ``most`` partial rows of
+    ``columns``: ``COMBINE_PARTS`` partial rows a step and ``COMBINE_COLUMNS`` columns a
+    program, or, where there are fewer rows, as many a step (a power of two) and as many
+    more columns (the same tile). A constant of the launch's params, not of its rows, so
+    a new batch size keeps the kernel."""
+    parts = min(COMBINE_PARTS, next_power_of_two(max(most, 1)))
+    width = min(next_power_of_two(columns), COMBINE_COLUMNS * COMBINE_PARTS // parts)
+    return {"COLUMNS": columns, "BLOCK_COLUMNS": max(COMBINE_COLUMNS, width), "PARTS": parts}

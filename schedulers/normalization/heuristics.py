@@ -90,9 +90,9 @@ class NormalizationParams:
     # 3.6, sm_90: TMA tiles pipelined by the same warps, ``warp_specialized``); or SPLIT
     column_registers: bool = False  # (programs > 0) column inputs (weights) loaded once,
     # before the walk, and kept in registers
-    parts: int = 1  # (SPLIT) programs sharing a row, block_columns each; programs=0 (the
-    # default for SPLIT): as many as the device holds at once, read from the compiled
-    # kernel's registers and shared memory (they wait for each other)
+    parts: int = 1  # (SPLIT) programs sharing a row, block_columns each; programs=0: as
+    # many as the device holds at once, read from the compiled kernel (they wait for each
+    # other). (COLUMN_WALK) the first kernel's programs a row, each reducing a part
     prefetch: bool = False  # (SPLIT) the next rows' full inputs loaded before this one's
     # partial reductions are exchanged
     tile_sums: bool = True  # (persistent, column sums) each row of the block keeps its

@@ -26,12 +26,13 @@ from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan, plan_normalization
 from schedulers.normalization.codegen import constants, source, stashed
 from schedulers.normalization.column_sums import (
-    COMBINE_COLUMNS,
+    COMBINE_PARTS,
     COMBINE_WARPS,
     column_constants,
     column_source,
     column_walk_params,
     combine_constants,
+    combine_rows,
     combine_source,
     split_short_of_rows,
     strip_grid,
@@ -223,8 +224,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
             combining |= {f"out{i}": memory_type(e.output.dtype)
                           for i, e in enumerate(plan.column_sums)}  # fmt: skip
+            # a split's partial rows: as many as the device holds groups (not known here)
+            most = COMBINE_PARTS if params.strategy == SPLIT else combine_rows(params, columns)
             kernels.append(KernelSource("combine_kernel", combine_source(plan),
-                                        combine_constants(columns), COMBINE_WARPS,
+                                        combine_constants(columns, most), COMBINE_WARPS,
                                         combining))  # fmt: skip
         return kernels
 
@@ -323,15 +326,20 @@ class NormalizationLauncher(Launcher):
         concurrently = split and device.type != "cuda"  # the interpreter's programs
         with concurrent_programs() if concurrently else contextlib.nullcontext():
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
-        self._combine(partials, targets, count, columns)
+        # at most: a program's each (a split's: a group's, as many as the device holds)
+        most = (self._resident(device, pointers, rows, options) // params.parts if split
+                else combine_rows(params, columns))  # fmt: skip
+        self._combine(partials, targets, count, columns, most)
 
-    def _combine(self, partials: list, targets: list, count: int, columns: int) -> None:
-        """Adds ``count`` partial rows of each column sum into its target."""
+    def _combine(self, partials: list, targets: list, count: int, columns: int,
+                 most: int) -> None:  # fmt: skip
+        """Adds ``count`` partial rows (of at most ``most``) of each column sum into its
+        target."""
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
-            self.combine[(cdiv(columns, COMBINE_COLUMNS),)](*partials, *sums, count,
-                **combine_constants(columns), num_warps=COMBINE_WARPS,
-                **COMPILE_OPTIONS)  # fmt: skip
+            fixed = combine_constants(columns, most)
+            self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
+                **fixed, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS)  # fmt: skip
 
     def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
               options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
@@ -348,7 +356,7 @@ class NormalizationLauncher(Launcher):
         self.strips[(strips * groups,)](*pointers, *partials, stash, rows,
             **column_constants(params, columns), num_warps=params.strip_warps,
             **COMPILE_OPTIONS)  # fmt: skip
-        self._combine(partials, targets, groups, columns)
+        self._combine(partials, targets, groups, columns, combine_rows(params, columns))
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
