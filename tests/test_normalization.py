@@ -26,7 +26,7 @@ from schedulers.normalization import (
     NormalizationScheduler,
 )
 from schedulers.normalization.codegen import source
-from schedulers.normalization.column_sums import combine_constants
+from schedulers.normalization.column_sums import combine_constants, row_parts
 from schedulers.normalization.heuristics import (
     SPLIT_SUMS_STAGES,
     SPLIT_TMA_STAGES,
@@ -770,19 +770,21 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
 
 
 @pytest.mark.parametrize(
-    ("name", "strategy", "kernels"),
+    ("name", "n", "strategy", "kernels"),
     # the split kernel and the combining one; the column walk's rows, strips and combining
-    [("rmsnorm_bwd", SPLIT, 2), ("layernorm_bwd", COLUMN_WALK, 3)],
-)
-def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, strategy, kernels):
-    fd = BUILDERS[name](1000, "bfloat16")
+    # (at 16384 columns a row in 2, 2 and 1 parts: as many as the rows leave room for)
+    [("rmsnorm_bwd", 1000, SPLIT, 2), ("layernorm_bwd", 1000, COLUMN_WALK, 3),
+     ("rmsnorm_bwd", 16384, COLUMN_WALK, 3)],
+)  # fmt: skip
+def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, strategy, kernels):
+    fd = BUILDERS[name](n, "bfloat16")
     executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": strategy})
     generator = torch.Generator().manual_seed(4)
     KERNEL_CACHE.clear()
     for rows in (1, 3, 8):  # the column walk: 1, 3 and 4 groups of rows (their partials)
-        inputs = make_inputs(name, rows, 1000, torch.bfloat16, "cpu", generator)
+        inputs = make_inputs(name, rows, n, torch.bfloat16, "cpu", generator)
         outputs = executor.run(inputs)
-        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=n)
         exact = _weight_gradients_in_float64(name, inputs)
         for actual, wanted in zip(outputs[1:], exact, strict=True):
             assert_close(actual, wanted.to(torch.float32), reduction_extent=rows)
@@ -1236,35 +1238,47 @@ def test_a_column_walk_s_strips_are_checked_before_launching(fields, reason):
 @pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
 @pytest.mark.parametrize("block_rows", [1, 2])
 def test_a_column_walk_s_rows_reduced_in_parts(name, block_rows):
-    """Three programs a row block reduce their parts of it (3 steps of 128 columns each,
-    the last past the row's 1000), each part's sums stored unfinished; the strips add
-    the parts in a fixed order and finish them (a mean's division). 5 rows, every
-    output against the reference, the column sums against float64."""
+    """At most 3 parts a row (of 8 steps of 128 columns over 1000): the interpreter's
+    profile (one SM, 4 programs) takes 3 parts for one row block, 2 for two, 1 for five,
+    each launch of the same kernels (the parts are runtime arguments); each part's sums
+    stored unfinished, the strips add them in a fixed order and finish them (a mean's
+    division). Every output against the reference, the column sums against float64."""
     params = NormalizationParams(block_rows, 128, 4, False, programs=8, parts=3,
                                  strategy=COLUMN_WALK, strip_columns=256,
                                  strip_warps=2)  # fmt: skip
-    KERNEL_CACHE.clear()
-    fd, inputs, outputs, _ = _run(name, 1000, "bfloat16", rows=5, params=params)
-    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
-    exact = _weight_gradients_in_float64(name, inputs)
-    for actual, wanted in zip(outputs[1:], exact, strict=True):
-        assert_close(actual, wanted.to(torch.float32), reduction_extent=5)
+    fd = BUILDERS[name](1000, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    generator = torch.Generator().manual_seed(7)
+    KERNEL_CACHE.clear()  # the sources checked below are this run's
+    for blocks, parts in ((1, 3), (2, 2), (5, 1)):
+        assert row_parts(params, INTERPRETER, blocks * block_rows, 1000)[0] == parts
+        inputs = make_inputs(name, blocks * block_rows, 1000, torch.bfloat16, "cpu", generator)
+        outputs = executor.run(inputs)
+        assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=1000)
+        exact = _weight_gradients_in_float64(name, inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=blocks * block_rows)
+    assert KERNEL_CACHE.compilations == 3, KERNEL_CACHE.sources()
     (rows,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
-    assert "for offset in range(0, SPAN, BLOCK_COLUMNS)" in rows and "div(" not in rows
+    assert "for offset in range(0, part_steps * BLOCK_COLUMNS, BLOCK_COLUMNS)" in rows
+    assert "div(" not in rows
     (strips,) = [s for s in KERNEL_CACHE.sources() if "def column_kernel" in s]
-    assert "(rows[:, None] * PARTS + parts[None, :])" in strips and "div(" in strips
+    assert "(rows[:, None] * row_parts + parts[None, :])" in strips and "div(" in strips
 
 
 def test_rows_too_few_to_fill_the_device_are_reduced_in_parts():
-    """As many parts of whole steps as fill ROW_PROGRAMS programs an SM: 64 rows of
-    262144 columns (32 steps of 8192) on an H200, 9 parts asked, 8 of 4 steps each;
-    512 rows, 2; 1024 rows, one. A variance (two levels) is never taken in parts, and
-    forced parts of it are refused before launching."""
+    """The params allow a part a step (32 at 262144 columns, steps of 8192); a launch takes
+    as many as fill ROW_PROGRAMS programs an SM, of whole steps, none empty: on an H200 64
+    rows 8 parts of 4 steps (9 asked), 512 rows 2, 1024 rows 1, 8 rows 32. A variance
+    (two levels) is never taken in parts, and forced parts of it are refused before
+    launching."""
     scheduler, plan = _plan("layernorm_bwd", 262144)
+    params = scheduler.heuristics(plan, H200, [64, 262144])
+    assert params.strategy == COLUMN_WALK and params.parts == 32, params
+    assert "in up to 32 parts a row where rows are few" in params.why, params.why
+    assert scheduler.heuristics(plan, H200, [4096, 262144]) == params  # not of the rows
     for rows, parts in ((64, 8), (512, 2), (1024, 1), (8, 32)):
-        params = scheduler.heuristics(plan, H200, [rows, 262144])
-        assert params.strategy == COLUMN_WALK and params.parts == parts, (rows, params)
-        assert (f"in {parts} parts a row" in params.why) == (parts > 1), params.why
+        assert row_parts(params, H200, rows, 262144) == (parts, 262144 // parts), rows
     fd = _two_level_column_sums("variance", 262144, "bfloat16")
     (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
     params = group.scheduler.heuristics(group.plan, H200, [64, 262144], COLUMN_WALK)
@@ -1288,3 +1302,23 @@ def test_the_combining_kernel_takes_as_many_rows_a_step_as_there_are(columns, mo
     keep the tile (4 rows of 262144 in 256-row tiles took 72 us on the H200)."""
     fixed = combine_constants(columns, most)
     assert fixed == {"COLUMNS": columns, "BLOCK_COLUMNS": width, "PARTS": parts}, fixed
+
+
+def test_a_maximum_reduced_in_parts_keeps_special_values():
+    """A row's maximum in 3 parts (one row: the interpreter's 4 programs), the strips
+    taking the largest in a fixed order: +inf in the last part, NaN in the first, and a
+    row whose last part holds only masked columns past the row's 1000."""
+    with FusionDefinition("max_parts") as fd:
+        x = fd.define_tensor(["rows", 1000], "float32")
+        shifted = x - fd.ops.max(x, dims=[1], keepdim=True)
+        fd.add_output(shifted)
+        fd.add_output(fd.ops.sum(shifted, dims=[0]))
+    params = NormalizationParams(1, 128, 4, False, programs=8, parts=3, strategy=COLUMN_WALK,
+                                 strip_columns=256, strip_warps=2)  # fmt: skip
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    for special in (float("inf"), float("nan"), None):
+        x = torch.randn(1, 1000, generator=torch.Generator().manual_seed(8))
+        if special is not None:
+            x[0, 999 if special == float("inf") else 3] = special
+        for actual, expected in zip(executor.run([x]), fd.execute([x]), strict=True):
+            assert_close(actual, expected, reduction_extent=1000)

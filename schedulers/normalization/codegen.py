@@ -34,7 +34,6 @@ from schedulers.normalization.heuristics import (
     NormalizationParams,
     tma_inputs,
 )
-from schedulers.runtime import cdiv
 
 
 def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
@@ -44,14 +43,18 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     persistent = params.persistent
     split = params.strategy == SPLIT  # programs of a row exchange partial reductions
     # the rows' reductions only, their values kept for the column walk's kernel; with
-    # parts, each program's part of a row reduced, finished by the strips
+    # parts (as many a row as the launch takes, ``row_parts``, each ``part_steps`` steps:
+    # the part's first column a known multiple of the step, so its loads stay vectorized),
+    # each program's part of a row reduced, finished by the strips
     stashing = params.strategy == COLUMN_WALK
     if (split or stashing) and persistent != split:
         raise ValueError(f"{params}: a split row is persistent, a column walk's is not")
+    if params.parts < 1:
+        raise ValueError(f"{params}: parts is at least 1")
     partial = stashing and params.parts > 1
     if partial and not parts_combine(plan):
-        raise ValueError(f"{params}: only one level of sums, maxima or minima and no row "
-                         "output are reduced in parts")  # fmt: skip
+        raise ValueError(f"{params}: only one level of float32 sums, means, maxima or minima "
+                         "and no row output are reduced in parts")  # fmt: skip
     # a fixed grid walks persistent rows (a split row's: as many as the device holds)
     walking = persistent and (params.programs > 0 or split)
     specialized = params.strategy == WARP_SPECIALIZED
@@ -98,10 +101,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         accumulators = {t: generator.accumulator(t) for t in group}
         # rows kept in L2 for the walk after (a column walk's rows are read again by its
         # second kernel, after every row's first walk: not from L2)
-        body = generator.loop("" if stashing else "evict_last", "part * SPAN" if partial else "")
+        span = "part_steps * BLOCK_COLUMNS" if partial else ""  # a part's columns
+        body = generator.loop("" if stashing else "evict_last", f"part * {span}" if span else "")
         for tensor in group:
             generator.accumulate(body, tensor, accumulators[tensor])
-        generator.close(body, params.stages if stashing else 1, "SPAN" if partial else "")
+        generator.close(body, params.stages if stashing else 1, span)
         for tensor in group:
             if partial:  # this part's reduction, unfinished
                 generator.stash_part(tensor, accumulators[tensor], stashed(plan))
@@ -175,15 +179,16 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     else:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
-        first = (["row_block = tl.program_id(0) // PARTS", "part = tl.program_id(0) % PARTS"]
+        first = (["row_block = tl.program_id(0) // row_parts",
+                  "part = tl.program_id(0) % row_parts"]
                  if partial else ["row_block = tl.program_id(0)"])  # fmt: skip
         lines = [*first, *outer.lines]
     partials = [f"part{i}" for i, _ in enumerate(sums)]
     extra = ["slots"] if split else ["stash"] if stashing else []
     arguments = [*pointers.values(), *targets, *partials, *extra]
-    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else []),
-                 *(["PARTS", "SPAN"] if partial else [])]  # fmt: skip
-    return kernel_source("normalization_kernel", arguments, ["row_count"], constants, lines,
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
+    runtime = ["row_count", *(["row_parts", "part_steps"] if partial else [])]
+    return kernel_source("normalization_kernel", arguments, runtime, constants, lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
 
@@ -194,11 +199,6 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
               "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
     if params.strategy == SPLIT:
         values["PARTS"] = params.parts
-    if params.strategy == COLUMN_WALK and params.parts > 1:  # a part: whole steps
-        values["PARTS"] = params.parts
-        values["SPAN"] = cdiv(cdiv(columns, params.parts), params.block_columns) * (
-            params.block_columns
-        )
     return values
 
 
@@ -363,7 +363,7 @@ class Generator:
         (``column_sums.column_source``)."""
         op = tensor.definition.op_name
         reduced = self.outer.assign(reduce_call(accumulator, 1, COMBINE[op], keep_dims=True))
-        self.outer.line(f"tl.store(stash + (rows[:, None] * PARTS + part) * {len(kept)} + "
+        self.outer.line(f"tl.store(stash + (rows[:, None] * row_parts + part) * {len(kept)} + "
                         f"{kept.index(tensor)}, {reduced}, mask=row_mask[:, None])")  # fmt: skip
 
     def finish(self, tensor: TensorView, accumulator: str) -> None:
@@ -373,6 +373,9 @@ class Generator:
         self.finish_reduced(producer, tensor, op, reduced, _accumulator(tensor.dtype))
 
     def finish_reduced(self, producer, tensor, op, reduced: str, accumulator: DataType) -> None:
+        """``tensor``'s row values from ``reduced`` (its ``op`` over the whole row, in
+        ``accumulator``): a mean divided by the columns, a variance by the columns less the
+        correction, rounded once to the dtype, kept in the row cache."""
         emit = self.outer
         count = f"tl.full((), COLUMNS, {TRITON_TYPES[accumulator.name]})"
         if isinstance(producer, VarMeanOp):
@@ -403,8 +406,8 @@ def parts_combine(plan: NormalizationPlan) -> bool:
 
 
 def stashed(plan: NormalizationPlan) -> list[TensorView]:
-    """The row values a column walk's first kernel stores for its second, a float32
-    a row each (``stash``): the reductions' outputs."""
+    """The row values a column walk's first kernel stores for its second (``stash``): the
+    reductions' outputs, a float32 a row each (with parts: a part's, unfinished, a part)."""
     return list(plan.levels)
 
 

@@ -83,12 +83,12 @@ SPLIT_LEAST_ROWS, SPLIT_ROWS_GBPS = 5, 4300.0
 
 
 def column_walk_params(
-    plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
+    plan: NormalizationPlan, hardware: HardwareProfile, columns: int
 ) -> NormalizationParams | str:
-    """The column walk's params for ``rows`` rows of ``columns``, or why it cannot be.
-    Fewer rows than the first kernel needs to fill the device (``ROW_PROGRAMS`` an SM)
-    are reduced in parts of whole steps, where the strips may combine them
-    (``codegen.parts_combine``)."""
+    """The column walk's params for rows of ``columns``, or why it cannot be. Where the
+    strips may combine parts of a row's reductions (``codegen.parts_combine``), a row may
+    be reduced in as many parts as it has steps: the launch takes as many as its rows
+    leave room for (``row_parts``), so the kernels do not depend on the rows."""
     if not plan.column_sums:
         return "no column sums: the column walk writes them"
     for tensor in stashed(plan):
@@ -98,12 +98,8 @@ def column_walk_params(
     step = min(next_power_of_two(columns), ROW_STEP)
     strip = min(next_power_of_two(columns), STRIP_COLUMNS)
     programs = STRIP_PROGRAMS * hardware.sm_count
-    parts = 1
-    if parts_combine(plan):  # as many parts of whole steps as fill the device, at most
-        steps = cdiv(columns, step)  # one a step
-        parts = min(steps, max(1, cdiv(ROW_PROGRAMS * hardware.sm_count, max(rows, 1))))
-        parts = cdiv(steps, cdiv(steps, parts))  # none empty
-    reduced = f" in {parts} parts a row" if parts > 1 else ""
+    parts = cdiv(columns, step) if parts_combine(plan) else 1  # at most one a step
+    reduced = f" (in up to {parts} parts a row where rows are few)" if parts > 1 else ""
     why = (f"the rows' {len(stashed(plan))} reductions{reduced} in steps of {step} columns, "
            f"then strips of {strip} columns ({cdiv(columns, strip)} of them) walked down "
            f"the rows by {programs} programs, their column sums in registers")  # fmt: skip
@@ -133,6 +129,19 @@ def split_short_of_rows(
         return None
     return (f"{split.parts} programs a row hold {rows} rows at once, fewer than {least:.1f} "
             f"on a device of {hardware.memory_gbps:.0f} GB/s")  # fmt: skip
+
+
+def row_parts(
+    params: NormalizationParams, hardware: HardwareProfile, rows: int, columns: int
+) -> tuple[int, int]:
+    """The parts a launch of the column walk over ``rows`` rows of ``columns`` reduces a
+    row in, and the columns of each (whole steps): as many as fill ``ROW_PROGRAMS``
+    programs an SM, at most ``params.parts``, none empty."""
+    steps = cdiv(columns, params.block_columns)
+    wanted = cdiv(ROW_PROGRAMS * hardware.sm_count, max(cdiv(rows, params.block_rows), 1))
+    parts = max(1, min(params.parts, steps, wanted))
+    span = cdiv(steps, parts) * params.block_columns
+    return cdiv(columns, span), span
 
 
 def strip_grid(params: NormalizationParams, rows: int, columns: int) -> tuple[int, int]:
@@ -168,7 +177,7 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     kept = stashed(plan)
     if params.parts > 1:  # the parts' reductions, combined in a fixed order and finished
         walk.line("parts = tl.arange(0, PARTS_BLOCK)")
-    for j, tensor in enumerate(kept):  # float32, the value the first kernel rounded
+    for j, tensor in enumerate(kept):  # float32: the first kernel's value, or its parts
         if params.parts == 1:
             loaded = walk.assign(f"tl.load(stash + rows[:, None] * {len(kept)} + {j}, "
                                  "mask=row_mask[:, None], other=0.0)", "row")  # fmt: skip
@@ -176,8 +185,8 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             continue
         op = tensor.definition.op_name
         loaded = walk.assign(
-            f"tl.load(stash + (rows[:, None] * PARTS + parts[None, :]) * {len(kept)} + {j}, "
-            f"mask=row_mask[:, None] & (parts < PARTS)[None, :], "
+            f"tl.load(stash + (rows[:, None] * row_parts + parts[None, :]) * {len(kept)} + {j}, "
+            f"mask=row_mask[:, None] & (parts < row_parts)[None, :], "
             f"other={reduction_identity(op, float32)})", "row")  # fmt: skip
         reduced = walk.assign(reduce_call(loaded, 1, COMBINE[op], keep_dims=True))
         generator.finish_reduced(tensor.definition, tensor, op, reduced, float32)
@@ -200,8 +209,9 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     comment = (f"# normalization: a column walk's strips, {len(kept)} row values, "
                f"{len(sums)} column sums")  # fmt: skip
     constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS",
-                 *(["PARTS", "PARTS_BLOCK"] if params.parts > 1 else [])]  # fmt: skip
-    return kernel_source("column_kernel", arguments, ["row_count"], constants, strip.lines,
+                 *(["PARTS_BLOCK"] if params.parts > 1 else [])]  # fmt: skip
+    runtime = ["row_count", *(["row_parts"] if params.parts > 1 else [])]
+    return kernel_source("column_kernel", arguments, runtime, constants, strip.lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
 
@@ -209,8 +219,8 @@ def column_constants(params: NormalizationParams, columns: int) -> dict[str, int
     """The column walk's second kernel's ``tl.constexpr`` arguments."""
     values = {"COLUMNS": columns, "BLOCK_ROWS": params.block_rows,
               "BLOCK_COLUMNS": params.strip_columns}  # fmt: skip
-    if params.parts > 1:
-        values |= {"PARTS": params.parts, "PARTS_BLOCK": next_power_of_two(params.parts)}
+    if params.parts > 1:  # room for the most parts a launch takes
+        values["PARTS_BLOCK"] = next_power_of_two(params.parts)
     return values
 
 

@@ -194,9 +194,9 @@ def exchange_partials(
     """Each of ``partials`` (this program's reduction of its slice, a float32 per row
     of the block) with the other programs' of the row: a list of ``parts`` float32s
     (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
-    fixed order. The program posts its slots (``exchange.post_source``: with one row
+    fixed order. The program posts its slots (``post_source``: with one row
     a block its first thread), then its threads wait for the level's slots of every
-    program to carry this row's tag (``exchange.wait_source``). The slots alternate
+    program to carry this row's tag (``wait_source``). The slots alternate
     between two rows: a program posts row j+2 after its first thread read every
     program's post of j+1, each made after that program's reductions of j+1, which
     none of its threads reaches before reading row j: a barrier of the block where

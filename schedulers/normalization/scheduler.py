@@ -34,6 +34,7 @@ from schedulers.normalization.column_sums import (
     combine_constants,
     combine_rows,
     combine_source,
+    row_parts,
     split_short_of_rows,
     strip_grid,
 )
@@ -118,7 +119,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             if strategy == SPLIT:
                 chosen = split_params(plan, hardware, columns)
             else:
-                chosen = column_walk_params(plan, hardware, columns, rows)
+                chosen = column_walk_params(plan, hardware, columns)
             if isinstance(chosen, str):
                 raise NotSchedulable(f"the {strategy} strategy (forced): {chosen}")
             return chosen
@@ -136,7 +137,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         if strategy:
             return chosen
         if plan.column_sums and not chosen.persistent:  # the columns walked, not chunks
-            walk = column_walk_params(plan, hardware, columns, rows)
+            walk = column_walk_params(plan, hardware, columns)
             if not isinstance(walk, str):
                 chosen = replace(walk, why=f"column walk (rows of {columns} with column sums "
                                            f"do not fit the registers): {walk.why} [instead "
@@ -346,14 +347,17 @@ class NormalizationLauncher(Launcher):
         """A column walk's kernels: a program a row block (and part) for the rows'
         values, then a program a strip and group of rows, then the combining kernel."""
         params = self.params
-        stash = torch.empty((rows, params.parts, len(stashed(plan))), dtype=torch.float32,
+        parts, span = row_parts(params, self.hardware, rows, columns)
+        stash = torch.empty((rows, parts, len(stashed(plan))), dtype=torch.float32,
                             device=device)  # fmt: skip
-        grid = (cdiv(rows, params.block_rows) * params.parts,)
-        self.kernel[grid](*pointers, stash, rows, **options)
+        # how many parts this launch, and the steps of each
+        runtime = [parts, span // params.block_columns] if params.parts > 1 else []
+        grid = (cdiv(rows, params.block_rows) * parts,)
+        self.kernel[grid](*pointers, stash, rows, *runtime, **options)
         strips, groups = strip_grid(params, rows, columns)
         partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
                     for _ in plan.column_sums]  # fmt: skip
-        self.strips[(strips * groups,)](*pointers, *partials, stash, rows,
+        self.strips[(strips * groups,)](*pointers, *partials, stash, rows, *runtime[:1],
             **column_constants(params, columns), num_warps=params.strip_warps,
             **COMPILE_OPTIONS)  # fmt: skip
         self._combine(partials, targets, groups, columns, combine_rows(params, columns))
