@@ -772,9 +772,10 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
 @pytest.mark.parametrize(
     ("name", "n", "strategy", "kernels"),
     # the split kernel and the combining one; the column walk's rows, strips and combining
-    # (at 16384 columns a row in 2, 2 and 1 parts: as many as the rows leave room for)
+    # (at 16384 columns a row in 2, 2 and 1 parts, as many as the rows leave room for: the
+    # rows' and strips' kernels of a row in parts, and of a row in one, two forms at most)
     [("rmsnorm_bwd", 1000, SPLIT, 2), ("layernorm_bwd", 1000, COLUMN_WALK, 3),
-     ("rmsnorm_bwd", 16384, COLUMN_WALK, 3)],
+     ("rmsnorm_bwd", 16384, COLUMN_WALK, 5)],
 )  # fmt: skip
 def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, strategy, kernels):
     fd = BUILDERS[name](n, "bfloat16")
@@ -1239,10 +1240,11 @@ def test_a_column_walk_s_strips_are_checked_before_launching(fields, reason):
 @pytest.mark.parametrize("block_rows", [1, 2])
 def test_a_column_walk_s_rows_reduced_in_parts(name, block_rows):
     """At most 3 parts a row (of 8 steps of 128 columns over 1000): the interpreter's
-    profile (one SM, 4 programs) takes 3 parts for one row block, 2 for two, 1 for five,
-    each launch of the same kernels (the parts are runtime arguments); each part's sums
-    stored unfinished, the strips add them in a fixed order and finish them (a mean's
-    division). Every output against the reference, the column sums against float64."""
+    profile (one SM, 4 programs) takes 3 parts for one row block, 2 for two (the same
+    kernels: the parts are runtime arguments), 1 for five (the kernels of a row in one
+    part, compiled then); each part's sums stored unfinished, the strips add them in a
+    fixed order and finish them (a mean's division). Every output against the reference,
+    the column sums against float64."""
     params = NormalizationParams(block_rows, 128, 4, False, programs=8, parts=3,
                                  strategy=COLUMN_WALK, strip_columns=256,
                                  strip_warps=2)  # fmt: skip
@@ -1258,11 +1260,16 @@ def test_a_column_walk_s_rows_reduced_in_parts(name, block_rows):
         exact = _weight_gradients_in_float64(name, inputs)
         for actual, wanted in zip(outputs[1:], exact, strict=True):
             assert_close(actual, wanted.to(torch.float32), reduction_extent=blocks * block_rows)
-    assert KERNEL_CACHE.compilations == 3, KERNEL_CACHE.sources()
-    (rows,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
-    assert "for offset in range(0, part_steps * BLOCK_COLUMNS, BLOCK_COLUMNS)" in rows
-    assert "div(" not in rows
-    (strips,) = [s for s in KERNEL_CACHE.sources() if "def column_kernel" in s]
+    assert KERNEL_CACHE.compilations == 5, KERNEL_CACHE.sources()  # two forms, combining
+    plan = _plan(name, 1000)[1]
+    whole = dataclasses.replace(params, parts=1)
+    rows = sorted((s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s), key=len)
+    assert rows == sorted([source(plan, params), source(plan, whole)], key=len)
+    parted = source(plan, params)
+    assert "for offset in range(0, part_steps * BLOCK_COLUMNS, BLOCK_COLUMNS)" in parted
+    assert "div(" not in parted and "div(" in source(plan, whole)
+    (strips,) = [s for s in KERNEL_CACHE.sources()
+                 if "def column_kernel" in s and "row_parts" in s]  # fmt: skip
     assert "(rows[:, None] * row_parts + parts[None, :])" in strips and "div(" in strips
 
 

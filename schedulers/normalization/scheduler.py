@@ -253,6 +253,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             kernel=KERNEL_CACHE.get(source(plan, params), "normalization_kernel"),
             strips=(KERNEL_CACHE.get(column_source(plan, params), "column_kernel")
                     if params.strategy == COLUMN_WALK else None),
+            whole=(_walk_kernels(plan, replace(params, parts=1))
+                   if params.strategy == COLUMN_WALK and params.parts > 1 else None),
             combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
@@ -272,6 +274,11 @@ class NormalizationLauncher(Launcher):
     params: NormalizationParams
     kernel: object  # the compiled normalization kernel
     strips: object | None  # (COLUMN_WALK) the compiled kernel walking strips down the rows
+    # (COLUMN_WALK with parts) the rows' and the strips' kernels of a row in one part, for
+    # launches whose rows fill the device: the kernels of a row in parts read its row
+    # values from a tile of parts (H200, LayerNorm backward 1024x135168: 0.49 of copy that
+    # way, 0.58 in one part); compiled at their first launch, so two forms at most
+    whole: tuple | None
     combine: object | None  # the kernel adding every column sum's partial rows
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
@@ -348,16 +355,19 @@ class NormalizationLauncher(Launcher):
         values, then a program a strip and group of rows, then the combining kernel."""
         params = self.params
         parts, span = row_parts(params, self.hardware, rows, columns)
+        kernel, walk = self.kernel, self.strips
+        if parts == 1 and self.whole is not None:  # the rows fill the device: one part
+            (kernel, walk), params = self.whole, replace(params, parts=1)
         stash = torch.empty((rows, parts, len(stashed(plan))), dtype=torch.float32,
                             device=device)  # fmt: skip
         # how many parts this launch, and the steps of each
         runtime = [parts, span // params.block_columns] if params.parts > 1 else []
         grid = (cdiv(rows, params.block_rows) * parts,)
-        self.kernel[grid](*pointers, stash, rows, *runtime, **options)
+        kernel[grid](*pointers, stash, rows, *runtime, **options)
         strips, groups = strip_grid(params, rows, columns)
         partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
                     for _ in plan.column_sums]  # fmt: skip
-        self.strips[(strips * groups,)](*pointers, *partials, stash, rows, *runtime[:1],
+        walk[(strips * groups,)](*pointers, *partials, stash, rows, *runtime[:1],
             **column_constants(params, columns), num_warps=params.strip_warps,
             **COMPILE_OPTIONS)  # fmt: skip
         self._combine(partials, targets, groups, columns, combine_rows(params, columns))
@@ -397,3 +407,9 @@ def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
         if plan.kinds.get(tensor) == "full" and len(shape) == plan.rank:
             return list(shape)
     raise ValueError("no tensor of the normalization's full shape")
+
+
+def _walk_kernels(plan: NormalizationPlan, params: NormalizationParams) -> tuple:
+    """A column walk's rows' and strips' kernels for ``params``."""
+    return (KERNEL_CACHE.get(source(plan, params), "normalization_kernel"),
+            KERNEL_CACHE.get(column_source(plan, params), "column_kernel"))  # fmt: skip
