@@ -37,6 +37,13 @@ class HardwareProfile:
     def max_warps_per_sm(self) -> int:
         return self.max_threads_per_sm // self.warp_size
 
+    def blocks_per_sm(self, warps: int, registers: int, shared_bits: int = 0) -> int:
+        """Blocks of ``warps`` warps, ``registers`` a thread and ``shared_bits`` of shared
+        memory an SM holds at once (32 at most, as Hopper's)."""
+        by_registers = self.registers_per_sm // (max(registers, 1) * warps * self.warp_size)
+        by_shared = self.smem_per_block_bits // shared_bits if shared_bits else 32
+        return max(0, min(32, self.max_warps_per_sm // warps, by_registers, by_shared))
+
 
 # Recorded from torch.cuda.get_device_properties on the machines here (H100, H200) and
 # from NVIDIA's published figures (B200); memory_gbps is a measured device-to-device copy.

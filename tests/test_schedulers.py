@@ -435,6 +435,20 @@ def test_hardware_profiles_count_in_bits():
     assert current_hardware("cpu") is INTERPRETER
 
 
+@pytest.mark.parametrize(
+    ("warps", "registers", "shared_kib", "blocks"),
+    [
+        (4, 200, 0, 2),  # registers: 65536 // (200 * 128)
+        (16, 200, 0, 0),  # a block over the register file
+        (4, 32, 0, 16),  # warps: 64 // 4 (registers: 16 too)
+        (1, 16, 0, 32),  # at most 32 blocks
+        (4, 32, 96, 2),  # shared memory: 227 KiB // 96
+    ],
+)
+def test_blocks_an_sm_holds(warps, registers, shared_kib, blocks):
+    assert H200.blocks_per_sm(warps, registers, shared_kib * 1024 * 8) == blocks
+
+
 def test_user_params_override_the_heuristics(rng):
     with FusionDefinition() as fd:
         x = fd.define_tensor([7, 1000])

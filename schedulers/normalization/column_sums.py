@@ -115,14 +115,10 @@ def split_short_of_rows(
     programs the device holds, estimated from their registers (``walk_registers``: a row
     of the slice, weights and column sums) and the shared memory of their pipelined
     loads, over the programs a row."""
-    threads = split.num_warps * hardware.warp_size
     registers = walk_registers(plan, hardware, split.block_columns, split.num_warps, 1,
                                split.column_registers, False)  # fmt: skip
     staged = split.stages * split.block_rows * split.block_columns * full_bits(plan)
-    blocks = min(hardware.max_warps_per_sm // split.num_warps,
-                 hardware.registers_per_sm // (registers * threads),
-                 hardware.smem_per_block_bits // staged if split.stages > 1 and staged
-                 else 32)  # fmt: skip
+    blocks = hardware.blocks_per_sm(split.num_warps, registers, staged if split.stages > 1 else 0)
     rows = blocks * hardware.sm_count // split.parts if registers <= MAX_REGISTERS else 0
     least = SPLIT_LEAST_ROWS * hardware.memory_gbps / SPLIT_ROWS_GBPS
     if rows and rows >= least:

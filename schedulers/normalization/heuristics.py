@@ -491,8 +491,7 @@ class _Candidate:
         threads = warps * hardware.warp_size
         share = min(MAX_REGISTERS, hardware.registers_per_sm // threads)  # one block an SM
         compiled = share if share < registers <= SPILL_ALLOWANCE * share else registers
-        by_registers = hardware.registers_per_sm // (compiled * threads)
-        blocks = max(0, min(32, hardware.max_warps_per_sm // warps, by_registers))
+        blocks = hardware.blocks_per_sm(warps, compiled)
         occupancy = blocks * warps / hardware.max_warps_per_sm
         lanes = threads // block_rows  # threads along one row
         even = lanes * vector <= width and columns % (lanes * vector) == 0
