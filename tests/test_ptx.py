@@ -197,7 +197,7 @@ def test_a_split_rows_exchange_falls_back_to_polling_every_word(overrides, polls
 
 
 _COLUMN_WALK = """
-import json, sys
+import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
@@ -206,25 +206,29 @@ from schedulers.registry import split_into_kernels
 fd = BUILDERS["layernorm_bwd"](135168, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
 params = group.scheduler.heuristics(group.plan, H200, [1024, 135168])
-print(json.dumps({"strategy": params.strategy,
-                  **kernel_widths(group.scheduler, group.plan, params, [1024, 135168], True)}))
+for form in (params, dataclasses.replace(params, parts=1)):  # in parts, and in one
+    print(json.dumps({"strategy": form.strategy, "parts": form.parts, **kernel_widths(
+        group.scheduler, group.plan, form, [1024, 135168], True)}))
 """
 
 
 def test_a_column_walks_kernels_pipeline_wide_accesses():
-    """LayerNorm backward at 135168 columns on the H200 (the column walk): the rows' kernel
-    reads x and dy in 128-bit pipelined loads and stores only its row values (32 bits);
-    the strips' kernel reads and writes 128 bits a thread, pipelined too, and stores its
-    two column sums' partial rows in 128-bit stores as well."""
+    """LayerNorm backward at 135168 columns on the H200 (the column walk), both forms (a
+    row in parts where rows are few, in one where they fill the device, as at 1024 rows):
+    the rows' kernel reads x and dy in 128-bit pipelined loads and stores only its row
+    values (32 bits); the strips' kernel reads and writes 128 bits a thread, pipelined
+    too, and stores its two column sums' partial rows in 128-bit stores as well."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COLUMN_WALK, str(ROOT)], cwd=ROOT,
                             env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
-    found = json.loads(result.stdout.strip().splitlines()[-1])
-    assert found["strategy"] == "column_walk", found
-    rows, strips = found["normalization_kernel"], found["column_kernel"]
-    assert "128" in rows["loads"] and rows["async_copies"] > 0, rows
-    assert set(rows["stores"]) == {"32"}, rows  # the stash: a float32 a row value
-    assert set(strips["stores"]) == {"128"} and "128" in strips["loads"], strips
-    assert strips["async_copies"] > 0, strips
+    forms = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [(form["strategy"], form["parts"]) for form in forms] == [
+        ("column_walk", 17), ("column_walk", 1)], forms  # fmt: skip
+    for found in forms:
+        rows, strips = found["normalization_kernel"], found["column_kernel"]
+        assert "128" in rows["loads"] and rows["async_copies"] > 0, rows
+        assert set(rows["stores"]) == {"32"}, rows  # the stash: a float32 a row value
+        assert set(strips["stores"]) == {"128"} and "128" in strips["loads"], strips
+        assert strips["async_copies"] > 0, strips

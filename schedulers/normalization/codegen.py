@@ -114,8 +114,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     before, after = [], []  # around the walk over the rows (column sums)
     sums = [] if stashing else plan.column_sums
     if stashing and not partial:  # the column walk's row values, float32 (``column_sums``)
-        for j, tensor in enumerate(stashed(plan)):
-            outer.line(f"tl.store(stash + rows[:, None] * {len(stashed(plan))} + {j}, "
+        kept = stashed(plan)
+        for j, tensor in enumerate(kept):
+            outer.line(f"tl.store(stash + rows[:, None] * {len(kept)} + {j}, "
                        f"{row_cache[tensor].name}, mask=row_mask[:, None])")  # fmt: skip
     elif not stashing and (any(plan.kinds[t] == "full" for t in plan.outputs) or sums):
         body = step if persistent else generator.loop("evict_first")

@@ -144,8 +144,7 @@ def strip_grid(params: NormalizationParams, rows: int, columns: int) -> tuple[in
     """The second kernel's strips and groups of rows: a program each pair, at most
     ``params.programs`` (at least a group), no group without a row."""
     strips = cdiv(columns, params.strip_columns)
-    groups = max(1, min(cdiv(rows, params.block_rows), params.programs // strips))
-    return strips, groups
+    return strips, max(1, min(cdiv(rows, params.block_rows), params.programs // strips))
 
 
 def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
@@ -249,8 +248,8 @@ def combine_rows(params: NormalizationParams, columns: int) -> int:
     """The most partial rows of a column sum a launch of ``params`` over rows of
     ``columns`` writes (not a split's: as many as the device holds groups): a program's
     each, a column walk's a group of rows' each."""
-    if params.strategy == COLUMN_WALK:
-        return max(1, params.programs // cdiv(columns, params.strip_columns))
+    if params.strategy == COLUMN_WALK:  # as many groups as any number of rows gives
+        return strip_grid(params, params.programs * params.block_rows, columns)[1]
     return max(1, params.programs)
 
 

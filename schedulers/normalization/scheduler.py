@@ -320,8 +320,12 @@ class NormalizationLauncher(Launcher):
             self._walk(plan, pointers, rows, columns, options, targets, device)
             return
         slots = []
+        # the most partial rows of a column sum: a program's each (a split's: a group's,
+        # as many groups as the device holds)
+        most = combine_rows(params, columns)
         if split:  # groups of `parts` programs, every one of them resident at once
-            groups = min(grid[0], self._resident(device, pointers, rows, options) // params.parts)
+            most = self._resident(device, pointers, rows, options) // params.parts
+            groups = min(grid[0], most)
             grid = (groups * params.parts,)
             slots = [torch.zeros(exchange_slots(plan, params, groups), dtype=torch.int64,
                                  device=device)]  # fmt: skip
@@ -334,9 +338,6 @@ class NormalizationLauncher(Launcher):
         concurrently = split and device.type != "cuda"  # the interpreter's programs
         with concurrent_programs() if concurrently else contextlib.nullcontext():
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
-        # at most: a program's each (a split's: a group's, as many as the device holds)
-        most = (self._resident(device, pointers, rows, options) // params.parts if split
-                else combine_rows(params, columns))  # fmt: skip
         self._combine(partials, targets, count, columns, most)
 
     def _combine(self, partials: list, targets: list, count: int, columns: int,
