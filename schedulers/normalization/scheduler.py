@@ -274,10 +274,10 @@ class NormalizationLauncher(Launcher):
     params: NormalizationParams
     kernel: object  # the compiled normalization kernel
     strips: object | None  # (COLUMN_WALK) the compiled kernel walking strips down the rows
-    # (COLUMN_WALK with parts) the rows' and the strips' kernels of a row in one part, for
-    # launches whose rows fill the device: the kernels of a row in parts read its row
-    # values from a tile of parts (H200, LayerNorm backward 1024x135168: 0.49 of copy that
-    # way, 0.58 in one part); compiled at their first launch, so two forms at most
+    # (COLUMN_WALK with parts) the rows' and the strips' kernels of a row in one part and
+    # their params, for launches whose rows fill the device: the kernels of a row in parts
+    # read its row values from a tile of parts (H200, LayerNorm backward 1024x135168: 0.49
+    # of copy that way, 0.58 in one part); compiled at their first launch: two forms
     whole: tuple | None
     combine: object | None  # the kernel adding every column sum's partial rows
     sum_outputs: list[int]  # the output each column sum writes
@@ -358,7 +358,7 @@ class NormalizationLauncher(Launcher):
         parts, span = row_parts(params, self.hardware, rows, columns)
         kernel, walk = self.kernel, self.strips
         if parts == 1 and self.whole is not None:  # the rows fill the device: one part
-            (kernel, walk), params = self.whole, replace(params, parts=1)
+            kernel, walk, params = self.whole
         stash = torch.empty((rows, parts, len(stashed(plan))), dtype=torch.float32,
                             device=device)  # fmt: skip
         # how many parts this launch, and the steps of each
@@ -411,6 +411,6 @@ def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
 
 
 def _walk_kernels(plan: NormalizationPlan, params: NormalizationParams) -> tuple:
-    """A column walk's rows' and strips' kernels for ``params``."""
+    """A column walk's rows' and strips' kernels for ``params``, and ``params``."""
     return (KERNEL_CACHE.get(source(plan, params), "normalization_kernel"),
-            KERNEL_CACHE.get(column_source(plan, params), "column_kernel"))  # fmt: skip
+            KERNEL_CACHE.get(column_source(plan, params), "column_kernel"), params)  # fmt: skip
