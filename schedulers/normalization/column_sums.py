@@ -38,16 +38,6 @@ from schedulers.normalization.heuristics import (
 )
 from schedulers.runtime import cdiv, next_power_of_two
 
-# column sums: columns a program of the combining kernel. 16, not 32: at 1024 columns 64
-# programs, not 32 (ncu, H200, LayerNorm backward 32768x1024: 9.5 us of the 61 in all at
-# 32); 0.84 of copy against 0.80 on the H200, 0.89 against 0.87 on the H100, the other
-# backward shapes within 0.01 (results/probe_combine_{h200,h100}_54047f8.json)
-COMBINE_COLUMNS = 16
-COMBINE_PARTS = 256  # and partial rows it adds per step (fewer rows: as many, and as many
-# more columns a program; H200, ncu, the column walk's 4 partial rows of 262144 columns
-# took 72 us in tiles of 256 rows, against 49 for its strips' kernel)
-COMBINE_WARPS = 8
-
 # The column walk: the rows' walk in steps of ROW_STEP columns over ROW_WARPS warps (32
 # values a thread a buffer); strips of STRIP_COLUMNS over STRIP_WARPS warps (16 values),
 # STRIP_PROGRAMS an SM; both walks' loads pipelined WALK_STAGES deep. H200, fraction of
@@ -219,31 +209,6 @@ def column_constants(params: NormalizationParams, columns: int) -> dict[str, int
     return values
 
 
-def combine_source(plan: NormalizationPlan) -> str:
-    """The column sums' second kernel, one launch for all of them: each program's
-    partial row added in a fixed order (deterministic), rounded once to the output's
-    dtype (LayerNorm backward's two combining launches cost 2.3 us each at 1024x4096,
-    H200, of 16 us in all)."""
-    emit = Emitter()
-    emit.line("cols = tl.program_id(0) * BLOCK_COLUMNS + tl.arange(0, BLOCK_COLUMNS)")
-    emit.line("col_mask = cols < COLUMNS")
-    sums = range(len(plan.column_sums))
-    for i in sums:
-        emit.line(f"acc{i} = tl.zeros((PARTS, BLOCK_COLUMNS), tl.float32)")
-    emit.line("for first in range(0, programs, PARTS):")
-    emit.line("    parts = first + tl.arange(0, PARTS)")
-    emit.line("    offsets = parts[:, None] * COLUMNS + cols[None, :]")
-    emit.line("    kept = (parts < programs)[:, None] & col_mask[None, :]")
-    for i in sums:
-        emit.line(f"    acc{i} += tl.load(partial{i} + offsets, mask=kept, other=0.0)")
-    for i, expr in enumerate(plan.column_sums):
-        value = emit.rounded(f"tl.sum(acc{i}, 0)", float32, expr.output.dtype)
-        emit.line(f"tl.store(out{i} + cols, {emit.stored(value)}, mask=col_mask)")
-    arguments = [*(f"partial{i}" for i in sums), *(f"out{i}" for i in sums)]
-    constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS"]
-    return kernel_source("combine_kernel", arguments, ["programs"], constants, emit.lines)
-
-
 def combine_rows(params: NormalizationParams, columns: int) -> int:
     """The most partial rows of a column sum a launch of ``params`` over rows of
     ``columns`` writes (not a split's: as many as the device holds groups): a program's
@@ -251,14 +216,3 @@ def combine_rows(params: NormalizationParams, columns: int) -> int:
     if params.strategy == COLUMN_WALK:  # as many groups as any number of rows gives
         return strip_grid(params, params.programs * params.block_rows, columns)[1]
     return max(1, params.programs)
-
-
-def combine_constants(columns: int, most: int = COMBINE_PARTS) -> dict[str, int]:
-    """A combining kernel's ``tl.constexpr`` arguments for at most ``most`` partial rows of
-    ``columns``: ``COMBINE_PARTS`` partial rows a step and ``COMBINE_COLUMNS`` columns a
-    program, or, where there are fewer rows, as many a step (a power of two) and as many
-    more columns (the same tile). A constant of the launch's params, not of its rows, so
-    a new batch size keeps the kernel."""
-    parts = min(COMBINE_PARTS, next_power_of_two(max(most, 1)))
-    width = min(next_power_of_two(columns), COMBINE_COLUMNS * COMBINE_PARTS // parts)
-    return {"COLUMNS": columns, "BLOCK_COLUMNS": max(COMBINE_COLUMNS, width), "PARTS": parts}
