@@ -26,7 +26,8 @@ from schedulers.normalization import (
     NormalizationScheduler,
 )
 from schedulers.normalization.codegen import source
-from schedulers.normalization.column_sums import combine_constants, row_parts
+from schedulers.normalization.column_sums import row_parts
+from schedulers.normalization.combine import combine_constants
 from schedulers.normalization.heuristics import (
     SPLIT_SUMS_STAGES,
     SPLIT_TMA_STAGES,

@@ -1,7 +1,7 @@
 """A normalization's Triton source: ``source`` writes the kernel (reductions, the row
 values that follow from them, the outputs and a program's partial column sums; a column
-walk's first kernel: the reductions and their row values). ``column_sums`` writes the
-kernel that adds a column sum's partial rows and the column walk's second kernel.
+walk's first kernel: the reductions and their row values). ``combine`` writes the
+kernel that adds a column sum's partial rows, ``column_sums`` the column walk's second.
 
 Full and column values are emitted in a step over the columns (the whole row when it
 is persistent, a loop over chunks otherwise); row values (reductions and what follows
@@ -26,7 +26,6 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.combine import COMBINE_PARTS, fused_constants, fused_lines
 from schedulers.normalization.exchange import exchange_step, reduce_split
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
@@ -166,9 +165,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         + (", split over programs exchanging partial reductions" if split else "")
         + (", the rows' reductions of a column walk" if stashing else "")
     )
-    fused = params.fused_sums and bool(sums)  # the column sums added by the last programs
-    if fused and not ((params.programs and not stashing) or split):
-        raise ValueError(f"{params}: column sums added in the kernel need a fixed grid")
     if (params.programs and not stashing) or split:  # a fixed grid walks the row blocks
         blocks = "tl.program_id(0), tl.cdiv(row_count, BLOCK_ROWS), tl.num_programs(0)"
         if split:  # the programs of a group walk the same rows
@@ -181,10 +177,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             walk = f"for row_block in range({blocks}):"
         lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
                  *after]  # fmt: skip
-        if fused:
-            outputs = [targets[plan.outputs.index(e.output)] for e in sums]
-            lines += fused_lines(outer, plan, [f"part{i}" for i in range(len(sums))], outputs,
-                                 "groups" if split else "tl.num_programs(0)")  # fmt: skip
     else:
         if sums:
             raise ValueError(f"{params}: column sums need a fixed grid (programs > 0)")
@@ -194,12 +186,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         lines = [*first, *outer.lines]
     partials = [f"part{i}" for i, _ in enumerate(sums)]
     extra = ["slots"] if split else ["stash"] if stashing else []
-    arguments = [*pointers.values(), *targets, *partials, *extra,
-                 *(["sums_count"] if fused else [])]  # fmt: skip
-    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else []),
-                 *(["SUM_COLUMNS", "SUM_PARTS"] if fused else [])]  # fmt: skip
-    runtime = ["row_count", *(["row_parts", "part_steps"] if partial else []),
-               *(["combiners"] if fused else [])]  # fmt: skip
+    arguments = [*pointers.values(), *targets, *partials, *extra]
+    constants = ["COLUMNS", "BLOCK_ROWS", "BLOCK_COLUMNS", *(["PARTS"] if split else [])]
+    runtime = ["row_count", *(["row_parts", "part_steps"] if partial else [])]
     return kernel_source("normalization_kernel", arguments, runtime, constants, lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
 
@@ -211,10 +200,6 @@ def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int
               "BLOCK_COLUMNS": params.block_columns}  # fmt: skip
     if params.strategy == SPLIT:
         values["PARTS"] = params.parts
-    if params.fused_sums and plan.column_sums and params.strategy != COLUMN_WALK:
-        # a split's partial rows: a group's each, as many as the device holds (not known)
-        most = COMBINE_PARTS if params.strategy == SPLIT else max(1, params.programs)
-        values |= fused_constants(columns, most)
     return values
 
 

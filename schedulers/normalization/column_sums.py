@@ -1,6 +1,5 @@
-"""A normalization's column sums (a backward's weight gradients) beyond a program's own
-partial rows: the kernel that adds those rows in a fixed order (``combine_source``), and
-the column walk, a strategy of two kernels for rows too wide for a split row's registers.
+"""The column walk: a strategy of two kernels (and the combining one, ``combine``) for a
+normalization's rows with column sums too wide for a split row's registers.
 
 The column walk: its first kernel is the chunked walk of the rows' reductions alone
 (``codegen.source``), which stores each row's reduced values (float32, ``stashed``) in a

@@ -104,14 +104,14 @@ class NormalizationParams:
     # descriptors into shared memory, the walk pipelined ``stages`` rows deep
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
     strip_warps: int = 0  # walks down the rows (``programs`` of them), and its warps
-    fused_sums: bool = False  # (column sums, a fixed grid) the last programs to finish add
-    # the partial rows in the same kernel (``combine.fused_lines``), not a kernel after it
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
     def __str__(self) -> str:
-        text = (f"NormalizationParams(block_rows={self.block_rows}, "
-                f"block_columns={self.block_columns}, num_warps={self.num_warps}, "
-                f"persistent={self.persistent}")  # fmt: skip
+        text = (
+            f"NormalizationParams(block_rows={self.block_rows}, "
+            f"block_columns={self.block_columns}, num_warps={self.num_warps}, "
+            f"persistent={self.persistent}"
+        )
         text += f", programs={self.programs}" if self.programs else ""
         text += f", stages={self.stages}" if self.stages != 1 else ""
         text += f", strategy={self.strategy!r}" if self.strategy != MULTIWAVE else ""
@@ -121,7 +121,6 @@ class NormalizationParams:
         text += ", tma=True" if self.tma else ""
         if self.strip_columns:
             text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"
-        text += ", fused_sums=True" if self.fused_sums else ""
         text += ", column_registers=True)" if self.column_registers else ")"
         return f"{text} [{self.why}]" if self.why else text
 

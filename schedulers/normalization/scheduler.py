@@ -213,9 +213,6 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         pointers |= {f"part{i}": "tl.float32" for i in range(len(plan.column_sums))}
         if params.strategy == SPLIT:
             pointers["slots"] = "tl.int64"
-        fused = params.fused_sums and plan.column_sums and params.strategy != COLUMN_WALK
-        if fused:
-            pointers["sums_count"] = "tl.int32"
         walks = params.strategy == COLUMN_WALK
         if walks:
             pointers["stash"] = "tl.float32"
@@ -226,7 +223,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             kernels.append(KernelSource("column_kernel", column_source(plan, params),
                                         column_constants(params, columns),
                                         params.strip_warps, pointers))  # fmt: skip
-        if plan.column_sums and not fused:
+        if plan.column_sums:
             combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
             combining |= {f"out{i}": memory_type(e.output.dtype)
                           for i, e in enumerate(plan.column_sums)}  # fmt: skip
@@ -340,17 +337,8 @@ class NormalizationLauncher(Launcher):
         count = grid[0] // params.parts if split else grid[0]
         partials = [allocate((count, columns), dtype=torch.float32, device=device)
                     for _ in plan.column_sums]  # fmt: skip
-        fused = []  # the column sums added by the last programs: their count and words
-        if params.fused_sums and plan.column_sums:
-            slices = cdiv(columns, options["SUM_COLUMNS"])
-            combiners = min(slices, grid[0], self.hardware.sm_count) if (
-                device.type == "cuda") else 1  # fmt: skip
-            fused = [sums_count(device), rows, combiners]
         concurrently = split and device.type != "cuda"  # the interpreter's programs
         with concurrent_programs() if concurrently else contextlib.nullcontext():
-            if fused:
-                self.kernel[grid](*pointers, *partials, *slots, *fused, **options)
-                return
             self.kernel[grid](*pointers, *partials, *slots, rows, **options)
         self._combine(partials, targets, count, columns, most)
 
@@ -400,9 +388,7 @@ class NormalizationLauncher(Launcher):
                 partials = [torch.empty(1, dtype=torch.float32, device=device)
                             for _ in self.plan.column_sums]  # fmt: skip
                 slots = torch.empty(1, dtype=torch.int64, device=device)
-                fused = ([torch.empty(2, dtype=torch.int32, device=device), rows, 1]
-                         if params.fused_sums and self.plan.column_sums else [rows])  # fmt: skip
-                compiled = self.kernel.warmup(*pointers, *partials, slots, *fused,
+                compiled = self.kernel.warmup(*pointers, *partials, slots, rows,
                                               grid=(params.parts,), **options)  # fmt: skip
                 self.resident[key] = resident_programs(compiled, self.hardware)
             resident = self.resident[key]
@@ -417,24 +403,6 @@ class NormalizationLauncher(Launcher):
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
-
-
-# (device index, stream) -> the two int32 words of fused column sums launched there
-_SUMS_COUNTS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def sums_count(device: torch.device) -> torch.Tensor:
-    """Two int32 words, zero, that a kernel adding its column sums itself counts its
-    programs in (``combine.fused_lines``) and leaves zero: on a GPU one pair a stream
-    (launches on a stream run one after another), kept; under CUDA graph capture and in
-    the interpreter a new pair a launch (a captured launch owns its words: graphs
-    captured on one stream may be replayed on several at once)."""
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return torch.zeros(2, dtype=torch.int32, device=device)
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    if key not in _SUMS_COUNTS:
-        _SUMS_COUNTS[key] = torch.zeros(2, dtype=torch.int32, device=device)
-    return _SUMS_COUNTS[key]
 
 
 def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
