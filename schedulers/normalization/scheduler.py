@@ -350,7 +350,8 @@ class NormalizationLauncher(Launcher):
             sums = [targets[index] for index in self.sum_outputs]
             fixed = combine_constants(columns, most)
             self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
-                **fixed, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS)  # fmt: skip
+                **fixed, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS,
+                **({"launch_pdl": True} if PDL and sums[0].device.type == "cuda" else {}))  # fmt: skip
 
     def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
               options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
@@ -403,6 +404,9 @@ class NormalizationLauncher(Launcher):
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
+
+
+PDL = True
 
 
 def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
