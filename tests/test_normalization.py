@@ -1308,8 +1308,10 @@ def test_rows_too_few_to_fill_the_device_are_reduced_in_parts():
 def test_the_combining_kernel_takes_as_many_rows_a_step_as_there_are(columns, most, parts, width):
     """Fewer partial rows than COMBINE_PARTS: as many a step, and the columns widened to
     keep the tile (4 rows of 262144 in 256-row tiles took 72 us on the H200)."""
-    fixed = combine_constants(columns, most)
-    assert fixed == {"COLUMNS": columns, "BLOCK_COLUMNS": width, "PARTS": parts}, fixed
+    for dependent in (False, True):
+        fixed = combine_constants(columns, most, dependent)
+        assert fixed == {"COLUMNS": columns, "BLOCK_COLUMNS": width, "PARTS": parts,
+                         "DEPENDENT": dependent}, fixed  # fmt: skip
 
 
 def test_a_maximum_reduced_in_parts_keeps_special_values():

@@ -232,3 +232,37 @@ def test_a_column_walks_kernels_pipeline_wide_accesses():
         assert set(rows["stores"]) == {"32"}, rows  # the stash: a float32 a row value
         assert set(strips["stores"]) == {"128"} and "128" in strips["loads"], strips
         assert strips["async_copies"] > 0, strips
+
+
+_COMBINE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from examples.norms import BUILDERS
+from schedulers.normalization.combine import combine_constants
+from schedulers.ptx import compile_ptx
+from schedulers.registry import split_into_kernels
+fd = BUILDERS["layernorm_bwd"](1024, "bfloat16")
+group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+from schedulers.hardware import H200
+params = group.scheduler.heuristics(group.plan, H200, [32768, 1024])
+kernel = [k for k in group.scheduler.kernels(group.plan, params, [32768, 1024])
+          if k.name == "combine_kernel"][0]
+for dependent in (False, True):
+    ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers,
+                      combine_constants(1024, 396, dependent), kernel.num_warps)
+    print(json.dumps({"dependent": dependent, "waits": ptx.count("griddepcontrol.wait")}))
+"""
+
+
+def test_the_combining_kernel_waits_for_the_kernel_before_it_only_when_dependent():
+    """LayerNorm backward's combining kernel for sm_90: launched as a programmatic
+    dependent of the normalization kernel (``DEPENDENT``), it waits once
+    (``griddepcontrol.wait``) before reading the partial rows; otherwise not at all (an
+    ordinary launch, and devices before sm_90, which have no such instruction)."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _COMBINE, str(ROOT)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert found == [{"dependent": False, "waits": 0}, {"dependent": True, "waits": 1}], found

@@ -36,9 +36,6 @@ from schedulers.normalization.heuristics import (
 )
 
 
-PDL_TRIGGER = True
-
-
 def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     """The kernel's Triton source: no extent in it (``COLUMNS`` is a constexpr)."""
     pointers = {t: f"in{i}" for i, t in enumerate(plan.inputs)}
@@ -178,9 +175,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             walk = f"for row_block in tl.range({blocks}{options}):"
         else:
             walk = f"for row_block in range({blocks}):"
-        trigger = ["if not INTERPRETED:", "    tl.extra.cuda.gdc_launch_dependents()"] if (
-            sums and PDL_TRIGGER) else []
-        lines = [*trigger, *before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
+        lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
                  *after]  # fmt: skip
     else:
         if sums:

@@ -37,6 +37,7 @@ from schedulers.normalization.column_sums import (
 from schedulers.normalization.combine import (
     COMBINE_PARTS,
     COMBINE_WARPS,
+    DEPENDENT_LAUNCH,
     combine_constants,
     combine_source,
 )
@@ -348,10 +349,11 @@ class NormalizationLauncher(Launcher):
         target."""
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
-            fixed = combine_constants(columns, most)
+            dependent = sums[0].device.type == "cuda" and self.hardware.arch >= DEPENDENT_LAUNCH
+            fixed = combine_constants(columns, most, dependent)
             self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
-                **fixed, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS,
-                **({"launch_pdl": True} if PDL and sums[0].device.type == "cuda" else {}))  # fmt: skip
+                **fixed, num_warps=COMBINE_WARPS, launch_pdl=dependent,
+                **COMPILE_OPTIONS)  # fmt: skip
 
     def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
               options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
@@ -404,9 +406,6 @@ class NormalizationLauncher(Launcher):
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
-
-
-PDL = True
 
 
 def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
