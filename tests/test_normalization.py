@@ -1309,9 +1309,50 @@ def test_the_combining_kernel_takes_as_many_rows_a_step_as_there_are(columns, mo
     """Fewer partial rows than COMBINE_PARTS: as many a step, and the columns widened to
     keep the tile (4 rows of 262144 in 256-row tiles took 72 us on the H200)."""
     for dependent in (False, True):
-        fixed = combine_constants(columns, most, dependent)
+        fixed = combine_constants(columns, most, dependent=dependent)
         assert fixed == {"COLUMNS": columns, "BLOCK_COLUMNS": width, "PARTS": parts,
                          "DEPENDENT": dependent}, fixed  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("device", "arch", "interpreted", "dependent"),
+    [
+        ("cuda", 90, False, True),  # H200: a programmatic dependent launch
+        ("cuda", 80, False, False),  # no griddepcontrol before sm_90
+        ("cuda", 90, True, False),  # Triton's interpreter runs no PTX
+        ("cpu", 90, False, False),
+    ],
+)
+def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_later(
+    monkeypatch, device, arch, interpreted, dependent
+):
+    """The launcher launches the combining kernel with ``launch_pdl`` and ``DEPENDENT``
+    together (a wait without the dependent launch would only cost; a dependent launch
+    without the wait would read partial rows still being written), only for CUDA
+    tensors, compiled code and sm_90 or later."""
+    from types import SimpleNamespace
+
+    from triton import knobs
+
+    fd = BUILDERS["layernorm_bwd"](1024, "bfloat16")
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    profile = dataclasses.replace(H200, arch=arch)
+    params = group.scheduler.heuristics(group.plan, profile, [32768, 1024])
+    launcher = group.scheduler.launcher(group.plan, params, profile, None)
+    calls = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *arguments, **options: calls.append((grid, arguments, options))
+
+    object.__setattr__(launcher, "combine", Recorder())
+    monkeypatch.setattr(knobs.runtime, "interpret", interpreted)
+    targets = [SimpleNamespace(device=torch.device(device)) for _ in group.plan.outputs]
+    launcher._combine(["p0", "p1"], targets, 396, 1024, 396)
+    [(grid, arguments, options)] = calls
+    assert options["DEPENDENT"] is dependent, options
+    assert options.get("launch_pdl", False) is dependent, options
+    assert grid == (64,) and arguments[:2] == ("p0", "p1") and arguments[-1] == 396
 
 
 def test_a_maximum_reduced_in_parts_keeps_special_values():

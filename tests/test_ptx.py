@@ -238,31 +238,34 @@ _COMBINE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
-from schedulers.normalization.combine import combine_constants
+from schedulers.hardware import H200
 from schedulers.ptx import compile_ptx
 from schedulers.registry import split_into_kernels
 fd = BUILDERS["layernorm_bwd"](1024, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
-from schedulers.hardware import H200
 params = group.scheduler.heuristics(group.plan, H200, [32768, 1024])
 kernel = [k for k in group.scheduler.kernels(group.plan, params, [32768, 1024])
           if k.name == "combine_kernel"][0]
-for dependent in (False, True):
-    ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers,
-                      combine_constants(1024, 396, dependent), kernel.num_warps)
-    print(json.dumps({"dependent": dependent, "waits": ptx.count("griddepcontrol.wait")}))
+for dependent in (False, True):  # the listing's own constants: dependent
+    constants = kernel.constants if dependent else {**kernel.constants, "DEPENDENT": False}
+    ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, constants, kernel.num_warps)
+    wait = ptx.find("griddepcontrol.wait")
+    print(json.dumps({"dependent": constants["DEPENDENT"],
+                      "waits": ptx.count("griddepcontrol.wait"),
+                      "before_loads": 0 <= wait < ptx.find("ld.global")}))
 """
 
 
 def test_the_combining_kernel_waits_for_the_kernel_before_it_only_when_dependent():
-    """LayerNorm backward's combining kernel for sm_90: launched as a programmatic
-    dependent of the normalization kernel (``DEPENDENT``), it waits once
-    (``griddepcontrol.wait``) before reading the partial rows; otherwise not at all (an
-    ordinary launch, and devices before sm_90, which have no such instruction)."""
+    """LayerNorm backward's combining kernel for sm_90, as listed (a programmatic
+    dependent of the normalization kernel, ``DEPENDENT``): it waits once
+    (``griddepcontrol.wait``), before its first load of the partial rows; not dependent
+    (an ordinary launch), it does not wait at all."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COMBINE, str(ROOT)], cwd=ROOT, env=env,
                             capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert found == [{"dependent": False, "waits": 0}, {"dependent": True, "waits": 1}], found
+    assert found == [{"dependent": False, "waits": 0, "before_loads": False},
+                     {"dependent": True, "waits": 1, "before_loads": True}], found  # fmt: skip

@@ -1,5 +1,5 @@
-"""The column walk: a strategy of two kernels (and the combining one, ``combine``) for a
-normalization's rows with column sums too wide for a split row's registers.
+"""The column walk: a strategy of two kernels, then the combining kernel (``combine``),
+for a normalization's rows with column sums too wide for a split row's registers.
 
 The column walk: its first kernel is the chunked walk of the rows' reductions alone
 (``codegen.source``), which stores each row's reduced values (float32, ``stashed``) in a

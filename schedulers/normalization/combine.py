@@ -20,21 +20,23 @@ COMBINE_PARTS = 256  # and partial rows it adds per step (fewer rows: as many, a
 # took 72 us in tiles of 256 rows, against 49 for its strips' kernel)
 COMBINE_WARPS = 8
 # Launched as a programmatic dependent of the kernel writing the partial rows (sm_90 and
-# later: its programs start as that kernel's end and wait in ``griddepcontrol.wait``
-# until its writes are visible). H200, two runs (results/norms_pdl_h200_ce0f105_{1,2}.json),
+# later: its programs start as that kernel ends and wait in ``griddepcontrol.wait`` until
+# its writes are visible). H200, two runs (results/norms_pdl_h200_ce0f105_{1,2}.json),
 # against a plain launch: RMSNorm backward 32768x1024 0.87-0.88 of copy against 0.86-0.87,
 # 16384x1024 0.79 against 0.78, 4096x1024 0.40-0.44 against 0.37-0.43, LayerNorm 4096x65536
-# 0.73 against 0.71-0.72, RMSNorm 1024x135168 0.65-0.67 against 0.64-0.66; the others level.
-# The kernel before it also starting it from its own start (``griddepcontrol.
-# launch_dependents``): 0.54-0.56 against 0.56-0.59 at 2048x4096, not kept.
+# 0.73 against 0.71-0.72, RMSNorm 1024x135168 0.65-0.67 against 0.64-0.66; the others level
+# (two runs at a271b5d had read it within their spread: LayerNorm 32768x1024 0.834-0.835
+# against 0.829-0.830). The kernel before it also starting it from its own start
+# (``griddepcontrol.launch_dependents``): 0.54-0.57 against 0.57-0.60 at 2048x4096, not kept.
 DEPENDENT_LAUNCH = 90
 
 
 def combine_source(plan: NormalizationPlan) -> str:
     """The column sums' second kernel, one launch for all of them: each program's
     partial row added in a fixed order (deterministic), rounded once to the output's
-    dtype (LayerNorm backward's two combining launches cost 2.3 us each at 1024x4096,
-    H200, of 16 us in all)."""
+    dtype (when each column sum had a launch of its own, LayerNorm backward's two cost
+    2.3 us each at 1024x4096, H200, of 16 us in all). ``DEPENDENT``: it waits for the
+    kernel before it first (``DEPENDENT_LAUNCH``)."""
     emit = Emitter()
     emit.line("if DEPENDENT:  # launched before the kernel writing the partial rows ends")
     emit.line("    tl.extra.cuda.gdc_wait()")
@@ -57,14 +59,13 @@ def combine_source(plan: NormalizationPlan) -> str:
     return kernel_source("combine_kernel", arguments, ["programs"], constants, emit.lines)
 
 
-def combine_constants(columns: int, most: int = COMBINE_PARTS, dependent: bool = True
-                      ) -> dict[str, int]:  # fmt: skip
+def combine_constants(columns: int, most: int, *, dependent: bool) -> dict[str, int | bool]:
     """A combining kernel's ``tl.constexpr`` arguments for at most ``most`` partial rows of
     ``columns``: ``COMBINE_PARTS`` partial rows a step and ``COMBINE_COLUMNS`` columns a
     program, or, where there are fewer rows, as many a step (a power of two) and as many
     more columns (the same tile). A constant of the launch's params, not of its rows, so
     a new batch size keeps the kernel. ``dependent``: launched as a programmatic
-    dependent of the kernel before it (``DEPENDENT_LAUNCH``; sm_90 and later)."""
+    dependent of the kernel before it (``DEPENDENT_LAUNCH``: sm_90 and later only)."""
     parts = min(COMBINE_PARTS, next_power_of_two(max(most, 1)))
     width = min(next_power_of_two(columns), COMBINE_COLUMNS * COMBINE_PARTS // parts)
     return {"COLUMNS": columns, "BLOCK_COLUMNS": max(COMBINE_COLUMNS, width), "PARTS": parts,

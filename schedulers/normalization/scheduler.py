@@ -207,7 +207,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         aligned: bool = False,
     ) -> list[KernelSource]:
         """The normalization kernel (a column walk's: and its strips' kernel) and one
-        combining kernel for its column sums, for rows of ``shape``'s reduced extent (a
+        combining kernel for its column sums (as an sm_90 or later device launches it: a
+        programmatic dependent, ``DEPENDENT``), for rows of ``shape``'s reduced extent (a
         constexpr); one form only (``aligned`` is not read)."""
         columns = math.prod(shape[plan.rank - plan.reduced :])
         pointers = pointer_types(plan.inputs, plan.outputs)
@@ -230,9 +231,10 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                           for i, e in enumerate(plan.column_sums)}  # fmt: skip
             # a split's partial rows: as many as the device holds groups (not known here)
             most = COMBINE_PARTS if params.strategy == SPLIT else combine_rows(params, columns)
+            # as an sm_90 or later device runs it: a programmatic dependent launch
             kernels.append(KernelSource("combine_kernel", combine_source(plan),
-                                        combine_constants(columns, most), COMBINE_WARPS,
-                                        combining))  # fmt: skip
+                                        combine_constants(columns, most, dependent=True),
+                                        COMBINE_WARPS, combining))  # fmt: skip
         return kernels
 
     def launcher(
@@ -349,11 +351,15 @@ class NormalizationLauncher(Launcher):
         target."""
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
-            dependent = sums[0].device.type == "cuda" and self.hardware.arch >= DEPENDENT_LAUNCH
-            fixed = combine_constants(columns, most, dependent)
+            from triton import knobs  # (importing the framework leaves Triton unimported)
+
+            # a programmatic dependent of the kernel before it (not in the interpreter)
+            dependent = (sums[0].device.type == "cuda" and not knobs.runtime.interpret
+                         and self.hardware.arch >= DEPENDENT_LAUNCH)  # fmt: skip
+            fixed = combine_constants(columns, most, dependent=dependent)
+            launch = {"launch_pdl": True} if dependent else {}
             self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
-                **fixed, num_warps=COMBINE_WARPS, launch_pdl=dependent,
-                **COMPILE_OPTIONS)  # fmt: skip
+                **fixed, num_warps=COMBINE_WARPS, **launch, **COMPILE_OPTIONS)  # fmt: skip
 
     def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
               options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
