@@ -10,11 +10,12 @@ and torch.compile, as a fraction of a device-to-device copy.
 The fusions are those of ``examples/norms.py``. Bytes = every input read once and every
 output written once (x, dy, dx and y dominate; weights and saved statistics count too).
 Ours runs through the executor, replayed from a CUDA graph, and is checked against the
-reference evaluator first. Eager: ``F.rms_norm`` and ``F.layer_norm`` forward,
-``aten.native_layer_norm_backward`` and the RMSNorm backward's formula in torch ops;
-compile: ``torch.compile`` of the same functions, compiled afresh for each shape
-(``compiled_alone``). Median of interleaved rounds (CUDA events), as
-``benchmarks/kernels.py``.
+reference evaluator first; ``ours_eager`` is the same executor run eagerly, its default
+(short kernels then run at the pace of the host's 60-145 us a call). Eager:
+``F.rms_norm`` and ``F.layer_norm`` forward, ``aten.native_layer_norm_backward`` and the
+RMSNorm backward's formula in torch ops; compile: ``torch.compile`` of the same
+functions, compiled afresh for each shape (``compiled_alone``). Median of interleaved
+rounds (CUDA events), as ``benchmarks/kernels.py``.
 """
 
 from __future__ import annotations
@@ -347,7 +348,11 @@ def main() -> None:
                 for actual, expected in zip(results, fd.execute(inputs), strict=True):
                     assert_close(actual, expected, reduction_extent=max(m, n))
                 functions[f"ours[{label}]"] = lambda e=variant, i=inputs: e.run(i)
-            if not args.smoke:
+            if not args.smoke:  # the executor's default: eager launches, no graph
+                default = MultiDeviceExecutor(fd, kernels="generated")
+                for actual, expected in zip(default.run(inputs), fd.execute(inputs), strict=True):
+                    assert_close(actual, expected, reduction_extent=max(m, n))
+                functions["ours_eager"] = lambda e=default, i=inputs: e.run(i)
                 compiled = compiled_alone(eager)
                 functions["compile"] = lambda f=compiled, i=inputs: f(*i)
                 source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
