@@ -139,10 +139,7 @@ def kernel_widths(
     copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
     result = {}
     for kernel in scheduler.kernels(plan, params, shape, aligned):
-        constants = kernel.constants
-        if arch < 90 and constants.get("DEPENDENT"):  # listed as a programmatic dependent
-            constants = {**constants, "DEPENDENT": False}  # launch: sm_90 and later only
-        ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, constants,
+        ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
                           kernel.num_warps, arch)  # fmt: skip
         opcodes = instructions(ptx)
         result[kernel.name] = {

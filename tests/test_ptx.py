@@ -246,8 +246,8 @@ group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
 params = group.scheduler.heuristics(group.plan, H200, [32768, 1024])
 kernel = [k for k in group.scheduler.kernels(group.plan, params, [32768, 1024])
           if k.name == "combine_kernel"][0]
-for dependent in (False, True):  # the listing's own constants: dependent
-    constants = kernel.constants if dependent else {**kernel.constants, "DEPENDENT": False}
+for dependent in (False, True):  # as listed (an ordinary launch), and as sm_90 launches it
+    constants = {**kernel.constants, "DEPENDENT": dependent}
     ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, constants, kernel.num_warps)
     wait = ptx.find("griddepcontrol.wait")
     print(json.dumps({"dependent": constants["DEPENDENT"],
@@ -257,10 +257,10 @@ for dependent in (False, True):  # the listing's own constants: dependent
 
 
 def test_the_combining_kernel_waits_for_the_kernel_before_it_only_when_dependent():
-    """LayerNorm backward's combining kernel for sm_90, as listed (a programmatic
-    dependent of the normalization kernel, ``DEPENDENT``): it waits once
-    (``griddepcontrol.wait``), before its first load of the partial rows; not dependent
-    (an ordinary launch), it does not wait at all."""
+    """LayerNorm backward's combining kernel for sm_90, as sm_90 launches it (a
+    programmatic dependent of the normalization kernel, ``DEPENDENT``): it waits once
+    (``griddepcontrol.wait``), before its first load of the partial rows; as listed (an
+    ordinary launch, as before sm_90), it does not wait at all."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _COMBINE, str(ROOT)], cwd=ROOT, env=env,

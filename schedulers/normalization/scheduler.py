@@ -207,9 +207,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         aligned: bool = False,
     ) -> list[KernelSource]:
         """The normalization kernel (a column walk's: and its strips' kernel) and one
-        combining kernel for its column sums (as an sm_90 or later device launches it: a
-        programmatic dependent, ``DEPENDENT``), for rows of ``shape``'s reduced extent (a
-        constexpr); one form only (``aligned`` is not read)."""
+        combining kernel for its column sums (an ordinary launch, as on every device: sm_90
+        and later launch it as a programmatic dependent, ``DEPENDENT``), for rows of
+        ``shape``'s reduced extent (a constexpr); one form only (``aligned`` is not read)."""
         columns = math.prod(shape[plan.rank - plan.reduced :])
         pointers = pointer_types(plan.inputs, plan.outputs)
         pointers |= {f"part{i}": "tl.float32" for i in range(len(plan.column_sums))}
@@ -231,9 +231,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                           for i, e in enumerate(plan.column_sums)}  # fmt: skip
             # a split's partial rows: as many as the device holds groups (not known here)
             most = COMBINE_PARTS if params.strategy == SPLIT else combine_rows(params, columns)
-            # as an sm_90 or later device runs it: a programmatic dependent launch
             kernels.append(KernelSource("combine_kernel", combine_source(plan),
-                                        combine_constants(columns, most, dependent=True),
+                                        combine_constants(columns, most, dependent=False),
                                         COMBINE_WARPS, combining))  # fmt: skip
         return kernels
 
