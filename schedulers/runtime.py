@@ -20,6 +20,14 @@ import time
 import torch
 
 
+def interpreted() -> bool:
+    """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``) rather than
+    compiling them."""
+    from triton import knobs  # imported here: see the module's docstring
+
+    return bool(knobs.runtime.interpret)
+
+
 def next_power_of_two(value: int) -> int:
     """The smallest power of two at least ``value`` (1 for ``value`` <= 1)."""
     return 1 << max(0, (value - 1).bit_length())

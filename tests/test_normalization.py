@@ -1338,6 +1338,7 @@ def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_la
     group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
     profile = dataclasses.replace(H200, arch=arch)
     params = group.scheduler.heuristics(group.plan, profile, [32768, 1024])
+    monkeypatch.setattr(knobs.runtime, "interpret", interpreted)  # read by the launcher
     launcher = group.scheduler.launcher(group.plan, params, profile, None)
     calls = []
 
@@ -1346,7 +1347,6 @@ def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_la
             return lambda *arguments, **options: calls.append((grid, arguments, options))
 
     object.__setattr__(launcher, "combine", Recorder())
-    monkeypatch.setattr(knobs.runtime, "interpret", interpreted)
     targets = [SimpleNamespace(device=torch.device(device)) for _ in group.plan.outputs]
     launcher._combine(["p0", "p1"], targets, 396, 1024, 396)
     [(grid, arguments, options)] = calls

@@ -67,6 +67,7 @@ from schedulers.runtime import (
     as_bytes,
     cdiv,
     concurrent_programs,
+    interpreted,
     resident_programs,
     tma_descriptor,
 )
@@ -264,6 +265,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
             tiles=[plan.inputs.index(t) for t in tma_inputs(plan, params)],
             hardware=hardware,
+            dependent=hardware.arch >= DEPENDENT_LAUNCH and not interpreted(),
         )  # fmt: skip
 
 
@@ -287,6 +289,9 @@ class NormalizationLauncher(Launcher):
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
     hardware: HardwareProfile
+    # the combining kernel a programmatic dependent of the kernel before it (sm_90 and
+    # later, compiled code: not the interpreter), for CUDA tensors
+    dependent: bool
     # (SPLIT) programs the device holds at once, by device and row length
     resident: dict[tuple, int] = field(default_factory=dict, compare=False)
 
@@ -350,11 +355,7 @@ class NormalizationLauncher(Launcher):
         target."""
         if self.combine is not None:
             sums = [targets[index] for index in self.sum_outputs]
-            from triton import knobs  # (importing the framework leaves Triton unimported)
-
-            # a programmatic dependent of the kernel before it (not in the interpreter)
-            dependent = (sums[0].device.type == "cuda" and not knobs.runtime.interpret
-                         and self.hardware.arch >= DEPENDENT_LAUNCH)  # fmt: skip
+            dependent = self.dependent and sums[0].device.type == "cuda"
             fixed = combine_constants(columns, most, dependent=dependent)
             launch = {"launch_pdl": True} if dependent else {}
             self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
