@@ -28,9 +28,11 @@ from schedulers.codegen import (
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.codegen import Generator, Step, parts_combine, stashed
+from schedulers.normalization.combine import COMBINE_PARTS
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     MAX_REGISTERS,
+    SPLIT,
     NormalizationParams,
     full_bits,
     walk_registers,
@@ -210,8 +212,11 @@ def column_constants(params: NormalizationParams, columns: int) -> dict[str, int
 
 def combine_rows(params: NormalizationParams, columns: int) -> int:
     """The most partial rows of a column sum a launch of ``params`` over rows of
-    ``columns`` writes (not a split's: as many as the device holds groups): a program's
-    each, a column walk's a group of rows' each."""
+    ``columns`` writes: a program's each, a column walk's a group of rows' each; a
+    split's a group's each, as many as the device holds (known at its launch, not from
+    ``params``): ``COMBINE_PARTS``, the combining kernel's widest step."""
     if params.strategy == COLUMN_WALK:  # as many groups as any number of rows gives
         return strip_grid(params, params.programs * params.block_rows, columns)[1]
+    if params.strategy == SPLIT:
+        return COMBINE_PARTS
     return max(1, params.programs)

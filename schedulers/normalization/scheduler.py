@@ -35,7 +35,6 @@ from schedulers.normalization.column_sums import (
     strip_grid,
 )
 from schedulers.normalization.combine import (
-    COMBINE_PARTS,
     COMBINE_WARPS,
     DEPENDENT_LAUNCH,
     combine_constants,
@@ -120,10 +119,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
         columns = math.prod(shape[rank - plan.reduced :])
         rows = math.prod(shape[: rank - plan.reduced])
         if strategy in (SPLIT, COLUMN_WALK):
-            if strategy == SPLIT:
-                chosen = split_params(plan, hardware, columns)
-            else:
-                chosen = column_walk_params(plan, hardware, columns)
+            forced = split_params if strategy == SPLIT else column_walk_params
+            chosen = forced(plan, hardware, columns)
             if isinstance(chosen, str):
                 raise NotSchedulable(f"the {strategy} strategy (forced): {chosen}")
             return chosen
@@ -230,10 +227,9 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
             combining |= {f"out{i}": memory_type(e.output.dtype)
                           for i, e in enumerate(plan.column_sums)}  # fmt: skip
-            # a split's partial rows: as many as the device holds groups (not known here)
-            most = COMBINE_PARTS if params.strategy == SPLIT else combine_rows(params, columns)
             kernels.append(KernelSource("combine_kernel", combine_source(plan),
-                                        combine_constants(columns, most, dependent=False),
+                                        combine_constants(columns, combine_rows(params, columns),
+                                                          dependent=False),
                                         COMBINE_WARPS, combining))  # fmt: skip
         return kernels
 
@@ -329,11 +325,9 @@ class NormalizationLauncher(Launcher):
             self._walk(plan, pointers, rows, columns, options, targets, device)
             return
         slots = []
-        # the most partial rows of a column sum: a program's each (a split's: a group's,
-        # as many groups as the device holds)
-        most = combine_rows(params, columns)
+        most = combine_rows(params, columns)  # the most partial rows of a column sum
         if split:  # groups of `parts` programs, every one of them resident at once
-            most = self._resident(device, pointers, rows, options) // params.parts
+            most = self._resident(device, pointers, rows, options) // params.parts  # known now
             groups = min(grid[0], most)
             grid = (groups * params.parts,)
             slots = [torch.zeros(exchange_slots(plan, params, groups), dtype=torch.int64,
