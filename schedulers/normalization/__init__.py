@@ -26,8 +26,9 @@ number of rows, so a new batch size reuses it. Reductions accumulate in float32
 Modules: ``analysis`` (the plan: each tensor's kind, the reductions' levels),
 ``heuristics`` (``NormalizationParams`` and the multi-wave strategy),
 ``warp_specialized`` (the warp-specialized strategy), ``codegen`` (the kernels'
-source), ``column_sums`` (the kernel adding partial column sums, and the column walk:
-the rows' values first, then strips walked down the rows) and ``scheduler``
+source), ``exchange`` (a split row's exchange of partial reductions), ``combine`` (the
+kernel adding partial column sums), ``column_sums`` (the column walk: the rows' values
+first, then strips walked down the rows) and ``scheduler``
 (``NormalizationScheduler``: the choice between the strategies, and its launcher).
 """
 
