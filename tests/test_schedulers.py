@@ -440,7 +440,7 @@ def test_hardware_profiles_count_in_bits():
     [
         (4, 200, 0, 2),  # registers: 65536 // (200 * 128)
         (16, 200, 0, 0),  # a block over the register file
-        (4, 32, 0, 16),  # warps: 64 // 4 (registers: 16 too)
+        (4, 16, 0, 16),  # warps: 64 // 4 (the registers would allow 32)
         (1, 16, 0, 32),  # at most 32 blocks
         (4, 32, 96, 2),  # shared memory: 227 KiB // 96
     ],
