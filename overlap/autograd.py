@@ -33,8 +33,10 @@ _DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 def refusing_backward(outputs: list, inputs: Sequence) -> list:
     """``outputs``, tied to the inputs that require a gradient so that a backward raises
     a clear error instead of giving no gradient or one rank's partial one."""
+    if not torch.is_grad_enabled():
+        return outputs
     wanting = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not wanting or not torch.is_grad_enabled():
+    if not wanting:
         return outputs
     return [
         _NoBackward.apply(out, *wanting)

@@ -65,6 +65,9 @@ class ComputeSteps:
             self._warm_up(kernel, launch)
             unannounced = False
 
+        if for_empty is None and not aliases:
+            return self._bound(kernel, launch, unannounced)
+
         def run() -> None:
             nonlocal unannounced
             inputs = [program.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
@@ -86,11 +89,7 @@ class ComputeSteps:
             )
             if unannounced:
                 unannounced = False
-                with progress.step(f"rank {program.rank}: compiled {kernel.name} "
-                                   f"[{scheduler.name}]", COMPILED_S):  # fmt: skip
-                    launch(inputs, targets, shapes)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
+                self._announced(kernel, lambda: launch(inputs, targets, shapes))
             else:
                 launch(inputs, targets, shapes)
             for tensor, target in zip(plan.outputs, targets, strict=True):
@@ -102,6 +101,48 @@ class ComputeSteps:
                     program.values[key] = target
 
         return run
+
+    def _bound(self, kernel: LaunchKernel, launch, unannounced: bool) -> object:
+        """A kernel outside loops, reading and writing values of its own: every run has
+        this program's shapes, so its launch is bound to them (``Launcher.bind``) and
+        its targets' shapes known, once. An input of another shape (inputs changed
+        under ``check_inputs="never"``) raises rather than be read as this one."""
+        program, plan = self.program, kernel.plan
+        shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
+        expected = [torch.Size(storage_shape(t, shapes[t])) for t in plan.inputs]
+        held = [(storage_shape(t, shapes[t]), storage_dtype(t)) for t in plan.outputs]
+        bound, device = launch.bind(shapes), program.ctx.device
+
+        def run() -> None:
+            nonlocal unannounced
+            inputs = [program.values[t].contiguous() for t in plan.inputs]
+            for tensor, value, shape in zip(plan.inputs, inputs, expected, strict=True):
+                if value.shape != shape:
+                    raise RuntimeError(
+                        f"{kernel.name}: {tensor} is {list(value.shape)} where this run's "
+                        f"program has {list(shape)}; inputs that change shape need "
+                        "check_inputs='changes' (the default) or 'always'"
+                    )
+            targets = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in held]
+            if unannounced:
+                unannounced = False
+                self._announced(kernel, lambda: bound(inputs, targets))
+            else:
+                bound(inputs, targets)
+            for tensor, target in zip(plan.outputs, targets, strict=True):
+                program.values[tensor] = target
+
+        return run
+
+    def _announced(self, kernel: LaunchKernel, launch) -> None:
+        """A kernel's first ``launch``, said by progress (it compiles the kernel) and
+        waited for, so that the time printed is the compile's."""
+        device = self.program.ctx.device
+        with progress.step(f"rank {self.program.rank}: compiled {kernel.name} "
+                           f"[{kernel.scheduler.name}]", COMPILED_S):  # fmt: skip
+            launch()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def _warm_up(self, kernel: LaunchKernel, launch) -> None:
         """Launch ``kernel`` once on zeros of this rank's shapes, so that Triton compiles

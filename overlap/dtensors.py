@@ -27,7 +27,7 @@ from sharding.layout import Layout, Partial, Replicate, Shard, layout_of, split_
 
 
 def is_dtensor(value: object) -> bool:
-    return torch_class(value) == "DTensor"
+    return type(value) is not torch.Tensor and torch_class(value) == "DTensor"
 
 
 def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:

@@ -108,6 +108,11 @@ class RankProgram:
         self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
+        # the fusion's inputs and outputs: whether this rank holds each, whether fp4-packed
+        self.fusion_inputs, self.fusion_outputs = (
+            [(t, self.holds(t.mesh), is_packed(t)) for t in tensors]
+            for tensors in (self.fusion.inputs, self.fusion.outputs)
+        )
 
     def holds(self, mesh: DeviceMesh | None) -> bool:
         """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
@@ -127,26 +132,24 @@ class RankProgram:
     # -- running ---------------------------------------------------------------
 
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
-        self.values = {}
+        self.values = values = {}
         self.deferred = []  # none left behind by a run that raised
         self.pipelined.new_run()
         self.timeline = timeline
-        for tensor, value in zip(self.fusion.inputs, local_inputs, strict=True):
-            if self.holds(tensor.mesh):
-                # fp4 stays packed, two values per byte, between kernels.
-                self.values[tensor] = value.view(torch.uint8) if is_packed(tensor) else value
+        for (tensor, held, packs), value in zip(self.fusion_inputs, local_inputs, strict=True):
+            if held:  # fp4 stays packed, two values per byte, between kernels
+                values[tensor] = value.view(torch.uint8) if packs else value
         for step in self.steps:
             step()
             if self.deferred and timeline is not None:
                 self._poll_deferred()
         outputs: list[torch.Tensor | None] = []
-        for tensor in self.fusion.outputs:
-            if not self.holds(tensor.mesh):
+        for tensor, held, packs in self.fusion_outputs:
+            if not held:
                 outputs.append(None)
                 continue
-            value = self.values[tensor]
-            value = value.contiguous()
-            outputs.append(value.view(torch.float4_e2m1fn_x2) if is_packed(tensor) else value)
+            value = values[tensor].contiguous()
+            outputs.append(value.view(torch.float4_e2m1fn_x2) if packs else value)
         self.values = {}
         return outputs
 

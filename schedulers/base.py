@@ -23,6 +23,7 @@ Example (on a CPU, with ``TRITON_INTERPRET=1``)::
 
 from __future__ import annotations
 
+import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
 LocalShape = Callable[[TensorView], list[int]]
 # The logical shape of each tensor of a launch.
 Shapes = Mapping[TensorView, list[int]]
+# A launch bound to its shapes (``Launcher.bind``): ``launch(inputs, targets)``.
+BoundLaunch = Callable[[list["torch.Tensor"], list["torch.Tensor"]], None]
 
 
 class Plan(Protocol):
@@ -78,6 +81,13 @@ class Launcher(ABC):
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
     ) -> None: ...
+
+    def bind(self, shapes: Shapes) -> BoundLaunch:
+        """The launch for these ``shapes``: ``bind(shapes)(inputs, targets)`` is
+        ``launch(inputs, targets, shapes)``, with what depends on the shapes alone (grids,
+        constants) worked out once, for a caller launching the same shapes again and
+        again. By default nothing is: the launcher itself is called."""
+        return functools.partial(self.__call__, shapes=shapes)
 
     @abstractmethod
     def forms(self) -> list[str]:

@@ -1348,7 +1348,7 @@ def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_la
 
     object.__setattr__(launcher, "combine", Recorder())
     targets = [SimpleNamespace(device=torch.device(device)) for _ in group.plan.outputs]
-    launcher._combine(["p0", "p1"], targets, 396, 1024, 396)
+    launcher._bind_combine(1024)(["p0", "p1"], targets, 396, 396)
     [(grid, arguments, options)] = calls
     assert options["DEPENDENT"] is dependent, options
     assert options.get("launch_pdl", False) is dependent, options

@@ -13,6 +13,7 @@ from fusion.exprs import Expr
 from fusion.ir import TensorView
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
+    BoundLaunch,
     KernelSource,
     Launcher,
     LocalShape,
@@ -63,6 +64,7 @@ from schedulers.normalization.warp_specialized import (
     ws_threshold,
 )
 from schedulers.runtime import (
+    BoundKernel,
     as_bytes,
     cdiv,
     concurrent_programs,
@@ -70,6 +72,9 @@ from schedulers.runtime import (
     resident_programs,
     tma_descriptor,
 )
+
+# The shapes a launcher keeps bound launches for (``NormalizationLauncher.bind``).
+BOUND_SHAPES = 64
 
 
 class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
@@ -290,16 +295,32 @@ class NormalizationLauncher(Launcher):
     dependent: bool
     # (SPLIT) programs the device holds at once, by device and row length
     resident: dict[tuple, int] = field(default_factory=dict, compare=False)
+    # the launches bound so far, by their normalization's shape (``bind``)
+    bound: dict[tuple, BoundLaunch] = field(default_factory=dict, compare=False)
 
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
     ) -> None:
+        self.bind(shapes)(inputs, targets)
+
+    def bind(self, shapes: Shapes) -> BoundLaunch:
+        """The launch for these shapes (their normalization's rows and columns): its
+        grids, its kernels with their ``tl.constexpr`` arguments bound, worked out once
+        a shape; the last ``BOUND_SHAPES`` shapes kept."""
+        shape = tuple(_space_shape(self.plan, shapes))
+        launch = self.bound.get(shape)
+        if launch is None:
+            if len(self.bound) >= BOUND_SHAPES:  # extents keep changing: the oldest goes
+                self.bound.pop(next(iter(self.bound)))
+            launch = self.bound[shape] = self._bind(shape)
+        return launch
+
+    def _bind(self, shape: tuple) -> BoundLaunch:
         plan, params = self.plan, self.params
-        shape = _space_shape(plan, shapes)
         columns = math.prod(shape[plan.rank - plan.reduced :])
         rows = math.prod(shape[: plan.rank - plan.reduced])
         if rows == 0:
-            return
+            return _launch_nothing
         if columns == 0:
             raise ValueError(
                 "a normalization over rows of 0 columns: generated kernels do not run "
@@ -310,73 +331,94 @@ class NormalizationLauncher(Launcher):
                 f"{params} holds {params.block_columns * params.parts} columns; the row has "
                 f"{columns}"
             )
-        pointers = [as_bytes(t) for t in (*inputs, *targets)]
-        box = [params.block_rows, params.block_columns]
-        for i in self.tiles:
-            pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
-        grid = (cdiv(rows, params.block_rows),)
-        if params.programs:
-            grid = (min(grid[0], params.programs),)
-        device = inputs[0].device
-        split = params.strategy == SPLIT
         options = {**constants(plan, params, columns), "num_warps": params.num_warps,
                    **COMPILE_OPTIONS}  # fmt: skip
         if self.strips is not None:  # a column walk: the rows' values, then the strips
-            self._walk(plan, pointers, rows, columns, options, targets, device)
-            return
-        slots = []
-        most = combine_rows(params, columns)  # the most partial rows of a column sum
-        if split:  # groups of `parts` programs, every one of them resident at once
-            most = self._resident(device, pointers, rows, options) // params.parts  # known now
-            groups = min(grid[0], most)
-            grid = (groups * params.parts,)
-            slots = [torch.zeros(exchange_slots(plan, params, groups), dtype=torch.int64,
-                                 device=device)]  # fmt: skip
+            return self._bind_walk(rows, columns, options)
+        combine = self._bind_combine(columns)
+        kernel = BoundKernel(self.kernel, options)
+        grid = (cdiv(rows, params.block_rows),)
+        if params.programs:
+            grid = (min(grid[0], params.programs),)
+        box = [params.block_rows, params.block_columns]
+        split = params.strategy == SPLIT
         # one row of float32 partial column sums per program (a split row's: per group;
         # zeroed when the row is walked in chunks: each chunk adds into it)
         allocate = torch.empty if params.persistent else torch.zeros
-        count = grid[0] // params.parts if split else grid[0]
-        partials = [allocate((count, columns), dtype=torch.float32, device=device)
-                    for _ in plan.column_sums]  # fmt: skip
-        concurrently = split and device.type != "cuda"  # the interpreter's programs
-        with concurrent_programs() if concurrently else contextlib.nullcontext():
-            self.kernel[grid](*pointers, *partials, *slots, rows, **options)
-        self._combine(partials, targets, count, columns, most)
+        sums = len(plan.column_sums)
 
-    def _combine(self, partials: list, targets: list, count: int, columns: int,
-                 most: int) -> None:  # fmt: skip
+        def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+            pointers = [as_bytes(t) for t in (*inputs, *targets)]
+            for i in self.tiles:
+                pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
+            device = inputs[0].device
+            launched, count, slots = grid, grid[0], []
+            most = combine_rows(params, columns)  # the most partial rows of a column sum
+            if split:  # groups of `parts` programs, every one of them resident at once
+                most = self._resident(device, pointers, rows, options) // params.parts
+                count = min(grid[0], most)
+                launched = (count * params.parts,)
+                slots = [torch.zeros(exchange_slots(plan, params, count), dtype=torch.int64,
+                                     device=device)]  # fmt: skip
+            partials = [allocate((count, columns), dtype=torch.float32, device=device)
+                        for _ in range(sums)]  # fmt: skip
+            concurrently = split and device.type != "cuda"  # the interpreter's programs
+            with concurrent_programs() if concurrently else contextlib.nullcontext():
+                kernel(launched, *pointers, *partials, *slots, rows)
+            combine(partials, targets, count, most)
+
+        return launch
+
+    def _bind_combine(self, columns: int):
         """Adds ``count`` partial rows (of at most ``most``) of each column sum into its
-        target."""
-        if self.combine is not None:
+        target: ``combine(partials, targets, count, most)``."""
+        if self.combine is None:
+            return _launch_nothing
+        bound: dict[tuple, tuple] = {}  # by (most, dependent): the kernel and its grid
+
+        def combine(partials: list, targets: list, count: int, most: int) -> None:
             sums = [targets[index] for index in self.sum_outputs]
             dependent = self.dependent and sums[0].device.type == "cuda"
-            fixed = combine_constants(columns, most, dependent=dependent)
-            launch = {"launch_pdl": True} if dependent else {}
-            self.combine[(cdiv(columns, fixed["BLOCK_COLUMNS"]),)](*partials, *sums, count,
-                **fixed, num_warps=COMBINE_WARPS, **launch, **COMPILE_OPTIONS)  # fmt: skip
+            if (most, dependent) not in bound:
+                fixed = combine_constants(columns, most, dependent=dependent)
+                launch = {"launch_pdl": True} if dependent else {}
+                kernel = BoundKernel(self.combine, {**fixed, "num_warps": COMBINE_WARPS,
+                                                    **launch, **COMPILE_OPTIONS})  # fmt: skip
+                bound[most, dependent] = kernel, (cdiv(columns, fixed["BLOCK_COLUMNS"]),)
+            kernel, grid = bound[most, dependent]
+            kernel(grid, *partials, *sums, count)
 
-    def _walk(self, plan: NormalizationPlan, pointers: list, rows: int, columns: int,
-              options: dict, targets: list, device: torch.device) -> None:  # fmt: skip
+        return combine
+
+    def _bind_walk(self, rows: int, columns: int, options: dict) -> BoundLaunch:
         """A column walk's kernels: a program a row block (and part) for the rows'
         values, then a program a strip and group of rows, then the combining kernel."""
-        params = self.params
+        plan, params = self.plan, self.params
         parts, span = row_parts(params, self.hardware, rows, columns)
         kernel, walk = self.kernel, self.strips
         if parts == 1 and self.whole is not None:  # the rows fill the device: one part
             kernel, walk, params = self.whole
-        stash = torch.empty((rows, parts, len(stashed(plan))), dtype=torch.float32,
-                            device=device)  # fmt: skip
         # how many parts this launch, and the steps of each
         runtime = [parts, span // params.block_columns] if params.parts > 1 else []
+        rows_kernel = BoundKernel(kernel, options)
         grid = (cdiv(rows, params.block_rows) * parts,)
-        kernel[grid](*pointers, stash, rows, *runtime, **options)
         strips, groups = strip_grid(params, rows, columns)
-        partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
-                    for _ in plan.column_sums]  # fmt: skip
-        walk[(strips * groups,)](*pointers, *partials, stash, rows, *runtime[:1],
-            **column_constants(params, columns), num_warps=params.strip_warps,
-            **COMPILE_OPTIONS)  # fmt: skip
-        self._combine(partials, targets, groups, columns, combine_rows(params, columns))
+        strips_kernel = BoundKernel(walk, {**column_constants(params, columns),
+            "num_warps": params.strip_warps, **COMPILE_OPTIONS})  # fmt: skip
+        combine, most = self._bind_combine(columns), combine_rows(params, columns)
+        values = len(stashed(plan))
+
+        def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+            pointers = [as_bytes(t) for t in (*inputs, *targets)]
+            device = inputs[0].device
+            stash = torch.empty((rows, parts, values), dtype=torch.float32, device=device)
+            rows_kernel(grid, *pointers, stash, rows, *runtime)
+            partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
+                        for _ in plan.column_sums]  # fmt: skip
+            strips_kernel((strips * groups,), *pointers, *partials, stash, rows, *runtime[:1])
+            combine(partials, targets, groups, most)
+
+        return launch
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
@@ -406,6 +448,10 @@ class NormalizationLauncher(Launcher):
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
+
+
+def _launch_nothing(*_) -> None:
+    """A launch over no rows."""
 
 
 def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:
