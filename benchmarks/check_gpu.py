@@ -80,6 +80,10 @@ def checks(world: int, cuda: bool):
             if k == "generated" and norm in ("rmsnorm_bwd", "layernorm_bwd"):
                 name = f"example {norm}, rows split, column walk"
                 yield name, scenarios.row_split_normalization, (norm, 25, k, "column_walk")
+        if k == "generated":
+            for norm in ("rmsnorm_fwd", "layernorm_bwd"):
+                name = f"example {norm}, new and misaligned buffers"
+                yield name, scenarios.repeated_runs_over_buffers, (norm, 27, k)
         yield "demo MLP", scenarios.demo_mlp, (26, k)
         two_by_two = world >= 4 and world % 2 == 0  # the data x tensor parallel mesh
         for block in [b for b in backward.BLOCKS if b != "dp_tp_mlp" or two_by_two]:

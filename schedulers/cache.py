@@ -19,6 +19,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
+from schedulers.runtime import BoundKernel
+
 # Pitches (row strides) that are multiples of this many elements start every row on a
 # 128-bit boundary for every dtype down to 8 bits: kernels told so can issue vector
 # loads and stores, which Triton cannot prove for a pitch it does not specialize on.
@@ -73,21 +75,25 @@ class AlignedVariants:
     (it takes them divided by it).
 
     Which form runs is a divisibility fact of the extents, not an extent: a new batch
-    size keeps the form, and each form is built once.
+    size keeps the form, and each form is built once. Both take the compile-time
+    arguments ``keywords`` (``tl.constexpr`` values, ``num_warps``, compile options) and
+    are launched as ``BoundKernel``: ``kernel(grid, *pointers, *arguments)``.
     """
 
-    def __init__(self, source_of: Callable[[bool], str], name: str) -> None:
+    def __init__(self, source_of: Callable[[bool], str], name: str, keywords: dict) -> None:
         self._source_of = source_of
         self._name = name
-        self._kernels: dict[bool, object] = {}
+        self._keywords = keywords
+        self._kernels: dict[bool, BoundKernel] = {}
         self.used: set[bool] = set()  # which forms have run
 
-    def kernel(self, aligned: bool):
+    def kernel(self, aligned: bool) -> BoundKernel:
         if aligned not in self._kernels:
-            self._kernels[aligned] = KERNEL_CACHE.get(self._source_of(aligned), self._name)
+            kernel = KERNEL_CACHE.get(self._source_of(aligned), self._name)
+            self._kernels[aligned] = BoundKernel(kernel, self._keywords)
         return self._kernels[aligned]
 
-    def bind(self, runtime: dict[str, int], known: list[str]) -> tuple[object, list[int]]:
+    def bind(self, runtime: dict[str, int], known: list[str]) -> tuple[BoundKernel, list[int]]:
         """The kernel for these runtime arguments (the aligned one when every argument in
         ``known`` is a multiple of ``ALIGN_ELEMENTS``) and the arguments it takes, in order."""
         aligned = all(runtime[name] % ALIGN_ELEMENTS == 0 for name in known)

@@ -169,16 +169,16 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
         hardware: HardwareProfile,
         local_shape: LocalShape,
     ) -> PointwiseLauncher:
+        keywords = {**constants(plan, params), "num_warps": params.num_warps, **COMPILE_OPTIONS}
         variants = AlignedVariants(lambda aligned: source(plan, params, aligned),
-                                   "pointwise_kernel")  # fmt: skip
+                                   "pointwise_kernel", keywords)  # fmt: skip
         groups = len(plan.collapsed.groups)
         names = (
             ["numel"]
             + [f"size{g}" for g in range(groups)]
             + [f"stride{i}_{g}" for i in range(len(plan.inputs)) for g in range(groups)]
         )
-        return PointwiseLauncher(plan, params, variants, names, aligned_arguments(plan, params),
-                                 constants(plan, params))  # fmt: skip
+        return PointwiseLauncher(plan, params, variants, names, aligned_arguments(plan, params))
 
 
 # -- code ------------------------------------------------------------------------------
@@ -340,7 +340,6 @@ class PointwiseLauncher(Launcher):
     variants: AlignedVariants
     names: list[str]  # the runtime arguments: numel, the groups' sizes, the strides
     known: list[str]  # those the aligned form knows are multiples (aligned_arguments)
-    constants: dict[str, int]
 
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
@@ -364,8 +363,7 @@ class PointwiseLauncher(Launcher):
             grid = (cdiv(sizes[0], block_rows) * cdiv(sizes[1], params.block_columns),)
         else:
             grid = (cdiv(numel, params.block),)
-        kernel[grid](*pointers, *arguments, **self.constants,
-                     num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+        kernel(grid, *pointers, *arguments)
 
     def forms(self) -> list[str]:
         return forms_used([self.variants])

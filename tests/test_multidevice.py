@@ -618,6 +618,55 @@ def row_split_normalization(communicator, name: str, seed: int, kernels: str = "
                   kernel_params=forced)  # fmt: skip
 
 
+def repeated_runs_over_buffers(communicator, name: str, seed: int, kernels: str = "reference"):
+    """One executor run again and again on rows split over the ranks, its inputs in new
+    buffers: aligned, then starting 2 bytes past a 16-byte boundary, then new inputs
+    aligned, then in the first misaligned buffers (a launch after the first goes
+    straight to the kernel compiled for its arguments' alignment: ``BoundKernel``);
+    every run's pieces checked on every rank."""
+    from examples.norms import BUILDERS, make_inputs
+
+    n, rows = 48, 4 * communicator.world_size + 3
+    fd = BUILDERS[name](n, "bfloat16")
+    mesh = DeviceMesh(communicator.world_size)
+    for tensor in fd.fusion.inputs:
+        rows_first = tensor.ndim == 2 or str(tensor.shape[0]) == "rows"
+        shard(tensor, mesh, [Shard(0) if rows_first else Replicate()])
+    executor = MultiDeviceExecutor(fd, communicator, kernels=kernels)
+    generator = torch.Generator().manual_seed(seed)
+    partial_sums = 2 if name.endswith("_bwd") else 1
+
+    def misaligned(piece: torch.Tensor) -> torch.Tensor:
+        held = torch.empty(piece.numel() + 1, dtype=piece.dtype, device=piece.device)
+        return held[1:].view(piece.shape).copy_(piece)
+
+    full = make_inputs(name, rows, n, torch.bfloat16, communicator.device, generator)
+    shifted = None
+    for run in range(4):
+        if run == 2:
+            full = make_inputs(name, rows, n, torch.bfloat16, communicator.device, generator)
+        pieces = executor.shard_inputs(full)
+        if run == 1:
+            shifted = [misaligned(piece) for piece in pieces]
+            assert all(piece.data_ptr() % 16 for piece in shifted)
+        elif run == 3:  # the new inputs in run 1's misaligned buffers
+            shifted = [held.copy_(piece) for held, piece in zip(shifted, pieces, strict=True)]
+        if run % 2:
+            pieces = shifted
+        expected = executor.shard_outputs(fd.execute(full))
+        outputs = executor.run(pieces)
+        for position, (actual, wanted) in enumerate(zip(outputs, expected, strict=True)):
+            message = f"rank {communicator.rank} run {run} output {position}"
+            assert_close(actual, wanted, reduction_extent=max(n, rows),
+                         partial_sums=partial_sums, message=message)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_bwd"])
+def test_runs_over_new_and_misaligned_buffers(rank_pools, name):
+    """As ``check_gpu.py`` runs it, where the launches after the first are direct."""
+    rank_pools(2).run(repeated_runs_over_buffers, name, 27, "generated")
+
+
 NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd",
                   "layernorm_bwd"]  # fmt: skip
 

@@ -33,7 +33,7 @@ from schedulers.reduction.codegen import (
 )
 from schedulers.reduction.heuristics import ReductionParams, tiled_params
 from schedulers.reduction.tma import tma_params
-from schedulers.runtime import as_bytes, cdiv, tma_descriptor
+from schedulers.runtime import BoundKernel, as_bytes, cdiv, tma_descriptor
 
 
 class ReductionScheduler(Scheduler[ReductionPlan, ReductionParams]):
@@ -100,20 +100,21 @@ class ReductionScheduler(Scheduler[ReductionPlan, ReductionParams]):
         rank = len(space)
         names = ["kept_count", "reduced_count", "split"] + [f"size{axis}" for axis in range(rank)]
         names += [f"stride{i}_{axis}" for i in range(len(plan.inputs)) for axis in range(rank)]
+        keywords = {**constants(plan, params), "num_warps": params.num_warps, **COMPILE_OPTIONS}
+        combining = {**combine_constants(params), "num_warps": COMBINE_WARPS, **COMPILE_OPTIONS}
         return ReductionLauncher(
             plan,
             params,
             sm_count=hardware.sm_count,
             reduced_extents=[space[axis] for axis in plan.reduced],
             main=AlignedVariants(lambda aligned: source(plan, params, aligned),
-                                 "reduction_kernel"),
+                                 "reduction_kernel", keywords),
             combine=AlignedVariants(lambda aligned: combine_source(plan, params, aligned),
-                                    "combine_kernel"),
+                                    "combine_kernel", combining),
             names=names,
             known=aligned_arguments(plan),
             described=plan.tma_inputs if params.tma else [],
-            constants=constants(plan, params),
-            combine_constants=combine_constants(params),
+            combine_columns=combining["BLOCK_KEPT"],
         )  # fmt: skip
 
 
@@ -132,8 +133,7 @@ class ReductionLauncher(Launcher):
     names: list[str]  # the runtime arguments of both kernels
     known: list[str]  # those the aligned forms know are multiples (aligned_arguments)
     described: list[int]  # inputs passed as TMA descriptors
-    constants: dict[str, int]
-    combine_constants: dict[str, int]
+    combine_columns: int  # a combining program's kept columns
 
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
@@ -166,15 +166,14 @@ class ReductionLauncher(Launcher):
         for i in self.described:
             pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
 
-        def bind(variants: AlignedVariants, split: int) -> tuple[object, list[int]]:
+        def bind(variants: AlignedVariants, split: int) -> tuple[BoundKernel, list[int]]:
             values = [kept_count, reduced_count, split, *shape, *strides]
             return variants.bind(dict(zip(self.names, values, strict=True)), self.known)
 
         if plan.layout == "inner":
             grid = (cdiv(kept_count, params.block_rows),)
             kernel, arguments = bind(self.main, 1)
-            kernel[grid](*pointers, *outputs, *arguments, **self.constants,
-                         num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+            kernel(grid, *pointers, *outputs, *arguments)
             return
         tiles = cdiv(kept_count, params.block_reduce)
         most = max(1, cdiv(reduced_count, params.block_rows))
@@ -187,12 +186,9 @@ class ReductionLauncher(Launcher):
             dtype=plan.accumulator.torch_dtype, device=inputs[0].device,
         )  # fmt: skip
         kernel, arguments = bind(self.main, split)
-        kernel[(tiles, split)](partial, *pointers, *arguments, **self.constants,
-                               num_warps=params.num_warps, **COMPILE_OPTIONS)  # fmt: skip
+        kernel((tiles, split), partial, *pointers, *arguments)
         kernel, arguments = bind(self.combine, split if params.deterministic else 1)
-        columns = self.combine_constants["BLOCK_KEPT"]
-        kernel[(cdiv(kept_count, columns),)](partial, *pointers, *outputs, *arguments,
-            **self.combine_constants, num_warps=COMBINE_WARPS, **COMPILE_OPTIONS)  # fmt: skip
+        kernel((cdiv(kept_count, self.combine_columns),), partial, *pointers, *outputs, *arguments)
 
     def forms(self) -> list[str]:
         return forms_used([self.main, self.combine])
