@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
+from triton.runtime.jit import JITFunction
 
 from fusion import FusionDefinition
 from fusion.dtypes import as_dtype
@@ -24,6 +26,7 @@ from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4
 from fusion.testing import assert_close
 from overlap.executor import MultiDeviceExecutor
 from overlap.host_ir import LaunchKernel, walk
+from schedulers import runtime
 from schedulers.analysis import NotSchedulable
 from schedulers.cache import KERNEL_CACHE
 from schedulers.hardware import B200, H100, H200, INTERPRETER, current_hardware
@@ -34,7 +37,12 @@ from schedulers.reduction.codegen import (
     aligned_arguments as reduction_aligned_arguments,
 )
 from schedulers.registry import split_into_kernels
-from schedulers.runtime import CONCURRENT_TIMEOUT_S, concurrent_programs
+from schedulers.runtime import (
+    CONCURRENT_TIMEOUT_S,
+    BoundKernel,
+    concurrent_programs,
+    specialization,
+)
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]
@@ -296,6 +304,101 @@ def test_what_no_scheduler_takes_falls_back_and_says_so(rng):
 
 # ---------------------------------------------------------------------------
 # Kernel reuse, heuristics and hardware
+
+
+def test_specialization_keys_what_triton_specializes_on():
+    """Launches of a ``BoundKernel`` share a compiled kernel only where Triton's would
+    be the same: a tensor's dtype and 16-byte alignment, an integer's class (1, a
+    multiple of 16, its width); anything else is not keyed (the JITFunction's path)."""
+    held = torch.zeros(64, dtype=torch.bfloat16)
+    aligned, shifted = held[:8], held[1:9]
+    assert specialization(aligned) != specialization(shifted)
+    assert specialization(aligned) != specialization(aligned.float())
+    assert specialization(aligned) == specialization(held[8:16])
+    keys = [specialization(v) for v in (1, 16, 17, 2**31, 2**63, -(2**31) - 1)]
+    assert len(set(keys)) == len(keys)
+    assert specialization(32) == specialization(48) and specialization(3) == specialization(5)
+    for other in (True, 1.0, None):
+        with pytest.raises(TypeError):
+            specialization(other)
+
+
+def _two_constants(x, y, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    pass
+
+
+def _a_constant_between(x, BLOCK: tl.constexpr, n):
+    pass
+
+
+class _RecordedLaunches(JITFunction):
+    """A JITFunction whose launches are recorded, its compiled kernel's too."""
+
+    def __init__(self, function):
+        super().__init__(function)
+        self.jitted, self.direct = [], []
+        self.compiled_kernel = SimpleNamespace(function="f", packed_metadata="m",
+                                               run=lambda *a: self.direct.append(a))  # fmt: skip
+
+    def __getitem__(self, grid):
+        def launch(*arguments, **keywords):
+            self.jitted.append((grid, arguments, keywords))
+            return self.compiled_kernel
+
+        return launch
+
+
+def _bound(monkeypatch, function, keywords: dict) -> tuple[BoundKernel, _RecordedLaunches]:
+    monkeypatch.setattr(runtime, "interpreted", lambda: False)  # as on a GPU
+    kernel = _RecordedLaunches(function)
+    bound = BoundKernel(kernel, keywords)
+    device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 77)
+    bound.driver = SimpleNamespace(active=device)
+    return bound, kernel
+
+
+def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monkeypatch):
+    """The first launch of a specialization goes through the JITFunction (which
+    compiles); later ones straight to the compiled kernel, the grid made 3-D and the
+    constexprs' values after the runtime arguments in the kernel's order; a misaligned
+    tensor is a new specialization, an argument of another type always the JIT's."""
+    keywords = {"WIDE": 8, "BLOCK": 64, "num_warps": 4}
+    bound, kernel = _bound(monkeypatch, _two_constants, keywords)
+    held = torch.zeros(64)
+    x, y = held[:16], held[16:32]
+    bound((3,), x, y, 16)
+    assert kernel.jitted == [((3,), (x, y, 16), keywords)] and not kernel.direct
+    bound((5, 2), x, y, 32)
+    assert kernel.direct == [(5, 2, 1, 77, "f", "m", None, None, None, x, y, 32, 64, 8)]
+    bound((5,), held[1:17], y, 32)
+    assert len(kernel.jitted) == 2 and len(kernel.direct) == 1
+    bound((5,), held[1:17], y, 48)
+    assert len(kernel.jitted) == 2 and len(kernel.direct) == 2
+    bound((5,), x, y, 1.5)
+    assert len(kernel.jitted) == 3 and len(kernel.direct) == 2
+
+
+@pytest.mark.parametrize("case", ["constant between", "constant missing", "launch hook"])
+def test_a_bound_kernel_keeps_to_the_jit_where_its_arguments_cannot_be_laid_out(monkeypatch, case):
+    """A constexpr before a runtime argument, one not given, or a launch hook (a
+    profiler's, which wants Triton's launch metadata): every launch through the JIT."""
+    from triton import knobs
+
+    if case == "constant between":
+        bound, kernel = _bound(monkeypatch, _a_constant_between, {"BLOCK": 64})
+        arguments = (torch.zeros(4), 4)
+    else:
+        given = {"BLOCK": 64} if case == "constant missing" else {"BLOCK": 64, "WIDE": 8}
+        bound, kernel = _bound(monkeypatch, _two_constants, given)
+        arguments = (torch.zeros(4), torch.zeros(4), 4)
+    if case == "launch hook":
+        knobs.runtime.launch_enter_hook.add(print)
+    try:
+        for _ in range(3):
+            bound((1,), *arguments)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert len(kernel.jitted) == 3 and not kernel.direct
 
 
 def test_ten_batch_sizes_compile_once():
