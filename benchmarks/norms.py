@@ -276,6 +276,9 @@ def main() -> None:
     parser.add_argument("--op", action="append", help="only these ops (repeatable)")
     parser.add_argument("--hidden", type=int, action="append", help="only these N (repeatable)")
     parser.add_argument("--shape", action="append", help="MxN instead of the issue's shapes")
+    parser.add_argument("--no-forced", action="store_true",
+                        help="no strategy forced: the automatic choice (replayed and eager) "
+                        "against the peers alone")  # fmt: skip
     parser.add_argument("--params", action="append", default=[],
                         help="field=value,... of NormalizationParams, timed beside the "
                         "others as ours[params:...] (repeatable)")  # fmt: skip
@@ -307,12 +310,12 @@ def main() -> None:
                 "eager": lambda f=eager, i=inputs: f(*i),
             }
             forced = {}  # each strategy forced, no fallback
-            for provider, strategy in (
+            for provider, strategy in () if args.no_forced else (
                 ("ours_ws", WARP_SPECIALIZED),
                 ("ours_multiwave", MULTIWAVE),
                 ("ours_split", SPLIT),
                 ("ours_column", COLUMN_WALK),
-            ):
+            ):  # fmt: skip
                 variant = MultiDeviceExecutor(fd, kernels="generated", cuda_graph=not args.smoke,
                                               kernel_params={"k0": strategy})  # fmt: skip
                 try:
