@@ -38,11 +38,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Held as byte codes: read and written by kernels as bytes (``as_bytes``).
+BYTE_CODED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 and fp4 tensors are read and written as their byte codes."""
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
-        return tensor.view(torch.uint8)
-    return tensor
+    return tensor.view(torch.uint8) if tensor.dtype in BYTE_CODED else tensor
 
 
 def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):
@@ -106,11 +108,17 @@ class BoundKernel:
             return
         driver = self.driver.active
         device = driver.get_current_device()
+        key = [device]
         try:
-            key = (device, *map(specialization, arguments))
+            for argument in arguments:  # specialization's, tensors inline: the common case
+                if type(argument) is torch.Tensor:
+                    key.append((argument.dtype, argument.data_ptr() % 16 == 0))
+                else:
+                    key.append(specialization(argument))
         except TypeError:  # an argument of a type not keyed here
             self.kernel[grid](*arguments, **self.keywords)
             return
+        key = tuple(key)
         found = self.compiled.get(key)
         if found is None:  # the JITFunction compiles it, or finds it compiled
             compiled = self.kernel[grid](*arguments, **self.keywords)

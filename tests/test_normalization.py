@@ -12,6 +12,7 @@ import torch
 from examples.norms import BUILDERS, make_inputs
 from fusion import FusionDefinition
 from fusion.testing import assert_close
+from overlap import host_ir
 from overlap.executor import MultiDeviceExecutor
 from schedulers.analysis import NotSchedulable
 from schedulers.cache import KERNEL_CACHE
@@ -1353,6 +1354,30 @@ def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_la
     assert options["DEPENDENT"] is dependent, options
     assert options.get("launch_pdl", False) is dependent, options
     assert grid == (64,) and arguments[:2] == ("p0", "p1") and arguments[-1] == 396
+
+
+def test_fp8_rows_in_and_out_pass_through_the_kernel_as_byte_codes():
+    """An RMSNorm reading e4m3 rows and writing e5m2 ones: the launcher hands fp8
+    tensors to the kernel as bytes (known from the plan, at every run), bytewise equal
+    to the reference's."""
+    with FusionDefinition("rmsnorm_fp8") as fd:
+        x = fd.define_tensor(["rows", 96], "float8_e4m3fn")
+        w = fd.define_tensor([96], "bfloat16")
+        xf = fd.ops.cast(x, "float32")
+        rstd = fd.ops.rsqrt(fd.ops.mean(xf * xf, dims=[1], keepdim=True) + 1e-6)
+        wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
+        fd.add_output(fd.ops.cast(xf * rstd * wf, "float8_e5m2"))
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    launches = [i for i in host_ir.walk(executor.program.instructions)
+                if isinstance(i, host_ir.LaunchKernel)]  # fmt: skip
+    assert [launch.backend for launch in launches] == ["normalization"]
+    generator = torch.Generator().manual_seed(3)
+    for rows in (5, 5, 9):
+        x = (3 * torch.randn(rows, 96, generator=generator)).to(torch.float8_e4m3fn)
+        w = torch.randn(96, generator=generator).to(torch.bfloat16)
+        [actual], [expected] = executor.run([x, w]), fd.execute([x, w])
+        assert actual.dtype == torch.float8_e5m2
+        assert_close(actual, expected, reduction_extent=96)
 
 
 def test_a_maximum_reduced_in_parts_keeps_special_values():
