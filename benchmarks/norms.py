@@ -6,12 +6,13 @@ and torch.compile, as a fraction of a device-to-device copy.
     python benchmarks/norms.py --op rmsnorm_bwd --shape 8192x16384 \
         --params block_rows=1,block_columns=16384,num_warps=16,persistent=1,programs=132
                                           # explicit params timed beside the others
+    python benchmarks/norms.py --no-forced  # the default path (replayed, eager) and peers
 
 The fusions are those of ``examples/norms.py``. Bytes = every input read once and every
 output written once (x, dy, dx and y dominate; weights and saved statistics count too).
 Ours runs through the executor, replayed from a CUDA graph, and is checked against the
 reference evaluator first; ``ours_eager`` is the same executor run eagerly, its default
-(short kernels then run at the pace of the host's 60-145 us a call). Eager:
+(short kernels then run at the pace of the host's 35-130 us a call). Eager:
 ``F.rms_norm`` and ``F.layer_norm`` forward, ``aten.native_layer_norm_backward`` and the
 RMSNorm backward's formula in torch ops; compile: ``torch.compile`` of the same
 functions, compiled afresh for each shape (``compiled_alone``). Median of interleaved
