@@ -378,11 +378,17 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
     assert len(kernel.jitted) == 3 and len(kernel.direct) == 2
 
 
-@pytest.mark.parametrize("case", ["constant between", "constant missing", "launch hook"])
+@pytest.mark.parametrize(
+    "case", ["constant between", "constant missing", "launch hook", "other Triton"]
+)
 def test_a_bound_kernel_keeps_to_the_jit_where_its_arguments_cannot_be_laid_out(monkeypatch, case):
-    """A constexpr before a runtime argument, one not given, or a launch hook (a
-    profiler's, which wants Triton's launch metadata): every launch through the JIT."""
+    """A constexpr before a runtime argument, one not given, a launch hook (a
+    profiler's, which wants Triton's launch metadata), or a Triton whose compiled
+    kernels' launch may take other arguments: every launch through the JIT."""
     from triton import knobs
+
+    if case == "other Triton":
+        monkeypatch.setattr(triton, "__version__", "3.7.0")
 
     if case == "constant between":
         bound, kernel = _bound(monkeypatch, _a_constant_between, {"BLOCK": 64})
