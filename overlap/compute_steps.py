@@ -105,23 +105,26 @@ class ComputeSteps:
     def _bound(self, kernel: LaunchKernel, launch, unannounced: bool) -> object:
         """A kernel outside loops, reading and writing values of its own: every run has
         this program's shapes, so its launch is bound to them (``Launcher.bind``) and
-        its targets' shapes known, once. An input of another shape (inputs changed
-        under ``check_inputs="never"``) raises rather than be read as this one."""
+        its targets' shapes known, once. An input of another shape or dtype (inputs
+        changed under ``check_inputs="never"``) raises rather than be read as this one's
+        (in a sharded run the other ranks then stop at their next collective's timeout:
+        the input check is what fails every rank at once)."""
         program, plan = self.program, kernel.plan
         shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
-        expected = [torch.Size(storage_shape(t, shapes[t])) for t in plan.inputs]
+        expected = [(torch.Size(storage_shape(t, shapes[t])), storage_dtype(t))
+                    for t in plan.inputs]  # fmt: skip
         held = [(storage_shape(t, shapes[t]), storage_dtype(t)) for t in plan.outputs]
         bound, device = launch.bind(shapes), program.ctx.device
 
         def run() -> None:
             nonlocal unannounced
             inputs = [program.values[t].contiguous() for t in plan.inputs]
-            for tensor, value, shape in zip(plan.inputs, inputs, expected, strict=True):
-                if value.shape != shape:
+            for tensor, value, (shape, dtype) in zip(plan.inputs, inputs, expected, strict=True):
+                if value.shape != shape or value.dtype != dtype:
                     raise RuntimeError(
-                        f"{kernel.name}: {tensor} is {list(value.shape)} where this run's "
-                        f"program has {list(shape)}; inputs that change shape need "
-                        "check_inputs='changes' (the default) or 'always'"
+                        f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where "
+                        f"this run's program has {list(shape)} {dtype}; inputs that change "
+                        "need check_inputs='changes' (the default) or 'always'"
                     )
             targets = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in held]
             if unannounced:

@@ -94,7 +94,7 @@ class BoundKernel:
         from triton.runtime.jit import JITFunction
 
         self.kernel, self.keywords = kernel, keywords
-        self.driver, self.hooks = driver, knobs.runtime  # read at every launch, as Triton does
+        self.driver, self.knobs = driver, knobs  # read at every launch, as Triton does
         self.tail: list | None = None  # the constexprs' values, in the kernel's order
         self.compiled: dict[tuple, tuple] = {}  # by specialization: what a launch takes
         if (isinstance(kernel, JITFunction) and not interpreted()
@@ -102,16 +102,28 @@ class BoundKernel:
             flags = [param.is_constexpr for param in kernel.params]
             first = flags.index(True) if True in flags else len(flags)
             names = kernel.arg_names[first:]
-            if all(flags[first:]) and all(name in keywords for name in names):
+            runtime = set(kernel.arg_names[:first])  # passed by position only
+            if (
+                all(flags[first:])
+                and all(name in keywords for name in names)
+                and not (runtime & set(keywords))
+            ):
                 self.tail = [keywords[name] for name in names]
 
     def __call__(self, grid: tuple, *arguments) -> None:
-        if self.tail is None or self.hooks.launch_enter_hook.calls:
+        knobs = self.knobs
+        runtime = knobs.runtime
+        enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+        # hooks (a profiler's) want Triton's launch metadata; a hook set as a plain
+        # function has no ``calls``
+        if (self.tail is None or self.kernel.pre_run_hooks
+                or getattr(enter, "calls", True) or getattr(leave, "calls", True)):  # fmt: skip
             self.kernel[grid](*arguments, **self.keywords)
             return
         driver = self.driver.active
         device = driver.get_current_device()
-        key = [device]
+        # Triton compiles anew when these change (its options): so does the key
+        key = [device, runtime.debug, knobs.compilation.instrumentation_mode]
         try:
             for argument in arguments:  # specialization's, tensors inline: the common case
                 if type(argument) is torch.Tensor:

@@ -663,7 +663,9 @@ def repeated_runs_over_buffers(communicator, name: str, seed: int, kernels: str 
 
 @pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_bwd"])
 def test_runs_over_new_and_misaligned_buffers(rank_pools, name):
-    """As ``check_gpu.py`` runs it, where the launches after the first are direct."""
+    """As ``check_gpu.py`` runs it. Here (Triton's interpreter) every launch goes
+    through the JIT; on GPUs the launches after the first go straight to the compiled
+    kernels, and this is what checks their alignment key there."""
     rank_pools(2).run(repeated_runs_over_buffers, name, 27, "generated")
 
 

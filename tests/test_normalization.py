@@ -1315,6 +1315,38 @@ def test_the_combining_kernel_takes_as_many_rows_a_step_as_there_are(columns, mo
                          "DEPENDENT": dependent}, fixed  # fmt: skip
 
 
+def test_inputs_changed_under_check_inputs_never_raise_instead_of_being_misread():
+    """A kernel outside loops has its launch bound to its program's shapes: with
+    ``check_inputs="never"`` an input of other rows or another dtype raises, naming the
+    setting, rather than be read as the program's."""
+    fd = BUILDERS["rmsnorm_fwd"](96, "bfloat16")
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    generator = torch.Generator().manual_seed(4)
+    x, w = make_inputs("rmsnorm_fwd", 8, 96, torch.bfloat16, torch.device("cpu"), generator)
+    for actual, expected in zip(executor.run([x, w]), fd.execute([x, w]), strict=True):
+        assert_close(actual, expected, reduction_extent=96)
+    for changed in (torch.cat([x, x]), x.half()):
+        with pytest.raises(RuntimeError, match="check_inputs='changes'"):
+            executor.run([changed, w], check_inputs="never")
+
+
+def test_a_launcher_keeps_the_shapes_launched_last():
+    """Bound launches are kept for the ``BOUND_SHAPES`` shapes launched last: a shape in
+    use stays however many others come and go."""
+    from schedulers.normalization.scheduler import BOUND_SHAPES
+
+    fd = BUILDERS["rmsnorm_fwd"](96, "bfloat16")
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    params = group.scheduler.heuristics(group.plan, INTERPRETER, [8, 96])
+    launcher = group.scheduler.launcher(group.plan, params, INTERPRETER, None)
+    x = group.plan.inputs[0]
+    used = launcher.bind({x: [8, 96]})
+    for rows in range(9, 9 + 2 * BOUND_SHAPES):
+        launcher.bind({x: [rows, 96]})
+        assert launcher.bind({x: [8, 96]}) is used
+    assert len(launcher.bound) == BOUND_SHAPES
+
+
 @pytest.mark.parametrize(
     ("device", "arch", "interpreted", "dependent"),
     [

@@ -378,33 +378,79 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
     assert len(kernel.jitted) == 3 and len(kernel.direct) == 2
 
 
-@pytest.mark.parametrize(
-    "case", ["constant between", "constant missing", "launch hook", "other Triton"]
-)
+KEPT_TO_THE_JIT = ["constant between", "constant missing", "runtime keyword", "enter hook",
+                   "exit hook", "hook function", "pre-run hook", "other Triton"]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", KEPT_TO_THE_JIT)
 def test_a_bound_kernel_keeps_to_the_jit_where_its_arguments_cannot_be_laid_out(monkeypatch, case):
-    """A constexpr before a runtime argument, one not given, a launch hook (a
-    profiler's, which wants Triton's launch metadata), or a Triton whose compiled
+    """A constexpr before a runtime argument, one not given, a runtime argument given
+    by name, a launch hook (a profiler's, which wants Triton's launch metadata; set in
+    Triton's chain or as a plain function), a pre-run hook, or a Triton whose compiled
     kernels' launch may take other arguments: every launch through the JIT."""
     from triton import knobs
 
     if case == "other Triton":
         monkeypatch.setattr(triton, "__version__", "3.7.0")
-
     if case == "constant between":
         bound, kernel = _bound(monkeypatch, _a_constant_between, {"BLOCK": 64})
         arguments = (torch.zeros(4), 4)
     else:
-        given = {"BLOCK": 64} if case == "constant missing" else {"BLOCK": 64, "WIDE": 8}
+        given = {"BLOCK": 64, "WIDE": 8}
+        if case == "constant missing":
+            given = {"BLOCK": 64}
+        elif case == "runtime keyword":
+            given = {"BLOCK": 64, "WIDE": 8, "n": 4}
         bound, kernel = _bound(monkeypatch, _two_constants, given)
-        arguments = (torch.zeros(4), torch.zeros(4), 4)
-    if case == "launch hook":
-        knobs.runtime.launch_enter_hook.add(print)
+        arguments = (torch.zeros(4), torch.zeros(4)) + (() if "n" in given else (4,))
+    if case == "pre-run hook":
+        kernel.pre_run_hooks.append(lambda *a, **k: None)
+    if case == "hook function":
+        monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
+    chain = {"enter hook": "launch_enter_hook", "exit hook": "launch_exit_hook"}.get(case)
+    if chain:
+        getattr(knobs.runtime, chain).add(print)
     try:
         for _ in range(3):
             bound((1,), *arguments)
     finally:
-        knobs.runtime.launch_enter_hook.remove(print)
+        if chain:
+            getattr(knobs.runtime, chain).remove(print)
     assert len(kernel.jitted) == 3 and not kernel.direct
+
+
+def test_a_bound_kernel_recompiles_where_tritons_debug_knob_changes(monkeypatch):
+    """Triton's debug mode is one of its compile options: turned on after a launch, the
+    next launch goes through the JIT (which compiles the debug kernel) again."""
+    from triton import knobs
+
+    bound, kernel = _bound(monkeypatch, _two_constants, {"BLOCK": 64, "WIDE": 8})
+    x = torch.zeros(16)
+    bound((1,), x, x, 16)
+    bound((1,), x, x, 16)
+    assert (len(kernel.jitted), len(kernel.direct)) == (1, 1)
+    monkeypatch.setattr(knobs.runtime, "debug", not knobs.runtime.debug)
+    bound((1,), x, x, 16)
+    assert (len(kernel.jitted), len(kernel.direct)) == (2, 1)
+
+
+def test_specialization_refines_tritons_own():
+    """Two arguments ``specialization`` keys alike are specialized alike by Triton itself
+    (its native binder, as a CUDA launch calls it): integers across the edges of its
+    classes, tensors of several dtypes, aligned and not."""
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import native_specialize_impl
+
+    held = {dtype: torch.zeros(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16)}
+    values = [v for edge in (0, 1, 16, 2**31, 2**32, 2**63) for v in (edge - 1, edge, edge + 1)]
+    values += [-16, -(2**31) - 1, 48, 4096 * 4096]
+    values += [t[offset : offset + 8] for t in held.values() for offset in (0, 1, 8, 16)]
+    for a in values:
+        for b in values:
+            if type(a) is type(b) and specialization(a) == specialization(b):
+                triton_a, triton_b = (native_specialize_impl(CUDABackend, v, False, True, True)
+                                      for v in (a, b))  # fmt: skip
+                assert triton_a == triton_b, (a, b)
 
 
 def test_ten_batch_sizes_compile_once():

@@ -307,13 +307,14 @@ class NormalizationLauncher(Launcher):
     def bind(self, shapes: Shapes) -> BoundLaunch:
         """The launch for these shapes (their normalization's rows and columns): its
         grids, its kernels with their ``tl.constexpr`` arguments bound, worked out once
-        a shape; the last ``BOUND_SHAPES`` shapes kept."""
+        a shape; the ``BOUND_SHAPES`` shapes launched last kept."""
         shape = tuple(_space_shape(self.plan, shapes))
-        launch = self.bound.get(shape)
+        launch = self.bound.pop(shape, None)  # put back last: the most recent
         if launch is None:
             if len(self.bound) >= BOUND_SHAPES:  # extents keep changing: the oldest goes
                 self.bound.pop(next(iter(self.bound)))
-            launch = self.bound[shape] = self._bind(shape)
+            launch = self._bind(shape)
+        self.bound[shape] = launch
         return launch
 
     def _bind(self, shape: tuple) -> BoundLaunch:
