@@ -111,6 +111,21 @@ class BoundKernel:
                 self.tail = [keywords[name] for name in names]
 
     def __call__(self, grid: tuple, *arguments) -> None:
+        key = self._key(arguments)
+        found = self.compiled.get(key) if key is not None else None
+        if found is None:  # the JITFunction compiles the kernel, or finds it compiled
+            compiled = self.kernel[grid](*arguments, **self.keywords)
+            if key is not None:
+                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+            return
+        run, function, metadata = found
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
+            self.driver.active.get_current_stream(key[0]), function, metadata, None, None,
+            None, *arguments, *self.tail)  # fmt: skip
+
+    def _key(self, arguments: tuple) -> tuple | None:
+        """The compiled kernel's key for these arguments (its device first); None where
+        the launch keeps to the JITFunction's path."""
         knobs = self.knobs
         runtime = knobs.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
@@ -118,12 +133,10 @@ class BoundKernel:
         # function has no ``calls``
         if (self.tail is None or self.kernel.pre_run_hooks
                 or getattr(enter, "calls", True) or getattr(leave, "calls", True)):  # fmt: skip
-            self.kernel[grid](*arguments, **self.keywords)
-            return
-        driver = self.driver.active
-        device = driver.get_current_device()
+            return None
         # Triton compiles anew when these change (its options): so does the key
-        key = [device, runtime.debug, knobs.compilation.instrumentation_mode]
+        key = [self.driver.active.get_current_device(), runtime.debug,
+               knobs.compilation.instrumentation_mode]  # fmt: skip
         try:
             for argument in arguments:  # specialization's, tensors inline: the common case
                 if type(argument) is torch.Tensor:
@@ -131,18 +144,8 @@ class BoundKernel:
                 else:
                     key.append(specialization(argument))
         except TypeError:  # an argument of a type not keyed here
-            self.kernel[grid](*arguments, **self.keywords)
-            return
-        key = tuple(key)
-        found = self.compiled.get(key)
-        if found is None:  # the JITFunction compiles it, or finds it compiled
-            compiled = self.kernel[grid](*arguments, **self.keywords)
-            self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
-            return
-        run, function, metadata = found
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            driver.get_current_stream(device), function, metadata, None, None, None,
-            *arguments, *self.tail)  # fmt: skip
+            return None
+        return tuple(key)
 
 
 # The Triton versions whose ``CompiledKernel.run`` takes what ``BoundKernel`` passes.
