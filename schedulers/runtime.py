@@ -38,13 +38,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-# Held as byte codes: read and written by kernels as bytes (``as_bytes``).
-BYTE_CODED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2)
-
-
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 and fp4 tensors are read and written as their byte codes."""
-    return tensor.view(torch.uint8) if tensor.dtype in BYTE_CODED else tensor
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
+        return tensor.view(torch.uint8)
+    return tensor
 
 
 def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):

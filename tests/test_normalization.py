@@ -1390,7 +1390,7 @@ def test_the_combining_kernel_waits_on_the_kernel_before_it_only_on_sm_90_and_la
 
 def test_fp8_rows_in_and_out_pass_through_the_kernel_as_byte_codes():
     """An RMSNorm reading e4m3 rows and writing e5m2 ones: the launcher hands fp8
-    tensors to the kernel as bytes (known from the plan, at every run), bytewise equal
+    tensors to the kernel as bytes (``as_bytes``) at every run, bytewise equal
     to the reference's."""
     with FusionDefinition("rmsnorm_fp8") as fd:
         x = fd.define_tensor(["rows", 96], "float8_e4m3fn")

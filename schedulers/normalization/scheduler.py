@@ -11,7 +11,6 @@ import torch
 
 from fusion.exprs import Expr
 from fusion.ir import TensorView
-from fusion.storage import storage_dtype
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
     BoundLaunch,
@@ -65,8 +64,8 @@ from schedulers.normalization.warp_specialized import (
     ws_threshold,
 )
 from schedulers.runtime import (
-    BYTE_CODED,
     BoundKernel,
+    as_bytes,
     cdiv,
     concurrent_programs,
     interpreted,
@@ -337,7 +336,6 @@ class NormalizationLauncher(Launcher):
                    **COMPILE_OPTIONS}  # fmt: skip
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
-        pointers_of = self._pointers()
         combine = self._bind_combine(columns)
         kernel = BoundKernel(self.kernel, options)
         grid = (cdiv(rows, params.block_rows),)
@@ -350,13 +348,14 @@ class NormalizationLauncher(Launcher):
         allocate = torch.empty if params.persistent else torch.zeros
         sums = len(plan.column_sums)
 
+        planned = combine_rows(params, columns)  # the most partial rows of a column sum
+
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-            pointers = pointers_of(inputs, targets)
+            pointers = [as_bytes(t) for t in (*inputs, *targets)]
             for i in self.tiles:
                 pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
             device = inputs[0].device
-            launched, count, slots = grid, grid[0], []
-            most = combine_rows(params, columns)  # the most partial rows of a column sum
+            launched, count, most, slots = grid, grid[0], planned, []
             if split:  # groups of `parts` programs, every one of them resident at once
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
@@ -371,20 +370,6 @@ class NormalizationLauncher(Launcher):
             combine(partials, targets, count, most)
 
         return launch
-
-    def _pointers(self):
-        """``pointers(inputs, targets)``: the tensors a launch passes, those held as byte
-        codes (fp8, fp4: known from the plan) as bytes."""
-        tensors = (*self.plan.inputs, *self.plan.outputs)
-        coded = [i for i, t in enumerate(tensors) if storage_dtype(t) in BYTE_CODED]
-
-        def pointers(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> list:
-            passed = [*inputs, *targets]
-            for i in coded:
-                passed[i] = passed[i].view(torch.uint8)
-            return passed
-
-        return pointers
 
     def _bind_combine(self, columns: int):
         """Adds ``count`` partial rows (of at most ``most``) of each column sum into its
@@ -423,10 +408,10 @@ class NormalizationLauncher(Launcher):
         strips_kernel = BoundKernel(walk, {**column_constants(params, columns),
             "num_warps": params.strip_warps, **COMPILE_OPTIONS})  # fmt: skip
         combine, most = self._bind_combine(columns), combine_rows(params, columns)
-        values, pointers_of = len(stashed(plan)), self._pointers()
+        values = len(stashed(plan))
 
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-            pointers = pointers_of(inputs, targets)
+            pointers = [as_bytes(t) for t in (*inputs, *targets)]
             device = inputs[0].device
             stash = torch.empty((rows, parts, values), dtype=torch.float32, device=device)
             rows_kernel(grid, *pointers, stash, rows, *runtime)
