@@ -159,12 +159,8 @@ class ComputeSteps:
             shape = storage_shape(tensor, shapes[tensor])
             return torch.zeros(shape, dtype=storage_dtype(tensor), device=device)
 
-        with progress.step(
-            f"rank {self.program.rank}: compiled {kernel.name} [{kernel.scheduler.name}]",
-            COMPILED_S,
-        ):
-            launch([zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs], shapes)
-            torch.cuda.synchronize(device)
+        inputs, targets = [zeros(t) for t in plan.inputs], [zeros(t) for t in plan.outputs]
+        self._announced(kernel, lambda: launch(inputs, targets, shapes))
 
     def _logical_shape_of(self, tensor: TensorView, destination) -> list[int]:
         if destination is not None:
