@@ -25,7 +25,6 @@ Example (on every rank)::
 from __future__ import annotations
 
 import gc
-import os
 from collections.abc import Sequence
 
 import torch
@@ -57,6 +56,7 @@ from overlap.streams import StreamPool
 from overlap.symmetric import SymmetricBuffers
 from overlap.timeline import Timeline
 from schedulers.hardware import current_hardware
+from schedulers.runtime import interpreted
 from sharding.errors import ShardingError
 from sharding.layout import Layout, is_placed, layout_of
 from sharding.pieces import assemble, local_piece
@@ -148,7 +148,7 @@ class MultiDeviceExecutor:
         if kernels not in ("auto", "generated", "reference"):
             raise ValueError(f"kernels must be auto, generated or reference, got {kernels!r}")
         if kernels == "generated" and self.device.type != "cuda":
-            if os.environ.get("TRITON_INTERPRET") != "1":
+            if not interpreted():
                 raise ValueError(
                     "generated kernels on CPU run in Triton's interpreter: set "
                     "TRITON_INTERPRET=1 before starting Python"
@@ -157,7 +157,7 @@ class MultiDeviceExecutor:
             raise ShardingError("a fusion placed on device meshes needs a Communicator")
         world = self.communicator.world_size if self.communicator else 1
         generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
-        if generated and self.device.type == "cuda" and os.environ.get("TRITON_INTERPRET") == "1":
+        if generated and self.device.type == "cuda" and interpreted():
             raise ValueError("TRITON_INTERPRET=1 would run generated kernels in Triton's CPU "
                              "interpreter, not compiled: unset it on GPUs")  # fmt: skip
         if isinstance(fusion, CompiledProgram):

@@ -15,7 +15,6 @@ benchmark kernels (``benchmarks/kernels.py``) for sm_90.
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import tempfile
 from collections import Counter
@@ -23,6 +22,7 @@ from pathlib import Path
 
 from schedulers.base import Scheduler
 from schedulers.codegen import COMPILE_OPTIONS
+from schedulers.runtime import interpreted
 
 _POINTERS = {
     "tl.float64": "*fp64",
@@ -42,7 +42,7 @@ _ASYNC_COPY = re.compile(r"\bcp\.async\.\w+\.shared\.global\s*\[[^\]]*\],\s*\[[^
 
 
 def _require_compiler() -> None:
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreted():
         raise RuntimeError(
             "schedulers.ptx compiles kernels: run it in a process without TRITON_INTERPRET=1"
         )

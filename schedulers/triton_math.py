@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton import knobs
+
+from schedulers.runtime import interpreted
 
 # Read when this module is imported: set TRITON_INTERPRET before importing it.
-INTERPRETED: tl.constexpr = tl.constexpr(bool(knobs.runtime.interpret))
+INTERPRETED: tl.constexpr = tl.constexpr(interpreted())
 
 
 @triton.jit
