@@ -140,7 +140,7 @@ class MultiDeviceExecutor:
                                       self.program.communication_plan, self.device)  # fmt: skip
         self._local = LocalBinding(self.fusion, self.device)  # an unplaced fusion's
         self._rank_programs: dict[tuple, RankProgram] = {}
-        self._bound: tuple = (None, ())  # the last bindings run, and their key
+        self._extents_key: tuple = (None, ())  # the last bindings run, and their key
         self._graphs: dict[tuple, tuple] = {}
 
     def _compile(self, fusion, options, hardware, kernels: str) -> CompiledProgram:
@@ -363,9 +363,9 @@ class MultiDeviceExecutor:
             self._symmetric = SymmetricBuffers(self.communicator)
         if self._symmetric is not None:
             self._symmetric.next_run()
-        if bindings is not self._bound[0]:  # the extents' key, again only for new bindings
-            self._bound = (bindings, tuple(sorted((s.name, v) for s, v in bindings.items())))
-        key = self._bound[1]
+        if bindings is not self._extents_key[0]:  # the key, worked out again for new bindings
+            self._extents_key = (bindings, tuple(sorted((s.name, v) for s, v in bindings.items())))
+        key = self._extents_key[1]
         if key not in self._rank_programs:
             if self.sharded:  # the same verdict on every rank: the bindings are the same
                 check_bound_extents(self.fusion, bindings)
