@@ -479,19 +479,3 @@ def test_an_integer_to_a_negative_integer_power_is_refused():
     with pytest.raises(DefinitionError, match=_mentions("pow:", "T0_i32[iS0{3}] ** -1", "cast")):
         with FusionDefinition() as fd:
             fd.add_output(fd.ops.pow(fd.define_tensor([3], "int32"), -1))
-
-
-def test_generated_kernels_on_cpu_without_the_interpreter_are_refused(monkeypatch):
-    """Generated kernels on CPU need Triton's interpreter: without it (as Triton itself
-    reads ``TRITON_INTERPRET``) the executor refuses at construction, saying what to set."""
-    from triton import knobs
-
-    from overlap.executor import MultiDeviceExecutor
-
-    with FusionDefinition() as fd:
-        fd.add_output(fd.ops.exp(fd.define_tensor([4], "float32")))
-    monkeypatch.setattr(knobs.runtime, "interpret", False)
-    with pytest.raises(ValueError, match="set TRITON_INTERPRET=1"):
-        MultiDeviceExecutor(fd, kernels="generated")
-    monkeypatch.setattr(knobs.runtime, "interpret", True)
-    MultiDeviceExecutor(fd, kernels="generated")
