@@ -79,13 +79,20 @@ class BoundKernel:
     profiler's), a kernel that is not a ``JITFunction`` (a test's stand-in) or one
     whose ``tl.constexpr`` arguments are not its last, all given in ``keywords``.
 
+    With ``cluster`` > 1 the programs are launched in thread-block clusters of that many
+    consecutive ones (the grid counts programs), each asking for ``shared`` bytes of
+    shared memory past what the compiler took (the kernel finds them from the end of
+    its dynamic shared memory): always straight to the compiled kernel, loaded for
+    that much, not through the ``JITFunction`` (whose launch knows no clusters; launch
+    hooks are not called); on the interpreter, through it, one program after another.
+
     Example::
 
         bound = BoundKernel(kernel, {"BLOCK": 1024, "num_warps": 4})
         bound((cdiv(numel, 1024),), x, y, numel)  # kernel[grid](x, y, numel, BLOCK=1024, ...)
     """
 
-    def __init__(self, kernel, keywords: dict) -> None:
+    def __init__(self, kernel, keywords: dict, cluster: int = 1, shared: int = 0) -> None:
         import triton  # see the module's docstring
         from triton import knobs
         from triton.runtime import driver
@@ -107,19 +114,53 @@ class BoundKernel:
                 and not (runtime & set(keywords))
             ):
                 self.tail = [keywords[name] for name in names]
+        self.cluster = 1 if interpreted() else cluster
+        self.shared = shared
+        if self.cluster > 1 and self.tail is None:
+            raise ValueError(
+                f"{getattr(kernel, '__name__', kernel)}: a launch in clusters goes straight "
+                f"to the compiled kernel, which needs Triton {' or '.join(DIRECT_LAUNCH_TRITON)}"
+                " (this one: " + triton.__version__ + ") and every constexpr, last, bound"
+            )
 
     def __call__(self, grid: tuple, *arguments) -> None:
         key = self._key(arguments)
         found = self.compiled.get(key) if key is not None else None
-        if found is None:  # the JITFunction compiles the kernel, or finds it compiled
+        if self.cluster > 1:
+            if grid[0] % self.cluster or any(extent != 1 for extent in grid[1:]):
+                raise ValueError(f"a grid of {grid} programs is not made of clusters of "
+                                 f"{self.cluster} along its first axis")  # fmt: skip
+            if key is None:
+                raise ValueError(
+                    f"{self.kernel.__name__}: arguments of a type not keyed here "
+                    "(``specialization``) are not launched in clusters"
+                )
+            if found is None:
+                found = self.compiled[key] = self._load_clustered(grid, arguments, key[0])
+        elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
             compiled = self.kernel[grid](*arguments, **self.keywords)
             if key is not None:
                 self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
             return
         run, function, metadata = found
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1,
-            self.driver.active.get_current_stream(key[0]), function, metadata, None, None,
-            None, *arguments, *self.tail)  # fmt: skip
+        run(grid[0] // self.cluster, grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
+            function, metadata, None, None, None, *arguments, *self.tail)  # fmt: skip
+
+    def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
+        """The compiled kernel for these arguments (compiled now, not launched), loaded
+        again asking for ``shared`` bytes more: its launch in clusters."""
+        compiled = self.kernel.warmup(*arguments, grid=grid, **self.keywords)
+        metadata = compiled.metadata
+        if metadata.global_scratch_size or metadata.profile_scratch_size or (
+                metadata.num_ctas != 1):  # fmt: skip
+            raise ValueError(f"{compiled.name}: scratch memory or CTAs of its own: "
+                             "not launched in clusters here")  # fmt: skip
+        shared = cdiv(metadata.shared, 16) * 16 + self.shared
+        _, function, *_ = self.driver.active.utils.load_binary(
+            compiled.name, compiled.kernel, shared, device
+        )
+        return compiled.run, function, (metadata.num_warps, self.cluster, shared)
 
     def _key(self, arguments: tuple) -> tuple | None:
         """The compiled kernel's key for these arguments (its device first); None where
@@ -129,8 +170,8 @@ class BoundKernel:
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
         # hooks (a profiler's) want Triton's launch metadata; a hook set as a plain
         # function has no ``calls``
-        if (self.tail is None or self.kernel.pre_run_hooks
-                or getattr(enter, "calls", True) or getattr(leave, "calls", True)):  # fmt: skip
+        if self.tail is None or (self.cluster == 1 and (self.kernel.pre_run_hooks
+                or getattr(enter, "calls", True) or getattr(leave, "calls", True))):  # fmt: skip
             return None
         # Triton compiles anew when these change (its options): so does the key
         key = [self.driver.active.get_current_device(), runtime.debug,
@@ -148,6 +189,15 @@ class BoundKernel:
 
 # The Triton versions whose ``CompiledKernel.run`` takes what ``BoundKernel`` passes.
 DIRECT_LAUNCH_TRITON = ("3.6.",)
+
+
+def cluster_launches() -> bool:
+    """Whether ``BoundKernel`` can launch kernels in thread-block clusters here: straight
+    to the compiled kernels of a ``DIRECT_LAUNCH_TRITON``, or in the interpreter (one
+    program after another: a kernel written for clusters keeps its interpreted path)."""
+    import triton  # see the module's docstring
+
+    return interpreted() or triton.__version__.startswith(DIRECT_LAUNCH_TRITON)
 
 
 def specialization(argument) -> tuple:

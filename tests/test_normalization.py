@@ -25,14 +25,16 @@ from schedulers.normalization import (
     WS_GAINS,
     NormalizationParams,
     NormalizationScheduler,
+    split,
 )
 from schedulers.normalization.codegen import source
 from schedulers.normalization.column_sums import row_parts
 from schedulers.normalization.combine import combine_constants
-from schedulers.normalization.heuristics import (
+from schedulers.normalization.heuristics import short_row_params
+from schedulers.normalization.split import (
+    CLUSTERS_PER_SM,
     SPLIT_SUMS_STAGES,
     SPLIT_TMA_STAGES,
-    short_row_params,
     split_params,
 )
 from schedulers.registry import split_into_kernels
@@ -741,6 +743,51 @@ def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
                 assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
 
 
+@pytest.mark.parametrize("block_rows", [1, 2])
+def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
+    """Forced (``cluster=True``): compiled, a row's programs are a thread-block cluster:
+    each zeroes its exchange words at the end of its dynamic shared memory, the cluster
+    waits at its barrier, then a program stores its partials into every program's words
+    (one row a block: a thread a program) and polls its own; the barrier again before
+    it leaves. The interpreter runs the global exchange of the same source (its
+    ``INTERPRETED`` branch): every output against the reference, 11 rows over 2 groups."""
+    params = NormalizationParams(block_rows, 128, 2, True, programs=8, strategy=SPLIT,
+                                 column_registers=True, parts=4, cluster=True)  # fmt: skip
+    for name in ("layernorm_bwd", "rmsnorm_fwd", "layernorm_fwd"):
+        KERNEL_CACHE.clear()
+        fd, inputs, outputs, executor = _run(name, 500, "bfloat16", rows=11, params=params)
+        expected = fd.execute(inputs)
+        assert_close(outputs[0], expected[0], reduction_extent=500)
+        if name == "layernorm_bwd":
+            exact = _weight_gradients_in_float64(name, inputs)
+            for actual, wanted in zip(outputs[1:], exact, strict=True):
+                assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+        (text,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
+        assert text.count("%dynamic_smem_size") == 4  # the start (twice), the post, the wait
+        assert text.count("barrier.cluster.arrive.release") == 2, text
+        assert "xstart = xstart0(" in text and "xbarrier" in text.split("tl.range(")[-1]
+        assert "mapa.shared::cluster.u32" in text and "%cluster_ctarank" in text
+        assert "st.relaxed.cluster.shared::cluster.b64" in text
+        assert "ld.volatile.shared.b64" in text and "ld.relaxed.gpu.global" not in text
+        assert ("setp.ge.u32 q, t, 4;" in text) == (block_rows == 1)  # a thread a program
+
+
+def test_a_split_forward_exchanges_through_global_memory_where_clusters_cannot_launch(
+    monkeypatch,
+):
+    """Clusters only on sm_90 (measured there) and where ``BoundKernel`` can launch them
+    (``cluster_launches``: straight to a Triton 3.6 compiled kernel): otherwise the
+    programs exchange through global memory, as many as the device holds."""
+    scheduler, plan = _plan("rmsnorm_fwd", 65536)
+    assert scheduler.heuristics(plan, H200, [4096, 65536]).cluster
+    for profile in (B200, H200):
+        if profile is H200:
+            monkeypatch.setattr(split, "cluster_launches", lambda: False)
+        params = split_params(plan, profile, 65536)
+        assert params.strategy == SPLIT and not params.cluster and params.programs == 0, params
+        assert "as many programs as the device holds at once" in params.why
+
+
 @pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
 def test_a_split_row_in_three_pipelined_slices(name):
     """The column sums' split as the heuristics give it (no prefetch, loads pipelined
@@ -812,16 +859,20 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, stra
 def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, profiles):
     """Where the multi-wave kernel would walk the row in chunks (and the warp-specialized
     one is degenerate), H100 and H200 split it: with column sums a program per 4096
-    columns over 4 warps, its loads pipelined; a forward a program per 8192 columns over
-    4 warps, through TMA (prefetched where TMA cannot stride its rows); as many programs
-    as the device holds. The interpreter keeps the chunks (its programs would run one at
-    a time; with column sums the columns walked), as do rows that fit."""
+    columns over 4 warps, its loads pipelined, as many programs as the device holds,
+    exchanging through global memory; a forward a program per 8192 columns over 4 warps,
+    through TMA (prefetched where TMA cannot stride its rows), a row's programs a
+    cluster exchanging through its shared memory, CLUSTERS_PER_SM clusters an SM. The
+    interpreter keeps the chunks (its programs would run one at a time; with column sums
+    the columns walked), as do rows that fit."""
     scheduler, plan = _plan(name, n)
     forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
-        assert params.num_warps == warps and params.programs == 0, params
+        programs = parts * profile.sm_count * CLUSTERS_PER_SM if forward else 0
+        assert params.num_warps == warps and params.programs == programs, params
+        assert params.cluster == forward, params
         assert params.tma == forward and not params.prefetch, params
         assert params.stages == (SPLIT_TMA_STAGES if forward else SPLIT_SUMS_STAGES), params
         assert params.block_columns * parts >= n and "[instead of " in params.why
@@ -888,7 +939,7 @@ def test_a_variance_and_its_mean_are_exchanged_in_one_round():
         assert_close(actual, expected, reduction_extent=1000)
     (source,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
     # one round: one post of two words (sum, squares), one wait
-    assert source.count(" = xwait") == 1 and "def xpost0(pointer, tag, v0, v1):" in source
+    assert source.count(" = xwait") == 1 and "(pointer, word, tag, v0, v1):" in source
 
 
 def test_rmsnorm_backward_at_16384_is_split_in_four():

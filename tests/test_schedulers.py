@@ -378,6 +378,50 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
     assert len(kernel.jitted) == 3 and len(kernel.direct) == 2
 
 
+def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(monkeypatch):
+    """``cluster``: compiled without a launch (``warmup``), loaded again asking for its
+    shared memory to 16 bytes plus ``shared``, every launch straight to it in clusters
+    (Triton's launcher: the grid in clusters, the cluster's size as its CTA count), a
+    launch hook or not; a grid not made of clusters is refused. The interpreter runs it
+    one program after another through the JIT; a Triton not launched directly refuses."""
+    keywords = {"WIDE": 8, "BLOCK": 64, "num_warps": 4}
+    monkeypatch.setattr(runtime, "interpreted", lambda: False)
+    kernel = _RecordedLaunches(_two_constants)
+    warmed, loaded = [], []
+    metadata = SimpleNamespace(shared=1000, num_warps=4, num_ctas=1, global_scratch_size=0,
+                               profile_scratch_size=0)  # fmt: skip
+    compiled = SimpleNamespace(name="k", kernel=b"cubin", metadata=metadata,
+                               run=lambda *a: kernel.direct.append(a))  # fmt: skip
+    kernel.warmup = lambda *a, grid, **k: warmed.append((grid, a, k)) or compiled
+    bound = BoundKernel(kernel, keywords, cluster=4, shared=64)
+    load = lambda name, binary, shared, device: loaded.append((name, binary, shared, device)) or (  # noqa: E731
+        "module", "clustered", 32, 0, 1024)  # fmt: skip
+    device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 77,
+                             utils=SimpleNamespace(load_binary=load))  # fmt: skip
+    bound.driver = SimpleNamespace(active=device)
+    x, y = torch.zeros(16), torch.zeros(16)
+    from triton import knobs
+
+    knobs.runtime.launch_enter_hook.add(print)
+    try:
+        bound((8,), x, y, 16)
+        bound((12,), x, y, 16)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(print)
+    assert warmed == [((8,), (x, y, 16), keywords)] and not kernel.jitted
+    assert loaded == [("k", b"cubin", 1008 + 64, 0)]
+    launch = ("clustered", (4, 4, 1072), None, None, None, x, y, 16, 64, 8)
+    assert kernel.direct == [(2, 1, 1, 77, *launch), (3, 1, 1, 77, *launch)]
+    with pytest.raises(ValueError, match="not made of clusters of 4"):
+        bound((6,), x, y, 32)
+    monkeypatch.setattr(runtime, "interpreted", lambda: True)
+    assert BoundKernel(kernel, keywords, cluster=4).cluster == 1
+    monkeypatch.setattr(runtime, "interpreted", lambda: False)
+    monkeypatch.setattr(triton, "__version__", "3.7.0")
+    with pytest.raises(ValueError, match="straight to the compiled kernel"):
+        BoundKernel(kernel, keywords, cluster=4)
+
+
 KEPT_TO_THE_JIT = ["constant between", "constant missing", "runtime keyword", "enter hook",
                    "exit hook", "hook function", "pre-run hook", "other Triton"]  # fmt: skip
 

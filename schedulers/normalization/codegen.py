@@ -26,7 +26,14 @@ from schedulers.codegen import (
     reduction_identity,
 )
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.exchange import exchange_step, reduce_split
+from schedulers.normalization.exchange import (
+    CLUSTER_PARTS,
+    barrier_source,
+    cluster_exchange,
+    cluster_start_source,
+    exchange_step,
+    reduce_split,
+)
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     SPLIT,
@@ -62,6 +69,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
+    if params.cluster and not (split and 1 <= params.parts <= CLUSTER_PARTS):
+        raise ValueError(f"{params}: a cluster holds a split row's {CLUSTER_PARTS} programs "
+                         "at most")  # fmt: skip
     if params.tma and not (split and params.stages > 1 and not params.prefetch):
         raise ValueError(f"{params}: TMA tiles need a split row, stages > 1, no prefetch")
     tiles = set(tma_inputs(plan, params))  # TMA descriptors of (rows, COLUMNS)
@@ -74,6 +84,11 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     generator = Generator(plan, params, pointers, outer, row_cache, tiles, start)
     early = outer.nested()  # before the walk: weights kept in registers
     if split:
+        if params.cluster:  # its exchange words zeroed, the cluster's programs started
+            start_ = generator.helper(
+                "xstart", cluster_start_source, cluster_exchange(plan, params)
+            )
+            early.line(f"xstart = {start_}(tl.program_id(0) * 0)")
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
         early.line("groups = tl.num_programs(0) // PARTS")
@@ -175,6 +190,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
             walk = f"for row_block in tl.range({blocks}{options}):"
         else:
             walk = f"for row_block in range({blocks}):"
+        if split and params.cluster:  # no program leaves while others may read its words
+            after.append(f"{generator.helper('xbarrier', barrier_source)}(tl.program_id(0) * 0)")
         lines = [*before, *early.lines, walk, *(f"    {line}" for line in outer.lines),
                  *after]  # fmt: skip
     else:

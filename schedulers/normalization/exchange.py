@@ -36,6 +36,9 @@ if TYPE_CHECKING:  # the generator calls these; they emit through it
 # Rows of slots a group uses in turn: a program is at most one row ahead of the others
 # (``exchange_partials`` says why)
 KEPT_ROWS = 2
+# A cluster's programs at most: 16, beyond the portable 8, is allowed on sm_90 (Triton's
+# launcher asks for it at 16)
+CLUSTER_PARTS = 16
 
 
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
@@ -53,9 +56,14 @@ def exchange_width(plan: NormalizationPlan) -> int:
     return next_power_of_two(max(plan.exchanges.values()))
 
 
-def post_source(name: str, count: int, rows: int) -> str:
-    """``name(pointer, tag, v0, ...)``: the ``count`` values ``v`` (a float32's bits, int32)
-    stored with ``tag`` (int32) in the high half at ``pointer + k * rows`` (int64 words).
+def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0,
+                shared: int = 0) -> str:  # fmt: skip
+    """``name(pointer, word, tag, v0, ...)``: the ``count`` values ``v`` (a float32's bits,
+    int32) stored with ``tag`` (int32) in the high half at ``pointer + k * rows`` (int64
+    words); with ``shared`` (bytes: a cluster's exchange of ``parts`` programs,
+    ``cluster_exchange``), compiled, in every program's shared memory instead, at word
+    ``word + (rank * width + k) * rows`` of its exchange words (``rank``: this program's
+    in the cluster), from ``parts`` threads at once with one row a block.
     It returns zeros (int32) for the wait to take: the wait follows the post by a
     dependency, not by its side effects (``wait_source``). The interpreter exchanges
     the words atomically. On a GPU, at GPU scope:
@@ -78,25 +86,44 @@ def post_source(name: str, count: int, rows: int) -> str:
                           f"st.relaxed.gpu.global.b64 [$1+{8 * k * rows}], w;"
                           for k in range(count))  # fmt: skip
     constraints = "=r,l,r" + ",r" * count
+    operands = f"pointer, tag, {values}"
+    if shared:  # to every program's shared memory: the words of this program's part
+        constraints, operands = "=r,r,r" + ",r" * count, f"word, tag, {values}"
+        lanes = rows == 1  # program p's words from thread p; else every holder, all
+        peers = ["t"] if lanes else [str(peer) for peer in range(parts)]
+        stores = (
+            (f".reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.ge.u32 q, t, {parts}; "
+             "@q bra DONE; " if lanes else "")
+            + ".reg .b32 r, n; " + _exchange_words(shared, "$1")
+            + f"mov.u32 n, %cluster_ctarank; mad.lo.u32 a, n, {8 * width * rows}, a; "
+            + " ".join(f"mapa.shared::cluster.u32 r, a, {peer}; " + " ".join(
+                f"mov.b64 w, {{${k + 3}, $2}}; "
+                f"st.relaxed.cluster.shared::cluster.b64 [r+{8 * k * rows}], w;"
+                for k in range(count)) for peer in peers)
+            + (" DONE:" if lanes else "")
+        )  # fmt: skip
     interpreted = "".join(
         f"        tl.atomic_xchg(pointer + {k * rows}, (tag.to(tl.int64) << 32) | "
         f'v{k}.to(tl.uint32, bitcast=True).to(tl.int64), sem="relaxed")\n'
         for k in range(count)
     )
     return (
-        f"@triton.jit\ndef {name}(pointer, tag, {values}):\n"
-        f"    if INTERPRETED:\n{interpreted}        return tag * 0\n"
+        f"@triton.jit\ndef {name}(pointer, word, tag, {values}):\n"
+        f"    if INTERPRETED:\n{interpreted}        return tag * 0 + word * 0\n"
         "    else:\n"
         f'        return tl.inline_asm_elementwise("{{ .reg .b64 w; {stores} mov.u32 $0, 0; }}", '
-        f'"{constraints}", [pointer, tag, {values}], '
+        f'"{constraints}", [{operands}], '
         "dtype=tl.int32, is_pure=False, pack=1)\n"
     )
 
 
-def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str:
-    """``name(pointer, tag)``: the low halves (int32) of the int64 words at ``pointer +
+def wait_source(name: str, parts: int, width: int, count: int, rows: int, shared: int = 0) -> str:
+    """``name(pointer, word, tag)``: the low halves (int32) of the int64 words at ``pointer +
     (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
-    ``k`` (in that order), once each word's high half equals ``tag``. The interpreter
+    ``k`` (in that order), once each word's high half equals ``tag``; with ``shared`` (a
+    cluster's exchange, ``cluster_exchange``), compiled, this program's own exchange
+    words ``word + (p * width + k) * rows`` in shared memory, which every program of
+    the cluster stores into (``post_source``). The interpreter
     polls every slot of the round at once, in a loop. On a GPU, relaxed loads at
     GPU scope, in
     one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
@@ -117,22 +144,27 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     offsets = [(p * width + k) * rows for p in range(parts) for k in range(count)]
     words = len(offsets)
     tag = f"${words + 1}"
+    # where the words are: a global pointer, or this program's shared exchange words
+    load = "ld.volatile.shared.b64" if shared else "ld.relaxed.gpu.global.b64"
+    at = _exchange_words(shared, f"${words}") if shared else f".reg .b64 a; mov.b64 a, ${words}; "
     if rows == 1 and words <= 32:
         shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
+        step = ("mul.lo.u32 i, i, 8; add.u32 a, a, i; " if shared
+                else ".reg .b64 o; mul.wide.u32 o, i, 8; add.s64 a, a, o; ")  # fmt: skip
         body = (  # this lane's word: (lane % words) -> its program and partial
-            f".reg .pred p; .reg .b32 i, j, lo, hi; .reg .b64 a, v; mov.u32 i, %laneid; "
+            f".reg .pred p; .reg .b32 i, j, lo, hi; .reg .b64 v; {at}mov.u32 i, %laneid; "
             f"rem.u32 i, i, {words}; div.u32 j, i, {count}; rem.u32 i, i, {count}; "
-            f"mad.lo.u32 i, j, {width}, i; mul.wide.u32 a, i, 8; add.s64 a, a, ${words}; "
-            f"WAIT: ld.relaxed.gpu.global.b64 v, [a]; mov.b64 {{lo, hi}}, v; "
+            f"mad.lo.u32 i, j, {width}, i; {step}"
+            f"WAIT: {load} v, [a]; mov.b64 {{lo, hi}}, v; "
             f"setp.eq.u32 p, hi, {tag}; vote.sync.all.pred p, p, -1; @!p bra WAIT; {shuffles}"
         )
     else:
-        loads = " ".join(f"ld.relaxed.gpu.global.b64 w{k}, [${words}+{8 * at}];"
-                         for k, at in enumerate(offsets))  # fmt: skip
+        loads = " ".join(f"{load} w{k}, [a+{8 * at}];" for k, at in enumerate(offsets))
         checks = " ".join(f"mov.b64 {{${k}, h}}, w{k}; setp.ne.u32 p, h, {tag}; @p bra WAIT;"
                           for k in range(words))  # fmt: skip
-        body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; WAIT: {loads} {checks}"
-    constraints = ",".join(["=r"] * words + ["l", "r"])
+        body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; {at}WAIT: {loads} {checks}"
+    constraints = ",".join(["=r"] * words + ["r" if shared else "l", "r"])
+    operands = "word, tag" if shared else "pointer, tag"
     names = ", ".join(f"w{k}" for k in range(words))
     # the interpreter: every slot of the round polled at once (unused ones carry tag 0),
     # each word picked out as integer bits (one word at a time: 76 s against 9 s, forced
@@ -152,11 +184,66 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int) -> str
     )  # fmt: skip
     dtype = "tl.int32" if words == 1 else f"({', '.join(['tl.int32'] * words)})"
     return (
-        f"@triton.jit\ndef {name}(pointer, tag):\n"
+        f"@triton.jit\ndef {name}(pointer, word, tag):\n"
         f"    if INTERPRETED:\n{interpreted}        return {names}\n"
         "    else:\n"
         f'        return tl.inline_asm_elementwise("{{ {body} }}", "{constraints}", '
-        f"[pointer, tag], dtype={dtype}, is_pure=True, pack=1)\n"
+        f"[{operands}], dtype={dtype}, is_pure=True, pack=1)\n"
+    )
+
+
+def cluster_exchange(plan: NormalizationPlan, params: NormalizationParams) -> int:
+    """Bytes of shared memory a program of a cluster's exchange (``params.cluster``)
+    receives the partial reductions in, as the global slots of one group
+    (``exchange_slots``): ``KEPT_ROWS`` rows' worth, for each level, program, reduction of
+    the level and row of the block, 8 bytes each. They follow the kernel's own shared
+    memory: the launch asks for this much more (``BoundKernel``'s ``shared``), and the
+    words are found from the end of the dynamic shared memory (``%dynamic_smem_size``),
+    not from what the compiler took."""
+    return 8 * exchange_slots(plan, params, 1)
+
+
+def _exchange_words(shared: int, word: str) -> str:
+    """PTX: ``a`` = the shared address of this program's 64-bit exchange word ``word`` (a
+    register operand): the last ``shared`` bytes of the dynamic shared memory."""
+    return (
+        ".reg .b32 a, s; mov.u32 a, global_smem; mov.u32 s, %dynamic_smem_size; "
+        f"add.u32 a, a, s; sub.u32 a, a, {shared}; shl.b32 s, {word}, 3; add.u32 a, a, s; "
+    )
+
+
+def cluster_start_source(name: str, shared: int) -> str:
+    """``name(token)``: this program's ``shared`` bytes of exchange words zeroed (what the
+    shared memory held before carries stale tags), then every thread of the cluster's
+    programs waits for all (``barrier.cluster``) before any stores into another's words;
+    returns zero (int32) for the posts to depend on. The interpreter's programs exchange
+    through global memory, zeroed before the launch: nothing to do."""
+    return (
+        f"@triton.jit\ndef {name}(token):\n"
+        "    if INTERPRETED:\n        return token * 0\n"
+        "    else:\n"
+        '        return tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t, n, e; '
+        ".reg .b64 z; mov.b64 z, 0; mov.u32 t, %tid.x; mov.u32 n, %ntid.x; "
+        + _exchange_words(shared, "t")
+        + "mov.u32 e, global_smem; mov.u32 s, %dynamic_smem_size; add.u32 e, e, s; "
+        "shl.b32 n, n, 3; ZERO: setp.ge.u32 p, a, e; @p bra DONE; st.shared.b64 [a], z; "
+        "add.u32 a, a, n; bra ZERO; DONE: barrier.cluster.arrive.release; "
+        'barrier.cluster.wait.acquire; mov.u32 $0, 0; }", "=r,r", [token], '
+        "dtype=tl.int32, is_pure=False, pack=1)\n"
+    )
+
+
+def barrier_source(name: str) -> str:
+    """``name(token)``: every thread of the cluster's programs waits until all have
+    arrived (``barrier.cluster``): at the end, so that no program leaves while another
+    may still store into its shared memory. The interpreter: nothing to wait for."""
+    return (
+        f"@triton.jit\ndef {name}(token):\n"
+        "    if INTERPRETED:\n        return token * 0\n"
+        "    else:\n"
+        '        return tl.inline_asm_elementwise("{ barrier.cluster.arrive.release; '
+        'barrier.cluster.wait.acquire; mov.u32 $0, 0; }", "=r,r", [token], '
+        "dtype=tl.int32, is_pure=False, pack=1)\n"
     )
 
 
@@ -203,19 +290,26 @@ def exchange_partials(
     the row's values are spread over the warps (a reduction across them), and one
     written after the wait where warps may hold copies of the row (a slice narrower
     than 256 columns a warp)."""
-    width, rows = exchange_width(generator.plan), generator.params.block_rows
-    round_ = list(generator.plan.exchanges).index(level)
-    # the rows' first words, in the rows' layout (no conversion for the asm)
+    plan, params = generator.plan, generator.params
+    width, rows = exchange_width(plan), params.block_rows
+    round_ = list(plan.exchanges).index(level)
+    shared = cluster_exchange(plan, params) if params.cluster else 0
+    # the rows' first words, in the rows' layout (no conversion for the asm); a cluster's:
+    # the row's first word of the round in each program's own (the interpreter's: global)
     base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
                        "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
-    post = generator.helper("xpost", post_source, len(partials), rows)
+    word = emit.assign(f"((xj % {KEPT_ROWS} * {len(plan.exchanges)} + {round_}) * PARTS * "
+                       f"{width} * BLOCK_ROWS + rows - pid * BLOCK_ROWS).to(tl.int32) + xstart",
+                       "xword") if shared else "0"  # fmt: skip
+    post = generator.helper("xpost", post_source, len(partials), rows, params.parts, width,
+                            shared)  # fmt: skip
     bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
-    posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), xtag, {bits})")
-    wait = generator.helper(
-        "xwait", wait_source, generator.params.parts, width, len(partials), rows
-    )
-    words = [emit.fresh("xw") for _ in range(generator.params.parts * len(partials))]
-    emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, xtag)")  # after the post
+    posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), {word}, xtag, {bits})")
+    wait = generator.helper("xwait", wait_source, params.parts, width, len(partials), rows,
+                            shared)  # fmt: skip
+    words = [emit.fresh("xw") for _ in range(params.parts * len(partials))]
+    # after the post: its result added in
+    emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, {word} + {posted}, xtag)")
     if generator.params.block_columns < 256 * generator.params.num_warps:  # copies of the row
         emit.line("tl.debug_barrier()")
     values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]

@@ -41,22 +41,21 @@ from schedulers.normalization.combine import (
     combine_constants,
     combine_source,
 )
-from schedulers.normalization.exchange import exchange_slots
+from schedulers.normalization.exchange import cluster_exchange, exchange_slots
 from schedulers.normalization.heuristics import (
     COLUMN_WALK,
     MULTIWAVE,
     SPLIT,
-    SPLIT_SUMS_FROM,
     STRATEGIES,
     WARP_SPECIALIZED,
     NormalizationParams,
     forward_chunks,
     multiwave_params,
     short_row_params,
-    split_params,
     splits_variance,
     tma_inputs,
 )
+from schedulers.normalization.split import SPLIT_SUMS_FROM, split_params
 from schedulers.normalization.warp_specialized import (
     WS_GAINS,
     rows_in_flight,
@@ -337,7 +336,9 @@ class NormalizationLauncher(Launcher):
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)
-        kernel = BoundKernel(self.kernel, options)
+        clustered = params.cluster and params.strategy == SPLIT
+        kernel = BoundKernel(self.kernel, options, cluster=params.parts if clustered else 1,
+                             shared=cluster_exchange(plan, params) if clustered else 0)  # fmt: skip
         grid = (cdiv(rows, params.block_rows),)
         if params.programs:
             grid = (min(grid[0], params.programs),)
@@ -360,8 +361,9 @@ class NormalizationLauncher(Launcher):
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
-                slots = [torch.zeros(exchange_slots(plan, params, count), dtype=torch.int64,
-                                     device=device)]  # fmt: skip
+                # a cluster's programs exchange through its shared memory (compiled)
+                needed = 1 if kernel.cluster > 1 else exchange_slots(plan, params, count)
+                slots = [torch.zeros(needed, dtype=torch.int64, device=device)]
             partials = [allocate((count, columns), dtype=torch.float32, device=device)
                         for _ in range(sums)]  # fmt: skip
             concurrently = split and device.type != "cuda"  # the interpreter's programs
@@ -424,8 +426,9 @@ class NormalizationLauncher(Launcher):
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
-        interpreter: two groups; ``params.programs``, when set, at most); a device
-        that cannot hold one group raises ``RuntimeError`` (they would wait forever)."""
+        interpreter: two groups; ``params.programs``, when set, at most, and for a
+        cluster's exchange exactly: its groups wait for no others); a device that cannot
+        hold one group raises ``RuntimeError`` (they would wait forever)."""
         params = self.params
         if device.type != "cuda":
             resident = 2 * params.parts
@@ -440,7 +443,7 @@ class NormalizationLauncher(Launcher):
                 self.resident[key] = resident_programs(compiled, self.hardware)
             resident = self.resident[key]
         if params.programs:
-            resident = min(resident, params.programs)
+            resident = params.programs if params.cluster else min(resident, params.programs)
         if resident < params.parts:
             raise RuntimeError(
                 f"{params}: the device holds {resident} of this kernel's programs at once, "

@@ -1,0 +1,122 @@
+"""The split strategy's heuristics: a row too long for one program's registers split over
+several programs that exchange their partial reductions (``exchange`` emits the
+exchange), through global memory or, on Hopper, through a thread-block cluster's
+distributed shared memory."""
+
+from __future__ import annotations
+
+from schedulers.hardware import HardwareProfile
+from schedulers.normalization.analysis import NormalizationPlan
+from schedulers.normalization.exchange import CLUSTER_PARTS
+from schedulers.normalization.heuristics import SPLIT, NormalizationParams, tma_refusal
+from schedulers.runtime import cdiv, cluster_launches, next_power_of_two
+
+SPLIT_SLICE = 8192  # columns a program of a split forward (no column sums): the width at
+# which one program's persistent row reaches 0.90-0.96 of copy (H200, RMSNorm, LayerNorm)
+SPLIT_VALUES = 32  # values a thread a buffered row in a split row's program; 64 where
+# the row keeps no column sums (a forward: H100, LayerNorm forward 4096x65536, 4 warps
+# a slice of 8192 0.87 of copy against 0.60 with 8, commit 0cd9b33,
+# norms_lnfwd_sweep_h100_0cd9b33.json; H200, 0.71 against 0.45, RMSNorm forward 0.80
+# either way, norms_fwd65536_sweep_h200_cf2d605.json)
+SPLIT_FORWARD_VALUES = 64
+# A split forward's input (one of the full shape, no column sums) comes through TMA
+# descriptors into shared memory, the walk pipelined this many stages deep (Triton's
+# num_stages: two rows ahead), instead of the next row's load held in registers. 4096x
+# 65536, against the prefetch: RMSNorm forward 0.85-0.88 of copy against 0.81 on H200,
+# LayerNorm forward 0.89-0.90 against 0.86-0.87 on H100 (RMSNorm level, 0.90-0.92);
+# two stages 0.69 for LayerNorm on H100, four 0.88 (results/norms_splitfwd_sweep_
+# {h200,h100}_d9669bd.json, norms_split_poll_{h200,h100}_b1e13ab.json). A backward's are
+# slower that way (RMSNorm 8192x16384, H200: 0.72-0.74 against 0.74-0.75 prefetched;
+# LayerNorm 0.51-0.58 against 0.62; norms_split_poll_h200_b1e13ab.json).
+SPLIT_TMA_STAGES = 3
+# A split row with column sums (a backward): slices of this many columns (SPLIT_VALUES a
+# thread: 4 warps), its inputs loaded by pointer, pipelined SPLIT_SUMS_STAGES rows deep,
+# instead of 8192 over 8 warps with the next row prefetched (fraction of copy, H200 / H100,
+# results/norms_split_pipelined_{h200,h100}_{1,2}_554e014.json): LayerNorm backward
+# 8192x16384 0.80 / 0.90 against 0.70 / 0.84, 4096x65536 0.69 / 0.86 against 0.66 / 0.80;
+# RMSNorm backward 4096x65536 0.76 / 0.90 against 0.71 / 0.86. Pipelined at 8192 over 8
+# warps: 0.77 / 0.90 (16384), 0.69 / 0.87 (65536); 4 or 5 deep within 0.02 (RMSNorm up,
+# LayerNorm down); 2 deep, and 16 values a thread for LayerNorm: lower.
+SPLIT_SUMS_SLICE = 4096
+SPLIT_SUMS_STAGES = 3
+# Rows with column sums held by one multi-wave program from this many columns on are split
+# too (RMSNorm backward at 16384: 16 warps, 32 values a thread, spilling a little):
+# 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
+# 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
+SPLIT_SUMS_FROM = 16384
+# A split forward's (no column sums) programs of a row form a thread-block cluster on sm_90
+# and exchange through its distributed shared memory (``exchange.cluster_exchange``):
+# this many clusters an SM walk the rows. Against the exchange through global memory
+# (H200, 4096x65536, .devtmp A/B at 79cd880+, results/norms_cluster_*): RMSNorm forward
+# 0.90-0.92 of copy against 0.84-0.86, LayerNorm forward 0.82 against 0.82; as many
+# clusters as the device holds at once (its SMs' loads uneven, placed by cluster) 0.72-
+# 0.83, one an SM 0.91 / 0.79. Backwards stay on global memory: RMSNorm 8192x16384 0.80
+# against 0.81, LayerNorm 4096x65536 0.67-0.71 against 0.72.
+CLUSTERS_PER_SM = 2
+
+
+def split_params(
+    plan: NormalizationPlan,
+    hardware: HardwareProfile,
+    columns: int,
+    parts: int | None = None,
+) -> NormalizationParams | str:
+    """A row split over ``parts`` programs, or why it cannot be: each program keeps its
+    slice of the row (and of the column sums) in registers, exchanges its partial
+    reductions with the others through tagged slots in global memory (a round a level of
+    reductions, a row), and applies them to its slice; weights are loaded once. Without
+    column sums, on sm_90, a row's programs form a thread-block cluster exchanging
+    through its shared memory, ``CLUSTERS_PER_SM`` of them an SM.
+    By default, at least two programs, and no more than a warp polls words at once (a
+    row longer than that many slices takes wider ones, more warps):
+    - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
+      fills), the walk's loads pipelined ``SPLIT_SUMS_STAGES`` rows deep;
+    - without, a power of two of programs, one per ``SPLIT_SLICE`` columns, the one
+      input's slices through TMA, pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA
+      can stride its rows, else the next row's inputs loaded before the exchange.
+    First measured on H200 (``results/norms_split_h200.json``, commit ``215a8eb``): 8 warps
+    a slice of 8192 columns, the next row prefetched; the constants say what replaced
+    it. The programs of a row wait for each other, so the grid is never larger than the
+    device holds at once (clusters aside: their programs run together)."""
+    if hardware.arch and hardware.arch < 70:
+        return f"polling the exchange needs sm_70 or later (sm_{hardware.arch})"
+    other = [t for t in plan.levels if not t.dtype.is_floating or t.dtype.bits > 32]
+    if other:
+        return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
+                "integer and float64 reductions are not split")  # fmt: skip
+    sums = bool(plan.column_sums)
+    if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
+        most = max(1, hardware.warp_size // max(plan.exchanges.values()))
+        if sums:  # slices wider where capped; as many as the row fills (3 at 12288)
+            wide = max(SPLIT_SUMS_SLICE, next_power_of_two(cdiv(columns, most)))
+            parts = max(2, cdiv(columns, wide))
+        else:  # a power of two of them
+            parts = max(2, min(next_power_of_two(cdiv(columns, SPLIT_SLICE)),
+                               1 << (most.bit_length() - 1)))  # fmt: skip
+    if parts < 1:
+        return f"parts={parts}: at least one program a row"
+    width = next_power_of_two(cdiv(max(columns, 1), parts))
+    values = SPLIT_VALUES if sums else SPLIT_FORWARD_VALUES
+    warps = max(1, min(16, width // (values * hardware.warp_size)))
+    full = plan.full_inputs
+    # measured on forwards: one full input, no column sums
+    tma = (len(full) == 1 and not sums
+           and tma_refusal(plan, hardware, columns, width) is None)  # fmt: skip
+    prefetch = not sums and not tma and all(not t.dtype.storage_only for t in full)
+    stages = SPLIT_TMA_STAGES if tma else SPLIT_SUMS_STAGES if sums else 1
+    loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
+             else f", the inputs' slices pipelined {stages} rows deep" if sums
+             else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
+    cluster = (not sums and hardware.arch // 10 == 9 and parts <= CLUSTER_PARTS
+               and cluster_launches())  # fmt: skip
+    programs = parts * hardware.sm_count * CLUSTERS_PER_SM if cluster else 0
+    why = (
+        f"the row split over {parts} programs of {width} columns ({warps} warps, "
+        f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
+        f"{len(plan.levels)} partial reductions exchanged a row{loads}"
+        + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
+           "programs" if cluster else "; as many programs as the device holds at once")
+    )  # fmt: skip
+    return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
+                               column_registers=True, parts=parts, prefetch=prefetch,
+                               tma=tma, cluster=cluster, why=why)  # fmt: skip
