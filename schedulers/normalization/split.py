@@ -44,14 +44,16 @@ SPLIT_SUMS_STAGES = 3
 # 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
 # 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
 SPLIT_SUMS_FROM = 16384
-# A split forward's (no column sums) programs of a row form a thread-block cluster on sm_90
-# and exchange through its distributed shared memory (``exchange.cluster_exchange``):
-# this many clusters an SM walk the rows. Against the exchange through global memory
-# (H200, 4096x65536, .devtmp A/B at 79cd880+, results/norms_cluster_*): RMSNorm forward
-# 0.90-0.92 of copy against 0.84-0.86, LayerNorm forward 0.82 against 0.82; as many
-# clusters as the device holds at once (its SMs' loads uneven, placed by cluster) 0.72-
-# 0.83, one an SM 0.91 / 0.79. Backwards stay on global memory: RMSNorm 8192x16384 0.80
-# against 0.81, LayerNorm 4096x65536 0.67-0.71 against 0.72.
+# A split forward's (no column sums) programs of a row, exchanging one partial a row
+# (RMSNorm's), form a thread-block cluster on sm_90 and exchange through its distributed
+# shared memory (``exchange.cluster_exchange``): this many clusters an SM walk the rows.
+# H200 (results/norms_cluster_*_h200_cf04f06.json), against the exchange through global
+# memory: RMSNorm forward 4096x65536 0.91 of copy against 0.87, 8192x65536 0.92 against
+# 0.85; as many clusters as the device holds at once 0.72-0.83 (placed by cluster, the
+# SMs' loads are uneven), one an SM 0.90-0.91. Two partials (LayerNorm's variance) stay
+# on global memory: 4096x65536 0.82 either way, 8192x32768 0.80 against 0.83; and the
+# backwards: RMSNorm 8192x16384 0.80 against 0.81, LayerNorm 4096x65536 0.67-0.71
+# against 0.72 (.devtmp A/B probes, results/norms_cluster_ab_h200_*.json).
 CLUSTERS_PER_SM = 2
 
 
@@ -65,8 +67,9 @@ def split_params(
     slice of the row (and of the column sums) in registers, exchanges its partial
     reductions with the others through tagged slots in global memory (a round a level of
     reductions, a row), and applies them to its slice; weights are loaded once. Without
-    column sums, on sm_90, a row's programs form a thread-block cluster exchanging
-    through its shared memory, ``CLUSTERS_PER_SM`` of them an SM.
+    column sums and with one partial a row to exchange, on sm_90, a row's programs form
+    a thread-block cluster exchanging through its shared memory, ``CLUSTERS_PER_SM`` of
+    them an SM.
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
@@ -107,8 +110,8 @@ def split_params(
     loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
-    cluster = (not sums and hardware.arch // 10 == 9 and parts <= CLUSTER_PARTS
-               and cluster_launches())  # fmt: skip
+    cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
+               and parts <= CLUSTER_PARTS and cluster_launches())  # fmt: skip
     programs = parts * hardware.sm_count * CLUSTERS_PER_SM if cluster else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
