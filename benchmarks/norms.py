@@ -57,6 +57,8 @@ from schedulers.normalization import (  # noqa: E402
     WARP_SPECIALIZED,
     NormalizationParams,
 )
+from schedulers.normalization.exchange import CLUSTER_PARTS  # noqa: E402
+from schedulers.normalization.split import CLUSTERS_PER_SM  # noqa: E402
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
@@ -142,6 +144,13 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants["split,prefetched"] = replace(params, tma=False, stages=1, prefetch=True)
             for stages in (2, 4):
                 variants[f"split,stages={stages}"] = replace(params, stages=stages)
+        if params.cluster:  # the exchange through global memory; 1 and 4 clusters an SM
+            variants["split,global exchange"] = replace(params, cluster=False, programs=0)
+            for programs in (params.programs // 2, params.programs * 2):
+                variants[f"split,programs={programs}"] = replace(params, programs=programs)
+        elif params.parts <= CLUSTER_PARTS:  # a cluster a row, 2 an SM
+            programs = params.parts * sm_count * CLUSTERS_PER_SM
+            variants["split,cluster"] = replace(params, cluster=True, programs=programs)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours
         for stages in (2, 3, 4):
