@@ -80,11 +80,11 @@ class BoundKernel:
     whose ``tl.constexpr`` arguments are not its last, all given in ``keywords``.
 
     With ``cluster`` > 1 the programs are launched in thread-block clusters of that many
-    consecutive ones (the grid counts programs), each asking for ``shared`` bytes of
-    shared memory past what the compiler took (the kernel finds them from the end of
-    its dynamic shared memory): always straight to the compiled kernel, loaded for
-    that much, not through the ``JITFunction`` (whose launch knows no clusters; launch
-    hooks are not called); on the interpreter, through it, one program after another.
+    consecutive ones (the grid counts programs), the kernel declaring ``shared`` bytes
+    of static shared memory of its own beside the compiler's (dynamic): always straight
+    to the compiled kernel, loaded to allow both, not through the ``JITFunction`` (whose
+    launch knows no clusters; launch hooks are not called); on the interpreter, through
+    it, one program after another.
 
     Example::
 
@@ -156,11 +156,12 @@ class BoundKernel:
                 metadata.num_ctas != 1):  # fmt: skip
             raise ValueError(f"{compiled.name}: scratch memory or CTAs of its own: "
                              "not launched in clusters here")  # fmt: skip
-        shared = cdiv(metadata.shared, 16) * 16 + self.shared
+        # loaded for its dynamic and static shared memory together: Triton's loader then
+        # allows the dynamic part past the default 48 KiB where the two pass it
         _, function, *_ = self.driver.active.utils.load_binary(
-            compiled.name, compiled.kernel, shared, device
+            compiled.name, compiled.kernel, metadata.shared + self.shared, device
         )
-        return compiled.run, function, (metadata.num_warps, self.cluster, shared)
+        return compiled.run, function, (metadata.num_warps, self.cluster, metadata.shared)
 
     def _key(self, arguments: tuple) -> tuple | None:
         """The compiled kernel's key for these arguments (its device first); None where

@@ -746,7 +746,7 @@ def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
 @pytest.mark.parametrize("block_rows", [1, 2])
 def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
     """Forced (``cluster=True``): compiled, a row's programs are a thread-block cluster:
-    each zeroes its exchange words at the end of its dynamic shared memory, the cluster
+    each declares its exchange words (static shared memory) and zeroes them, the cluster
     waits at its barrier, then a program stores its partials into every program's words
     (one row a block: a thread a program) and polls its own; the barrier again before
     it leaves. The interpreter runs the global exchange of the same source (its
@@ -763,7 +763,8 @@ def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
             for actual, wanted in zip(outputs[1:], exact, strict=True):
                 assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
         (text,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
-        assert text.count("%dynamic_smem_size") == 4  # the start (twice), the post, the wait
+        assert text.count(".shared .align 16 .b8 xwords[") == 1  # declared once
+        assert text.count("mov.u32 a, xwords;") == 3  # the start, the post, the wait
         assert text.count("barrier.cluster.arrive.release") == 2, text
         assert "xstart = xstart0(" in text and "xbarrier" in text.split("tl.range(")[-1]
         assert "mapa.shared::cluster.u32" in text and "%cluster_ctarank" in text

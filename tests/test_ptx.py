@@ -140,27 +140,32 @@ from schedulers.hardware import H200
 from schedulers.normalization.heuristics import SPLIT
 from schedulers.ptx import compile_ptx
 from schedulers.registry import split_into_kernels
-fd = BUILDERS["layernorm_bwd"](16384, "bfloat16")
+name, n = sys.argv[3], int(sys.argv[4])
+fd = BUILDERS[name](n, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
-params = group.scheduler.heuristics(group.plan, H200, [8192, 16384], SPLIT)
+params = group.scheduler.heuristics(group.plan, H200, [8192, n], SPLIT)
 params = dataclasses.replace(params, **json.loads(sys.argv[2]))
-(kernel, *_) = group.scheduler.kernels(group.plan, params, [8192, 16384], True)
+(kernel, *_) = group.scheduler.kernels(group.plan, params, [8192, n], True)
 ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
                   kernel.num_warps)
 print(json.dumps({"parts": params.parts, "polls": ptx.count("ld.relaxed.gpu.global.b64"),
                   "posts": ptx.count("atom.relaxed.gpu.global.exch.b64"),
                   "stores": ptx.count("st.relaxed.gpu.global.b64"),
                   "shuffles": ptx.count("shfl.sync.idx.b32"),
-                  "votes": ptx.count("vote.sync.all")}))
+                  "votes": ptx.count("vote.sync.all"),
+                  "cluster_stores": ptx.count("st.relaxed.cluster.shared::cluster.b64"),
+                  "cluster_polls": ptx.count("ld.volatile.shared.b64"),
+                  "barriers": ptx.count("barrier.cluster.arrive"),
+                  "declared": ptx.count(".shared .align 16 .b8 xwords[")}))
 """
 
 
-def _split_exchange(overrides: dict) -> dict:
+def _split_exchange(overrides: dict, name: str = "layernorm_bwd", n: int = 16384) -> dict:
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run([sys.executable, "-c", _SPLIT_EXCHANGE, str(ROOT),
-                             json.dumps(overrides)], cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=600)  # fmt: skip
+                             json.dumps(overrides), name, str(n)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 
@@ -194,6 +199,22 @@ def test_a_split_rows_exchange_falls_back_to_polling_every_word(overrides, polls
         assert found["posts"] == 2 and found["stores"] == 0, found
     else:
         assert found["stores"] > 0 and found["posts"] == 0, found
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "rows"),
+    [("softmax_bwd", 48, 1), ("rmsnorm_fwd", 65535, 1), ("layernorm_bwd", 16384, 2)],
+)
+def test_a_clusters_exchange_assembles_for_sm_90(name, n, rows):
+    """A split row's programs as a cluster (forced), accepted by ptxas: the exchange
+    words declared once by the kernel (its own shared memory: a one-warp kernel whose
+    compiler took none has no other to name, and ptxas refused one named so), stores
+    into the others' words and polls of its own, no word in global memory; the barrier
+    once before the walk and once after it."""
+    found = _split_exchange({"cluster": True, "programs": 64, "block_rows": rows}, name, n)
+    assert found["declared"] == 1 and found["barriers"] == 2, found
+    assert found["cluster_stores"] > 0 and found["cluster_polls"] > 0, found
+    assert found["polls"] == found["posts"] == found["stores"] == 0, found
 
 
 _COLUMN_WALK = """

@@ -379,8 +379,8 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
 
 
 def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(monkeypatch):
-    """``cluster``: compiled without a launch (``warmup``), loaded again asking for its
-    shared memory to 16 bytes plus ``shared``, every launch straight to it in clusters
+    """``cluster``: compiled without a launch (``warmup``), loaded again allowing for its
+    dynamic shared memory and ``shared`` static bytes, every launch straight to it in clusters
     (Triton's launcher: the grid in clusters, the cluster's size as its CTA count), a
     launch hook or not; a grid not made of clusters is refused. The interpreter runs it
     one program after another through the JIT; a Triton not launched directly refuses."""
@@ -409,8 +409,8 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     finally:
         knobs.runtime.launch_enter_hook.remove(print)
     assert warmed == [((8,), (x, y, 16), keywords)] and not kernel.jitted
-    assert loaded == [("k", b"cubin", 1008 + 64, 0)]
-    launch = ("clustered", (4, 4, 1072), None, None, None, x, y, 16, 64, 8)
+    assert loaded == [("k", b"cubin", 1000 + 64, 0)]
+    launch = ("clustered", (4, 4, 1000), None, None, None, x, y, 16, 64, 8)
     assert kernel.direct == [(2, 1, 1, 77, *launch), (3, 1, 1, 77, *launch)]
     with pytest.raises(ValueError, match="not made of clusters of 4"):
         bound((6,), x, y, 32)

@@ -94,7 +94,7 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
         stores = (
             (f".reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.ge.u32 q, t, {parts}; "
              "@q bra DONE; " if lanes else "")
-            + ".reg .b32 r, n; " + _exchange_words(shared, "$1")
+            + ".reg .b32 r, n; " + _exchange_words("$1")
             + f"mov.u32 n, %cluster_ctarank; mad.lo.u32 a, n, {8 * width * rows}, a; "
             + " ".join(f"mapa.shared::cluster.u32 r, a, {peer}; " + " ".join(
                 f"mov.b64 w, {{${k + 3}, $2}}; "
@@ -146,7 +146,7 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int, shared
     tag = f"${words + 1}"
     # where the words are: a global pointer, or this program's shared exchange words
     load = "ld.volatile.shared.b64" if shared else "ld.relaxed.gpu.global.b64"
-    at = _exchange_words(shared, f"${words}") if shared else f".reg .b64 a; mov.b64 a, ${words}; "
+    at = _exchange_words(f"${words}") if shared else f".reg .b64 a; mov.b64 a, ${words}; "
     if rows == 1 and words <= 32:
         shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
         step = ("mul.lo.u32 i, i, 8; add.u32 a, a, i; " if shared
@@ -196,36 +196,39 @@ def cluster_exchange(plan: NormalizationPlan, params: NormalizationParams) -> in
     """Bytes of shared memory a program of a cluster's exchange (``params.cluster``)
     receives the partial reductions in, as the global slots of one group
     (``exchange_slots``): ``KEPT_ROWS`` rows' worth, for each level, program, reduction of
-    the level and row of the block, 8 bytes each. They follow the kernel's own shared
-    memory: the launch asks for this much more (``BoundKernel``'s ``shared``), and the
-    words are found from the end of the dynamic shared memory (``%dynamic_smem_size``),
-    not from what the compiler took."""
+    the level and row of the block, 8 bytes each. The kernel declares them itself
+    (``EXCHANGE_WORDS``, static shared memory: the compiler's own is dynamic, and a
+    kernel that takes none has no name for it); the launch makes room for them
+    (``BoundKernel``'s ``shared``)."""
     return 8 * exchange_slots(plan, params, 1)
 
 
-def _exchange_words(shared: int, word: str) -> str:
+# The exchange words' name in a cluster's kernel (declared by ``cluster_start_source``)
+EXCHANGE_WORDS = "xwords"
+
+
+def _exchange_words(word: str) -> str:
     """PTX: ``a`` = the shared address of this program's 64-bit exchange word ``word`` (a
-    register operand): the last ``shared`` bytes of the dynamic shared memory."""
-    return (
-        ".reg .b32 a, s; mov.u32 a, global_smem; mov.u32 s, %dynamic_smem_size; "
-        f"add.u32 a, a, s; sub.u32 a, a, {shared}; shl.b32 s, {word}, 3; add.u32 a, a, s; "
-    )
+    register operand)."""
+    return f".reg .b32 a, s; mov.u32 a, {EXCHANGE_WORDS}; shl.b32 s, {word}, 3; add.u32 a, a, s; "
 
 
 def cluster_start_source(name: str, shared: int) -> str:
-    """``name(token)``: this program's ``shared`` bytes of exchange words zeroed (what the
-    shared memory held before carries stale tags), then every thread of the cluster's
-    programs waits for all (``barrier.cluster``) before any stores into another's words;
-    returns zero (int32) for the posts to depend on. The interpreter's programs exchange
-    through global memory, zeroed before the launch: nothing to do."""
+    """``name(token)``: this program's ``shared`` bytes of exchange words declared (at the
+    kernel's scope, once: the posts and waits name them) and zeroed (what the shared
+    memory held before carries stale tags), then every thread of the cluster's programs
+    waits for all (``barrier.cluster``) before any stores into another's words; returns
+    zero (int32) for the posts to depend on. The interpreter's programs exchange through
+    global memory, zeroed before the launch: nothing to do."""
     return (
         f"@triton.jit\ndef {name}(token):\n"
         "    if INTERPRETED:\n        return token * 0\n"
         "    else:\n"
-        '        return tl.inline_asm_elementwise("{ .reg .pred p; .reg .b32 t, n, e; '
-        ".reg .b64 z; mov.b64 z, 0; mov.u32 t, %tid.x; mov.u32 n, %ntid.x; "
-        + _exchange_words(shared, "t")
-        + "mov.u32 e, global_smem; mov.u32 s, %dynamic_smem_size; add.u32 e, e, s; "
+        f'        return tl.inline_asm_elementwise(".shared .align 16 .b8 {EXCHANGE_WORDS}'
+        f"[{shared}]; {{ .reg .pred p; .reg .b32 t, n, e; .reg .b64 z; mov.b64 z, 0; "
+        "mov.u32 t, %tid.x; mov.u32 n, %ntid.x; "
+        + _exchange_words("t")
+        + f"mov.u32 e, {EXCHANGE_WORDS}; add.u32 e, e, {shared}; "
         "shl.b32 n, n, 3; ZERO: setp.ge.u32 p, a, e; @p bra DONE; st.shared.b64 [a], z; "
         "add.u32 a, a, n; bra ZERO; DONE: barrier.cluster.arrive.release; "
         'barrier.cluster.wait.acquire; mov.u32 $0, 0; }", "=r,r", [token], '
