@@ -28,7 +28,7 @@ from fusion.ir import TensorView
 from schedulers.codegen import COMBINE, Emitter, reduce_call
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
-from schedulers.runtime import next_power_of_two
+from schedulers.runtime import cdiv, next_power_of_two
 
 if TYPE_CHECKING:  # the generator calls these; they emit through it
     from schedulers.normalization.codegen import Generator, Step
@@ -196,11 +196,18 @@ def cluster_exchange(plan: NormalizationPlan, params: NormalizationParams) -> in
     """Bytes of shared memory a program of a cluster's exchange (``params.cluster``)
     receives the partial reductions in, as the global slots of one group
     (``exchange_slots``): ``KEPT_ROWS`` rows' worth, for each level, program, reduction of
-    the level and row of the block, 8 bytes each. The kernel declares them itself
-    (``EXCHANGE_WORDS``, static shared memory: the compiler's own is dynamic, and a
-    kernel that takes none has no name for it); the launch makes room for them
-    (``BoundKernel``'s ``shared``)."""
-    return 8 * exchange_slots(plan, params, 1)
+    the level and row of the block, 8 bytes each, to ``STATIC_ALIGN_BYTES``. The kernel
+    declares them itself (``EXCHANGE_WORDS``, static shared memory: the compiler's own
+    is dynamic, and a kernel that takes none has no name for it); the launch makes room
+    for them (``BoundKernel``'s ``shared``)."""
+    return cdiv(8 * exchange_slots(plan, params, 1), STATIC_ALIGN_BYTES) * STATIC_ALIGN_BYTES
+
+
+# The dynamic shared memory follows the static: a TMA tile's buffer in it must stay on a
+# 1024-byte boundary (128-byte swizzling), so the static words take a multiple of that.
+# With 64 bytes of words, the H200 faulted (misaligned address) in softmax forward's
+# split row through TMA at 48 columns (check_gpu).
+STATIC_ALIGN_BYTES = 1024
 
 
 # The exchange words' name in a cluster's kernel (declared by ``cluster_start_source``)
@@ -224,7 +231,8 @@ def cluster_start_source(name: str, shared: int) -> str:
         f"@triton.jit\ndef {name}(token):\n"
         "    if INTERPRETED:\n        return token * 0\n"
         "    else:\n"
-        f'        return tl.inline_asm_elementwise(".shared .align 16 .b8 {EXCHANGE_WORDS}'
+        f'        return tl.inline_asm_elementwise(".shared .align {STATIC_ALIGN_BYTES} .b8 '
+        f"{EXCHANGE_WORDS}"
         f"[{shared}]; {{ .reg .pred p; .reg .b32 t, n, e; .reg .b64 z; mov.b64 z, 0; "
         "mov.u32 t, %tid.x; mov.u32 n, %ntid.x; "
         + _exchange_words("t")
