@@ -57,7 +57,7 @@ from schedulers.normalization import (  # noqa: E402
     WARP_SPECIALIZED,
     NormalizationParams,
 )
-from schedulers.normalization.exchange import CLUSTER_PARTS  # noqa: E402
+from schedulers.normalization.exchange import CLUSTER_SIZES  # noqa: E402
 from schedulers.normalization.split import CLUSTERS_PER_SM  # noqa: E402
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
@@ -148,7 +148,7 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants["split,global exchange"] = replace(params, cluster=False, programs=0)
             for programs in (params.programs // 2, params.programs * 2):
                 variants[f"split,programs={programs}"] = replace(params, programs=programs)
-        elif params.parts <= CLUSTER_PARTS:  # a cluster a row, 2 an SM
+        elif params.parts in CLUSTER_SIZES:  # a cluster a row, 2 an SM
             programs = params.parts * sm_count * CLUSTERS_PER_SM
             variants["split,cluster"] = replace(params, cluster=True, programs=programs)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}

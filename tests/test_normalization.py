@@ -773,6 +773,10 @@ def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
         assert "st.relaxed.cluster.shared::cluster.b64" in text
         assert "ld.volatile.shared.b64" in text and "ld.relaxed.gpu.global" not in text
         assert ("setp.ge.u32 q, t, 4;" in text) == (block_rows == 1)  # a thread a program
+    # 9-15 programs: past the portable 8, and the launch asks for more only at 16
+    _, plan = _plan("rmsnorm_fwd", 500)
+    with pytest.raises(ValueError, match="holds 1, 2, 3, 4, 5, 6, 7, 8, 16 of them"):
+        source(plan, dataclasses.replace(params, parts=12))
 
 
 def test_a_split_forward_exchanges_through_global_memory_where_clusters_cannot_launch(

@@ -27,7 +27,7 @@ from schedulers.codegen import (
 )
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import (
-    CLUSTER_PARTS,
+    CLUSTER_SIZES,
     barrier_source,
     cluster_exchange,
     cluster_start_source,
@@ -69,9 +69,9 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
-    if params.cluster and not (split and 1 <= params.parts <= CLUSTER_PARTS):
-        raise ValueError(f"{params}: a cluster holds a split row's {CLUSTER_PARTS} programs "
-                         "at most")  # fmt: skip
+    if params.cluster and not (split and params.parts in CLUSTER_SIZES):
+        raise ValueError(f"{params}: a cluster of a split row's programs holds "
+                         f"{', '.join(map(str, CLUSTER_SIZES))} of them")  # fmt: skip
     if params.tma and not (split and params.stages > 1 and not params.prefetch):
         raise ValueError(f"{params}: TMA tiles need a split row, stages > 1, no prefetch")
     tiles = set(tma_inputs(plan, params))  # TMA descriptors of (rows, COLUMNS)

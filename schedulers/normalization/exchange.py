@@ -36,9 +36,9 @@ if TYPE_CHECKING:  # the generator calls these; they emit through it
 # Rows of slots a group uses in turn: a program is at most one row ahead of the others
 # (``exchange_partials`` says why)
 KEPT_ROWS = 2
-# A cluster's programs at most: 16, beyond the portable 8, is allowed on sm_90 (Triton's
-# launcher asks for it at 16)
-CLUSTER_PARTS = 16
+# The clusters a split row's programs may form: up to the portable 8, and 16 (beyond it,
+# allowed on sm_90 where the launch asks for it: Triton's launcher does at 16 only)
+CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
 
 
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:

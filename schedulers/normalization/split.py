@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
-from schedulers.normalization.exchange import CLUSTER_PARTS
+from schedulers.normalization.exchange import CLUSTER_SIZES
 from schedulers.normalization.heuristics import SPLIT, NormalizationParams, tma_refusal
 from schedulers.runtime import cdiv, cluster_launches, next_power_of_two
 
@@ -111,7 +111,7 @@ def split_params(
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
-               and parts <= CLUSTER_PARTS and cluster_launches())  # fmt: skip
+               and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
     programs = parts * hardware.sm_count * CLUSTERS_PER_SM if cluster else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
