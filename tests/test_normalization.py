@@ -734,13 +734,19 @@ def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
     params = NormalizationParams(2, 128, 2, True, programs=8, strategy=SPLIT,
                                  column_registers=column_registers, parts=4)  # fmt: skip
     for name in ("layernorm_bwd", "softmax_fwd"):
-        fd, inputs, outputs, executor = _run(name, 500, "bfloat16", rows=11, params=params)
-        expected = fd.execute(inputs)
-        assert_close(outputs[0], expected[0], reduction_extent=500)
-        if name == "layernorm_bwd":
-            exact = _weight_gradients_in_float64(name, inputs)
-            for actual, wanted in zip(outputs[1:], exact, strict=True):
-                assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+        _check_eleven_rows_of_500(name, params)
+
+
+def _check_eleven_rows_of_500(name: str, params: NormalizationParams) -> None:
+    """``name`` with ``params`` over 11 rows of 500 columns against the reference (a
+    backward's weight gradients against float64 arithmetic)."""
+    fd, inputs, outputs, _ = _run(name, 500, "bfloat16", rows=11, params=params)
+    expected = fd.execute(inputs)
+    assert_close(outputs[0], expected[0], reduction_extent=500)
+    if name == "layernorm_bwd":
+        exact = _weight_gradients_in_float64(name, inputs)
+        for actual, wanted in zip(outputs[1:], exact, strict=True):
+            assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
 
 
 @pytest.mark.parametrize("block_rows", [1, 2])
@@ -755,13 +761,7 @@ def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
                                  column_registers=True, parts=4, cluster=True)  # fmt: skip
     for name in ("layernorm_bwd", "rmsnorm_fwd", "layernorm_fwd"):
         KERNEL_CACHE.clear()
-        fd, inputs, outputs, executor = _run(name, 500, "bfloat16", rows=11, params=params)
-        expected = fd.execute(inputs)
-        assert_close(outputs[0], expected[0], reduction_extent=500)
-        if name == "layernorm_bwd":
-            exact = _weight_gradients_in_float64(name, inputs)
-            for actual, wanted in zip(outputs[1:], exact, strict=True):
-                assert_close(actual, wanted.to(torch.float32), reduction_extent=11)
+        _check_eleven_rows_of_500(name, params)
         (text,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
         # declared once, a multiple of 1024 bytes: the dynamic shared memory after it
         # holds TMA tiles on 1024-byte boundaries (64 bytes faulted on an H200)
