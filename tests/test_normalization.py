@@ -768,7 +768,9 @@ def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
         assert text.count(".shared .align 1024 .b8 xwords[1024]") == 1, text
         assert text.count("mov.u32 a, xwords;") == 3  # the start, the post, the wait
         assert text.count("barrier.cluster.arrive.release") == 2, text
-        assert "xstart = xstart0(" in text and "xbarrier" in text.split("tl.range(")[-1]
+        assert "xstart = xstart0(" in text.split(" row_block in ")[0]  # before the walk
+        last = text[text.index("def normalization_kernel") :].rstrip().splitlines()[-1]
+        assert last.startswith("    xbarrier"), last  # the kernel's last line, not in the walk
         assert "mapa.shared::cluster.u32" in text and "%cluster_ctarank" in text
         assert "st.relaxed.cluster.shared::cluster.b64" in text
         assert "ld.volatile.shared.b64" in text and "ld.relaxed.gpu.global" not in text

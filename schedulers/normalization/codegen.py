@@ -85,10 +85,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     early = outer.nested()  # before the walk: weights kept in registers
     if split:
         if params.cluster:  # its exchange words zeroed, the cluster's programs started
-            start_ = generator.helper(
-                "xstart", cluster_start_source, cluster_exchange(plan, params)
-            )
-            early.line(f"xstart = {start_}(tl.program_id(0) * 0)")
+            begin = generator.helper("xstart", cluster_start_source, cluster_exchange(plan, params))
+            early.line(f"xstart = {begin}(tl.program_id(0) * 0)")
         early.line("group = tl.program_id(0) // PARTS")  # the programs sharing rows
         early.line("part = tl.program_id(0) % PARTS")  # this one's slice of them
         early.line("groups = tl.num_programs(0) // PARTS")
