@@ -755,18 +755,22 @@ def test_a_split_row_exchanging_through_a_clusters_shared_memory(block_rows):
     each declares its exchange words (static shared memory) and zeroes them, the cluster
     waits at its barrier, then a program stores its partials into every program's words
     (one row a block: a thread a program) and polls its own; the barrier again before
-    it leaves. The interpreter runs the global exchange of the same source (its
-    ``INTERPRETED`` branch): every output against the reference, 11 rows over 2 groups."""
+    it leaves. The interpreter runs the same words' arithmetic on a block of global
+    memory a program (the ``INTERPRETED`` branch): every output against the reference,
+    11 rows over 2 groups, softmax forward's two rounds a row too."""
     params = NormalizationParams(block_rows, 128, 2, True, programs=8, strategy=SPLIT,
                                  column_registers=True, parts=4, cluster=True)  # fmt: skip
-    for name in ("layernorm_bwd", "rmsnorm_fwd", "layernorm_fwd"):
+    for name in ("layernorm_bwd", "rmsnorm_fwd", "layernorm_fwd", "softmax_fwd"):
         KERNEL_CACHE.clear()
         _check_eleven_rows_of_500(name, params)
+        rounds = 2 if name == "softmax_fwd" else 1  # its max, then its sum
         (text,) = [s for s in KERNEL_CACHE.sources() if "def normalization_kernel" in s]
         # declared once, a multiple of 1024 bytes: the dynamic shared memory after it
         # holds TMA tiles on 1024-byte boundaries (64 bytes faulted on an H200)
         assert text.count(".shared .align 1024 .b8 xwords[1024]") == 1, text
-        assert text.count("mov.u32 a, xwords;") == 3  # the start, the post, the wait
+        # the start's, the post's and the wait's (one of each, for every round)
+        assert text.count("mov.u32 a, xwords;") == 3, text
+        assert text.count(" = xwait") == rounds, text
         assert text.count("barrier.cluster.arrive.release") == 2, text
         assert "xstart = xstart0(" in text.split(" row_block in ")[0]  # before the walk
         last = text[text.index("def normalization_kernel") :].rstrip().splitlines()[-1]

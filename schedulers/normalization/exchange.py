@@ -57,13 +57,15 @@ def exchange_width(plan: NormalizationPlan) -> int:
 
 
 def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0,
-                shared: int = 0) -> str:  # fmt: skip
+                exchange_bytes: int = 0) -> str:  # fmt: skip
     """``name(pointer, word, tag, v0, ...)``: the ``count`` values ``v`` (a float32's bits,
     int32) stored with ``tag`` (int32) in the high half at ``pointer + k * rows`` (int64
-    words); with ``shared`` (bytes: a cluster's exchange of ``parts`` programs,
-    ``cluster_exchange``), compiled, in every program's shared memory instead, at word
-    ``word + (rank * width + k) * rows`` of its exchange words (``rank``: this program's
-    in the cluster), from ``parts`` threads at once with one row a block.
+    words); with ``exchange_bytes`` (a cluster's exchange of ``parts`` programs, each
+    program's words: ``cluster_exchange``) into every program's words instead, at
+    ``word + (rank * width + k) * rows`` (``rank``: this program's in the cluster):
+    compiled, in their shared memory, from ``parts`` threads at once with one row a
+    block; interpreted, in the blocks of ``exchange_bytes`` that follow ``pointer``, one
+    a program of the group, in the same layout (the words' arithmetic runs on a CPU).
     It returns zeros (int32) for the wait to take: the wait follows the post by a
     dependency, not by its side effects (``wait_source``). The interpreter exchanges
     the words atomically. On a GPU, at GPU scope:
@@ -87,7 +89,7 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
                           for k in range(count))  # fmt: skip
     constraints = "=r,l,r" + ",r" * count
     operands = f"pointer, tag, {values}"
-    if shared:  # to every program's shared memory: the words of this program's part
+    if exchange_bytes:  # into every program's words: those of this program's part
         constraints, operands = "=r,r,r" + ",r" * count, f"word, tag, {values}"
         lanes = rows == 1  # program p's words from thread p; else every holder, all
         peers = ["t"] if lanes else [str(peer) for peer in range(parts)]
@@ -102,10 +104,15 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
                 for k in range(count)) for peer in peers)
             + (" DONE:" if lanes else "")
         )  # fmt: skip
+    targets = [f"{k * rows}" for k in range(count)]
+    if exchange_bytes:  # each program's block, this program's part of the words
+        here = f"word + tl.program_id(0) % {parts} * {width * rows}"
+        targets = [f"{peer * exchange_bytes // 8 + k * rows} + {here}"
+                   for peer in range(parts) for k in range(count)]  # fmt: skip
     interpreted = "".join(
-        f"        tl.atomic_xchg(pointer + {k * rows}, (tag.to(tl.int64) << 32) | "
-        f'v{k}.to(tl.uint32, bitcast=True).to(tl.int64), sem="relaxed")\n'
-        for k in range(count)
+        f"        tl.atomic_xchg(pointer + {target}, (tag.to(tl.int64) << 32) | "
+        f'v{index % count}.to(tl.uint32, bitcast=True).to(tl.int64), sem="relaxed")\n'
+        for index, target in enumerate(targets)
     )
     return (
         f"@triton.jit\ndef {name}(pointer, word, tag, {values}):\n"
@@ -117,13 +124,15 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
     )
 
 
-def wait_source(name: str, parts: int, width: int, count: int, rows: int, shared: int = 0) -> str:
+def wait_source(name: str, parts: int, width: int, count: int, rows: int,
+                cluster: bool = False) -> str:  # fmt: skip
     """``name(pointer, word, tag)``: the low halves (int32) of the int64 words at ``pointer +
     (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
-    ``k`` (in that order), once each word's high half equals ``tag``; with ``shared`` (a
-    cluster's exchange, ``cluster_exchange``), compiled, this program's own exchange
-    words ``word + (p * width + k) * rows`` in shared memory, which every program of
-    the cluster stores into (``post_source``). The interpreter
+    ``k`` (in that order), once each word's high half equals ``tag``; with ``cluster`` (a
+    cluster's exchange), compiled, this program's own exchange words ``word + (p *
+    width + k) * rows`` in shared memory, which every program of the cluster stores
+    into (``post_source``; interpreted, its block's, which ``pointer`` points into). The
+    interpreter
     polls every slot of the round at once, in a loop. On a GPU, relaxed loads at
     GPU scope, in
     one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
@@ -145,11 +154,11 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int, shared
     words = len(offsets)
     tag = f"${words + 1}"
     # where the words are: a global pointer, or this program's shared exchange words
-    load = "ld.volatile.shared.b64" if shared else "ld.relaxed.gpu.global.b64"
-    at = _exchange_words(f"${words}") if shared else f".reg .b64 a; mov.b64 a, ${words}; "
+    load = "ld.volatile.shared.b64" if cluster else "ld.relaxed.gpu.global.b64"
+    at = _exchange_words(f"${words}") if cluster else f".reg .b64 a; mov.b64 a, ${words}; "
     if rows == 1 and words <= 32:
         shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
-        step = ("mul.lo.u32 i, i, 8; add.u32 a, a, i; " if shared
+        step = ("mul.lo.u32 i, i, 8; add.u32 a, a, i; " if cluster
                 else ".reg .b64 o; mul.wide.u32 o, i, 8; add.s64 a, a, o; ")  # fmt: skip
         body = (  # this lane's word: (lane % words) -> its program and partial
             f".reg .pred p; .reg .b32 i, j, lo, hi; .reg .b64 v; {at}mov.u32 i, %laneid; "
@@ -163,8 +172,8 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int, shared
         checks = " ".join(f"mov.b64 {{${k}, h}}, w{k}; setp.ne.u32 p, h, {tag}; @p bra WAIT;"
                           for k in range(words))  # fmt: skip
         body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; {at}WAIT: {loads} {checks}"
-    constraints = ",".join(["=r"] * words + ["r" if shared else "l", "r"])
-    operands = "word, tag" if shared else "pointer, tag"
+    constraints = ",".join(["=r"] * words + ["r" if cluster else "l", "r"])
+    operands = "word, tag" if cluster else "pointer, tag"
     names = ", ".join(f"w{k}" for k in range(words))
     # the interpreter: every slot of the round polled at once (unused ones carry tag 0),
     # each word picked out as integer bits (one word at a time: 76 s against 9 s, forced
@@ -304,23 +313,30 @@ def exchange_partials(
     plan, params = generator.plan, generator.params
     width, rows = exchange_width(plan), params.block_rows
     round_ = list(plan.exchanges).index(level)
-    shared = cluster_exchange(plan, params) if params.cluster else 0
-    # the rows' first words, in the rows' layout (no conversion for the asm); a cluster's:
-    # the row's first word of the round in each program's own (the interpreter's: global)
-    base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
-                       "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
-    word = emit.assign(f"((xj % {KEPT_ROWS} * {len(plan.exchanges)} + {round_}) * PARTS * "
-                       f"{width} * BLOCK_ROWS + rows - pid * BLOCK_ROWS).to(tl.int32) + xstart",
-                       "xword") if shared else "0"  # fmt: skip
+    exchange_bytes = cluster_exchange(plan, params) if params.cluster else 0
+    # the rows' first words, in the rows' layout (no conversion for the asm)
+    if exchange_bytes:  # the row's first word of the round in each program's own words
+        word = emit.assign(f"((xj % {KEPT_ROWS} * {len(plan.exchanges)} + {round_}) * PARTS "
+                           f"* {width} * BLOCK_ROWS + rows - pid * BLOCK_ROWS).to(tl.int32) "
+                           "+ xstart", "xword")  # fmt: skip
+        # interpreted: the group's blocks of words in global memory, a block a program
+        blocks = emit.assign(f"slots + tl.cast(group, tl.int64) * (PARTS * {exchange_bytes // 8})",
+                             "xblocks")  # fmt: skip
+        posts, waits = blocks, f"{blocks} + part * {exchange_bytes // 8} + {word}"
+    else:  # the group's slots, this program's part of them
+        word = "0"
+        base = emit.assign(f"slots + (xrow + {round_}) * (PARTS * {width} * BLOCK_ROWS) + "
+                           "(rows - pid * BLOCK_ROWS)", "xbase")  # fmt: skip
+        posts, waits = f"{base} + part * ({width} * BLOCK_ROWS)", base
     post = generator.helper("xpost", post_source, len(partials), rows, params.parts, width,
-                            shared)  # fmt: skip
+                            exchange_bytes)  # fmt: skip
     bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
-    posted = emit.assign(f"{post}({base} + part * ({width} * BLOCK_ROWS), {word}, xtag, {bits})")
+    posted = emit.assign(f"{post}({posts}, {word}, xtag, {bits})")
     wait = generator.helper("xwait", wait_source, params.parts, width, len(partials), rows,
-                            shared)  # fmt: skip
+                            params.cluster)  # fmt: skip
     words = [emit.fresh("xw") for _ in range(params.parts * len(partials))]
     # after the post: its result added in
-    emit.line(f"{', '.join(words)} = {wait}({base} + {posted}, {word} + {posted}, xtag)")
+    emit.line(f"{', '.join(words)} = {wait}({waits} + {posted}, {word} + {posted}, xtag)")
     if generator.params.block_columns < 256 * generator.params.num_warps:  # copies of the row
         emit.line("tl.debug_barrier()")
     values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]

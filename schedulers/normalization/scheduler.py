@@ -361,9 +361,13 @@ class NormalizationLauncher(Launcher):
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
-                # a cluster's programs exchange through its shared memory (compiled)
-                needed = 1 if kernel.cluster > 1 else exchange_slots(plan, params, count)
-                slots = [torch.zeros(needed, dtype=torch.int64, device=device)]
+                slots = [torch.zeros(exchange_slots(plan, params, count), dtype=torch.int64,
+                                     device=device) if not params.cluster else
+                         # a cluster's programs exchange through its shared memory;
+                         # interpreted, through a block of words each in global memory
+                         torch.empty(1, dtype=torch.int64, device=device) if kernel.cluster > 1
+                         else torch.zeros(count * params.parts * cluster_exchange(plan, params)
+                                          // 8, dtype=torch.int64, device=device)]  # fmt: skip
             partials = [allocate((count, columns), dtype=torch.float32, device=device)
                         for _ in range(sums)]  # fmt: skip
             concurrently = split and device.type != "cuda"  # the interpreter's programs
