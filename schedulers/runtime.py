@@ -149,19 +149,25 @@ class BoundKernel:
 
     def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
         """The compiled kernel for these arguments (compiled now, not launched), loaded
-        again asking for ``shared`` bytes more: its launch in clusters."""
+        again allowing ``shared`` bytes more (``OutOfResources`` past the device's
+        most): its launch in clusters."""
         compiled = self.kernel.warmup(*arguments, grid=grid, **self.keywords)
         metadata = compiled.metadata
         if metadata.global_scratch_size or metadata.profile_scratch_size or (
                 metadata.num_ctas != 1):  # fmt: skip
             raise ValueError(f"{compiled.name}: scratch memory or CTAs of its own: "
                              "not launched in clusters here")  # fmt: skip
+        run = compiled.run  # Triton's launcher (its own load of the kernel, checked)
+        utils, shared = self.driver.active.utils, metadata.shared + self.shared
+        most = utils.get_device_properties(device)["max_shared_mem"]
+        if shared > most:
+            from triton.runtime.errors import OutOfResources  # see the module's docstring
+
+            raise OutOfResources(shared, most, "shared memory")
         # loaded for its dynamic and static shared memory together: Triton's loader then
         # allows the dynamic part past the default 48 KiB where the two pass it
-        _, function, *_ = self.driver.active.utils.load_binary(
-            compiled.name, compiled.kernel, metadata.shared + self.shared, device
-        )
-        return compiled.run, function, (metadata.num_warps, self.cluster, metadata.shared)
+        _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
+        return run, function, (metadata.num_warps, self.cluster, metadata.shared)
 
     def _key(self, arguments: tuple) -> tuple | None:
         """The compiled kernel's key for these arguments (its device first); None where

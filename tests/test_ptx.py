@@ -154,7 +154,7 @@ print(json.dumps({"parts": params.parts, "polls": ptx.count("ld.relaxed.gpu.glob
                   "shuffles": ptx.count("shfl.sync.idx.b32"),
                   "votes": ptx.count("vote.sync.all"),
                   "cluster_stores": ptx.count("st.relaxed.cluster.shared::cluster.b64"),
-                  "cluster_polls": ptx.count("ld.volatile.shared.b64"),
+                  "cluster_polls": ptx.count("ld.relaxed.cluster.shared::cta.b64"),
                   "barriers": ptx.count("barrier.cluster.arrive"),
                   "declared": ptx.count(".shared .align 1024 .b8 xwords[1024]")}))
 """

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 import triton.runtime.interpreter as interpreter
+from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
 
 from fusion import FusionDefinition
@@ -382,7 +383,8 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     """``cluster``: compiled without a launch (``warmup``), loaded again allowing for its
     dynamic shared memory and ``shared`` static bytes, every launch straight to it in clusters
     (Triton's launcher: the grid in clusters, the cluster's size as its CTA count), a
-    launch hook or not; a grid not made of clusters is refused. The interpreter runs it
+    launch hook or not; refused: a grid not made of clusters, an argument not keyed, more
+    shared memory than the device has, scratch memory. The interpreter runs it
     one program after another through the JIT; a Triton not launched directly refuses."""
     keywords = {"WIDE": 8, "BLOCK": 64, "num_warps": 4}
     monkeypatch.setattr(runtime, "interpreted", lambda: False)
@@ -396,8 +398,10 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     bound = BoundKernel(kernel, keywords, cluster=4, shared=64)
     load = lambda name, binary, shared, device: loaded.append((name, binary, shared, device)) or (  # noqa: E731
         "module", "clustered", 32, 0, 1024)  # fmt: skip
+    properties = lambda device: {"max_shared_mem": 99 * 1024}  # noqa: E731
     device = SimpleNamespace(get_current_device=lambda: 0, get_current_stream=lambda d: 77,
-                             utils=SimpleNamespace(load_binary=load))  # fmt: skip
+                             utils=SimpleNamespace(load_binary=load,
+                                                   get_device_properties=properties))  # fmt: skip
     bound.driver = SimpleNamespace(active=device)
     x, y = torch.zeros(16), torch.zeros(16)
     from triton import knobs
@@ -414,6 +418,14 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     assert kernel.direct == [(2, 1, 1, 77, *launch), (3, 1, 1, 77, *launch)]
     with pytest.raises(ValueError, match="not made of clusters of 4"):
         bound((6,), x, y, 32)
+    with pytest.raises(ValueError, match="not keyed here"):
+        bound((8,), x, y, 1.5)
+    metadata.shared = 99 * 1024  # with the 64 bytes, past the device's most
+    with pytest.raises(OutOfResources):
+        bound((8,), x, y, 1)
+    metadata.shared, metadata.global_scratch_size = 1000, 128
+    with pytest.raises(ValueError, match="scratch memory"):
+        bound((8,), x, y, 1)
     monkeypatch.setattr(runtime, "interpreted", lambda: True)
     assert BoundKernel(kernel, keywords, cluster=4).cluster == 1
     monkeypatch.setattr(runtime, "interpreted", lambda: False)

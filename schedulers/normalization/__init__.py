@@ -28,9 +28,8 @@ Modules: ``analysis`` (the plan: each tensor's kind, the reductions' levels),
 ``warp_specialized`` (the warp-specialized strategy), ``split`` (the split strategy: a
 row over programs), ``codegen`` (the kernels' source), ``exchange`` (a split row's
 exchange of partial reductions, through global memory or a cluster's shared memory),
-``combine`` (the
-kernel adding partial column sums), ``column_sums`` (the column walk: the rows' values
-first, then strips walked down the rows) and ``scheduler``
+``combine`` (the kernel adding partial column sums), ``column_sums`` (the column walk:
+the rows' values first, then strips walked down the rows) and ``scheduler``
 (``NormalizationScheduler``: the choice between the strategies, and its launcher).
 """
 

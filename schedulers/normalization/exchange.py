@@ -37,8 +37,18 @@ if TYPE_CHECKING:  # the generator calls these; they emit through it
 # (``exchange_partials`` says why)
 KEPT_ROWS = 2
 # The clusters a split row's programs may form: up to the portable 8, and 16 (beyond it,
-# allowed on sm_90 where the launch asks for it: Triton's launcher does at 16 only)
-CLUSTER_SIZES = (1, 2, 3, 4, 5, 6, 7, 8, 16)
+# allowed on sm_90 where the launch asks for it: Triton's launcher does at 16 only); one
+# program alone has nothing to exchange (and ``BoundKernel`` launches no cluster of one)
+CLUSTER_SIZES = (2, 3, 4, 5, 6, 7, 8, 16)
+# The dynamic shared memory follows the static: a TMA tile's buffer in it must stay on a
+# 1024-byte boundary (128-byte swizzling), so the static words take a multiple of that.
+# With 64 bytes of words, the H200 faulted (misaligned address) in softmax forward's
+# split row through TMA at 48 columns (check_gpu).
+STATIC_ALIGN_BYTES = 1024
+# Every thread of a cluster's programs waits for all: their stores before it seen after it
+CLUSTER_BARRIER = "barrier.cluster.arrive.release; barrier.cluster.wait.acquire;"
+# The exchange words' name in a cluster's kernel (declared by ``cluster_start_source``)
+EXCHANGE_WORDS = "xwords"
 
 
 def exchange_slots(plan: NormalizationPlan, params: NormalizationParams, groups: int) -> int:
@@ -154,7 +164,7 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
     words = len(offsets)
     tag = f"${words + 1}"
     # where the words are: a global pointer, or this program's shared exchange words
-    load = "ld.volatile.shared.b64" if cluster else "ld.relaxed.gpu.global.b64"
+    load = "ld.relaxed.cluster.shared::cta.b64" if cluster else "ld.relaxed.gpu.global.b64"
     at = _exchange_words(f"${words}") if cluster else f".reg .b64 a; mov.b64 a, ${words}; "
     if rows == 1 and words <= 32:
         shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
@@ -212,17 +222,6 @@ def cluster_exchange(plan: NormalizationPlan, params: NormalizationParams) -> in
     return cdiv(8 * exchange_slots(plan, params, 1), STATIC_ALIGN_BYTES) * STATIC_ALIGN_BYTES
 
 
-# The dynamic shared memory follows the static: a TMA tile's buffer in it must stay on a
-# 1024-byte boundary (128-byte swizzling), so the static words take a multiple of that.
-# With 64 bytes of words, the H200 faulted (misaligned address) in softmax forward's
-# split row through TMA at 48 columns (check_gpu).
-STATIC_ALIGN_BYTES = 1024
-
-
-# The exchange words' name in a cluster's kernel (declared by ``cluster_start_source``)
-EXCHANGE_WORDS = "xwords"
-
-
 def _exchange_words(word: str) -> str:
     """PTX: ``a`` = the shared address of this program's 64-bit exchange word ``word`` (a
     register operand)."""
@@ -247,8 +246,7 @@ def cluster_start_source(name: str, shared: int) -> str:
         + _exchange_words("t")
         + f"mov.u32 e, {EXCHANGE_WORDS}; add.u32 e, e, {shared}; "
         "shl.b32 n, n, 3; ZERO: setp.ge.u32 p, a, e; @p bra DONE; st.shared.b64 [a], z; "
-        "add.u32 a, a, n; bra ZERO; DONE: barrier.cluster.arrive.release; "
-        'barrier.cluster.wait.acquire; mov.u32 $0, 0; }", "=r,r", [token], '
+        f'add.u32 a, a, n; bra ZERO; DONE: {CLUSTER_BARRIER} mov.u32 $0, 0; }}", "=r,r", [token], '
         "dtype=tl.int32, is_pure=False, pack=1)\n"
     )
 
@@ -261,8 +259,8 @@ def barrier_source(name: str) -> str:
         f"@triton.jit\ndef {name}(token):\n"
         "    if INTERPRETED:\n        return token * 0\n"
         "    else:\n"
-        '        return tl.inline_asm_elementwise("{ barrier.cluster.arrive.release; '
-        'barrier.cluster.wait.acquire; mov.u32 $0, 0; }", "=r,r", [token], '
+        f'        return tl.inline_asm_elementwise("{{ {CLUSTER_BARRIER} mov.u32 $0, 0; }}", '
+        '"=r,r", [token], '
         "dtype=tl.int32, is_pure=False, pack=1)\n"
     )
 

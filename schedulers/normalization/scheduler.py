@@ -336,9 +336,8 @@ class NormalizationLauncher(Launcher):
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)
-        clustered = params.cluster and params.strategy == SPLIT
-        kernel = BoundKernel(self.kernel, options, cluster=params.parts if clustered else 1,
-                             shared=cluster_exchange(plan, params) if clustered else 0)  # fmt: skip
+        clusters = {"cluster": params.parts, "shared": cluster_exchange(plan, params)}
+        kernel = BoundKernel(self.kernel, options, **(clusters if params.cluster else {}))
         grid = (cdiv(rows, params.block_rows),)
         if params.programs:
             grid = (min(grid[0], params.programs),)
@@ -430,10 +429,15 @@ class NormalizationLauncher(Launcher):
 
     def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
         """(SPLIT) the programs that may run: as many as the device holds at once (the
-        interpreter: two groups; ``params.programs``, when set, at most, and for a
-        cluster's exchange exactly: its groups wait for no others); a device that cannot
-        hold one group raises ``RuntimeError`` (they would wait forever)."""
+        interpreter: two groups; ``params.programs``, when set, at most); a device that
+        cannot hold one group raises ``RuntimeError`` (they would wait forever). A
+        cluster's groups wait for no others: on a GPU, ``params.programs`` exactly."""
         params = self.params
+        if device.type == "cuda" and params.cluster and params.programs:
+            if params.programs < params.parts:
+                raise RuntimeError(f"{params}: fewer programs than the {params.parts} of "
+                                   "one cluster")  # fmt: skip
+            return params.programs
         if device.type != "cuda":
             resident = 2 * params.parts
         else:
@@ -447,7 +451,7 @@ class NormalizationLauncher(Launcher):
                 self.resident[key] = resident_programs(compiled, self.hardware)
             resident = self.resident[key]
         if params.programs:
-            resident = params.programs if params.cluster else min(resident, params.programs)
+            resident = min(resident, params.programs)
         if resident < params.parts:
             raise RuntimeError(
                 f"{params}: the device holds {resident} of this kernel's programs at once, "

@@ -44,9 +44,11 @@ SPLIT_SUMS_STAGES = 3
 # 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
 # 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
 SPLIT_SUMS_FROM = 16384
-# A split forward's (no column sums) programs of a row, exchanging one partial a row
-# (RMSNorm's), form a thread-block cluster on sm_90 and exchange through its distributed
-# shared memory (``exchange.cluster_exchange``): this many clusters an SM walk the rows.
+# A split row's programs with no column sums, exchanging one partial a round (RMSNorm
+# forward's; softmax backward's, 0.97 of copy against 0.94 at 4096x65536 on the H200;
+# softmax forward's two rounds, split when forced only, unmeasured), form a thread-block
+# cluster on sm_90 and exchange through its distributed shared memory
+# (``exchange.cluster_exchange``): this many clusters an SM walk the rows.
 # H200 (results/norms_cluster_*_h200_cf04f06.json), against the exchange through global
 # memory: RMSNorm forward 4096x65536 0.91 of copy against 0.87, 8192x65536 0.92 against
 # 0.85; as many clusters as the device holds at once 0.72-0.83 (placed by cluster, the
