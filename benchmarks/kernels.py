@@ -257,15 +257,22 @@ def benchmark_parser(doc: str, name: str, rounds: int = 7, iterations: int | Non
 
 
 def commit_id() -> str:
-    """The commit measured: ``BENCH_COMMIT`` (a GPU machine's copy has no git), else git's."""
+    """The commit measured: ``BENCH_COMMIT`` (a GPU machine's copy has no git), else git's,
+    with ``+modified`` where tracked files differ from it: a GPU machine's copy of a
+    working tree may carry the git of an older checkout (its HEAD is not what ran)."""
     if os.environ.get("BENCH_COMMIT"):
         return os.environ["BENCH_COMMIT"]
     try:
         git = subprocess.run(["git", "rev-parse", "--verify", "-q", "HEAD"],
                              capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+        head = git.stdout.strip()
+        if not head:
+            return "unknown"
+        status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, cwd=ROOT)  # fmt: skip
     except OSError:  # no git at all
         return "unknown"
-    return git.stdout.strip() or "unknown"
+    return f"{head}+modified" if status.stdout.strip() else head
 
 
 def write_results(path: str, device, copy: float, rows: list[dict]) -> None:

@@ -256,3 +256,27 @@ def test_compiled_alone_compiles_each_shape_static():
     torch._dynamo.reset()
     shared = shapes_seen(lambda f, backend: torch.compile(f, backend=backend))
     assert shared[0] == ["int", "int"] and shared[1:] != static[1:], shared  # the handicap
+
+
+def test_a_result_names_a_tree_that_is_not_its_commit(monkeypatch):
+    """``commit_id``: ``BENCH_COMMIT`` where given, else git's HEAD, marked ``+modified``
+    where tracked files differ from it (a GPU machine's copy of a working tree reported
+    an older checkout's HEAD as the commit measured)."""
+    from types import SimpleNamespace
+
+    from benchmarks import kernels
+
+    monkeypatch.delenv("BENCH_COMMIT", raising=False)
+    answers = {"rev-parse": "abc123\n", "status": " M schedulers/runtime.py\n"}
+
+    def run(command, **_):
+        return SimpleNamespace(stdout=answers[command[1]], returncode=0)
+
+    monkeypatch.setattr(kernels.subprocess, "run", run)
+    assert kernels.commit_id() == "abc123+modified"
+    answers["status"] = ""
+    assert kernels.commit_id() == "abc123"
+    answers["rev-parse"] = ""
+    assert kernels.commit_id() == "unknown"
+    monkeypatch.setenv("BENCH_COMMIT", "given")
+    assert kernels.commit_id() == "given"
