@@ -102,8 +102,7 @@ class BoundKernel:
         self.driver, self.knobs = driver, knobs  # read at every launch, as Triton does
         self.tail: list | None = None  # the constexprs' values, in the kernel's order
         self.compiled: dict[tuple, tuple] = {}  # by specialization: what a launch takes
-        if (isinstance(kernel, JITFunction) and not interpreted()
-                and triton.__version__.startswith(DIRECT_LAUNCH_TRITON)):  # fmt: skip
+        if isinstance(kernel, JITFunction) and direct_launches():
             flags = [param.is_constexpr for param in kernel.params]
             first = flags.index(True) if True in flags else len(flags)
             names = kernel.arg_names[first:]
@@ -198,13 +197,19 @@ class BoundKernel:
 DIRECT_LAUNCH_TRITON = ("3.6.",)
 
 
-def cluster_launches() -> bool:
-    """Whether ``BoundKernel`` can launch kernels in thread-block clusters here: straight
-    to the compiled kernels of a ``DIRECT_LAUNCH_TRITON``, or in the interpreter (one
-    program after another: a kernel written for clusters keeps its interpreted path)."""
+def direct_launches() -> bool:
+    """Whether ``BoundKernel`` launches compiled kernels straight: compiled code (not the
+    interpreter) of a ``DIRECT_LAUNCH_TRITON``."""
     import triton  # see the module's docstring
 
-    return interpreted() or triton.__version__.startswith(DIRECT_LAUNCH_TRITON)
+    return not interpreted() and triton.__version__.startswith(DIRECT_LAUNCH_TRITON)
+
+
+def cluster_launches() -> bool:
+    """Whether ``BoundKernel`` can launch kernels in thread-block clusters here: straight
+    to the compiled kernels (``direct_launches``), or in the interpreter (one program
+    after another: a kernel written for clusters keeps its interpreted path)."""
+    return interpreted() or direct_launches()
 
 
 def specialization(argument) -> tuple:
