@@ -336,8 +336,15 @@ class NormalizationLauncher(Launcher):
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)
-        clusters = {"cluster": params.parts, "shared": cluster_exchange(plan, params)}
-        kernel = BoundKernel(self.kernel, options, **(clusters if params.cluster else {}))
+        # a group's exchange words in global memory: its slots; a cluster's are in its
+        # shared memory (none here), interpreted in a block of global memory a program
+        if params.cluster:
+            exchange_bytes = cluster_exchange(plan, params)
+            kernel = BoundKernel(self.kernel, options, params.parts, exchange_bytes)
+            group_words = 0 if kernel.cluster > 1 else params.parts * exchange_bytes // 8
+        else:
+            kernel = BoundKernel(self.kernel, options)
+            group_words = exchange_slots(plan, params, 1)
         grid = (cdiv(rows, params.block_rows),)
         if params.programs:
             grid = (min(grid[0], params.programs),)
@@ -360,13 +367,9 @@ class NormalizationLauncher(Launcher):
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
-                slots = [torch.zeros(exchange_slots(plan, params, count), dtype=torch.int64,
-                                     device=device) if not params.cluster else
-                         # a cluster's programs exchange through its shared memory;
-                         # interpreted, through a block of words each in global memory
-                         torch.empty(1, dtype=torch.int64, device=device) if kernel.cluster > 1
-                         else torch.zeros(count * params.parts * cluster_exchange(plan, params)
-                                          // 8, dtype=torch.int64, device=device)]  # fmt: skip
+                allocate_slots = torch.zeros if group_words else torch.empty
+                slots = [allocate_slots(max(count * group_words, 1), dtype=torch.int64,
+                                        device=device)]  # fmt: skip
             partials = [allocate((count, columns), dtype=torch.float32, device=device)
                         for _ in range(sums)]  # fmt: skip
             concurrently = split and device.type != "cuda"  # the interpreter's programs
