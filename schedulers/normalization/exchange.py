@@ -87,18 +87,6 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
     - several rows a block (a thread holds some of them): relaxed stores from every
       thread that holds the row (correct, not fast: never chosen, forced only)."""
     values = ", ".join(f"v{k}" for k in range(count))
-    if rows == 1:  # the first thread only
-        stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
-                          f"atom.relaxed.gpu.global.exch.b64 w, [$1+{8 * k}], w;"
-                          for k in range(count))  # fmt: skip
-        stores = (".reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 q, t, 0; "
-                  f"@q bra DONE; {stores} DONE:")  # fmt: skip
-    else:  # every thread holding the row
-        stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
-                          f"st.relaxed.gpu.global.b64 [$1+{8 * k * rows}], w;"
-                          for k in range(count))  # fmt: skip
-    constraints = "=r,l,r" + ",r" * count
-    operands = f"pointer, tag, {values}"
     if exchange_bytes:  # into every program's words: those of this program's part
         constraints, operands = "=r,r,r" + ",r" * count, f"word, tag, {values}"
         lanes = rows == 1  # program p's words from thread p; else every holder, all
@@ -114,11 +102,23 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
                 for k in range(count)) for peer in peers)
             + (" DONE:" if lanes else "")
         )  # fmt: skip
-    targets = [f"{k * rows}" for k in range(count)]
-    if exchange_bytes:  # each program's block, this program's part of the words
+        # interpreted: each program's block, this program's part of the words
         here = f"word + tl.program_id(0) % {parts} * {width * rows}"
         targets = [f"{peer * exchange_bytes // 8 + k * rows} + {here}"
                    for peer in range(parts) for k in range(count)]  # fmt: skip
+    else:
+        constraints, operands = "=r,l,r" + ",r" * count, f"pointer, tag, {values}"
+        if rows == 1:  # the first thread only
+            stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
+                              f"atom.relaxed.gpu.global.exch.b64 w, [$1+{8 * k}], w;"
+                              for k in range(count))  # fmt: skip
+            stores = (".reg .pred q; .reg .b32 t; mov.u32 t, %tid.x; setp.ne.u32 q, t, 0; "
+                      f"@q bra DONE; {stores} DONE:")  # fmt: skip
+        else:  # every thread holding the row
+            stores = " ".join(f"mov.b64 w, {{${k + 3}, $2}}; "
+                              f"st.relaxed.gpu.global.b64 [$1+{8 * k * rows}], w;"
+                              for k in range(count))  # fmt: skip
+        targets = [f"{k * rows}" for k in range(count)]
     interpreted = "".join(
         f"        tl.atomic_xchg(pointer + {target}, (tag.to(tl.int64) << 32) | "
         f'v{index % count}.to(tl.uint32, bitcast=True).to(tl.int64), sem="relaxed")\n'
@@ -228,8 +228,8 @@ def _exchange_words(word: str) -> str:
     return f".reg .b32 a, s; mov.u32 a, {EXCHANGE_WORDS}; shl.b32 s, {word}, 3; add.u32 a, a, s; "
 
 
-def cluster_start_source(name: str, shared: int) -> str:
-    """``name(token)``: this program's ``shared`` bytes of exchange words declared (at the
+def cluster_start_source(name: str, exchange_bytes: int) -> str:
+    """``name(token)``: this program's ``exchange_bytes`` of exchange words declared (at the
     kernel's scope, once: the posts and waits name them) and zeroed (what the shared
     memory held before carries stale tags), then every thread of the cluster's programs
     waits for all (``barrier.cluster``) before any stores into another's words; returns
@@ -241,10 +241,10 @@ def cluster_start_source(name: str, shared: int) -> str:
         "    else:\n"
         f'        return tl.inline_asm_elementwise(".shared .align {STATIC_ALIGN_BYTES} .b8 '
         f"{EXCHANGE_WORDS}"
-        f"[{shared}]; {{ .reg .pred p; .reg .b32 t, n, e; .reg .b64 z; mov.b64 z, 0; "
+        f"[{exchange_bytes}]; {{ .reg .pred p; .reg .b32 t, n, e; .reg .b64 z; mov.b64 z, 0; "
         "mov.u32 t, %tid.x; mov.u32 n, %ntid.x; "
         + _exchange_words("t")
-        + f"mov.u32 e, {EXCHANGE_WORDS}; add.u32 e, e, {shared}; "
+        + f"mov.u32 e, {EXCHANGE_WORDS}; add.u32 e, e, {exchange_bytes}; "
         "shl.b32 n, n, 3; ZERO: setp.ge.u32 p, a, e; @p bra DONE; st.shared.b64 [a], z; "
         f'add.u32 a, a, n; bra ZERO; DONE: {CLUSTER_BARRIER} mov.u32 $0, 0; }}", "=r,r", [token], '
         "dtype=tl.int32, is_pure=False, pack=1)\n"
@@ -273,8 +273,10 @@ def exchange_step(generator: Generator, early: Emitter, step: Step, prefetch: bo
     emit = step.emit
     emit.line("xj = (row_block - group) // groups")  # this group's row count so far
     emit.line("xtag = tl.cast(xj + 1, tl.int32)")  # marks this row's slots
-    emit.line(f"xrow = (tl.cast(group, tl.int64) * {KEPT_ROWS} + xj % {KEPT_ROWS}) * "
-              f"{len(generator.plan.exchanges)}")  # fmt: skip
+    if not generator.params.cluster:  # the group's first slots of the row (a cluster's
+        # words are each program's own: ``exchange_partials``)
+        emit.line(f"xrow = (tl.cast(group, tl.int64) * {KEPT_ROWS} + xj % {KEPT_ROWS}) * "
+                  f"{len(generator.plan.exchanges)}")  # fmt: skip
     if not prefetch:
         return
     early.line("first = tl.cast(group, tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)")
