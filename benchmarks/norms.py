@@ -58,7 +58,7 @@ from schedulers.normalization import (  # noqa: E402
     NormalizationParams,
 )
 from schedulers.normalization.exchange import CLUSTER_SIZES  # noqa: E402
-from schedulers.normalization.split import CLUSTERS_PER_SM  # noqa: E402
+from schedulers.normalization.split import cluster_programs  # noqa: E402
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
@@ -148,8 +148,8 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants["split,global exchange"] = replace(params, cluster=False, programs=0)
             for programs in (params.programs // 2, params.programs * 2):
                 variants[f"split,programs={programs}"] = replace(params, programs=programs)
-        elif params.parts in CLUSTER_SIZES:  # a cluster a row, 2 an SM
-            programs = params.parts * sm_count * CLUSTERS_PER_SM
+        elif params.parts in CLUSTER_SIZES:  # a cluster a row, as the heuristics take it
+            programs = cluster_programs(params.parts, sm_count)
             variants["split,cluster"] = replace(params, cluster=True, programs=programs)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours

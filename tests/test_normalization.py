@@ -878,9 +878,8 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     exchanging through global memory; a forward a program per 8192 columns over 4 warps,
     through TMA (prefetched where TMA cannot stride its rows); RMSNorm's (one partial a
     row) a cluster a row exchanging through its shared memory, CLUSTERS_PER_SM clusters
-    an SM. The
-    interpreter keeps the chunks (its programs would run one at a time; with column sums
-    the columns walked), as do rows that fit."""
+    an SM. The interpreter keeps the chunks (its programs would run one at a time; with
+    column sums the columns walked), as do rows that fit."""
     scheduler, plan = _plan(name, n)
     forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:

@@ -114,7 +114,7 @@ def split_params(
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
-    programs = parts * hardware.sm_count * CLUSTERS_PER_SM if cluster else 0
+    programs = cluster_programs(parts, hardware.sm_count) if cluster else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
@@ -125,3 +125,9 @@ def split_params(
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
                                tma=tma, cluster=cluster, why=why)  # fmt: skip
+
+
+def cluster_programs(parts: int, sm_count: int) -> int:
+    """A split row's programs launched as clusters of ``parts``: ``CLUSTERS_PER_SM``
+    clusters an SM of a device of ``sm_count`` SMs."""
+    return parts * sm_count * CLUSTERS_PER_SM
