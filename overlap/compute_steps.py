@@ -118,22 +118,17 @@ class ComputeSteps:
 
         def run() -> None:
             nonlocal unannounced
-            inputs = [program.values[t].contiguous() for t in plan.inputs]
-            for tensor, value, (shape, dtype) in zip(plan.inputs, inputs, expected, strict=True):
-                if value.shape != shape or value.dtype != dtype:
-                    raise RuntimeError(
-                        f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where "
-                        f"this run's program has {list(shape)} {dtype}; inputs that change "
-                        "need check_inputs='changes' (the default) or 'always'"
-                    )
+            values = program.values
+            inputs = [values[t].contiguous() for t in plan.inputs]
+            if [(value.shape, value.dtype) for value in inputs] != expected:
+                _refuse_changed(kernel, inputs, expected)
             targets = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in held]
             if unannounced:
                 unannounced = False
                 self._announced(kernel, lambda: bound(inputs, targets))
             else:
                 bound(inputs, targets)
-            for tensor, target in zip(plan.outputs, targets, strict=True):
-                program.values[tensor] = target
+            values.update(zip(plan.outputs, targets, strict=True))
 
         return run
 
@@ -287,6 +282,18 @@ class ComputeSteps:
                     destination.copy_(result)
 
         return attend
+
+
+def _refuse_changed(kernel: LaunchKernel, inputs: list, expected: list) -> None:
+    """Raises for the first of a bound kernel's ``inputs`` not of the ``expected`` shape
+    and dtype."""
+    for tensor, value, (shape, dtype) in zip(kernel.plan.inputs, inputs, expected, strict=True):
+        if value.shape != shape or value.dtype != dtype:
+            raise RuntimeError(
+                f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where this "
+                f"run's program has {list(shape)} {dtype}; inputs that change need "
+                "check_inputs='changes' (the default) or 'always'"
+            )
 
 
 def _partial_extreme(expr: Expr) -> bool:

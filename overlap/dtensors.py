@@ -25,6 +25,8 @@ from fusion.ir import Fusion, TensorView
 from sharding.annotate import as_mesh, as_placement, torch_class
 from sharding.layout import Layout, Partial, Replicate, Shard, layout_of, split_sizes
 
+_PLAIN = {torch.Tensor, type(None)}
+
 
 def is_dtensor(value: object) -> bool:
     return type(value) is not torch.Tensor and torch_class(value) == "DTensor"
@@ -34,7 +36,11 @@ def local_pieces(fusion: Fusion, inputs: Sequence) -> tuple[list, dict]:
     """The inputs with each DTensor checked against the fusion and replaced by its local
     piece; and the torch meshes seen, by our mesh (for ``as_dtensors``). Anything but a
     list or tuple is handed back as it is, for the input checks to refuse."""
-    if not isinstance(inputs, (list, tuple)) or not any(map(is_dtensor, inputs)):
+    if (
+        not isinstance(inputs, (list, tuple))
+        or set(map(type, inputs)) <= _PLAIN  # the common case, told at C speed
+        or not any(map(is_dtensor, inputs))
+    ):
         return inputs, {}
     pieces, meshes = [], {}
     for position, (value, tensor) in enumerate(zip(inputs, fusion.inputs, strict=False)):

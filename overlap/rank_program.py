@@ -113,6 +113,8 @@ class RankProgram:
             [(t, self.holds(t.mesh), is_packed(t)) for t in tensors]
             for tensors in (self.fusion.inputs, self.fusion.outputs)
         )
+        plain = all(held and not packs for _, held, packs in self.fusion_inputs)
+        self.plain_inputs = [t for t, _, _ in self.fusion_inputs] if plain else None
 
     def holds(self, mesh: DeviceMesh | None) -> bool:
         """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
@@ -132,13 +134,17 @@ class RankProgram:
     # -- running ---------------------------------------------------------------
 
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
-        self.values = values = {}
         self.deferred = []  # none left behind by a run that raised
         self.pipelined.new_run()
         self.timeline = timeline
-        for (tensor, held, packs), value in zip(self.fusion_inputs, local_inputs, strict=True):
-            if held:  # fp4 stays packed, two values per byte, between kernels
-                values[tensor] = value.view(torch.uint8) if packs else value
+        if self.plain_inputs:  # every input held, none packed: the common case
+            self.values = values = dict(zip(self.plain_inputs, local_inputs, strict=True))
+        else:
+            self.values = values = {}
+            for (tensor, held, packs), value in zip(self.fusion_inputs, local_inputs,
+                                                    strict=True):  # fmt: skip
+                if held:  # fp4 stays packed, two values per byte, between kernels
+                    values[tensor] = value.view(torch.uint8) if packs else value
         for step in self.steps:
             step()
             if self.deferred and timeline is not None:

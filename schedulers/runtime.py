@@ -38,9 +38,13 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+# Tensors of these dtypes are read and written by kernels as their byte codes.
+BYTE_CODED = (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2)
+
+
 def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """fp8 and fp4 tensors are read and written as their byte codes."""
-    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.float4_e2m1fn_x2):
+    if tensor.dtype in BYTE_CODED:
         return tensor.view(torch.uint8)
     return tensor
 
@@ -139,12 +143,12 @@ class BoundKernel:
         elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
             compiled = self.kernel[grid](*arguments, **self.keywords)
             if key is not None:
-                self.compiled[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+                self.compiled[key] = _direct(compiled, compiled.packed_metadata)
             return
-        run, function, metadata = found
-        run(grid[0] // self.cluster, grid[1] if len(grid) > 1 else 1,
-            grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
-            function, metadata, None, None, None, *arguments, *self.tail)  # fmt: skip
+        launch, function, head = found
+        launch(grid[0] // self.cluster, grid[1] if len(grid) > 1 else 1,
+               grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
+               function, *head, *arguments, *self.tail)  # fmt: skip
 
     def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
         """The compiled kernel for these arguments (compiled now, not launched), loaded
@@ -156,7 +160,9 @@ class BoundKernel:
                 metadata.num_ctas != 1):  # fmt: skip
             raise ValueError(f"{compiled.name}: scratch memory or CTAs of its own: "
                              "not launched in clusters here")  # fmt: skip
-        run = compiled.run  # Triton's launcher (its own load of the kernel, checked)
+        # Triton's launcher (its own load of the kernel, checked), given the cluster's
+        # launch metadata
+        launch, _, head = _direct(compiled, (metadata.num_warps, self.cluster, metadata.shared))
         utils, shared = self.driver.active.utils, metadata.shared + self.shared
         most = utils.get_device_properties(device)["max_shared_mem"]
         if shared > most:
@@ -166,7 +172,7 @@ class BoundKernel:
         # loaded for its dynamic and static shared memory together: Triton's loader then
         # allows the dynamic part past the default 48 KiB where the two pass it
         _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
-        return run, function, (metadata.num_warps, self.cluster, metadata.shared)
+        return launch, function, head
 
     def _key(self, arguments: tuple) -> tuple | None:
         """The compiled kernel's key for these arguments (its device first); None where
@@ -179,18 +185,27 @@ class BoundKernel:
         if self.tail is None or (self.cluster == 1 and (self.kernel.pre_run_hooks
                 or getattr(enter, "calls", True) or getattr(leave, "calls", True))):  # fmt: skip
             return None
-        # Triton compiles anew when these change (its options): so does the key
-        key = [self.driver.active.get_current_device(), runtime.debug,
-               knobs.compilation.instrumentation_mode]  # fmt: skip
-        try:
-            for argument in arguments:  # specialization's, tensors inline: the common case
-                if type(argument) is torch.Tensor:
-                    key.append((argument.dtype, argument.data_ptr() % 16 == 0))
-                else:
-                    key.append(specialization(argument))
+        try:  # Triton compiles anew when its options change: so does the key
+            return (self.driver.active.get_current_device(), runtime.debug,
+                    knobs.compilation.instrumentation_mode,
+                    *[(a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor
+                      else specialization(a) for a in arguments])  # fmt: skip
         except TypeError:  # an argument of a type not keyed here
             return None
-        return tuple(key)
+
+
+def _direct(compiled, metadata) -> tuple:
+    """How ``BoundKernel`` launches ``compiled`` (a Triton 3.6 ``CompiledKernel``) with
+    ``metadata`` (its packed metadata, or a cluster's): ``(launch, function, head)``,
+    called as ``launch(x, y, z, stream, function, *head, *arguments)``. Without scratch
+    memory, the compiled launcher's own entry (Triton's Python wrapper around it only
+    allocates scratch); with it, through the wrapper."""
+    launcher = compiled.run
+    tail = (metadata, None, None, None)  # no launch metadata, no hooks
+    if launcher.global_scratch_size or launcher.profile_scratch_size:
+        return launcher, compiled.function, tail
+    head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *tail)
+    return launcher.launch, compiled.function, head
 
 
 # The Triton versions whose ``CompiledKernel.run`` takes what ``BoundKernel`` passes.

@@ -332,6 +332,19 @@ def _a_constant_between(x, BLOCK: tl.constexpr, n):
     pass
 
 
+class _RecordedLauncher(SimpleNamespace):
+    """A compiled kernel's launcher (Triton 3.6's ``CudaLauncher``): its Python wrapper's
+    launches recorded in ``wrapped``, its compiled entry's (``launch``) in ``direct``."""
+
+    def __init__(self, direct: list, scratch: int = 0) -> None:
+        super().__init__(global_scratch_size=scratch, profile_scratch_size=0,
+                         launch_cooperative_grid=0, launch_pdl=1, wrapped=[],
+                         launch=lambda *a: direct.append(a))  # fmt: skip
+
+    def __call__(self, *arguments) -> None:
+        self.wrapped.append(arguments)
+
+
 class _RecordedLaunches(JITFunction):
     """A JITFunction whose launches are recorded, its compiled kernel's too."""
 
@@ -339,7 +352,7 @@ class _RecordedLaunches(JITFunction):
         super().__init__(function)
         self.jitted, self.direct = [], []
         self.compiled_kernel = SimpleNamespace(function="f", packed_metadata="m",
-                                               run=lambda *a: self.direct.append(a))  # fmt: skip
+                                               run=_RecordedLauncher(self.direct))  # fmt: skip
 
     def __getitem__(self, grid):
         def launch(*arguments, **keywords):
@@ -370,13 +383,29 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
     bound((3,), x, y, 16)
     assert kernel.jitted == [((3,), (x, y, 16), keywords)] and not kernel.direct
     bound((5, 2), x, y, 32)
-    assert kernel.direct == [(5, 2, 1, 77, "f", "m", None, None, None, x, y, 32, 64, 8)]
+    # to the launcher's compiled entry (cooperative grid and PDL as compiled, no scratch)
+    assert kernel.direct == [(5, 2, 1, 77, "f", 0, 1, None, None, "m", None, None, None, x, y,
+                              32, 64, 8)]  # fmt: skip
     bound((5,), held[1:17], y, 32)
     assert len(kernel.jitted) == 2 and len(kernel.direct) == 1
     bound((5,), held[1:17], y, 48)
     assert len(kernel.jitted) == 2 and len(kernel.direct) == 2
     bound((5,), x, y, 1.5)
     assert len(kernel.jitted) == 3 and len(kernel.direct) == 2
+    assert not kernel.compiled_kernel.run.wrapped
+
+
+def test_a_bound_kernel_with_scratch_memory_launches_through_tritons_wrapper(monkeypatch):
+    """A compiled kernel that takes scratch memory is launched through the launcher's
+    Python wrapper, which allocates it."""
+    bound, kernel = _bound(monkeypatch, _two_constants, {"WIDE": 8, "BLOCK": 64})
+    kernel.compiled_kernel.run = _RecordedLauncher(kernel.direct, scratch=256)
+    x = torch.zeros(16)
+    bound((3,), x, x, 16)
+    bound((4,), x, x, 16)
+    assert kernel.compiled_kernel.run.wrapped == [(4, 1, 1, 77, "f", "m", None, None, None, x,
+                                                   x, 16, 64, 8)]  # fmt: skip
+    assert not kernel.direct
 
 
 def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(monkeypatch):
@@ -392,8 +421,8 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     warmed, loaded = [], []
     metadata = SimpleNamespace(shared=1000, num_warps=4, num_ctas=1, global_scratch_size=0,
                                profile_scratch_size=0)  # fmt: skip
-    compiled = SimpleNamespace(name="k", kernel=b"cubin", metadata=metadata,
-                               run=lambda *a: kernel.direct.append(a))  # fmt: skip
+    compiled = SimpleNamespace(name="k", kernel=b"cubin", metadata=metadata, function="f",
+                               run=_RecordedLauncher(kernel.direct))  # fmt: skip
     kernel.warmup = lambda *a, grid, **k: warmed.append((grid, a, k)) or compiled
     bound = BoundKernel(kernel, keywords, cluster=4, shared=64)
     load = lambda name, binary, shared, device: loaded.append((name, binary, shared, device)) or (  # noqa: E731
@@ -414,7 +443,7 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
         knobs.runtime.launch_enter_hook.remove(print)
     assert warmed == [((8,), (x, y, 16), keywords)] and not kernel.jitted
     assert loaded == [("k", b"cubin", 1000 + 64, 0)]
-    launch = ("clustered", (4, 4, 1000), None, None, None, x, y, 16, 64, 8)
+    launch = ("clustered", 0, 1, None, None, (4, 4, 1000), None, None, None, x, y, 16, 64, 8)
     assert kernel.direct == [(2, 1, 1, 77, *launch), (3, 1, 1, 77, *launch)]
     with pytest.raises(ValueError, match="not made of clusters of 4"):
         bound((6,), x, y, 32)

@@ -3,7 +3,6 @@ kernels and their launcher."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass, field, replace
 
@@ -11,6 +10,7 @@ import torch
 
 from fusion.exprs import Expr
 from fusion.ir import TensorView
+from fusion.storage import storage_dtype
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
     BoundLaunch,
@@ -63,6 +63,7 @@ from schedulers.normalization.warp_specialized import (
     ws_threshold,
 )
 from schedulers.runtime import (
+    BYTE_CODED,
     BoundKernel,
     as_bytes,
     cdiv,
@@ -264,6 +265,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                      if plan.column_sums else None),
             sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
             tiles=[plan.inputs.index(t) for t in tma_inputs(plan, params)],
+            coded=[i for i, t in enumerate([*plan.inputs, *plan.outputs])
+                   if storage_dtype(t) in BYTE_CODED],
             hardware=hardware,
             dependent=hardware.arch >= DEPENDENT_LAUNCH and not interpreted(),
         )  # fmt: skip
@@ -288,6 +291,7 @@ class NormalizationLauncher(Launcher):
     combine: object | None  # the kernel adding every column sum's partial rows
     sum_outputs: list[int]  # the output each column sum writes
     tiles: list[int]  # inputs passed as TMA descriptors
+    coded: list[int]  # inputs and outputs (in turn) read and written as byte codes
     hardware: HardwareProfile
     # the combining kernel a programmatic dependent of the kernel before it (sm_90 and
     # later, compiled code: not the interpreter), for CUDA tensors
@@ -358,22 +362,27 @@ class NormalizationLauncher(Launcher):
         planned = combine_rows(params, columns)  # the most partial rows of a column sum
 
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-            pointers = [as_bytes(t) for t in (*inputs, *targets)]
+            pointers = [*inputs, *targets]
+            for i in self.coded:
+                pointers[i] = as_bytes(pointers[i])
             for i in self.tiles:
                 pointers[i] = tma_descriptor(pointers[i], rows, columns, box, params)
             device = inputs[0].device
-            launched, count, most, slots = grid, grid[0], planned, []
+            launched, count, most, slots = grid, grid[0], planned, ()
             if split:  # groups of `parts` programs, every one of them resident at once
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
                 allocate_slots = torch.zeros if group_words else torch.empty
-                slots = [allocate_slots(max(count * group_words, 1), dtype=torch.int64,
-                                        device=device)]  # fmt: skip
-            partials = [allocate((count, columns), dtype=torch.float32, device=device)
-                        for _ in range(sums)]  # fmt: skip
-            concurrently = split and device.type != "cuda"  # the interpreter's programs
-            with concurrent_programs() if concurrently else contextlib.nullcontext():
+                slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
+                                        device=device),)  # fmt: skip
+            # the partial rows of every column sum in one allocation
+            partials = allocate((sums, count, columns), dtype=torch.float32,
+                                device=device).unbind() if sums else ()  # fmt: skip
+            if split and device.type != "cuda":  # the interpreter's programs, concurrently
+                with concurrent_programs():
+                    kernel(launched, *pointers, *partials, *slots, rows)
+            else:
                 kernel(launched, *pointers, *partials, *slots, rows)
             combine(partials, targets, count, most)
 
@@ -419,12 +428,14 @@ class NormalizationLauncher(Launcher):
         values = len(stashed(plan))
 
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-            pointers = [as_bytes(t) for t in (*inputs, *targets)]
+            pointers = [*inputs, *targets]
+            for i in self.coded:
+                pointers[i] = as_bytes(pointers[i])
             device = inputs[0].device
             stash = torch.empty((rows, parts, values), dtype=torch.float32, device=device)
             rows_kernel(grid, *pointers, stash, rows, *runtime)
-            partials = [torch.empty((groups, columns), dtype=torch.float32, device=device)
-                        for _ in plan.column_sums]  # fmt: skip
+            partials = torch.empty((len(plan.column_sums), groups, columns), dtype=torch.float32,
+                                   device=device).unbind()  # fmt: skip
             strips_kernel((strips * groups,), *pointers, *partials, stash, rows, *runtime[:1])
             combine(partials, targets, groups, most)
 
