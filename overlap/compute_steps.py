@@ -20,6 +20,7 @@ from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, 
 from overlap import progress
 from overlap.communications import identity
 from overlap.host_ir import LaunchKernel
+from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range
 from sharding.pieces import local_piece
@@ -113,8 +114,11 @@ class ComputeSteps:
         shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
         expected = [(torch.Size(storage_shape(t, shapes[t])), storage_dtype(t))
                     for t in plan.inputs]  # fmt: skip
-        held = [(storage_shape(t, shapes[t]), storage_dtype(t)) for t in plan.outputs]
-        bound, device = launch.bind(shapes), program.ctx.device
+        held = []  # each target's shape, strides and dtype
+        for tensor in plan.outputs:
+            shape = tuple(storage_shape(tensor, shapes[tensor]))
+            held.append((shape, contiguous_strides(shape), storage_dtype(tensor)))
+        bound, allocate = launch.bind(shapes), allocator(program.ctx.device)
 
         def run() -> None:
             nonlocal unannounced
@@ -122,7 +126,7 @@ class ComputeSteps:
             inputs = [values[t].contiguous() for t in plan.inputs]
             if [(value.shape, value.dtype) for value in inputs] != expected:
                 _refuse_changed(kernel, inputs, expected)
-            targets = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in held]
+            targets = [allocate(*target) for target in held]
             if unannounced:
                 unannounced = False
                 self._announced(kernel, lambda: bound(inputs, targets))

@@ -65,6 +65,7 @@ from schedulers.normalization.warp_specialized import (
 from schedulers.runtime import (
     BYTE_CODED,
     BoundKernel,
+    allocator,
     as_bytes,
     cdiv,
     concurrent_programs,
@@ -356,7 +357,6 @@ class NormalizationLauncher(Launcher):
         split = params.strategy == SPLIT
         # one row of float32 partial column sums per program (a split row's: per group;
         # zeroed when the row is walked in chunks: each chunk adds into it)
-        allocate = torch.empty if params.persistent else torch.zeros
         sums = len(plan.column_sums)
 
         planned = combine_rows(params, columns)  # the most partial rows of a column sum
@@ -376,9 +376,13 @@ class NormalizationLauncher(Launcher):
                 allocate_slots = torch.zeros if group_words else torch.empty
                 slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
                                         device=device),)  # fmt: skip
-            # the partial rows of every column sum in one allocation
-            partials = allocate((sums, count, columns), dtype=torch.float32,
-                                device=device).unbind() if sums else ()  # fmt: skip
+            partials = ()  # every column sum's in one allocation
+            if sums and params.persistent:
+                partials = allocator(device)((sums, count, columns), (count * columns, columns, 1),
+                                             torch.float32).unbind()  # fmt: skip
+            elif sums:
+                partials = torch.zeros((sums, count, columns), dtype=torch.float32,
+                                       device=device).unbind()  # fmt: skip
             if split and device.type != "cuda":  # the interpreter's programs, concurrently
                 with concurrent_programs():
                     kernel(launched, *pointers, *partials, *slots, rows)
