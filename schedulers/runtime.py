@@ -176,7 +176,9 @@ class BoundKernel:
             if key is not None:
                 self.compiled[key] = _direct(compiled, compiled.packed_metadata)
             return
-        launch, function, head = found
+        launch, function, head, descriptors = found
+        if descriptors is not None:
+            passed = descriptors(passed, key)
         launch(grid[0] // self.cluster, grid[1] if len(grid) > 1 else 1,
                grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
                function, *head, *passed, *self.tail)  # fmt: skip
@@ -193,7 +195,9 @@ class BoundKernel:
                              "not launched in clusters here")  # fmt: skip
         # Triton's launcher (its own load of the kernel, checked), given the cluster's
         # launch metadata
-        launch, _, head = _direct(compiled, (metadata.num_warps, self.cluster, metadata.shared))
+        launch, _, head, descriptors = _direct(
+            compiled, (metadata.num_warps, self.cluster, metadata.shared)
+        )
         utils, shared = self.driver.active.utils, metadata.shared + self.shared
         most = utils.get_device_properties(device)["max_shared_mem"]
         if shared > most:
@@ -203,7 +207,7 @@ class BoundKernel:
         # loaded for its dynamic and static shared memory together: Triton's loader then
         # allows the dynamic part past the default 48 KiB where the two pass it
         _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
-        return launch, function, head
+        return launch, function, head, descriptors
 
     def _key(self, arguments: tuple) -> tuple[tuple | None, list | tuple]:
         """The compiled kernel's key for these arguments (its device first; None where
@@ -234,16 +238,60 @@ class BoundKernel:
 
 def _direct(compiled, metadata) -> tuple:
     """How ``BoundKernel`` launches ``compiled`` (a Triton 3.6 ``CompiledKernel``) with
-    ``metadata`` (its packed metadata, or a cluster's): ``(launch, function, head)``,
-    called as ``launch(x, y, z, stream, function, *head, *arguments)``. Without scratch
-    memory, the compiled launcher's own entry (Triton's Python wrapper around it only
-    allocates scratch); with it, through the wrapper."""
+    ``metadata`` (its packed metadata, or a cluster's): ``(launch, function, head,
+    descriptors)``, called as ``launch(x, y, z, stream, function, *head, *arguments)``
+    with the arguments' tensor descriptors encoded by ``descriptors`` (None: none to
+    encode). Without scratch memory, the compiled launcher's own entry (Triton's Python
+    wrappers around it allocate scratch and encode the descriptors at every launch);
+    with it, through the wrappers."""
     launcher = compiled.run
     tail = (metadata, None, None, None)  # no launch metadata, no hooks
     if launcher.global_scratch_size or launcher.profile_scratch_size:
-        return launcher, compiled.function, tail
+        return launcher, compiled.function, tail, None
     head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *tail)
-    return launcher.launch, compiled.function, head
+    launch, descriptors = launcher.launch, None
+    names = getattr(getattr(launch, "__code__", None), "co_freevars", ())
+    if "tensordesc_indices" in names:  # the wrapper that encodes them, around the entry
+        cells = dict(zip(names, (cell.cell_contents for cell in launch.__closure__),
+                         strict=True))  # fmt: skip
+        launch, indices = cells["launcher"], sorted(cells["tensordesc_indices"])
+        descriptors = _Descriptors(indices, cells["tensordesc_meta"] or [None] * len(indices))
+    return launch, compiled.function, head, descriptors
+
+
+class _Descriptors:
+    """A compiled kernel's tensor-descriptor arguments (at ``positions``, encoded as its
+    ``metas`` say) as its launcher's entry takes them: encoded once an address and
+    layout (Triton's wrapper encoded each at every launch, cuTensorMapEncodeTiled: 25
+    us of a LayerNorm backward's host time with two). An encoded descriptor holds the
+    address, not the tensor."""
+
+    def __init__(self, positions: list[int], metas: list) -> None:
+        self.places = sorted(zip(positions, metas, strict=True), reverse=True)
+        self.encoded: dict[tuple, list] = {}
+
+    def __call__(self, passed: list, key: tuple) -> list:
+        from triton.backends.nvidia.driver import make_tensordesc_arg  # see the docstring
+
+        passed = list(passed)
+        for position, meta in self.places:  # the last first: the earlier stay in place
+            descriptor = passed[position]
+            if meta is None:  # decomposed on the host, the tensor itself among them
+                passed[position : position + 1] = make_tensordesc_arg(descriptor, None)
+                continue
+            # the descriptor's layout is in its key (``specialization``)
+            at = (position, descriptor.base.data_ptr(), key[KEY_HEAD + position])
+            encoded = self.encoded.get(at)
+            if encoded is None:
+                if len(self.encoded) >= ENCODED_DESCRIPTORS:  # addresses keep changing
+                    self.encoded.clear()
+                encoded = self.encoded[at] = make_tensordesc_arg(descriptor, meta)
+            passed[position : position + 1] = encoded
+        return passed
+
+
+KEY_HEAD = 3  # the entries of ``BoundKernel._key``'s keys before the arguments'
+ENCODED_DESCRIPTORS = 64  # a kernel's encoded tensor descriptors kept, at most
 
 
 # The Triton versions whose ``CompiledKernel.run`` takes what ``BoundKernel`` passes.

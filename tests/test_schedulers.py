@@ -408,6 +408,57 @@ def test_a_bound_kernel_with_scratch_memory_launches_through_tritons_wrapper(mon
     assert not kernel.direct
 
 
+def _wrapping(entry, indices: set, metas: list):
+    """A launcher's entry inside a wrapper as Triton 3.6 wraps one that takes tensor
+    descriptors (``wrap_handle_tensordesc``: these names in its closure)."""
+    launcher, tensordesc_indices, tensordesc_meta = entry, indices, metas
+
+    def inner(*arguments):
+        wrapped = (launcher, tensordesc_indices, tensordesc_meta)
+        raise AssertionError(f"the wrapper was called: {wrapped}")
+
+    return inner
+
+
+def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch):
+    """A kernel taking tensor descriptors: launched at its launcher's own entry, each
+    descriptor encoded (Triton's ``make_tensordesc_arg``) once an address and layout and
+    spliced in its place; a descriptor of another tensor is encoded anew."""
+    import triton.backends.nvidia.driver as nvidia
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    encodings = []
+
+    def encode(descriptor, meta):
+        encodings.append((descriptor.base.data_ptr(), meta))
+        return [("map", descriptor.base.data_ptr()), *descriptor.shape, *descriptor.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    bound, kernel = _bound(monkeypatch, _two_constants, {"WIDE": 8, "BLOCK": 64})
+    launcher = kernel.compiled_kernel.run
+    launcher.launch = _wrapping(launcher.launch, {1}, [{"swizzle": 128}])
+    held = torch.zeros(256)
+    x = held[:16]
+    first, second = (TensorDescriptor(held[at : at + 64], [4, 16], [16, 1], [2, 16])
+                     for at in (64, 128))  # fmt: skip
+    for descriptor in (first, first, TensorDescriptor(held[64:128], [4, 16], [16, 1], [2, 16]),
+                       second):  # fmt: skip
+        bound((2,), x, descriptor, 16)
+    meta = {"swizzle": 128}
+    assert encodings == [(first.base.data_ptr(), meta), (second.base.data_ptr(), meta)]
+    head = (2, 1, 1, 77, "f", 0, 1, None, None, "m", None, None, None)
+    spliced = [(*head, x, ("map", d.base.data_ptr()), 4, 16, 16, 1, 16, 64, 8)
+               for d in (first, first, second)]  # fmt: skip
+    assert kernel.direct == spliced and len(kernel.jitted) == 1
+    # no metadata: decomposed on the host, the tensor among them, at every launch
+    encodings.clear()
+    launcher.launch = _wrapping(lambda *a: kernel.direct.append(a), {1}, [])
+    bound.compiled.clear()
+    for _ in range(3):
+        bound((2,), x, first, 16)
+    assert encodings == [(first.base.data_ptr(), None)] * 2
+
+
 def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(monkeypatch):
     """``cluster``: compiled without a launch (``warmup``), loaded again allowing for its
     dynamic shared memory and ``shared`` static bytes, every launch straight to it in clusters
