@@ -224,16 +224,22 @@ class BoundKernel:
         if self.tail is None or (self.cluster == 1 and (self.kernel.pre_run_hooks
                 or getattr(enter, "calls", True) or getattr(leave, "calls", True))):  # fmt: skip
             return None, arguments
-        passed = [a.data_ptr() if type(a) is torch.Tensor and a.is_cuda else a
-                  for a in arguments]  # fmt: skip
-        try:  # Triton compiles anew when its options change: so does the key
-            key = (self.driver.active.get_current_device(), runtime.debug,
-                   knobs.compilation.instrumentation_mode,
-                   *[(a.dtype, a.data_ptr() % 16 == 0) if type(a) is torch.Tensor
-                     else specialization(a) for a in arguments])  # fmt: skip
+        # Triton compiles anew when its options change: so does the key
+        key = [self.driver.active.get_current_device(), runtime.debug,
+               knobs.compilation.instrumentation_mode]  # fmt: skip
+        passed = []
+        try:
+            for argument in arguments:  # specialization's, tensors inline: the common case
+                if type(argument) is torch.Tensor:
+                    address = argument.data_ptr()
+                    key.append((argument.dtype, address % 16 == 0))
+                    passed.append(address if argument.is_cuda else argument)
+                else:
+                    key.append(specialization(argument))
+                    passed.append(argument)
         except TypeError:  # an argument of a type not keyed here
             return None, arguments
-        return key, passed
+        return tuple(key), passed
 
 
 def _direct(compiled, metadata) -> tuple:
