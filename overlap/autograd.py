@@ -30,6 +30,17 @@ class _NoBackward(torch.autograd.Function):
 _DIFFERENTIABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
+def without_grad(function, *arguments):
+    """``function(*arguments)`` with autograd off, as under ``torch.no_grad()``: its
+    switch alone, without the context manager's 2-3 us of an H200 host's time."""
+    grad = torch.is_grad_enabled()
+    torch._C._set_grad_enabled(False)
+    try:
+        return function(*arguments)
+    finally:
+        torch._C._set_grad_enabled(grad)
+
+
 def refusing_backward(outputs: list, inputs: Sequence) -> list:
     """``outputs``, tied to the inputs that require a gradient so that a backward raises
     a clear error instead of giving no gradient or one rank's partial one."""

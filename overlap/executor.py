@@ -35,7 +35,7 @@ from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
 from overlap import roof
-from overlap.autograd import refusing_backward
+from overlap.autograd import refusing_backward, without_grad
 from overlap.communicator import Communicator
 from overlap.compile import CompiledProgram, compile_program
 from overlap.dtensors import as_dtensors, local_pieces
@@ -371,17 +371,11 @@ class MultiDeviceExecutor:
                 check_bound_extents(self.fusion, bindings)
             self._rank_programs[key] = self._rank_program(bindings)
         compiled = self._rank_programs[key]
-        # no autograd graph: its gradients would be one rank's (torch.no_grad's own
-        # switch: its context manager took 2-3 us of an H200 host's time a run)
-        grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-        try:
-            if replay:
-                outputs = self._replay(compiled, (key, tuple(every_buffers)), local_inputs)
-            else:
-                outputs = compiled.run(local_inputs, timeline)
-        finally:
-            torch._C._set_grad_enabled(grad)
+        if replay:  # no autograd graph: its gradients would be one rank's
+            outputs = without_grad(self._replay, compiled, (key, tuple(every_buffers)),
+                                   local_inputs)  # fmt: skip
+        else:
+            outputs = without_grad(compiled.run, local_inputs, timeline)
         return as_dtensors(refusing_backward(outputs, local_inputs), self.fusion, torch_meshes)
 
     def _replay(self, compiled: RankProgram, key: tuple, local_inputs) -> list:

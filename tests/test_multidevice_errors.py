@@ -13,6 +13,7 @@ from distributed import RankError
 
 from fusion import FusionDefinition
 from fusion.errors import InputError
+from overlap.autograd import without_grad
 from overlap.executor import MultiDeviceExecutor
 from sharding import DeviceMesh, Replicate, Shard, ShardingError, shard
 
@@ -334,6 +335,20 @@ def test_a_backward_through_a_single_device_run_raises_too():
     with torch.no_grad():  # the forward alone is what a run is for
         (y,) = MultiDeviceExecutor(fd).run([x_value])
     assert not y.requires_grad and torch.allclose(y, x_value.detach().exp())
+
+
+def test_a_run_records_no_autograd_graph_and_leaves_grad_mode_as_it_found_it():
+    """``without_grad`` (what a run runs under): autograd off inside, the caller's mode
+    back after, a raise included."""
+    assert without_grad(torch.is_grad_enabled) is False and torch.is_grad_enabled()
+    leaf = torch.ones(3, requires_grad=True)
+    assert not without_grad(torch.mul, leaf, 2).requires_grad
+    with pytest.raises(ZeroDivisionError):
+        without_grad(lambda: 1 / 0)
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        assert without_grad(torch.is_grad_enabled) is False
+        assert not torch.is_grad_enabled()
 
 
 def test_a_single_device_run_refuses_what_is_not_a_list_of_tensors():
