@@ -106,7 +106,8 @@ class BoundKernel:
     by (binding the arguments, their specialization, a cache key): 12-25 us of host
     time a launch on H200 hosts, against 7-16 launched here. Here the first launch of
     each specialization goes through the ``JITFunction`` (which compiles or finds the
-    kernel) and later ones launch its compiled kernel directly. Launches share a
+    kernel) and later ones go to its compiled launcher's entry directly (``_direct``:
+    CUDA tensors as their addresses, tensor descriptors encoded once). Launches share a
     compiled kernel only where Triton's own would: the key here (``specialization``)
     holds everything Triton specializes on and more. Always through the
     ``JITFunction``: a Triton whose compiled kernels' launch this was not written

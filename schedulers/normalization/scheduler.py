@@ -355,10 +355,7 @@ class NormalizationLauncher(Launcher):
             grid = (min(grid[0], params.programs),)
         box = [params.block_rows, params.block_columns]
         split = params.strategy == SPLIT
-        # one row of float32 partial column sums per program (a split row's: per group;
-        # zeroed when the row is walked in chunks: each chunk adds into it)
         sums = len(plan.column_sums)
-
         planned = combine_rows(params, columns)  # the most partial rows of a column sum
 
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
@@ -376,7 +373,10 @@ class NormalizationLauncher(Launcher):
                 allocate_slots = torch.zeros if group_words else torch.empty
                 slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
                                         device=device),)  # fmt: skip
-            partials = ()  # every column sum's in one allocation
+            # one row of float32 partial column sums per program (a split row's: per
+            # group; zeroed when the row is walked in chunks: each chunk adds into it),
+            # every column sum's in one allocation
+            partials = ()
             if sums and params.persistent:
                 partials = allocator(device)((sums, count, columns), (count * columns, columns, 1),
                                              torch.float32).unbind()  # fmt: skip
