@@ -17,6 +17,7 @@ import itertools
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -60,24 +61,28 @@ def contiguous_strides(shape) -> tuple[int, ...]:
 
 
 @functools.cache
-def allocator(device: torch.device):
+def allocator(device: torch.device) -> Callable[[tuple, tuple, torch.dtype], torch.Tensor]:
     """``allocate(shape, strides, dtype)``: an uninitialized tensor on ``device``
     (``shape`` and ``strides`` tuples, the strides worked out once:
-    ``contiguous_strides``). Through the C++ entries that torch.compile's generated
-    code allocates with where there is one (CUDA: on the current device, so only where
-    ``device`` is the current one at the first call, as it is where kernels are
-    launched): torch.empty's parsing of its arguments took 3.3 us of an H200 host's
-    time an allocation, as long as the allocation itself."""
+    ``contiguous_strides``). Through the C++ entry that torch.compile's generated code
+    allocates with where there is one: torch.empty's parsing of its arguments took 3.3
+    us of an H200 host's time an allocation, as long as the allocation itself. That
+    entry allocates on the current CUDA device and fills nothing: a call where
+    ``device`` is not the current one, or where deterministic algorithms want new
+    memory filled (``torch.use_deterministic_algorithms``: NaN shows a kernel that left
+    its output unwritten), goes through ``torch.empty_strided``."""
     guards = getattr(getattr(torch._C, "_dynamo", None), "guards", None)
-    fast = None
-    if device.type == "cuda" and device.index in (None, torch.cuda.current_device()):
-        fast = getattr(guards, "_empty_strided_cuda", None)
-    elif device.type == "cpu":
-        fast = getattr(guards, "_empty_strided_cpu", None)
-    if fast is not None:
-        return fast
-    return lambda shape, strides, dtype: torch.empty_strided(shape, strides, dtype=dtype,
-                                                             device=device)  # fmt: skip
+    fast = getattr(guards, f"_empty_strided_{device.type}", None)
+    index = device.index if device.type == "cuda" else None
+    current = torch.cuda.current_device if index is not None else None
+    deterministic = torch.are_deterministic_algorithms_enabled
+
+    def allocate(shape: tuple, strides: tuple, dtype: torch.dtype) -> torch.Tensor:
+        if fast is None or deterministic() or (current is not None and current() != index):
+            return torch.empty_strided(shape, strides, dtype=dtype, device=device)
+        return fast(shape, strides, dtype)
+
+    return allocate
 
 
 def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):

@@ -41,7 +41,9 @@ from schedulers.registry import split_into_kernels
 from schedulers.runtime import (
     CONCURRENT_TIMEOUT_S,
     BoundKernel,
+    allocator,
     concurrent_programs,
+    contiguous_strides,
     specialization,
 )
 
@@ -322,6 +324,43 @@ def test_specialization_keys_what_triton_specializes_on():
     for other in (True, 1.0, None):
         with pytest.raises(TypeError):
             specialization(other)
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (1, 7, 1), (2, 0, 5), (0,), (5,), ()])
+def test_the_allocator_gives_what_torch_empty_gives(shape):
+    """``allocator``'s tensors have torch's contiguous strides (``contiguous_strides``,
+    extents of 0 and 1 included), the dtype and device asked for, and no gradient."""
+    strides = contiguous_strides(shape)
+    assert strides == torch.empty(shape).stride()
+    made = allocator(torch.device("cpu"))(shape, strides, torch.bfloat16)
+    assert (made.shape, made.stride(), made.dtype, made.device.type, made.requires_grad) == (
+        torch.Size(shape), strides, torch.bfloat16, "cpu", False)  # fmt: skip
+
+
+def test_the_allocator_keeps_to_torch_where_its_fast_entry_would_differ(monkeypatch):
+    """Deterministic algorithms fill new memory (NaN shows an output a kernel left
+    unwritten): then, and on a CUDA device other than the current one (the fast entry
+    allocates on the current one), ``torch.empty_strided`` allocates."""
+    made = []
+    monkeypatch.setattr(
+        torch, "empty_strided", lambda shape, strides, dtype, device: made.append(device) or "torch"
+    )
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    guards = torch._C._dynamo.guards
+    monkeypatch.setattr(guards, "_empty_strided_cuda", lambda *a: "fast")
+    monkeypatch.setattr(guards, "_empty_strided_cpu", lambda *a: "fast")
+    allocator.cache_clear()
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    try:
+        shape = ((2,), (1,), torch.float32)
+        on = {d: allocator(torch.device(d))(*shape) for d in ("cpu", "cuda", "cuda:0", "cuda:1")}
+        assert on == {"cpu": "fast", "cuda": "fast", "cuda:0": "fast", "cuda:1": "torch"}
+        torch.use_deterministic_algorithms(True)
+        assert [allocator(torch.device(d))(*shape) for d in ("cpu", "cuda")] == ["torch"] * 2
+        assert made == [torch.device("cuda:1"), torch.device("cpu"), torch.device("cuda")]
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+        allocator.cache_clear()
 
 
 def _two_constants(x, y, n, BLOCK: tl.constexpr, WIDE: tl.constexpr):
