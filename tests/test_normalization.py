@@ -31,6 +31,7 @@ from schedulers.normalization.codegen import source
 from schedulers.normalization.column_sums import row_parts
 from schedulers.normalization.combine import combine_constants
 from schedulers.normalization.heuristics import short_row_params
+from schedulers.normalization.scheduler import partial_rows
 from schedulers.normalization.split import (
     CLUSTERS_PER_SM,
     SPLIT_SUMS_STAGES,
@@ -1499,3 +1500,18 @@ def test_a_maximum_reduced_in_parts_keeps_special_values():
             x[0, 999 if special == float("inf") else 3] = special
         for actual, expected in zip(executor.run([x]), fd.execute([x]), strict=True):
             assert_close(actual, expected, reduction_extent=1000)
+
+
+@pytest.mark.parametrize("count, columns", [(1, 1), (3, 7), (5, 1000), (132, 4096)])
+def test_partial_rows_of_every_column_sum_start_aligned(count, columns):
+    """Every column sum's partial rows, in one allocation: each sum's block contiguous,
+    128 bytes past a 128-byte boundary of the allocation's start however many floats
+    the block before holds (an allocation starts at least 16-byte aligned; CUDA's at
+    512), and zeroed where asked."""
+    rows = partial_rows(torch.device("cpu"), 3, count, columns, zeroed=True)
+    assert len(rows) == 3 and partial_rows(torch.device("cpu"), 0, count, columns) == ()
+    (start,) = {block.untyped_storage().data_ptr() for block in rows}  # one allocation
+    for block in rows:
+        assert block.shape == (count, columns) and block.is_contiguous()
+        assert (block.data_ptr() - start) % 128 == 0 and not block.any()
+    assert start % 16 == 0

@@ -374,15 +374,8 @@ class NormalizationLauncher(Launcher):
                 slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
                                         device=device),)  # fmt: skip
             # one row of float32 partial column sums per program (a split row's: per
-            # group; zeroed when the row is walked in chunks: each chunk adds into it),
-            # every column sum's in one allocation
-            partials = ()
-            if sums and params.persistent:
-                partials = allocator(device)((sums, count, columns), (count * columns, columns, 1),
-                                             torch.float32).unbind()  # fmt: skip
-            elif sums:
-                partials = torch.zeros((sums, count, columns), dtype=torch.float32,
-                                       device=device).unbind()  # fmt: skip
+            # group; zeroed when the row is walked in chunks: each chunk adds into it)
+            partials = partial_rows(device, sums, count, columns, not params.persistent)
             if split and device.type != "cuda":  # the interpreter's programs, concurrently
                 with concurrent_programs():
                     kernel(launched, *pointers, *partials, *slots, rows)
@@ -438,8 +431,7 @@ class NormalizationLauncher(Launcher):
             device = inputs[0].device
             stash = torch.empty((rows, parts, values), dtype=torch.float32, device=device)
             rows_kernel(grid, *pointers, stash, rows, *runtime)
-            partials = torch.empty((len(plan.column_sums), groups, columns), dtype=torch.float32,
-                                   device=device).unbind()  # fmt: skip
+            partials = partial_rows(device, len(plan.column_sums), groups, columns)
             strips_kernel((strips * groups,), *pointers, *partials, stash, rows, *runtime[:1])
             combine(partials, targets, groups, most)
 
@@ -479,6 +471,22 @@ class NormalizationLauncher(Launcher):
 
     def forms(self) -> list[str]:
         return []  # one form: the reduced extent is a constexpr
+
+
+def partial_rows(device: torch.device, sums: int, count: int, columns: int,
+                 zeroed: bool = False) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``sums`` column sums' ``count`` float32 partial rows of ``columns``, in one
+    allocation, each sum's rows starting on a ``PARTIALS_ALIGN``-float boundary (a row
+    block at an unaligned offset is another kernel specialization, its loads scalar),
+    zeroed where asked."""
+    if not sums:
+        return ()
+    block = cdiv(count * columns, PARTIALS_ALIGN) * PARTIALS_ALIGN
+    rows = allocator(device)((sums, count, columns), (block, columns, 1), torch.float32)
+    return (rows.zero_() if zeroed else rows).unbind()
+
+
+PARTIALS_ALIGN = 32  # floats: 128 bytes
 
 
 def _launch_nothing(*_) -> None:
