@@ -184,7 +184,7 @@ class BoundKernel:
             return
         launch, function, head, descriptors = found
         if descriptors is not None:
-            passed = descriptors(passed, key)
+            passed = descriptors(passed)
         launch(grid[0] // self.cluster, grid[1] if len(grid) > 1 else 1,
                grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
                function, *head, *passed, *self.tail)  # fmt: skip
@@ -258,7 +258,8 @@ def _direct(compiled, metadata) -> tuple:
     with it, through the wrappers."""
     launcher = compiled.run
     tail = (metadata, None, None, None)  # no launch metadata, no hooks
-    if launcher.global_scratch_size or launcher.profile_scratch_size:
+    # a kernel that failed to load has a launcher that raises why (a partial): kept
+    if getattr(launcher, "global_scratch_size", True) or launcher.profile_scratch_size:
         return launcher, compiled.function, tail, None
     head = (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *tail)
     launch, descriptors = launcher.launch, None
@@ -267,7 +268,7 @@ def _direct(compiled, metadata) -> tuple:
         cells = dict(zip(names, (cell.cell_contents for cell in launch.__closure__),
                          strict=True))  # fmt: skip
         launch, indices = cells["launcher"], sorted(cells["tensordesc_indices"])
-        descriptors = _Descriptors(indices, cells["tensordesc_meta"] or [None] * len(indices))
+        descriptors = _Descriptors(indices, cells["tensordesc_meta"])
     return launch, compiled.function, head, descriptors
 
 
@@ -279,30 +280,31 @@ class _Descriptors:
     address, not the tensor."""
 
     def __init__(self, positions: list[int], metas: list) -> None:
+        # imported here: see the module's docstring
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        self.encode = make_tensordesc_arg
         self.places = sorted(zip(positions, metas, strict=True), reverse=True)
         self.encoded: dict[tuple, list] = {}
 
-    def __call__(self, passed: list, key: tuple) -> list:
-        from triton.backends.nvidia.driver import make_tensordesc_arg  # see the docstring
-
+    def __call__(self, passed: list) -> list:
         passed = list(passed)
         for position, meta in self.places:  # the last first: the earlier stay in place
             descriptor = passed[position]
             if meta is None:  # decomposed on the host, the tensor itself among them
-                passed[position : position + 1] = make_tensordesc_arg(descriptor, None)
+                passed[position : position + 1] = self.encode(descriptor, None)
                 continue
-            # the descriptor's layout is in its key (``specialization``)
-            at = (position, descriptor.base.data_ptr(), key[KEY_HEAD + position])
+            # its layout is the same at every launch: part of the compiled kernel's key
+            at = (position, descriptor.base.data_ptr())
             encoded = self.encoded.get(at)
             if encoded is None:
                 if len(self.encoded) >= ENCODED_DESCRIPTORS:  # addresses keep changing
                     self.encoded.clear()
-                encoded = self.encoded[at] = make_tensordesc_arg(descriptor, meta)
+                encoded = self.encoded[at] = self.encode(descriptor, meta)
             passed[position : position + 1] = encoded
         return passed
 
 
-KEY_HEAD = 3  # the entries of ``BoundKernel._key``'s keys before the arguments'
 ENCODED_DESCRIPTORS = 64  # a kernel's encoded tensor descriptors kept, at most
 
 

@@ -10,6 +10,7 @@ evaluator cannot pass for a generated kernel.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from types import SimpleNamespace
 
@@ -447,22 +448,17 @@ def test_a_bound_kernel_with_scratch_memory_launches_through_tritons_wrapper(mon
     assert not kernel.direct
 
 
-def _wrapping(entry, indices: set, metas: list):
-    """A launcher's entry inside a wrapper as Triton 3.6 wraps one that takes tensor
-    descriptors (``wrap_handle_tensordesc``: these names in its closure)."""
-    launcher, tensordesc_indices, tensordesc_meta = entry, indices, metas
-
-    def inner(*arguments):
-        wrapped = (launcher, tensordesc_indices, tensordesc_meta)
-        raise AssertionError(f"the wrapper was called: {wrapped}")
-
-    return inner
+def _descriptors(x, a, n, b, BLOCK: tl.constexpr, WIDE: tl.constexpr):
+    pass
 
 
-def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch):
-    """A kernel taking tensor descriptors: launched at its launcher's own entry, each
-    descriptor encoded (Triton's ``make_tensordesc_arg``) once an address and layout and
-    spliced in its place; a descriptor of another tensor is encoded anew."""
+@pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
+def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, metas):
+    """A kernel taking tensor descriptors, its launcher's entry wrapped by Triton 3.6's
+    own ``wrap_handle_tensordesc``: launched at the entry, each descriptor encoded
+    (``make_tensordesc_arg``) once an address and spliced in its place, the later one
+    first; a descriptor of another tensor encoded anew. Without the compiler's metadata
+    (decomposed on the host, the tensor among them) encoded at every launch."""
     import triton.backends.nvidia.driver as nvidia
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -473,29 +469,62 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch):
         return [("map", descriptor.base.data_ptr()), *descriptor.shape, *descriptor.strides]
 
     monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
-    bound, kernel = _bound(monkeypatch, _two_constants, {"WIDE": 8, "BLOCK": 64})
+    bound, kernel = _bound(monkeypatch, _descriptors, {"WIDE": 8, "BLOCK": 64})
     launcher = kernel.compiled_kernel.run
-    launcher.launch = _wrapping(launcher.launch, {1}, [{"swizzle": 128}])
-    held = torch.zeros(256)
+    desc = "tensordesc<fp32[2, 16]>"
+    signature = {"x": "*fp32", "a": desc, "n": "i32",
+                 "b": desc, "BLOCK": "constexpr", "WIDE": "constexpr"}  # fmt: skip
+    launcher.launch = nvidia.wrap_handle_tensordesc(launcher.launch, signature, metas)
+    held = torch.zeros(512)
     x = held[:16]
-    first, second = (TensorDescriptor(held[at : at + 64], [4, 16], [16, 1], [2, 16])
-                     for at in (64, 128))  # fmt: skip
-    for descriptor in (first, first, TensorDescriptor(held[64:128], [4, 16], [16, 1], [2, 16]),
-                       second):  # fmt: skip
-        bound((2,), x, descriptor, 16)
-    meta = {"swizzle": 128}
-    assert encodings == [(first.base.data_ptr(), meta), (second.base.data_ptr(), meta)]
+    first, second, third = (TensorDescriptor(held[at : at + 64], [4, 16], [16, 1], [2, 16])
+                            for at in (64, 128, 192))  # fmt: skip
+    again = TensorDescriptor(held[64:128], [4, 16], [16, 1], [2, 16])  # first's address
+    launches = [(first, third), (first, third), (again, third), (second, third)]
+    for a, b in launches:
+        bound((2,), x, a, 16, b)
     head = (2, 1, 1, 77, "f", 0, 1, None, None, "m", None, None, None)
-    spliced = [(*head, x, ("map", d.base.data_ptr()), 4, 16, 16, 1, 16, 64, 8)
-               for d in (first, first, second)]  # fmt: skip
-    assert kernel.direct == spliced and len(kernel.jitted) == 1
-    # no metadata: decomposed on the host, the tensor among them, at every launch
-    encodings.clear()
-    launcher.launch = _wrapping(lambda *a: kernel.direct.append(a), {1}, [])
-    bound.compiled.clear()
-    for _ in range(3):
-        bound((2,), x, first, 16)
-    assert encodings == [(first.base.data_ptr(), None)] * 2
+
+    def spliced(d):
+        return (("map", d.base.data_ptr()), 4, 16, 16, 1)
+
+    assert kernel.direct == [(*head, x, *spliced(a), 16, *spliced(b), 64, 8)
+                             for a, b in launches[1:]]  # fmt: skip
+    assert len(kernel.jitted) == 1
+    if metas:  # the later position first, then each new address
+        expected = [(third.base.data_ptr(), metas[1]), (first.base.data_ptr(), metas[0]),
+                    (second.base.data_ptr(), metas[0])]  # fmt: skip
+    else:
+        expected = [(d.base.data_ptr(), None) for a, b in launches[1:] for d in (b, a)]
+    assert encodings == expected
+
+
+def test_a_kernel_that_failed_to_load_is_launched_through_its_raising_launcher():
+    """Triton 3.6 leaves a kernel that failed to load (too many resources) a launcher
+    that raises why: launched through it, that error, not an AttributeError."""
+
+    def refuse(*_):
+        raise OutOfResources(300000, 232448, "shared memory")
+
+    launch, function, head, descriptors = runtime._direct(
+        SimpleNamespace(run=functools.partial(refuse), function=None), "m"
+    )
+    assert descriptors is None
+    with pytest.raises(OutOfResources):
+        launch(1, 1, 1, 0, function, *head)
+
+
+def test_a_bound_kernel_hands_cuda_tensors_to_the_launcher_as_addresses(monkeypatch):
+    """A CUDA tensor reaches the launcher's entry as its address (the entry would ask it
+    and then the driver); a CPU tensor as itself, for the launcher to refuse."""
+    bound, kernel = _bound(monkeypatch, _two_constants, {"WIDE": 8, "BLOCK": 64})
+    x, y = torch.zeros(16), torch.zeros(16)
+    bound((1,), x, y, 16)
+    bound((1,), x, y, 16)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    bound((1,), x, y, 16)
+    arguments = [launch[13:16] for launch in kernel.direct]
+    assert arguments == [(x, y, 16), (x.data_ptr(), y.data_ptr(), 16)]
 
 
 def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(monkeypatch):
