@@ -337,7 +337,7 @@ def test_a_backward_through_a_single_device_run_raises_too():
     assert not y.requires_grad and torch.allclose(y, x_value.detach().exp())
 
 
-def test_a_run_records_no_autograd_graph_and_leaves_grad_mode_as_it_found_it():
+def test_without_grad_records_no_autograd_graph_and_restores_the_grad_mode():
     """``without_grad`` (what a run runs under): autograd off inside, the caller's mode
     back after, a raise included."""
     assert without_grad(torch.is_grad_enabled) is False and torch.is_grad_enabled()
