@@ -177,7 +177,12 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     result = subprocess.run(
         command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    # the first failing check's report first: a failure can leave the ranks a collective
+    # apart, and every later check fails for it (the tail alone hid the first once)
+    lines = result.stdout.splitlines()
+    first = next((i for i, line in enumerate(lines) if "FAIL" in line), len(lines))
+    assert result.returncode == 0, "\n".join(lines[first : first + 40]) + "\n...\n" + (
+        result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
     record = json.loads(out.read_text())
     assert record["failed"] == 0 and len(record["rows"]) > 80
     assert {row["kernels"] for row in record["rows"]} == {"reference", "generated", "-"}
