@@ -22,6 +22,7 @@ import torch
 
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
+from schedulers.runtime import contiguous_strides
 from sharding.annotate import as_mesh, as_placement, torch_class
 from sharding.layout import Layout, Partial, Replicate, Shard, layout_of, split_sizes
 
@@ -104,7 +105,7 @@ def as_dtensors(outputs: list, fusion: Fusion, meshes: dict) -> list:
                 [torch_placement(p) for p in layout.placements],
                 run_check=False,
                 shape=shape,
-                stride=_contiguous_strides(shape),
+                stride=contiguous_strides(shape),
             )  # fmt: skip
         )
     return wrapped
@@ -154,14 +155,6 @@ def _global_shape(tensor: TensorView, piece: torch.Tensor, layout: Layout) -> li
             raise InputError(f"output {tensor}: a symbolic split extent has no DTensor shape")
         shape.append(piece.shape[dim])
     return shape
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides, step = [], 1
-    for extent in reversed(shape):
-        strides.append(step)
-        step *= max(int(extent), 1)
-    return tuple(reversed(strides))
 
 
 def torch_placement(placement):

@@ -62,6 +62,7 @@ from overlap.communicator import Communicator
 from overlap.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.inputs import check_same_on_every_rank
 from overlap.trainable import TrainableFusion
+from schedulers.runtime import contiguous_strides
 from sharding import DeviceMesh, Replicate, Shard, shard
 from sharding.annotate import as_placement
 from sharding.layout import layout_of
@@ -105,9 +106,8 @@ class ParallelModule(torch.nn.Module):
 
         placements = [torch_placement(p) for p in layout_of(tensor).placements]
         shape = torch.Size(int(e) for e in tensor.shape)
-        strides = torch.empty(shape, device="meta").stride()
         return DTensor.from_local(piece, self.torch_mesh, placements, run_check=False,
-                                  shape=shape, stride=strides)  # fmt: skip
+                                  shape=shape, stride=contiguous_strides(shape))  # fmt: skip
 
     def forward(self, *local_inputs: torch.Tensor):
         parameters = [
