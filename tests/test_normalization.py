@@ -1505,13 +1505,20 @@ def test_a_maximum_reduced_in_parts_keeps_special_values():
 @pytest.mark.parametrize("count, columns", [(1, 1), (3, 7), (5, 1000), (132, 4096)])
 def test_partial_rows_of_every_column_sum_start_aligned(count, columns):
     """Every column sum's partial rows, in one allocation: each sum's block contiguous,
-    128 bytes past a 128-byte boundary of the allocation's start however many floats
-    the block before holds (an allocation starts at least 16-byte aligned; CUDA's at
-    512), and zeroed where asked."""
-    rows = partial_rows(torch.device("cpu"), 3, count, columns, zeroed=True)
+    a multiple of 128 bytes past the allocation's start however many floats the block
+    before holds (an allocation starts at least 16-byte aligned; CUDA's at 512), and
+    zeroed where asked. New memory is filled with NaN here (deterministic algorithms),
+    so rows not zeroed would show."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        rows = partial_rows(torch.device("cpu"), 3, count, columns, zeroed=True)
+        unzeroed = partial_rows(torch.device("cpu"), 3, count, columns)
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
     assert len(rows) == 3 and partial_rows(torch.device("cpu"), 0, count, columns) == ()
     (start,) = {block.untyped_storage().data_ptr() for block in rows}  # one allocation
     for block in rows:
         assert block.shape == (count, columns) and block.is_contiguous()
         assert (block.data_ptr() - start) % 128 == 0 and not block.any()
-    assert start % 16 == 0
+    assert start % 16 == 0 and all(block.isnan().all() for block in unzeroed)
