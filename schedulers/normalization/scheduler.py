@@ -350,6 +350,7 @@ class NormalizationLauncher(Launcher):
         else:
             kernel = BoundKernel(self.kernel, options)
             group_words = exchange_slots(plan, params, 1)
+        allocate_slots = torch.zeros if group_words else torch.empty  # tags start at 0
         grid = (cdiv(rows, params.block_rows),)
         if params.programs:
             grid = (min(grid[0], params.programs),)
@@ -370,7 +371,6 @@ class NormalizationLauncher(Launcher):
                 most = self._resident(device, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
-                allocate_slots = torch.zeros if group_words else torch.empty
                 slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
                                         device=device),)  # fmt: skip
             # one row of float32 partial column sums per program (a split row's: per
