@@ -142,11 +142,9 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
     cluster's exchange), compiled, this program's own exchange words ``word + (p *
     width + k) * rows`` in shared memory, which every program of the cluster stores
     into (``post_source``; interpreted, its block's, which ``pointer`` points into). The
-    interpreter
-    polls every slot of the round at once, in a loop. On a GPU, relaxed loads at
-    GPU scope, in
-    one spin: no loop in the kernel's IR (a walk that waits is still a loop Triton's
-    pipeliner takes).
+    interpreter polls every slot of the round at once, in a loop. On a GPU, relaxed
+    loads (at GPU scope; a cluster's at cluster scope), in one spin: no loop in the
+    kernel's IR (a walk that waits is still a loop Triton's pipeliner takes).
     - One row a block (every thread of a warp holds it), at most 32 words: each lane of
       a warp polls one word (one load a warp a poll), the warp polls until every lane
       has its tag (a vote), then each word goes to every lane by a shuffle. Every thread
@@ -337,7 +335,7 @@ def exchange_partials(
     words = [emit.fresh("xw") for _ in range(params.parts * len(partials))]
     # after the post: its result added in
     emit.line(f"{', '.join(words)} = {wait}({waits} + {posted}, {word} + {posted}, xtag)")
-    if generator.params.block_columns < 256 * generator.params.num_warps:  # copies of the row
+    if params.block_columns < 256 * params.num_warps:  # copies of the row
         emit.line("tl.debug_barrier()")
     values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
     return [values[k :: len(partials)] for k in range(len(partials))]
