@@ -82,7 +82,7 @@ from schedulers.triton_lib import (
 )
 from schedulers.triton_math import (
     INTERPRETED, add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16,
-    round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh,
+    round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, widen_bf16,
 )
 """
 
@@ -120,10 +120,14 @@ _POWERS = {0, 1, 2, 3, 0.5, -0.5, -1, -2}
 
 @dataclass
 class Value:
-    """A value in registers: the variable holding it and the dtype it stands for."""
+    """A value in registers: the variable holding it and the dtype it stands for;
+    ``raw``, for a bfloat16 loaded and carried as float32, the variable of its bits as
+    loaded (a kernel may widen them again instead of keeping the float32s live:
+    ``normalization.codegen.Generator.rematerialize``)."""
 
     name: str
     dtype: DataType
+    raw: str = ""
 
 
 class NameSupply:
@@ -194,7 +198,8 @@ class Emitter:
         """``raw`` (a tensor loaded as ``dtype`` is stored) in value form: floats carried
         as float32 (float64 and storage-only codes as they are)."""
         if dtype.is_floating and not dtype.storage_only and dtype is not float64:
-            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype,
+                         raw if dtype is bfloat16 else "")  # fmt: skip
         return Value(raw, dtype)
 
     def load_tile(self, tensor: TensorView, descriptor: str, offsets: str) -> Value:
@@ -204,7 +209,8 @@ class Emitter:
             raise ValueError(f"{tensor}: {dtype} codes are not loaded through descriptors")
         raw = self.assign(f"{descriptor}.load([{offsets}])")
         if dtype.is_floating and dtype is not float64:
-            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype)
+            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype,
+                         raw if dtype is bfloat16 else "")  # fmt: skip
         return Value(raw, dtype)
 
     def stored(self, value: Value) -> str:

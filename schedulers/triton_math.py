@@ -33,6 +33,14 @@ def round_to_bf16(x):
 
 
 @triton.jit
+def widen_bf16(x):
+    """A bfloat16 as float32 from its bits (exact, as ``x.to(tl.float32)``): a kernel
+    that widens a loaded value again where it is used late, instead of keeping the
+    first float32s live, writes this so the compiler does not merge the two."""
+    return (x.to(tl.uint16, bitcast=True).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def round_to_f16(x):
     """A float32 rounded to the nearest float16 (ties to even), kept as float32."""
     return x.to(tl.float16).to(tl.float32)

@@ -54,6 +54,13 @@ class NormalizationPlan:
         return [t for t in self.inputs if self.kinds[t] == "full"]
 
     @property
+    def unreduced_column_sums(self) -> list[bool]:
+        """Whether each column sum's terms need no reduction of the row (a backward's
+        dweight from the forward's saved statistics)."""
+        depths = _levels(self.exprs)
+        return [depths.get(e.inputs[0], 0) == 0 for e in self.column_sums]
+
+    @property
     def buffers(self) -> int:
         """Full-row inputs a persistent kernel keeps in registers."""
         return max(1, len(self.full_inputs))

@@ -72,6 +72,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     if params.cluster and not (split and params.parts in CLUSTER_SIZES):
         raise ValueError(f"{params}: a cluster of a split row's programs holds "
                          f"{', '.join(map(str, CLUSTER_SIZES))} of them")  # fmt: skip
+    if params.rewiden and not split:
+        raise ValueError(f"{params}: inputs widened again after the exchange need a split row")
     if params.tma and not (split and params.stages > 1 and not params.prefetch):
         raise ValueError(f"{params}: TMA tiles need a split row, stages > 1, no prefetch")
     tiles = set(tma_inputs(plan, params))  # TMA descriptors of (rows, COLUMNS)
@@ -103,6 +105,15 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         step = Step(outer, row_cache)  # one step: everything shares one cache
         if split:
             exchange_step(generator, early, step, params.prefetch)
+    before, after = [], []  # around the walk over the rows (column sums)
+    sums = [] if stashing else plan.column_sums
+    # a split row whose inputs are widened again after the exchange adds the column sums
+    # that need no reduction before it, their float32 terms not kept across it
+    sooner = ([i for i, plain in enumerate(plan.unreduced_column_sums) if plain]
+              if split and params.rewiden else [])  # fmt: skip
+    later = [i for i in range(len(sums)) if i not in sooner]
+    for i, kept in generator.column_terms(step, sooner) if sooner else ():
+        keep_column_sum(params, step.emit, i, kept, before, after)
     for level in range(1, plan.depth + 1):
         group = [t for t, v in plan.levels.items() if v == level]
         if persistent and split:  # the level's reductions exchanged together
@@ -124,8 +135,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                 generator.stash_part(tensor, accumulators[tensor], stashed(plan))
             else:
                 generator.finish(tensor, accumulators[tensor])
-    before, after = [], []  # around the walk over the rows (column sums)
-    sums = [] if stashing else plan.column_sums
+    if split and params.rewiden:  # what follows the exchange, from the inputs' bits
+        generator.rematerialize(step)
     if stashing and not partial:  # the column walk's row values, float32 (``column_sums``)
         kept = stashed(plan)
         for j, tensor in enumerate(kept):
@@ -134,7 +145,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     elif not stashing and (any(plan.kinds[t] == "full" for t in plan.outputs) or sums):
         body = step if persistent else generator.loop("evict_first")
         generator.full_outputs(body, targets)
-        for i, kept in enumerate(generator.column_terms(body)):
+        for i, kept in generator.column_terms(body, later):
             if not persistent:  # its row of partial sums, in memory (zeroed before the launch)
                 column = body.emit.assign(f"tl.sum({kept}, 0)")
                 row = body.emit.assign(
@@ -145,24 +156,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
                     "mask=col_mask)"
                 )
                 continue
-            # this program's partial sums stay in registers
-            if params.tile_sums:  # a partial row per row of the block, added across the
-                # block after the walk: no reduction across warps a step
-                # (block_rows * block_columns / threads values a thread: TILE_SUM_VALUES)
-                before.append(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
-                body.emit.line(f"colsum{i} = colsum{i} + {kept}")
-                after.append(f"colsum{i} = tl.sum(colsum{i}, 0)")
-            else:  # added across the block every step
-                before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
-                body.emit.line(f"colsum{i} = colsum{i} + tl.sum({kept}, 0)")
-            after.append(
-                f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
-                f"colsum{i}, mask=col_mask)"
-                if split else
-                f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
-                "+ tl.arange(0, BLOCK_COLUMNS), "
-                f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
-            )  # fmt: skip
+            keep_column_sum(params, body.emit, i, kept, before, after)
         if not persistent:
             generator.close(body)
     for i, tensor in enumerate(plan.outputs):
@@ -206,6 +200,30 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     runtime = ["row_count", *(["row_parts", "part_steps"] if partial else [])]
     return kernel_source("normalization_kernel", arguments, runtime, constants, lines,
                          comment, [text for _, text in generator.helpers.values()])  # fmt: skip
+
+
+def keep_column_sum(params: NormalizationParams, emit: Emitter, i: int, kept: str,
+                    before: list[str], after: list[str]) -> None:  # fmt: skip
+    """Column sum ``i``'s step term ``kept`` added to the program's partial sums, kept
+    in registers (``before`` the walk: zeroed; ``after`` it: stored as the program's row
+    of partials, a split row's group's)."""
+    if params.tile_sums:  # a partial row per row of the block, added across the
+        # block after the walk: no reduction across warps a step
+        # (block_rows * block_columns / threads values a thread: TILE_SUM_VALUES)
+        before.append(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
+        emit.line(f"colsum{i} = colsum{i} + {kept}")
+        after.append(f"colsum{i} = tl.sum(colsum{i}, 0)")
+    else:  # added across the block every step
+        before.append(f"colsum{i} = tl.zeros((BLOCK_COLUMNS,), tl.float32)")
+        emit.line(f"colsum{i} = colsum{i} + tl.sum({kept}, 0)")
+    after.append(
+        f"tl.store(part{i} + tl.cast(group, tl.int64) * COLUMNS + cols, "
+        f"colsum{i}, mask=col_mask)"
+        if params.strategy == SPLIT else
+        f"tl.store(part{i} + tl.program_id(0).to(tl.int64) * COLUMNS "
+        "+ tl.arange(0, BLOCK_COLUMNS), "
+        f"colsum{i}, mask=tl.arange(0, BLOCK_COLUMNS) < COLUMNS)"
+    )  # fmt: skip
 
 
 def constants(plan: NormalizationPlan, params: NormalizationParams, columns: int) -> dict[str, int]:
@@ -275,6 +293,22 @@ class Generator:
         walk = f"range(0, {end}, BLOCK_COLUMNS" + (f", num_stages={stages}" if stages > 1 else "")
         self.outer.block(f"for {name} in {'tl.' if stages > 1 else ''}{walk}):", step.emit)
 
+    def rematerialize(self, step: Step) -> None:
+        """The step's full values worked out again where next used: its bfloat16 inputs
+        widened from their bits as loaded (``widen_bf16``, which the compiler does not
+        merge with the first widening), the values made of them dropped. A split row
+        keeps 16 bits an input value across its exchange instead of the float32 values
+        (RMSNorm backward, 4096 columns a program: 214 registers a thread, 128 so)."""
+        for tensor in list(step.cache):
+            value = step.cache[tensor]
+            if self.plan.kinds[tensor] != "full":
+                continue
+            if tensor not in self.pointers:
+                del step.cache[tensor]
+            elif value.raw:
+                widened = step.emit.assign(f"widen_bf16({value.raw})")
+                step.cache[tensor] = Value(widened, value.dtype, value.raw)
+
     # Outputs of a step.
     def full_outputs(self, step: Step, targets: list[str]) -> None:
         """Stores the step's values of the full-shape outputs."""
@@ -286,13 +320,14 @@ class Generator:
             stored = step.emit.stored(Value(shaped, value.dtype))
             step.emit.line(f"tl.store({targets[i]} + offs, {stored}, mask=mask)")
 
-    def column_terms(self, step: Step) -> list[str]:
-        """The step's float32 terms of each column sum, zero outside the mask."""
+    def column_terms(self, step: Step, indices: list[int]) -> list[tuple[int, str]]:
+        """The step's float32 terms of the column sums at ``indices``, zero outside the
+        mask: (index, term) each."""
         terms = []
-        for expr in self.plan.column_sums:
-            (summed,) = expr.inputs
+        for i in indices:
+            (summed,) = self.plan.column_sums[i].inputs
             term = step.emit.as_compute(self.value(step, summed), float32)
-            terms.append(f"tl.where(mask, {term}, 0.0)")
+            terms.append((i, f"tl.where(mask, {term}, 0.0)"))
         return terms
 
     # Values.

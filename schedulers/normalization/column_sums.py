@@ -178,8 +178,8 @@ def column_source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         generator.finish_reduced(tensor.definition, tensor, op, reduced, float32)
     step = Step(walk, cache, "evict_first")
     generator.full_outputs(step, targets)
-    sums = generator.column_terms(step)
-    for i, term in enumerate(sums):  # a partial row a row of the tile, added at the end
+    sums = generator.column_terms(step, list(range(len(plan.column_sums))))
+    for i, term in sums:  # a partial row a row of the tile, added at the end
         strip.line(f"colsum{i} = tl.zeros((BLOCK_ROWS, BLOCK_COLUMNS), tl.float32)")
         walk.line(f"colsum{i} = colsum{i} + {term}")
     blocks = "group, tl.cdiv(row_count, BLOCK_ROWS), groups"

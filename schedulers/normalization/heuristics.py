@@ -71,6 +71,9 @@ class NormalizationParams:
     # descriptors into shared memory, the walk pipelined ``stages`` rows deep
     cluster: bool = False  # (SPLIT, compiled) a row's programs a thread-block cluster, their
     # partial reductions exchanged through its distributed shared memory
+    rewiden: bool = False  # (SPLIT) the full inputs' bfloat16 bits kept across the
+    # exchange and widened to float32 again after it, not their float32s and the values
+    # made of them (fewer registers a thread: more programs an SM)
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
     strip_warps: int = 0  # walks down the rows (``programs`` of them), and its warps
     why: str = field(default="", compare=False)  # the heuristic's reasons
@@ -89,6 +92,7 @@ class NormalizationParams:
         text += ", tile_sums=False" if not self.tile_sums else ""
         text += ", tma=True" if self.tma else ""
         text += ", cluster=True" if self.cluster else ""
+        text += ", rewiden=True" if self.rewiden else ""
         if self.strip_columns:
             text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"
         text += ", column_registers=True)" if self.column_registers else ")"
