@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import subprocess
 import tempfile
 from collections import Counter
 from pathlib import Path
@@ -72,6 +73,37 @@ def compile_ptx(
     Other non-constexpr arguments are 64-bit integers no fact is known of (as
     ``do_not_specialize`` makes them).
     """
+    return _compile(source, name, pointers, constants, num_warps, arch)["ptx"]
+
+
+def registers(
+    source: str,
+    name: str,
+    pointers: dict[str, str],
+    constants: dict[str, int],
+    num_warps: int,
+    arch: int = 90,
+) -> int:
+    """The registers a thread of kernel ``name`` takes on ``sm_<arch>`` (what bounds how
+    many of its programs an SM holds), read from its cubin by the ``cuobjdump`` that
+    Triton's wheel carries; arguments as ``compile_ptx``'s."""
+    import triton
+
+    cubin = _compile(source, name, pointers, constants, num_warps, arch)["cubin"]
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory(prefix="overlap_cubin_") as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    found = re.search(r"\bREG:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count: {usage[-500:]}")
+    return int(found.group(1))
+
+
+def _compile(source, name, pointers, constants, num_warps, arch) -> dict:
+    """The compiled kernel's assembly by kind (``"ptx"``, ``"cubin"``)."""
     _require_compiler()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -95,7 +127,7 @@ def compile_ptx(
             target=GPUTarget("cuda", arch, 32),
             options={"num_warps": num_warps, **COMPILE_OPTIONS},
         )
-        return compiled.asm["ptx"]
+        return compiled.asm
 
 
 def access_widths(ptx: str) -> dict[str, dict[int, int]]:

@@ -35,6 +35,7 @@ from schedulers.normalization.scheduler import partial_rows
 from schedulers.normalization.split import (
     CLUSTERS_PER_SM,
     SPLIT_SUMS_STAGES,
+    SPLIT_SUMS_WARPS_PER_SM,
     SPLIT_TMA_STAGES,
     split_params,
 )
@@ -725,6 +726,14 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
     assert "atom.relaxed.gpu.global.exch.b64" in source and "%tid.x" in source
     assert "ld.relaxed.gpu.global.b64 v, [a]" in source and "vote.sync.all.pred" in source
     assert (".load([row_block * BLOCK_ROWS, part * BLOCK_COLUMNS])" in source) == tma
+    # column sums of bf16 inputs: added before the post, the inputs' bits widened again
+    # after the wait (``rewiden``), so the float32s are not kept across the exchange
+    rewiden = sums and dtype == "bfloat16"
+    assert params.rewiden == rewiden and ("widen_bf16(" in source) == rewiden, params
+    if rewiden:
+        post, wait = source.index(" = xpost0("), source.index(" = xwait1(")
+        sums_added = [source.index(f"colsum{i} = colsum{i} + ") for i in range(len(outputs) - 1)]
+        assert max(sums_added) < post and wait < source.index("widen_bf16(", wait), source
 
 
 @pytest.mark.parametrize("column_registers", [True, False])
@@ -875,8 +884,9 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, stra
 def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, profiles):
     """Where the multi-wave kernel would walk the row in chunks (and the warp-specialized
     one is degenerate), H100 and H200 split it: with column sums a program per 4096
-    columns over 4 warps, its loads pipelined, as many programs as the device holds,
-    exchanging through global memory; a forward a program per 8192 columns over 4 warps,
+    columns over 4 warps, its loads pipelined, its bf16 inputs widened again after the
+    exchange, as many programs as the device holds of 12 warps an SM, exchanging through
+    global memory; a forward a program per 8192 columns over 4 warps,
     through TMA (prefetched where TMA cannot stride its rows); RMSNorm's (one partial a
     row) a cluster a row exchanging through its shared memory, CLUSTERS_PER_SM clusters
     an SM. The interpreter keeps the chunks (its programs would run one at a time; with
@@ -887,9 +897,13 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
         clustered = name == "rmsnorm_fwd"
-        programs = parts * profile.sm_count * CLUSTERS_PER_SM if clustered else 0
+        # column sums: the bf16 inputs widened again after the exchange, at most
+        # SPLIT_SUMS_WARPS_PER_SM warps an SM (fewer registers a thread: more fit)
+        widened = profile.sm_count * (SPLIT_SUMS_WARPS_PER_SM // warps)
+        programs = (parts * profile.sm_count * CLUSTERS_PER_SM if clustered
+                    else 0 if forward else widened)  # fmt: skip
         assert params.num_warps == warps and params.programs == programs, params
-        assert params.cluster == clustered, params
+        assert params.cluster == clustered and params.rewiden == (not forward), params
         assert params.tma == forward and not params.prefetch, params
         assert params.stages == (SPLIT_TMA_STAGES if forward else SPLIT_SUMS_STAGES), params
         assert params.block_columns * parts >= n and "[instead of " in params.why

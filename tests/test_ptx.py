@@ -255,6 +255,48 @@ def test_a_column_walks_kernels_pipeline_wide_accesses():
         assert strips["async_copies"] > 0, strips
 
 
+_REGISTERS = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+from examples.norms import BUILDERS
+from schedulers.hardware import H200
+from schedulers.ptx import registers
+from schedulers.registry import split_into_kernels
+for name in ("rmsnorm_bwd", "layernorm_bwd"):
+    fd = BUILDERS[name](16384, "bfloat16")
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    params = group.scheduler.heuristics(group.plan, H200, [8192, 16384])
+    for rewiden in (True, False):
+        chosen = dataclasses.replace(params, rewiden=rewiden)
+        (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [8192, 16384], True)
+        print(json.dumps({"name": name, "chosen": params.rewiden, "rewiden": rewiden,
+                          "warps": params.num_warps, "strategy": params.strategy,
+                          "registers": registers(kernel.source, kernel.name, kernel.pointers,
+                                                 kernel.constants, kernel.num_warps)}))
+"""
+
+
+def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
+    """The backwards' split kernels at 16384 columns (4 programs a row of 4096 columns
+    over 4 warps) for sm_90: chosen with their bf16 inputs' bits kept across the
+    exchange and widened again after it, three programs an SM fit the registers
+    (``SPLIT_SUMS_WARPS_PER_SM``; RMSNorm 128 a thread, LayerNorm 168 with Triton 3.6),
+    where keeping the float32s (200, 234) fits two."""
+    from schedulers.normalization.split import SPLIT_SUMS_WARPS_PER_SM
+
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _REGISTERS, str(ROOT)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == 4, found
+    for row in found:
+        assert row["chosen"] and row["strategy"] == "split" and row["warps"] == 4, row
+        fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
+        assert fit >= SPLIT_SUMS_WARPS_PER_SM // 4 if row["rewiden"] else fit <= 2, row
+
+
 _COMBINE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])

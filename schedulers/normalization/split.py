@@ -5,6 +5,7 @@ distributed shared memory."""
 
 from __future__ import annotations
 
+from fusion.dtypes import bfloat16
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import CLUSTER_SIZES
@@ -44,6 +45,16 @@ SPLIT_SUMS_STAGES = 3
 # 8192x16384 0.81-0.82 / 0.91 of copy (H200 / H100) against 0.76-0.78 / 0.90-0.92. At
 # 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
 SPLIT_SUMS_FROM = 16384
+# A split row with column sums keeps its bfloat16 inputs' bits across the exchange and
+# widens them again after it (``rewiden``), its column sums added before it: 214 -> 128
+# registers a thread (RMSNorm backward, 4096 columns a program; LayerNorm 234 -> 168), so
+# more programs an SM, at most this many warps of them. H200, fraction of copy, against
+# the float32s kept (two programs an SM; .devtmp A/B at 6b7528b,
+# results/norms_rewiden_*_h200_6b7528b.json): RMSNorm backward 8192x16384 0.92 (three
+# programs of 4 warps an SM; four: 0.87) against 0.81, 4096x65536 0.87 against 0.78,
+# 8192x24576 0.91 against 0.82; LayerNorm backward 8192x16384 0.85 against 0.80,
+# 8192x32768 0.85 against 0.79.
+SPLIT_SUMS_WARPS_PER_SM = 12
 # A split row's programs with no column sums, exchanging one partial a round (RMSNorm
 # forward's; softmax backward's, 0.97 of copy against 0.94 at 4096x65536 on the H200;
 # softmax forward's two rounds, split when forced only, unmeasured), form a thread-block
@@ -114,17 +125,25 @@ def split_params(
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
-    programs = cluster_programs(parts, hardware.sm_count) if cluster else 0
+    # column sums: the bfloat16 inputs widened again after the exchange, fewer registers
+    rewiden = sums and any(t.dtype is bfloat16 for t in full)
+    # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
+    most = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
+    programs = cluster_programs(parts, hardware.sm_count) if cluster else most if rewiden else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
         f"{len(plan.levels)} partial reductions exchanged a row{loads}"
+        + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it"
+           if rewiden else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
-           "programs" if cluster else "; as many programs as the device holds at once")
+           "programs" if cluster
+           else f"; as many programs as the device holds at once, {programs} at most"
+           if programs else "; as many programs as the device holds at once")
     )  # fmt: skip
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
-                               tma=tma, cluster=cluster, why=why)  # fmt: skip
+                               tma=tma, cluster=cluster, rewiden=rewiden, why=why)  # fmt: skip
 
 
 def cluster_programs(parts: int, sm_count: int) -> int:
