@@ -338,6 +338,8 @@ class NormalizationLauncher(Launcher):
             )
         options = {**constants(plan, params, columns), "num_warps": params.num_warps,
                    **COMPILE_OPTIONS}  # fmt: skip
+        if params.max_registers:
+            options["maxnreg"] = params.max_registers
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)
