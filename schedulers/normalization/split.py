@@ -55,6 +55,11 @@ SPLIT_SUMS_FROM = 16384
 # 8192x24576 0.91 against 0.82; LayerNorm backward 8192x16384 0.85 against 0.80,
 # 8192x32768 0.85 against 0.79.
 SPLIT_SUMS_WARPS_PER_SM = 12
+# Such a row's programs are held to the registers that leave room for that many warps an
+# SM (168 a thread on sm_90; ptxas's maxnreg), spilling what does not fit: LayerNorm
+# backward 4096x65536 (16 programs of 4096 columns, 32 words exchanged a row; 222
+# registers, two programs an SM) 0.78 of copy against 0.71 (H200, .devtmp A/B at
+# 0a585d5, results/norms_rewiden_lbwd64m_h200_0a585d5.json; held to 128: 0.43).
 # A split row's programs with no column sums, exchanging one partial a round (RMSNorm
 # forward's; softmax backward's, 0.97 of copy against 0.94 at 4096x65536 on the H200;
 # softmax forward's two rounds, split when forced only, unmeasured), form a thread-block
@@ -101,8 +106,12 @@ def split_params(
         return (f"{other[0]} ({other[0].dtype}): the exchange carries float32 partials; "
                 "integer and float64 reductions are not split")  # fmt: skip
     sums = bool(plan.column_sums)
+    full = plan.full_inputs
+    # column sums: the bfloat16 inputs widened again after the exchange, fewer registers
+    rewiden = sums and any(t.dtype is bfloat16 for t in full)
+    partials = max(plan.exchanges.values())
     if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
-        most = max(1, hardware.warp_size // max(plan.exchanges.values()))
+        most = max(1, hardware.warp_size // partials)
         if sums:  # slices wider where capped; as many as the row fills (3 at 12288)
             wide = max(SPLIT_SUMS_SLICE, next_power_of_two(cdiv(columns, most)))
             parts = max(2, cdiv(columns, wide))
@@ -114,7 +123,6 @@ def split_params(
     width = next_power_of_two(cdiv(max(columns, 1), parts))
     values = SPLIT_VALUES if sums else SPLIT_FORWARD_VALUES
     warps = max(1, min(16, width // (values * hardware.warp_size)))
-    full = plan.full_inputs
     # measured on forwards: one full input, no column sums
     tma = (len(full) == 1 and not sums
            and tma_refusal(plan, hardware, columns, width) is None)  # fmt: skip
@@ -125,17 +133,17 @@ def split_params(
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
-    # column sums: the bfloat16 inputs widened again after the exchange, fewer registers
-    rewiden = sums and any(t.dtype is bfloat16 for t in full)
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     most = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = cluster_programs(parts, hardware.sm_count) if cluster else most if rewiden else 0
+    # and held to the registers that many warps an SM leave a thread (a multiple of 8)
+    cap = hardware.registers_per_sm // (SPLIT_SUMS_WARPS_PER_SM * hardware.warp_size) // 8 * 8
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
         f"{len(plan.levels)} partial reductions exchanged a row{loads}"
-        + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it"
-           if rewiden else "")
+        + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it, "
+           f"{cap} registers a thread at most" if rewiden else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
            "programs" if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
@@ -143,7 +151,8 @@ def split_params(
     )  # fmt: skip
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
-                               tma=tma, cluster=cluster, rewiden=rewiden, why=why)  # fmt: skip
+                               tma=tma, cluster=cluster, rewiden=rewiden,
+                               max_registers=cap if rewiden else 0, why=why)  # fmt: skip
 
 
 def cluster_programs(parts: int, sm_count: int) -> int:
