@@ -904,8 +904,10 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
                     else 0 if forward else widened)  # fmt: skip
         assert params.num_warps == warps and params.programs == programs, params
         assert params.cluster == clustered and params.rewiden == (not forward), params
-        # held to the registers that leave a thread room for those warps: 168 on sm_90
-        assert params.max_registers == (0 if forward else 168), params
+        # held to the registers that leave a thread room for those warps (168 on sm_90)
+        # where a round's words fill a warp's poll: LayerNorm's two partials over 16
+        held = not forward and parts * max(plan.exchanges.values()) >= 32
+        assert params.max_registers == (168 if held else 0), params
         assert params.tma == forward and not params.prefetch, params
         assert params.stages == (SPLIT_TMA_STAGES if forward else SPLIT_SUMS_STAGES), params
         assert params.block_columns * parts >= n and "[instead of " in params.why
