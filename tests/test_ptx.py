@@ -266,20 +266,22 @@ for name in ("rmsnorm_bwd", "layernorm_bwd"):
     fd = BUILDERS[name](16384, "bfloat16")
     group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
     params = group.scheduler.heuristics(group.plan, H200, [8192, 16384])
-    for rewiden in (True, False):
-        chosen = dataclasses.replace(params, rewiden=rewiden)
+    for rewiden in (True, False):  # 4096 columns a program over 4 warps, either way
+        chosen = dataclasses.replace(params, rewiden=rewiden, parts=4, block_columns=4096,
+                                     num_warps=4, max_registers=0)
         (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [8192, 16384], True)
         print(json.dumps({"name": name, "chosen": params.rewiden, "rewiden": rewiden,
-                          "warps": params.num_warps, "strategy": params.strategy,
+                          "warps": chosen.num_warps, "strategy": params.strategy,
                           "registers": registers(kernel.source, kernel.name, kernel.pointers,
                                                  kernel.constants, kernel.num_warps)}))
 """
 
 
 def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
-    """The backwards' split kernels at 16384 columns (4 programs a row of 4096 columns
-    over 4 warps) for sm_90: chosen with their bf16 inputs' bits kept across the
-    exchange and widened again after it, three programs an SM fit the registers
+    """The backwards' split kernels at 16384 columns in 4 programs a row of 4096 columns
+    over 4 warps (RMSNorm's choice; LayerNorm's is 8 of 2048 over 2) for sm_90, not held
+    to a register count: their bf16 inputs' bits kept across the exchange and widened
+    again after it (as chosen), three programs an SM fit the registers
     (``SPLIT_SUMS_WARPS_PER_SM``; RMSNorm 128 a thread, LayerNorm 168 with Triton 3.6),
     where keeping the float32s (200, 234) fits two."""
     from schedulers.normalization.split import SPLIT_SUMS_WARPS_PER_SM

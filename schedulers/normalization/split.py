@@ -63,6 +63,15 @@ SPLIT_SUMS_WARPS_PER_SM = 12
 # table at fd5791d 0.79. Only where a round's words fill a warp's poll (32 words: the
 # wait's outputs live at once): RMSNorm backward 8192x16384 (4 words, 128 registers
 # unheld) read 0.88-0.89 held against 0.92 (results/norms_bwd_h200_fd5791d.json).
+# Two partials a row (LayerNorm backward's) whose words a round stay few (at most
+# SPLIT_NARROW_WORDS): slices of SPLIT_SUMS_NARROW columns over 2 warps, twice the
+# programs, as many warps an SM. H200, LayerNorm backward 8192x16384 (8 programs, 16
+# words), fraction of copy: 0.868 / 0.869 / 0.869 against 0.850 / 0.854 / 0.851 in three
+# runs (results/norms_rewiden_lbwd16{,m,n}_h200_*.json); H100 level (0.887 against 0.888,
+# norms_rewiden_lbwd16n_h100_65fd7af.json). RMSNorm backward there (one partial) level
+# on the H200 (0.914-0.916 against 0.919-0.920): kept in 4096-column slices.
+SPLIT_SUMS_NARROW = 2048
+SPLIT_NARROW_WORDS = 16
 # A split row's programs with no column sums, exchanging one partial a round (RMSNorm
 # forward's; softmax backward's, 0.97 of copy against 0.94 at 4096x65536 on the H200;
 # softmax forward's two rounds, split when forced only, unmeasured), form a thread-block
@@ -94,7 +103,8 @@ def split_params(
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
-      fills), the walk's loads pipelined ``SPLIT_SUMS_STAGES`` rows deep;
+      fills; ``SPLIT_SUMS_NARROW`` where two partials' words a round stay few), the
+      walk's loads pipelined ``SPLIT_SUMS_STAGES`` rows deep;
     - without, a power of two of programs, one per ``SPLIT_SLICE`` columns, the one
       input's slices through TMA, pipelined ``SPLIT_TMA_STAGES`` stages deep where TMA
       can stride its rows, else the next row's inputs loaded before the exchange.
@@ -116,7 +126,10 @@ def split_params(
     if parts is None:  # at most as many words a round as a warp polls at once (wait_source)
         most = max(1, hardware.warp_size // partials)
         if sums:  # slices wider where capped; as many as the row fills (3 at 12288)
-            wide = max(SPLIT_SUMS_SLICE, next_power_of_two(cdiv(columns, most)))
+            words = cdiv(columns, SPLIT_SUMS_NARROW) * partials  # a round's, narrow
+            narrow = rewiden and partials > 1 and words <= SPLIT_NARROW_WORDS
+            slice_ = SPLIT_SUMS_NARROW if narrow else SPLIT_SUMS_SLICE
+            wide = max(slice_, next_power_of_two(cdiv(columns, most)))
             parts = max(2, cdiv(columns, wide))
         else:  # a power of two of them
             parts = max(2, min(next_power_of_two(cdiv(columns, SPLIT_SLICE)),
