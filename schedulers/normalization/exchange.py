@@ -135,7 +135,7 @@ def post_source(name: str, count: int, rows: int, parts: int = 0, width: int = 0
 
 
 def wait_source(name: str, parts: int, width: int, count: int, rows: int,
-                cluster: bool = False) -> str:  # fmt: skip
+                cluster: bool = False, summed: bool = False) -> str:  # fmt: skip
     """``name(pointer, word, tag)``: the low halves (int32) of the int64 words at ``pointer +
     (p * width + k) * rows`` for each of ``parts`` programs ``p`` and ``count`` partials
     ``k`` (in that order), once each word's high half equals ``tag``; with ``cluster`` (a
@@ -152,6 +152,13 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
       4096x65536, 16 words, H200): the same line polled 16 times a warp.
     - Otherwise each thread loads every word and again until every tag is there.
 
+    With ``summed`` (``sums_in_wait``: partials that are sums, one row a block, at most 32
+    words), the float32 sum of each partial's ``parts`` words instead, added in
+    ``combine_in_order``'s order (so the same bits), the words shuffled as the sums take
+    them: ``count`` values leave the spin instead of ``parts * count`` (LayerNorm
+    backward over 16 programs: 32 words live at once took its kernel from 168 registers a
+    thread to 222, sm_90).
+
     Declared pure: Triton copies an elementwise op into each layout its users want
     (removing layout conversions) and cannot remove a copy with side effects, so an
     impure wait was left spinning 7 times a row, 6 of them for nothing (LayerNorm
@@ -160,12 +167,19 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
     ahead of it."""
     offsets = [(p * width + k) * rows for p in range(parts) for k in range(count)]
     words = len(offsets)
-    tag = f"${words + 1}"
+    outputs = count if summed else words  # then the pointer (or word) and the tag
+    tag = f"${outputs + 1}"
     # where the words are: a global pointer, or this program's shared exchange words
     load = "ld.relaxed.cluster.shared::cta.b64" if cluster else "ld.relaxed.gpu.global.b64"
-    at = _exchange_words(f"${words}") if cluster else f".reg .b64 a; mov.b64 a, ${words}; "
+    at = _exchange_words(f"${outputs}") if cluster else f".reg .b64 a; mov.b64 a, ${outputs}; "
+    if summed and not (rows == 1 and words <= 32):
+        raise ValueError(f"{name}: summed in the wait needs one row a block and at most 32 words")
     if rows == 1 and words <= 32:
-        shuffles = " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
+        shuffles = (
+            _summed_shuffles(parts, count)
+            if summed
+            else " ".join(f"shfl.sync.idx.b32 ${k}, lo, {k}, 0x1f, -1;" for k in range(words))
+        )
         step = ("mul.lo.u32 i, i, 8; add.u32 a, a, i; " if cluster
                 else ".reg .b64 o; mul.wide.u32 o, i, 8; add.s64 a, a, o; ")  # fmt: skip
         body = (  # this lane's word: (lane % words) -> its program and partial
@@ -180,7 +194,7 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
         checks = " ".join(f"mov.b64 {{${k}, h}}, w{k}; setp.ne.u32 p, h, {tag}; @p bra WAIT;"
                           for k in range(words))  # fmt: skip
         body = f".reg .pred p; .reg .b32 h; .reg .b64 w<{words}>; {at}WAIT: {loads} {checks}"
-    constraints = ",".join(["=r"] * words + ["r" if cluster else "l", "r"])
+    constraints = ",".join(["=f" if summed else "=r"] * outputs + ["r" if cluster else "l", "r"])
     operands = "word, tag" if cluster else "pointer, tag"
     names = ", ".join(f"w{k}" for k in range(words))
     # the interpreter: every slot of the round polled at once (unused ones carry tag 0),
@@ -199,7 +213,17 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
         + "".join(f"        w{k} = tl.sum(tl.where(slots[None, :] == {at // rows}, got, 0), 1)"
                   ".to(tl.int32)\n" for k, at in enumerate(offsets))
     )  # fmt: skip
-    dtype = "tl.int32" if words == 1 else f"({', '.join(['tl.int32'] * words)})"
+    kind = "tl.float32" if summed else "tl.int32"
+    dtype = kind if outputs == 1 else f"({', '.join([kind] * outputs)})"
+    if summed:  # the words as float32s, each partial's added as the asm adds them
+        interpreted += "".join(f"        w{k} = w{k}.to(tl.float32, bitcast=True)\n"
+                               for k in range(words))  # fmt: skip
+        sums = []
+        for k in range(count):
+            tree = _pairwise([f"w{p * count + k}" for p in range(parts)], f"s{k}_")
+            interpreted += "".join(f"        {out} = {a} + {b}\n" for out, a, b in tree)
+            sums.append(tree[-1][0] if tree else f"w{k}")
+        names = ", ".join(sums)
     return (
         f"@triton.jit\ndef {name}(pointer, word, tag):\n"
         f"    if INTERPRETED:\n{interpreted}        return {names}\n"
@@ -207,6 +231,57 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
         f'        return tl.inline_asm_elementwise("{{ {body} }}", "{constraints}", '
         f"[{operands}], dtype={dtype}, is_pure=True, pack=1)\n"
     )
+
+
+def _pairwise(values: list[str], prefix: str) -> list[tuple[str, str, str]]:
+    """``combine_in_order``'s additions of ``values`` as (result, left, right) names,
+    results named ``prefix`` and a number, the last one the total."""
+    steps: list[tuple[str, str, str]] = []
+    while len(values) > 1:
+        pairs = []
+        for a, b in zip(values[::2], values[1::2], strict=False):
+            pairs.append(f"{prefix}{len(steps)}")
+            steps.append((pairs[-1], a, b))
+        values = pairs + values[len(pairs) * 2 :]
+    return steps
+
+
+def _summed_shuffles(parts: int, count: int) -> str:
+    """The summed wait's asm after its spin: for each partial ``k``, the words of programs
+    0..parts-1 (lane ``p * count + k``'s ``lo``) shuffled to every lane as the pairwise
+    additions need them, added (``add.rn.f32``) into output ``$k``."""
+    lines = [f".reg .f32 f<{parts * count + 1}>;"]
+    taken: set[str] = set()
+    for k in range(count):
+        lanes = [f"f{p * count + k}" for p in range(parts)]
+        tree = _pairwise(lanes, f"t{k}_")
+        if tree:
+            lines.append(".reg .f32 " + ", ".join(out for out, _, _ in tree) + ";")
+
+        def fetch(value: str) -> None:
+            if value.startswith("f") and value not in taken:
+                taken.add(value)
+                lines.append(f"shfl.sync.idx.b32 i, lo, {value[1:]}, 0x1f, -1; "
+                             f"mov.b32 {value}, i;")  # fmt: skip
+
+        for out, a, b in tree:
+            fetch(a)
+            fetch(b)
+            lines.append(f"add.rn.f32 {out}, {a}, {b};")
+        total = tree[-1][0] if tree else lanes[0]
+        fetch(total)
+        lines.append(f"mov.f32 ${k}, {total};")
+    return " ".join(lines)
+
+
+def sums_in_wait(plan: NormalizationPlan, params: NormalizationParams, ops: list[str]) -> bool:
+    """Whether a round's wait adds each partial's words itself (``wait_source``'s
+    ``summed``): a split row with column sums (a backward: the forwards keep the words,
+    as measured) whose partials of the round are all sums (``ops``: their combines), one
+    row a block, at most 32 words."""
+    words = params.parts * len(ops)
+    return (bool(plan.column_sums) and all(op == "add" for op in ops)
+            and params.block_rows == 1 and words <= 32)  # fmt: skip
 
 
 def cluster_exchange(plan: NormalizationPlan, params: NormalizationParams) -> int:
@@ -294,12 +369,13 @@ def exchange_step(generator: Generator, early: Emitter, step: Step, prefetch: bo
 
 
 def exchange_partials(
-    generator: Generator, emit: Emitter, partials: list[str], level: int
+    generator: Generator, emit: Emitter, partials: list[str], level: int, summed: bool = False
 ) -> list[list[str]]:
     """Each of ``partials`` (this program's reduction of its slice, a float32 per row
     of the block) with the other programs' of the row: a list of ``parts`` float32s
     (BLOCK_ROWS,) each, in the order of the programs, for the caller to combine in a
-    fixed order. The program posts its slots (``post_source``: with one row
+    fixed order (``summed``: the wait adds them in that order, one float32 each). The
+    program posts its slots (``post_source``: with one row
     a block its first thread), then its threads wait for the level's slots of every
     program to carry this row's tag (``wait_source``). The slots alternate
     between two rows: a program posts row j+2 after its first thread read every
@@ -331,12 +407,15 @@ def exchange_partials(
     bits = ", ".join(f"{partial}.to(tl.int32, bitcast=True)" for partial in partials)
     posted = emit.assign(f"{post}({posts}, {word}, xtag, {bits})")
     wait = generator.helper("xwait", wait_source, params.parts, width, len(partials), rows,
-                            params.cluster)  # fmt: skip
-    words = [emit.fresh("xw") for _ in range(params.parts * len(partials))]
+                            params.cluster, summed)  # fmt: skip
+    words = [emit.fresh("xw") for _ in range(len(partials) if summed else
+                                             params.parts * len(partials))]  # fmt: skip
     # after the post: its result added in
     emit.line(f"{', '.join(words)} = {wait}({waits} + {posted}, {word} + {posted}, xtag)")
     if params.block_columns < 256 * params.num_warps:  # copies of the row
         emit.line("tl.debug_barrier()")
+    if summed:  # each partial's total, float32
+        return [[word] for word in words]
     values = [emit.assign(f"{word}.to(tl.float32, bitcast=True)") for word in words]
     return [values[k :: len(partials)] for k in range(len(partials))]
 
@@ -373,7 +452,9 @@ def reduce_split(generator: Generator, step: Step, group: list[TensorView], leve
             squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
             partials += [total, squares]
             finishes.append(producer)
-    gathered = iter(exchange_partials(generator, emit, partials, level))
+    ops = [COMBINE[op] for _, (_, op, _, _) in zip(plain, terms, strict=True)]
+    summed = len(finishes) == len(plain) and sums_in_wait(generator.plan, generator.params, ops)
+    gathered = iter(exchange_partials(generator, emit, partials, level, summed))
     for item in finishes:
         if isinstance(item, VarMeanOp):
             _chan(generator, emit, item, next(gathered), next(gathered))

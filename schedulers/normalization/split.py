@@ -55,14 +55,12 @@ SPLIT_SUMS_FROM = 16384
 # 8192x24576 0.91 against 0.82; LayerNorm backward 8192x16384 0.85 against 0.80,
 # 8192x32768 0.85 against 0.79.
 SPLIT_SUMS_WARPS_PER_SM = 12
-# Such a row's programs are held to the registers that leave room for that many warps an
-# SM (168 a thread on sm_90; ptxas's maxnreg), spilling what does not fit: LayerNorm
-# backward 4096x65536 (16 programs of 4096 columns, 32 words exchanged a row; 222
-# registers, two programs an SM) 0.78 of copy against 0.71 (H200, .devtmp A/B at
-# 0a585d5, results/norms_rewiden_lbwd64m_h200_0a585d5.json; held to 128: 0.43); the
-# table at fd5791d 0.79. Only where a round's words fill a warp's poll (32 words: the
-# wait's outputs live at once): RMSNorm backward 8192x16384 (4 words, 128 registers
-# unheld) read 0.88-0.89 held against 0.92 (results/norms_bwd_h200_fd5791d.json).
+# Held to 168 registers a thread instead (``max_registers``, ptxas's maxnreg, spilling),
+# LayerNorm backward 4096x65536 read 0.78 of copy against 0.71 (H200, 0a585d5,
+# results/norms_rewiden_lbwd64m_h200_0a585d5.json) while its wait handed 32 words to the
+# kernel at once (222 registers); RMSNorm backward 8192x16384 (128 unheld) 0.88-0.89
+# held against 0.92. The wait now adds each partial's words itself
+# (``exchange.sums_in_wait``): 168 registers unheld, no cap.
 # Two partials a row (LayerNorm backward's) whose words a round stay few (at most
 # SPLIT_NARROW_WORDS): slices of SPLIT_SUMS_NARROW columns over 2 warps, twice the
 # programs, as many warps an SM. H200, LayerNorm backward 8192x16384 (8 programs, 16
@@ -152,17 +150,12 @@ def split_params(
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     most = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = cluster_programs(parts, hardware.sm_count) if cluster else most if rewiden else 0
-    # held to the registers that many warps an SM leave a thread (a multiple of 8) where
-    # a round's words fill a warp's poll (the wait's outputs, live at once)
-    cap = hardware.registers_per_sm // (SPLIT_SUMS_WARPS_PER_SM * hardware.warp_size) // 8 * 8
-    cap = cap if rewiden and parts * partials >= hardware.warp_size else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
         f"{len(plan.levels)} partial reductions exchanged a row{loads}"
         + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it"
            if rewiden else "")
-        + (f", {cap} registers a thread at most" if cap else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
            "programs" if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
@@ -170,8 +163,7 @@ def split_params(
     )  # fmt: skip
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
-                               tma=tma, cluster=cluster, rewiden=rewiden,
-                               max_registers=cap, why=why)  # fmt: skip
+                               tma=tma, cluster=cluster, rewiden=rewiden, why=why)  # fmt: skip
 
 
 def cluster_programs(parts: int, sm_count: int) -> int:
