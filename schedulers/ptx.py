@@ -58,52 +58,22 @@ def _load(source: str, name: str, folder: Path):
     return getattr(module, name)
 
 
-def compile_ptx(
+def compiled(
     source: str,
     name: str,
     pointers: dict[str, str],
     constants: dict[str, int],
     num_warps: int,
     arch: int = 90,
-) -> str:
-    """PTX of kernel ``name`` in ``source`` for ``sm_<arch>``.
+) -> dict:
+    """Kernel ``name`` in ``source`` compiled for ``sm_<arch>``: its assembly by kind
+    (``"ptx"``, ``"cubin"``).
 
     ``pointers``: pointer argument -> Triton element type (``"tl.bfloat16"``); they are
     taken 16-byte aligned, as Triton assumes for a tensor whose address allows it.
     Other non-constexpr arguments are 64-bit integers no fact is known of (as
     ``do_not_specialize`` makes them).
     """
-    return _compile(source, name, pointers, constants, num_warps, arch)["ptx"]
-
-
-def registers(
-    source: str,
-    name: str,
-    pointers: dict[str, str],
-    constants: dict[str, int],
-    num_warps: int,
-    arch: int = 90,
-) -> int:
-    """The registers a thread of kernel ``name`` takes on ``sm_<arch>`` (what bounds how
-    many of its programs an SM holds), read from its cubin by the ``cuobjdump`` that
-    Triton's wheel carries; arguments as ``compile_ptx``'s."""
-    import triton
-
-    cubin = _compile(source, name, pointers, constants, num_warps, arch)["cubin"]
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    with tempfile.TemporaryDirectory(prefix="overlap_cubin_") as folder:
-        path = Path(folder) / "kernel.cubin"
-        path.write_bytes(cubin)
-        usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
-                               text=True, check=True).stdout  # fmt: skip
-    found = re.search(r"\bREG:(\d+)", usage)
-    if found is None:
-        raise RuntimeError(f"cuobjdump -res-usage gave no register count: {usage[-500:]}")
-    return int(found.group(1))
-
-
-def _compile(source, name, pointers, constants, num_warps, arch) -> dict:
-    """The compiled kernel's assembly by kind (``"ptx"``, ``"cubin"``)."""
     _require_compiler()
     import triton
     from triton.backends.compiler import GPUTarget
@@ -122,12 +92,30 @@ def _compile(source, name, pointers, constants, num_warps, arch) -> dict:
         names = kernel.arg_names
         aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in pointers}
         fixed = {(names.index(a),): value for a, value in constants.items()}
-        compiled = triton.compile(
+        result = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=aligned),
             target=GPUTarget("cuda", arch, 32),
             options={"num_warps": num_warps, **COMPILE_OPTIONS},
         )
-        return compiled.asm
+        return result.asm
+
+
+def registers(cubin: bytes) -> int:
+    """The registers a thread of the kernel in ``cubin`` (``compiled(...)["cubin"]``)
+    takes, what bounds how many of its programs an SM holds: read by the ``cuobjdump``
+    that Triton's wheel carries."""
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.TemporaryDirectory(prefix="overlap_cubin_") as folder:
+        path = Path(folder) / "kernel.cubin"
+        path.write_bytes(cubin)
+        usage = subprocess.run([str(tool), "-res-usage", str(path)], capture_output=True,
+                               text=True, check=True).stdout  # fmt: skip
+    found = re.search(r"\bREG:(\d+)", usage)
+    if found is None:
+        raise RuntimeError(f"cuobjdump -res-usage gave no register count: {usage[-500:]}")
+    return int(found.group(1))
 
 
 def access_widths(ptx: str) -> dict[str, dict[int, int]]:
@@ -171,8 +159,8 @@ def kernel_widths(
     copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
     result = {}
     for kernel in scheduler.kernels(plan, params, shape, aligned):
-        ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
-                          kernel.num_warps, arch)  # fmt: skip
+        ptx = compiled(kernel.source, kernel.name, kernel.pointers, kernel.constants,
+                       kernel.num_warps, arch)["ptx"]  # fmt: skip
         opcodes = instructions(ptx)
         result[kernel.name] = {
             **access_widths(ptx),

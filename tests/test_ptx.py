@@ -138,7 +138,7 @@ sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
 from schedulers.normalization.heuristics import SPLIT
-from schedulers.ptx import compile_ptx
+from schedulers.ptx import compiled
 from schedulers.registry import split_into_kernels
 name, n = sys.argv[3], int(sys.argv[4])
 fd = BUILDERS[name](n, "bfloat16")
@@ -146,8 +146,8 @@ group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
 params = group.scheduler.heuristics(group.plan, H200, [8192, n], SPLIT)
 params = dataclasses.replace(params, **json.loads(sys.argv[2]))
 (kernel, *_) = group.scheduler.kernels(group.plan, params, [8192, n], True)
-ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, kernel.constants,
-                  kernel.num_warps)
+ptx = compiled(kernel.source, kernel.name, kernel.pointers, kernel.constants,
+               kernel.num_warps)["ptx"]
 print(json.dumps({"parts": params.parts, "polls": ptx.count("ld.relaxed.gpu.global.b64"),
                   "posts": ptx.count("atom.relaxed.gpu.global.exch.b64"),
                   "stores": ptx.count("st.relaxed.gpu.global.b64"),
@@ -260,7 +260,7 @@ import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
-from schedulers.ptx import registers
+from schedulers.ptx import compiled, registers
 from schedulers.registry import split_into_kernels
 for name in ("rmsnorm_bwd", "layernorm_bwd"):
     fd = BUILDERS[name](16384, "bfloat16")
@@ -272,8 +272,8 @@ for name in ("rmsnorm_bwd", "layernorm_bwd"):
         (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [8192, 16384], True)
         print(json.dumps({"name": name, "chosen": params.rewiden, "rewiden": rewiden,
                           "warps": chosen.num_warps, "strategy": params.strategy,
-                          "registers": registers(kernel.source, kernel.name, kernel.pointers,
-                                                 kernel.constants, kernel.num_warps)}))
+                          "registers": registers(compiled(kernel.source, kernel.name,
+                              kernel.pointers, kernel.constants, kernel.num_warps)["cubin"])}))
 """
 
 
@@ -286,12 +286,7 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
     where keeping the float32s (200, 234) fits two."""
     from schedulers.normalization.split import SPLIT_SUMS_WARPS_PER_SM
 
-    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _REGISTERS, str(ROOT)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    found = _compiled_rows(_REGISTERS)
     assert len(found) == 4, found
     for row in found:
         assert row["chosen"] and row["strategy"] == "split" and row["warps"] == 4, row
@@ -299,12 +294,23 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
         assert fit >= SPLIT_SUMS_WARPS_PER_SM // 4 if row["rewiden"] else fit <= 2, row
 
 
+def _compiled_rows(script: str) -> list[dict]:
+    """The JSON lines ``script`` prints, run (compiling for sm_90) in a process without
+    ``TRITON_INTERPRET``, the repository's root its first argument."""
+    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", script, str(ROOT)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
 _COMBINE = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
-from schedulers.ptx import compile_ptx
+from schedulers.ptx import compiled
 from schedulers.registry import split_into_kernels
 fd = BUILDERS["layernorm_bwd"](1024, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
@@ -313,7 +319,7 @@ kernel = [k for k in group.scheduler.kernels(group.plan, params, [32768, 1024])
           if k.name == "combine_kernel"][0]
 for dependent in (False, True):  # as listed (an ordinary launch), and as sm_90 launches it
     constants = {**kernel.constants, "DEPENDENT": dependent}
-    ptx = compile_ptx(kernel.source, kernel.name, kernel.pointers, constants, kernel.num_warps)
+    ptx = compiled(kernel.source, kernel.name, kernel.pointers, constants, kernel.num_warps)["ptx"]
     wait = ptx.find("griddepcontrol.wait")
     print(json.dumps({"dependent": constants["DEPENDENT"],
                       "waits": ptx.count("griddepcontrol.wait"),
@@ -326,11 +332,6 @@ def test_the_combining_kernel_waits_for_the_kernel_before_it_only_when_dependent
     programmatic dependent of the normalization kernel, ``DEPENDENT``): it waits once
     (``griddepcontrol.wait``), before its first load of the partial rows; as listed (an
     ordinary launch, as before sm_90), it does not wait at all."""
-    pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", _COMBINE, str(ROOT)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
-    assert result.returncode == 0, result.stderr[-4000:]
-    found = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    found = _compiled_rows(_COMBINE)
     assert found == [{"dependent": False, "waits": 0, "before_loads": False},
                      {"dependent": True, "waits": 1, "before_loads": True}], found  # fmt: skip
