@@ -5,6 +5,7 @@ recorded hardware profiles, and kernel reuse across batch sizes."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 import torch
@@ -874,6 +875,72 @@ def test_a_waits_sums_add_the_words_in_the_order_the_kernel_would(count):
         for name in names[1:]:
             ordered = np.float32(ordered + words[name])
         assert ordered.tobytes() != got.tobytes(), (ordered, got)
+
+
+def _run_summed_wait_asm(text: str, lanes: list) -> list:
+    """The summed wait's PTX after its spin (``_summed_shuffles``) run on one warp's ``lo``
+    words (``lanes``, float32): shuffles, moves and additions in order; its outputs."""
+    import numpy as np
+
+    values: dict[str, np.float32] = {}
+    outputs: dict[int, np.float32] = {}
+    for statement in (part.strip() for part in text.split(";")):
+        if not statement or statement.startswith(".reg"):
+            continue
+        op, _, rest = statement.partition(" ")
+        args = [a.strip() for a in rest.split(",")]
+        if op == "shfl.sync.idx.b32":  # i, lo, lane, 0x1f, -1
+            values[args[0]] = lanes[int(args[2])]
+        elif op in ("mov.b32", "mov.f32") and args[0].startswith("$"):
+            outputs[int(args[0][1:])] = values[args[1]]
+        elif op in ("mov.b32", "mov.f32"):
+            values[args[0]] = values[args[1]]
+        elif op == "add.rn.f32":
+            values[args[0]] = np.float32(values[args[1]] + values[args[2]])
+        else:
+            raise AssertionError(f"an instruction the summed wait does not use: {statement}")
+    return [outputs[k] for k in range(len(outputs))]
+
+
+@pytest.mark.parametrize(("parts", "count"), [(2, 1), (3, 2), (6, 2), (8, 2), (16, 2), (17, 1)])
+def test_a_summed_wait_adds_each_partials_words_from_its_own_lanes(parts, count):
+    """The compiled summed wait (its PTX after the spin, run instruction by instruction)
+    and its interpreted branch (the Triton lines, run on float32 words) give, for each
+    partial k, the words of lanes p * count + k added in ``combine_in_order``'s order, bit
+    for bit: a lane off by one, or another order, gives other bits here."""
+    import numpy as np
+
+    from schedulers.codegen import Emitter
+    from schedulers.normalization.exchange import _summed_shuffles, combine_in_order, wait_source
+
+    words = parts * count
+    head = [2.0**24, 1.0, 1.0, -(2.0**24)]  # where a one is lost depends on the order
+    rng = np.random.default_rng(words)
+    lanes = [np.float32(head[i // count] * (i % count + 1) if i // count < 4
+                        else rng.uniform(1, 3) + i) for i in range(words)]  # fmt: skip
+    expected = []
+    for k in range(count):
+        emit = Emitter()
+        names = {f"w{p}": lanes[p * count + k] for p in range(parts)}
+        total = combine_in_order(emit, "add", list(names))
+        for line in emit.lines:
+            out, expression = line.split(" = ")
+            a, b = expression.split(" + ")
+            names[out] = np.float32(names[a] + names[b])
+        expected.append(names[total].tobytes())
+    compiled = _run_summed_wait_asm(_summed_shuffles(parts, count), lanes)
+    assert [v.tobytes() for v in compiled] == expected
+    # the interpreted branch: its additions after the words are picked out
+    source = wait_source("xwait", parts, 2 if count == 2 else 1, count, 1, summed=True)
+    interpreted = {f"w{i}": lanes[i] for i in range(words)}
+    returned = None
+    for line in (line.strip() for line in source.split("else:")[0].splitlines()):
+        if line.startswith("return "):
+            returned = [name.strip() for name in line[len("return ") :].split(",")]
+        elif addition := re.fullmatch(r"(s\d+_\d+) = (\w+) \+ (\w+)", line):
+            out, a, b = addition.groups()
+            interpreted[out] = np.float32(interpreted[a] + interpreted[b])
+    assert [interpreted[name].tobytes() for name in returned] == expected
 
 
 def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
