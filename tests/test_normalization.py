@@ -1402,6 +1402,41 @@ def _two_level_column_sums(kind: str, n: int, dtype: str) -> FusionDefinition:
     return fd
 
 
+@pytest.mark.parametrize("n", [300, 1000])
+def test_a_split_row_adds_before_its_exchange_only_the_column_sums_that_need_no_reduction(n):
+    """A variance computed in the kernel, and two column sums: of dy * xhat (after the
+    variance's exchange) and of dy (none needed: added before it). Forced split over 2
+    programs, the bf16 inputs widened again after the exchange; the wait hands over the
+    words (a variance's partials are combined by Chan's rule, not summed). Every output
+    against the reference over 5 rows."""
+    with FusionDefinition("centred") as fd:
+        x = fd.define_tensor(["rows", n], "bfloat16")
+        dy = fd.define_tensor(["rows", n], "bfloat16")
+        xf, dyf = fd.ops.cast(x, "float32"), fd.ops.cast(dy, "float32")
+        var, mean = fd.ops.var_mean(xf, dims=[1], correction=0)
+        rstd = fd.ops.rsqrt(var + 1e-5)
+        xhat = (xf - fd.ops.broadcast(mean, [False, True])) * fd.ops.broadcast(rstd, [False, True])
+        fd.add_output(fd.ops.cast(dyf * xhat, "bfloat16"))
+        fd.add_output(fd.ops.sum(dyf * xhat, dims=[0]))
+        fd.add_output(fd.ops.sum(dyf, dims=[0]))
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    plan = group.plan
+    assert plan.unreduced_column_sums == [False, True]
+    params = split_params(plan, INTERPRETER, n, 2)
+    assert params.rewiden, params
+    source_text = source(plan, params)
+    post, wait = source_text.index(" = xpost0("), source_text.index(" = xwait1(")
+    assert source_text.index("colsum1 = colsum1 + ") < post, source_text
+    assert source_text.index("colsum0 = colsum0 + ") > wait, source_text
+    assert '"=r,=r,=r,=r,l,r"' in source_text, source_text  # 2 programs x 2 partials: words
+    generator = torch.Generator().manual_seed(n)
+    inputs = [torch.randn(5, n, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    KERNEL_CACHE.clear()
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    for actual, wanted in zip(executor.run(inputs), fd.execute(inputs), strict=True):
+        assert_close(actual, wanted, reduction_extent=max(5, n))
+
+
 @pytest.mark.parametrize("kind", ["variance", "max_then_sum"])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_column_walk_behind_two_levels_of_reductions(kind, dtype):
