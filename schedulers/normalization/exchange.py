@@ -252,18 +252,17 @@ def _summed_shuffles(parts: int, count: int) -> str:
     additions need them, added (``add.rn.f32``) into output ``$k``."""
     lines = [f".reg .f32 f<{parts * count + 1}>;"]
     taken: set[str] = set()
+
+    def fetch(value: str) -> None:  # a word, shuffled in the first time it is needed
+        if value.startswith("f") and value not in taken:
+            taken.add(value)
+            lines.append(f"shfl.sync.idx.b32 i, lo, {value[1:]}, 0x1f, -1; mov.b32 {value}, i;")
+
     for k in range(count):
         lanes = [f"f{p * count + k}" for p in range(parts)]
         tree = _pairwise(lanes, f"t{k}_")
         if tree:
             lines.append(".reg .f32 " + ", ".join(out for out, _, _ in tree) + ";")
-
-        def fetch(value: str) -> None:
-            if value.startswith("f") and value not in taken:
-                taken.add(value)
-                lines.append(f"shfl.sync.idx.b32 i, lo, {value[1:]}, 0x1f, -1; "
-                             f"mov.b32 {value}, i;")  # fmt: skip
-
         for out, a, b in tree:
             fetch(a)
             fetch(b)

@@ -148,8 +148,8 @@ def split_params(
     cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
-    most = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
-    programs = cluster_programs(parts, hardware.sm_count) if cluster else most if rewiden else 0
+    capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
+    programs = cluster_programs(parts, hardware.sm_count) if cluster else capped if rewiden else 0
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
