@@ -134,6 +134,10 @@ def main() -> None:
             verdict = "ok"
         except Exception:  # report and go on: every rank runs every check
             verdict = "FAILED\n" + traceback.format_exc()
+            # and at once, from this rank: a rank that raised between collectives leaves
+            # the ranks a collective apart, and its verdict may reach a peer's collective
+            # instead of the verdicts (where it is lost)
+            print(f"rank {rank}: {name} raised\n{verdict}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
         verdicts = communicator.all_gather_object(verdict)
         failed = [r for r, v in enumerate(verdicts) if v != "ok"]

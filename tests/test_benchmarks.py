@@ -179,10 +179,13 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     )
     # the first failing check's report first: a failure can leave the ranks a collective
     # apart, and every later check fails for it (the tail alone hid the first once)
+    # (and each rank's own report of what it raised, on stderr, first)
     lines = result.stdout.splitlines()
     first = next((i for i, line in enumerate(lines) if "FAIL" in line), len(lines))
-    assert result.returncode == 0, "\n".join(lines[first : first + 40]) + "\n...\n" + (
-        result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
+    raised = result.stderr.find(" raised\n")
+    own = result.stderr[max(0, raised - 80) : raised + 3000] if raised >= 0 else ""
+    assert result.returncode == 0, own + "\n...\n" + "\n".join(lines[first : first + 40]) + (
+        "\n...\n" + result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
     record = json.loads(out.read_text())
     assert record["failed"] == 0 and len(record["rows"]) > 80
     assert {row["kernels"] for row in record["rows"]} == {"reference", "generated", "-"}
