@@ -298,7 +298,8 @@ class Generator:
         widened from their bits as loaded (``widen_bf16``, which the compiler does not
         merge with the first widening), the values made of them dropped. A split row
         keeps 16 bits an input value across its exchange instead of the float32 values
-        (RMSNorm backward, 4096 columns a program: 214 registers a thread, 128 so)."""
+        (RMSNorm backward, 4096 columns a program, its column sums added before the exchange:
+        200 registers a thread, 128 so)."""
         for tensor in list(step.cache):
             value = step.cache[tensor]
             if self.plan.kinds[tensor] != "full":

@@ -46,7 +46,7 @@ SPLIT_SUMS_STAGES = 3
 # 12288 (H200, 4096 rows) the multi-wave row read 0.78-0.79 against 0.74 split in three.
 SPLIT_SUMS_FROM = 16384
 # A split row with column sums keeps its bfloat16 inputs' bits across the exchange and
-# widens them again after it (``rewiden``), its column sums added before it: 214 -> 128
+# widens them again after it (``rewiden``), its column sums added before it: 200 -> 128
 # registers a thread (RMSNorm backward, 4096 columns a program; LayerNorm 234 -> 168), so
 # more programs an SM, at most this many warps of them. H200, fraction of copy, against
 # the float32s kept (two programs an SM; .devtmp A/B at 6b7528b,
@@ -145,7 +145,7 @@ def split_params(
     loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
-    cluster = (not sums and max(plan.exchanges.values()) == 1 and hardware.arch // 10 == 9
+    cluster = (not sums and partials == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
