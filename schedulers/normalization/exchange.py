@@ -451,8 +451,9 @@ def reduce_split(generator: Generator, step: Step, group: list[TensorView], leve
             squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
             partials += [total, squares]
             finishes.append(producer)
-    ops = [COMBINE[op] for _, (_, op, _, _) in zip(plain, terms, strict=True)]
-    summed = len(finishes) == len(plain) and sums_in_wait(generator.plan, generator.params, ops)
+    # plain reductions only (a variance's partials are combined by Chan's rule)
+    ops = [COMBINE[op] for _, op, _, _ in terms]
+    summed = plain == group and sums_in_wait(generator.plan, generator.params, ops)
     gathered = iter(exchange_partials(generator, emit, partials, level, summed))
     for item in finishes:
         if isinstance(item, VarMeanOp):
