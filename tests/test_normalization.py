@@ -844,37 +844,47 @@ def test_a_split_row_in_three_pipelined_slices(name):
 def test_a_waits_sums_add_the_words_in_the_order_the_kernel_would(count):
     """``wait_source``'s summed form adds a partial's words in ``combine_in_order``'s
     order (pairs of neighbours, a leftover carried to the end), so it gives the bits the
-    kernel's own additions gave: values of wide magnitudes (float32 addition is not
-    associative) added both ways, bit for bit, and in some other order they differ."""
+    kernel's own additions gave: values whose sum depends on the order (float32 addition
+    is not associative) added both ways, bit for bit; added left to right they differ."""
     import numpy as np
 
-    from schedulers.codegen import Emitter
-    from schedulers.normalization.exchange import _pairwise, combine_in_order
+    from schedulers.normalization.exchange import _pairwise
 
     rng = np.random.default_rng(count)
     # 2**24, 1, 1, -2**24 first: left to right the ones are lost (0), in pairs one is not
     head = [2.0**24, 1.0, 1.0, -(2.0**24)]
     words = {f"w{i}": np.float32(head[i] if i < 4 else rng.uniform(1, 3)) for i in range(count)}
     names = list(words)
-    emit = Emitter()
-    total = combine_in_order(emit, "add", names)
-    kernel = dict(words)
-    for line in emit.lines:
-        out, expression = line.split(" = ")
-        a, b = expression.split(" + ")
-        kernel[out] = np.float32(kernel[a] + kernel[b])
     waited = dict(words)
     steps = _pairwise(names, "s")
     for out, a, b in steps:
         waited[out] = np.float32(waited[a] + waited[b])
     got = waited[steps[-1][0]] if steps else waited[names[0]]
-    assert got.tobytes() == kernel[total].tobytes(), (got, kernel[total])
+    kernel = _added_in_combine_order(words)
+    assert got.tobytes() == kernel.tobytes(), (got, kernel)
     assert len(steps) == count - 1
     if count >= 5:  # left to right: another order, other bits
         ordered = words[names[0]]
         for name in names[1:]:
             ordered = np.float32(ordered + words[name])
         assert ordered.tobytes() != got.tobytes(), (ordered, got)
+
+
+def _added_in_combine_order(words: dict):
+    """``words`` (name -> float32) added as the kernel adds a split row's partials
+    (``combine_in_order``'s lines, run in float32)."""
+    import numpy as np
+
+    from schedulers.codegen import Emitter
+    from schedulers.normalization.exchange import combine_in_order
+
+    emit, values = Emitter(), dict(words)
+    total = combine_in_order(emit, "add", list(words))
+    for line in emit.lines:
+        out, expression = line.split(" = ")
+        a, b = expression.split(" + ")
+        values[out] = np.float32(values[a] + values[b])
+    return values[total]
 
 
 def _run_summed_wait_asm(text: str, lanes: list) -> list:
@@ -910,24 +920,15 @@ def test_a_summed_wait_adds_each_partials_words_from_its_own_lanes(parts, count)
     for bit: a lane off by one, or another order, gives other bits here."""
     import numpy as np
 
-    from schedulers.codegen import Emitter
-    from schedulers.normalization.exchange import _summed_shuffles, combine_in_order, wait_source
+    from schedulers.normalization.exchange import _summed_shuffles, wait_source
 
     words = parts * count
     head = [2.0**24, 1.0, 1.0, -(2.0**24)]  # where a one is lost depends on the order
     rng = np.random.default_rng(words)
     lanes = [np.float32(head[i // count] * (i % count + 1) if i // count < 4
                         else rng.uniform(1, 3) + i) for i in range(words)]  # fmt: skip
-    expected = []
-    for k in range(count):
-        emit = Emitter()
-        names = {f"w{p}": lanes[p * count + k] for p in range(parts)}
-        total = combine_in_order(emit, "add", list(names))
-        for line in emit.lines:
-            out, expression = line.split(" = ")
-            a, b = expression.split(" + ")
-            names[out] = np.float32(names[a] + names[b])
-        expected.append(names[total].tobytes())
+    expected = [_added_in_combine_order({f"w{p}": lanes[p * count + k] for p in range(parts)})
+                .tobytes() for k in range(count)]  # fmt: skip
     compiled = _run_summed_wait_asm(_summed_shuffles(parts, count), lanes)
     assert [v.tobytes() for v in compiled] == expected
     # the interpreted branch: its additions after the words are picked out
