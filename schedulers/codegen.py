@@ -83,6 +83,7 @@ from schedulers.triton_lib import (
 from schedulers.triton_math import (
     INTERPRETED, add, div, gelu, gelu_tanh, maximum, minimum, reciprocal, round_to_bf16,
     round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, widen_bf16,
+    widen_bf16_here,
 )
 """
 

@@ -65,14 +65,19 @@ def compiled(
     constants: dict[str, int],
     num_warps: int,
     arch: int = 90,
+    descriptors: dict[str, str] | None = None,
+    integers: str = "i64",
 ) -> dict:
     """Kernel ``name`` in ``source`` compiled for ``sm_<arch>``: its assembly by kind
     (``"ptx"``, ``"cubin"``).
 
     ``pointers``: pointer argument -> Triton element type (``"tl.bfloat16"``); they are
     taken 16-byte aligned, as Triton assumes for a tensor whose address allows it.
+    ``descriptors``: TMA descriptor argument -> its Triton type
+    (``"tensordesc<bf16[1, 8192]>"``, a block of one row of 8192).
     Other non-constexpr arguments are 64-bit integers no fact is known of (as
-    ``do_not_specialize`` makes them).
+    ``do_not_specialize`` makes them), or of type ``integers`` (``"i32"``: as Triton
+    launches an integer argument below 2**31; TMA offsets must be 32-bit).
     """
     _require_compiler()
     import triton
@@ -82,15 +87,19 @@ def compiled(
     with tempfile.TemporaryDirectory(prefix="overlap_ptx_") as folder:
         kernel = _load(source, name, Path(folder))
         signature = {}
+        descriptors = descriptors or {}
         for argument in kernel.arg_names:
-            if argument in pointers:
+            if argument in descriptors:
+                signature[argument] = descriptors[argument]
+            elif argument in pointers:
                 signature[argument] = _POINTERS[pointers[argument]]
             elif argument in constants:
                 signature[argument] = "constexpr"
             else:
-                signature[argument] = "i64"
+                signature[argument] = integers
         names = kernel.arg_names
-        aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names if a in pointers}
+        aligned = {(names.index(a),): [["tt.divisibility", 16]] for a in names
+                   if a in pointers and a not in descriptors}  # fmt: skip
         fixed = {(names.index(a),): value for a, value in constants.items()}
         result = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=aligned),

@@ -41,6 +41,21 @@ def widen_bf16(x):
 
 
 @triton.jit
+def widen_bf16_here(x):
+    """``widen_bf16`` where it is written: the compiler does not move it out of a loop
+    (on a GPU, an instruction it must keep in place), so a loop-invariant bfloat16
+    kept as its bits across the loop is widened at each use, not once into float32s
+    live across the whole loop."""
+    if INTERPRETED:
+        return widen_bf16(x)
+    else:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 z; mov.b16 z, 0; mov.b32 $0, {z, $1}; }", "=r,h",
+            [x.to(tl.uint16, bitcast=True)], dtype=tl.float32, is_pure=False, pack=1,
+        )  # fmt: skip
+
+
+@triton.jit
 def round_to_f16(x):
     """A float32 rounded to the nearest float16 (ties to even), kept as float32."""
     return x.to(tl.float16).to(tl.float32)

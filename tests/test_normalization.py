@@ -476,11 +476,16 @@ def test_a_layernorm_forward_of_32768_columns_is_split_on_the_h200_only():
 def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     """Rows too long for registers: split on both devices. The H200 walked LayerNorm's in
     chunks (0.75 of copy against 0.70-0.71 split) until the exchange went into the rows'
-    own layout (0.82 split, twice, commit 6b9ab9f)."""
+    own layout (0.82 split, twice, commit 6b9ab9f); its bf16 weight and bias kept as
+    their bits since (0.86). RMSNorm's row, a cluster, keeps its weight's float32s (0.91
+    against 0.90 as bits); float32 weights have no bits to keep."""
     scheduler, plan = _plan(name, 65536, dtype)
     params = scheduler.heuristics(plan, profile, [4096, 65536])
     assert params.strategy == SPLIT and params.persistent, params
     assert params.why.startswith("split (the row does not fit"), params.why
+    bits = dtype == "bfloat16" and name == "layernorm_fwd"
+    assert params.column_bits == bits and params.cluster == (name == "rmsnorm_fwd"), params
+    assert ("the weights kept as their bfloat16 bits" in params.why) == bits, params.why
 
 
 def test_short_rows_gain_sooner_on_the_h200_only():
@@ -744,6 +749,15 @@ def test_the_split_kernel_matches_the_reference(name, n, dtype):
         post, wait = source.index(" = xpost0("), source.index(" = xwait1(")
         sums_added = [source.index(f"colsum{i} = colsum{i} + ") for i in range(len(outputs) - 1)]
         assert max(sums_added) < post and wait < source.index("widen_bf16(", wait), source
+    # bf16 weights of a forward (used after the exchange only): kept as their bits before
+    # the walk, widened in it after the wait (the interpreter's profile has no clusters)
+    bits = name in ("rmsnorm_fwd", "layernorm_fwd") and dtype == "bfloat16"
+    assert params.column_bits == bits and not params.cluster, params
+    walk = source.index(" row_block in ")
+    widened = [m.start() for m in re.finditer(r"widen_bf16_here\(", source)]
+    weights = 2 if name == "layernorm_fwd" else 1  # weight and bias
+    assert len(widened) == (weights if bits else 0), source
+    assert all(source.index(" = xwait", walk) < at for at in widened), source
 
 
 @pytest.mark.parametrize("column_registers", [True, False])

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -294,6 +295,45 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
         assert fit >= SPLIT_SUMS_WARPS_PER_SM // 4 if row["rewiden"] else fit <= 2, row
 
 
+_COLUMN_BITS = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+from examples.norms import BUILDERS
+from schedulers.hardware import H200
+from schedulers.normalization.heuristics import tma_inputs
+from schedulers.ptx import compiled, registers
+from schedulers.registry import split_into_kernels
+fd = BUILDERS["layernorm_fwd"](65536, "bfloat16")
+group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
+for bits in (True, False):
+    chosen = dataclasses.replace(params, column_bits=bits)
+    (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [4096, 65536], True)
+    tiles = {f"in{group.plan.inputs.index(t)}" for t in tma_inputs(group.plan, chosen)}
+    descriptors = {a: f"tensordesc<bf16[1, {chosen.block_columns}]>" for a in tiles}
+    print(json.dumps({"chosen": params.column_bits, "bits": bits, "warps": chosen.num_warps,
+                      "strategy": params.strategy, "parts": chosen.parts, "tma": chosen.tma,
+                      "registers": registers(compiled(kernel.source, kernel.name,
+                          kernel.pointers, kernel.constants, kernel.num_warps,
+                          descriptors=descriptors, integers="i32")["cubin"])}))
+"""
+
+
+def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
+    """LayerNorm forward split on the H200 (4096x65536: 8 programs a row of 8192 columns
+    over 4 warps, through TMA) for sm_90: its bf16 weight and bias kept as their bits and
+    widened where used after the exchange (as chosen), three programs an SM fit the
+    registers (168 a thread with Triton 3.6); their float32s kept (255), two. A widening
+    the compiler may hoist out of the walk (a pure one) gives the float32s back."""
+    found = _compiled_rows(_COLUMN_BITS)
+    assert len(found) == 2, found
+    for row in found:
+        assert row["chosen"] and row["strategy"] == "split" and row["tma"], row
+        assert (row["warps"], row["parts"]) == (4, 8), row
+        fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
+        assert fit >= 3 if row["bits"] else fit <= 2, row
+
+
 def _compiled_rows(script: str) -> list[dict]:
     """The JSON lines ``script`` prints, run (compiling for sm_90) in a process without
     ``TRITON_INTERPRET``, the repository's root its first argument."""
@@ -335,3 +375,37 @@ def test_the_combining_kernel_waits_for_the_kernel_before_it_only_when_dependent
     found = _compiled_rows(_COMBINE)
     assert found == [{"dependent": False, "waits": 0, "before_loads": False},
                      {"dependent": True, "waits": 1, "before_loads": True}], found  # fmt: skip
+
+
+def test_the_widening_kept_in_place_gives_a_bfloat16_s_float32_bits():
+    """``widen_bf16_here``'s assembly (what a GPU runs; the interpreter runs
+    ``widen_bf16``), its instructions run one by one on every 16-bit pattern: the bits
+    in the upper half of the float32, zeros below (``mov.b32 d, {lo, hi}``), as torch
+    widens a bfloat16."""
+    import inspect
+
+    import numpy as np
+    import torch
+
+    from schedulers import triton_math
+
+    module = inspect.getsource(triton_math)
+    text = module[module.index("def widen_bf16_here(") :].split("\n@triton.jit")[0]
+    (asm,) = re.findall(r'"\{(.*?)\}", "=r,h"', text)
+    patterns = np.arange(1 << 16, dtype=np.uint32)
+    values: dict[str, np.ndarray] = {"$1": patterns}
+    for statement in (s.strip() for s in asm.split(";") if s.strip()):
+        op, _, rest = statement.partition(" ")
+        target, _, source = (part.strip() for part in rest.partition(","))
+        if op == ".reg":
+            continue
+        if op == "mov.b16":
+            values[target] = np.full_like(patterns, int(source, 0) & 0xFFFF)
+        elif op == "mov.b32" and (pair := re.fullmatch(r"\{(\S+), (\S+)\}", source)):
+            low, high = (values[name] & 0xFFFF for name in pair.groups())
+            values[target] = low | (high << 16)
+        else:
+            raise AssertionError(f"an instruction the widening does not use: {statement}")
+    wanted = torch.from_numpy(patterns.astype(np.int32)).to(torch.int16).view(torch.bfloat16)
+    expected = wanted.to(torch.float32).view(torch.int32).numpy().astype(np.uint32)
+    assert np.array_equal(values["$0"], expected)

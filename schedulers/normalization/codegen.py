@@ -96,10 +96,15 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     # its column sums after it
     if params.column_registers or (split and (params.prefetch or plan.column_sums)):
         generator.columns(early, start, rows=False)
+    if params.column_bits and not params.column_registers:
+        raise ValueError(f"{params}: weights kept as bits are kept in registers")
     if params.column_registers:
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
-                generator.value(Step(early, row_cache), tensor)
+                value = generator.value(Step(early, row_cache), tensor)
+                if params.column_bits and value.raw:  # widened where used, each row
+                    generator.bits[tensor] = value.raw
+                    del row_cache[tensor]
     if persistent:
         generator.columns(outer, start)
         step = Step(outer, row_cache)  # one step: everything shares one cache
@@ -260,6 +265,7 @@ class Generator:
         self.tiles = tiles  # inputs passed as TMA descriptors of (rows, COLUMNS)
         self.means: dict[Expr, str] = {}  # var_mean: its float32 mean, unrounded
         self.start = start  # a persistent row's first column (a split row's slice's)
+        self.bits: dict[TensorView, str] = {}  # column inputs kept as bfloat16 bits
 
     def helper(self, prefix: str, write, *shape: int) -> str:
         """The name of a device function ``write(name, *shape)`` writes, defined once in
@@ -339,6 +345,11 @@ class Generator:
         if tensor in step.cache:
             return step.cache[tensor]
         emit = step.emit
+        if tensor in self.bits:  # widened here, not hoisted out of the walk
+            bits = self.bits[tensor]
+            value = Value(emit.assign(f"widen_bf16_here({bits})"), tensor.dtype, bits)
+            step.cache[tensor] = value
+            return value
         if tensor in self.pointers:
             pointer = self.pointers[tensor]
             if tensor in self.tiles:
@@ -347,7 +358,8 @@ class Generator:
                 value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":
                 loaded = emit.load(tensor, pointer, "cols", "col_mask")
-                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype)
+                raw = emit.assign(f"{loaded.raw}[None, :]") if loaded.raw else ""
+                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype, raw)
             elif kind == "row":
                 loaded = emit.load(tensor, pointer, "rows", "row_mask")
                 value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)

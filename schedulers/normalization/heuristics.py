@@ -74,6 +74,8 @@ class NormalizationParams:
     rewiden: bool = False  # (SPLIT) the full inputs' bfloat16 bits kept across the
     # exchange and widened to float32 again after it, not their float32s and the values
     # made of them (fewer registers a thread: more programs an SM)
+    column_bits: bool = False  # (column_registers) bfloat16 column inputs kept as their
+    # bits across the walk, widened where used each row (half their registers)
     max_registers: int = 0  # >0: the registers a thread of the kernel is held to (ptxas's
     # maxnreg; what does not fit spills), so more of its programs fit an SM
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
@@ -95,6 +97,7 @@ class NormalizationParams:
         text += ", tma=True" if self.tma else ""
         text += ", cluster=True" if self.cluster else ""
         text += ", rewiden=True" if self.rewiden else ""
+        text += ", column_bits=True" if self.column_bits else ""
         text += f", max_registers={self.max_registers}" if self.max_registers else ""
         if self.strip_columns:
             text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"

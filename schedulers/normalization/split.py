@@ -147,6 +147,21 @@ def split_params(
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
     cluster = (not sums and partials == 1 and hardware.arch // 10 == 9
                and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
+    # A split row without column sums exchanging through global memory keeps its bfloat16
+    # weights in registers as their bits, widened where used after the exchange
+    # (``column_bits``; ``triton_math.widen_bf16_here``, which the compiler does not hoist
+    # out of the walk): LayerNorm forward's weight and bias, 4096x65536, 255 -> 168
+    # registers a thread (sm_90, Triton 3.6), three programs of 4 warps an SM instead of
+    # two. H200, fraction of copy (.devtmp A/B, results/norms_column_bits_*_h200_*.json):
+    # LayerNorm forward 4096x65536 0.86 against 0.82 (two programs an SM with the bits:
+    # 0.77), 8192x65536 0.87 against 0.83, 2048x65536 0.84 against 0.81, 8192x32768 0.86
+    # against 0.84; the weights read with each row instead 0.70. RMSNorm forward's cluster
+    # (168 -> 128 registers) 0.90-0.91 against 0.91-0.92: not taken there.
+    bits = (
+        not sums
+        and not cluster
+        and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
+    )
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = cluster_programs(parts, hardware.sm_count) if cluster else capped if rewiden else 0
@@ -156,6 +171,7 @@ def split_params(
         f"{len(plan.levels)} partial reductions exchanged a row{loads}"
         + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it"
            if rewiden else "")
+        + ("; the weights kept as their bfloat16 bits, widened where used" if bits else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
            "programs" if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
@@ -163,7 +179,8 @@ def split_params(
     )  # fmt: skip
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
-                               tma=tma, cluster=cluster, rewiden=rewiden, why=why)  # fmt: skip
+                               tma=tma, cluster=cluster, rewiden=rewiden,
+                               column_bits=bits, why=why)  # fmt: skip
 
 
 def cluster_programs(parts: int, sm_count: int) -> int:
