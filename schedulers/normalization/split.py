@@ -9,7 +9,12 @@ from fusion.dtypes import bfloat16
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import CLUSTER_SIZES
-from schedulers.normalization.heuristics import SPLIT, NormalizationParams, tma_refusal
+from schedulers.normalization.heuristics import (
+    FAST_MEMORY_GBPS,
+    SPLIT,
+    NormalizationParams,
+    tma_refusal,
+)
 from schedulers.runtime import cdiv, cluster_launches, next_power_of_two
 
 SPLIT_SLICE = 8192  # columns a program of a split forward (no column sums): the width at
@@ -156,10 +161,13 @@ def split_params(
     # LayerNorm forward 4096x65536 0.86 against 0.82 (two programs an SM with the bits:
     # 0.77), 8192x65536 0.87 against 0.83, 2048x65536 0.84 against 0.81, 8192x32768 0.86
     # against 0.84; the weights read with each row instead 0.70. RMSNorm forward's cluster
-    # (168 -> 128 registers) 0.90-0.91 against 0.91-0.92: not taken there.
+    # (168 -> 128 registers) 0.90-0.91 against 0.91-0.92: not taken there. On the H100
+    # (3000 GB/s) the bits lose: LayerNorm forward 4096x65536 0.83 against 0.91, 8192x65536
+    # 0.82 against 0.90 (results/norms_column_bits_h100_f9ce1a6.json): fast memory only.
     bits = (
         not sums
         and not cluster
+        and hardware.memory_gbps >= FAST_MEMORY_GBPS
         and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
     )
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
