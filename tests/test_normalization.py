@@ -782,6 +782,31 @@ def test_a_split_row_that_keeps_its_weights_as_bits_matches_the_reference(name, 
     assert all(source.index(f"{w} = ") < walk for w in weights), source  # bits loaded once
 
 
+@pytest.mark.parametrize("contract", [True, False])
+def test_a_kernel_whose_params_contract_is_compiled_with_fmas(contract, monkeypatch):
+    """``contract`` reaches the compiler: the normalization kernel is bound with
+    ``enable_fp_fusion`` on (off, as every other kernel, without it); its outputs match
+    the reference either way (the interpreter does not contract: on a GPU,
+    ``test_ptx`` and ``check_gpu.py``)."""
+    from schedulers import runtime
+
+    bound = []
+    plain = runtime.BoundKernel.__init__
+
+    def recording(self, kernel, keywords, *args, **kwargs):
+        bound.append((getattr(kernel, "__name__", str(kernel)), dict(keywords)))
+        plain(self, kernel, keywords, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.BoundKernel, "__init__", recording)
+    params = NormalizationParams(1, 256, 2, True, programs=8, strategy=SPLIT, parts=2,
+                                 column_registers=True, contract=contract)  # fmt: skip
+    _check_eleven_rows_of_500("layernorm_bwd", params)
+    options = [keywords for name, keywords in bound if "normalization_kernel" in name]
+    assert options and all(o["enable_fp_fusion"] is contract for o in options), bound
+    others = [keywords for name, keywords in bound if "normalization_kernel" not in name]
+    assert others and not any(o["enable_fp_fusion"] for o in others), bound
+
+
 @pytest.mark.parametrize("column_registers", [True, False])
 def test_a_split_row_with_two_rows_a_block_and_no_prefetch(column_registers):
     """Other params than the heuristics': two rows a block (their partials exchanged
@@ -1055,6 +1080,8 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
                     else 0 if forward else widened)  # fmt: skip
         assert params.num_warps == warps and params.programs == programs, params
         assert params.cluster == clustered and params.rewiden == (not forward), params
+        # LayerNorm backward's two partials, on the H200: multiplies and adds contracted
+        assert params.contract == (name == "layernorm_bwd" and profile is H200), params
         assert params.max_registers == 0, params  # the compiler's own count
         assert params.tma == forward and not params.prefetch, params
         assert params.stages == (SPLIT_TMA_STAGES if forward else SPLIT_SUMS_STAGES), params

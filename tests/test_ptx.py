@@ -334,6 +334,39 @@ def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
         assert fit >= 3 if row["bits"] else fit <= 2, row
 
 
+_CONTRACT = """
+import dataclasses, json, sys
+sys.path.insert(0, sys.argv[1])
+from examples.norms import BUILDERS
+from schedulers.hardware import H200
+from schedulers.ptx import kernel_widths
+from schedulers.registry import split_into_kernels
+fd = BUILDERS["layernorm_bwd"](65536, "bfloat16")
+group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
+for contract in (True, False):
+    chosen = dataclasses.replace(params, contract=contract)
+    for name, row in kernel_widths(group.scheduler, group.plan, chosen, [4096, 65536],
+                                   True).items():
+        print(json.dumps({"chosen": params.contract, "contract": contract, "name": name,
+                          "fmas": row["fused_multiply_adds"]}))
+"""
+
+
+def test_a_split_layernorm_backward_on_the_h200_is_compiled_with_fmas():
+    """Its params say ``contract`` (H200: 0.80 of copy against 0.78 at 4096x65536): the
+    split kernel's PTX holds fused multiply-adds, none without it; the combining
+    kernel's never (every other kernel keeps ``COMPILE_OPTIONS``)."""
+    found = _compiled_rows(_CONTRACT)
+    assert {(row["name"], row["contract"]) for row in found} == {
+        ("normalization_kernel", True), ("normalization_kernel", False),
+        ("combine_kernel", True), ("combine_kernel", False)}, found  # fmt: skip
+    for row in found:
+        assert row["chosen"], row
+        fused = row["contract"] and row["name"] == "normalization_kernel"
+        assert row["fmas"] > 0 if fused else row["fmas"] == 0, row
+
+
 def _compiled_rows(script: str) -> list[dict]:
     """The JSON lines ``script`` prints, run (compiling for sm_90) in a process without
     ``TRITON_INTERPRET``, the repository's root its first argument."""

@@ -76,6 +76,8 @@ class NormalizationParams:
     # made of them (fewer registers a thread: more programs an SM)
     column_bits: bool = False  # (column_registers) bfloat16 column inputs kept as their
     # bits across the walk, widened where used each row (half their registers)
+    contract: bool = False  # the kernel's multiplies and adds contracted into fmas (off
+    # by default: an fma skips the product's rounding the reference does)
     max_registers: int = 0  # >0: the registers a thread of the kernel is held to (ptxas's
     # maxnreg; what does not fit spills), so more of its programs fit an SM
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
@@ -98,6 +100,7 @@ class NormalizationParams:
         text += ", cluster=True" if self.cluster else ""
         text += ", rewiden=True" if self.rewiden else ""
         text += ", column_bits=True" if self.column_bits else ""
+        text += ", contract=True" if self.contract else ""
         text += f", max_registers={self.max_registers}" if self.max_registers else ""
         if self.strip_columns:
             text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"

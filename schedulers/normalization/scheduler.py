@@ -340,6 +340,8 @@ class NormalizationLauncher(Launcher):
                    **COMPILE_OPTIONS}  # fmt: skip
         if params.max_registers:
             options["maxnreg"] = params.max_registers
+        if params.contract:
+            options["enable_fp_fusion"] = True
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)

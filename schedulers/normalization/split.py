@@ -170,6 +170,16 @@ def split_params(
         and hardware.memory_gbps >= FAST_MEMORY_GBPS
         and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
     )
+    # Two partials a row with column sums (LayerNorm backward's), on fast memory: its
+    # multiplies and adds contracted into fmas (``contract``; the reference rounds each
+    # product, an fma does not: within the tolerance of the sums and bf16 outputs they
+    # feed). H200, fraction of copy, two runs (.devtmp A/B, results/norms_contract_
+    # {h200,h100}_*.json): 4096x65536 0.801 / 0.801 against 0.776 / 0.780, 8192x32768
+    # 0.865 against 0.841-0.842, 8192x16384 0.873-0.874 against 0.869; RMSNorm backward
+    # (one partial) level (0.887 / 0.904-0.906 against 0.883-0.884 / 0.905-0.909). On the
+    # H100 LayerNorm 8192x16384 0.885-0.886 against 0.893-0.894, 65536 0.924-0.927
+    # against 0.920-0.921: not taken there.
+    contract = sums and partials > 1 and hardware.memory_gbps >= FAST_MEMORY_GBPS
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = cluster_programs(parts, hardware.sm_count) if cluster else capped if rewiden else 0
@@ -180,6 +190,7 @@ def split_params(
         + ("; the inputs' bfloat16 bits kept across the exchange, widened again after it"
            if rewiden else "")
         + ("; the weights kept as their bfloat16 bits, widened where used" if bits else "")
+        + ("; multiplies and adds contracted into fmas" if contract else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
            "programs" if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
@@ -188,7 +199,7 @@ def split_params(
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
                                tma=tma, cluster=cluster, rewiden=rewiden,
-                               column_bits=bits, why=why)  # fmt: skip
+                               column_bits=bits, contract=contract, why=why)  # fmt: skip
 
 
 def cluster_programs(parts: int, sm_count: int) -> int:
