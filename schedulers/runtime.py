@@ -375,6 +375,7 @@ def concurrent_programs():
     executor = getattr(interpreter, "GridExecutor", None)
     needed = ("_init_args_hst", "_restore_args_dev", "constexprs", "fn", "grid")
     present = [hasattr(interpreter, name) for name in ("_patch_lang", "_implicit_cvt")]
+    present.append(hasattr(getattr(interpreter, "InterpretedFunction", None), "rewrite"))
     if builder is None or executor is None or not all(present):
         raise RuntimeError(
             "this Triton's interpreter cannot run programs concurrently: run a split "
@@ -442,9 +443,22 @@ def concurrent_programs():
             with patching:
                 return plain_patch(fn)
 
+        # A device function is rewritten (parsed, transformed, compiled) at its first call:
+        # CPython's parser is not safe from several threads at once (a program died of
+        # "AST constructor recursion depth mismatch", a check_gpu job's ranks then a
+        # collective apart), so one thread rewrites at a time.
+        function = interpreter.InterpretedFunction
+        plain_rewrite = function.rewrite
+        rewriting = threading.Lock()
+
+        def rewrite(self):
+            with rewriting:
+                return plain_rewrite(self)
+
         builder.__class__ = Concurrent
         executor.__call__ = call
         interpreter._patch_lang = patch
+        function.rewrite = rewrite
         # The waiting programs poll; Python's default 5 ms between thread switches lets
         # each poll hold the interpreter that long while the program it waits for
         # stands still (a split row test took 13 s so, 2.5 s at 0.2 ms).
@@ -457,6 +471,7 @@ def concurrent_programs():
             builder.__class__ = plain_class
             executor.__call__ = plain_call
             interpreter._patch_lang = plain_patch
+            function.rewrite = plain_rewrite
 
 
 CONCURRENT_TIMEOUT_S = 300  # a program under concurrent_programs, at most

@@ -965,6 +965,48 @@ def test_tma_tiles_are_refused_where_they_cannot_be():
         executor.run(inputs)
 
 
+@triton.jit
+def _added_one(x):  # a device function: rewritten by the interpreter at its first call
+    return x + 1
+
+
+def test_concurrent_programs_rewrite_a_device_function_one_at_a_time(monkeypatch):
+    """Under ``concurrent_programs`` the programs' first calls of a device function each
+    rewrite it (parse, transform, compile); CPython's parser is not safe from several
+    threads at once (a split row's program died of "AST constructor recursion depth
+    mismatch"), so the rewrites run one at a time, and the plain rewrite is back after."""
+    import threading
+
+    inside, most, lock = [0], [0], threading.Lock()
+    plain_ast = interpreter.FunctionRewriter.rewrite_ast
+
+    def slow(self):  # a rewrite that takes long enough for the programs to overlap
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        try:
+            return plain_ast(self)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    @triton.jit
+    def calls_a_device_function(out):
+        pid = tl.program_id(0)
+        tl.store(out + pid, _added_one(pid))
+
+    monkeypatch.setattr(interpreter.FunctionRewriter, "rewrite_ast", slow)
+    interpreter.InterpretedFunction.rewritten_fn.pop(_added_one.fn, None)
+    plain = interpreter.InterpretedFunction.rewrite
+    out = torch.zeros(8, dtype=torch.int32)
+    with concurrent_programs():
+        assert interpreter.InterpretedFunction.rewrite is not plain
+        calls_a_device_function[(8,)](out)
+    assert interpreter.InterpretedFunction.rewrite is plain
+    assert out.tolist() == list(range(1, 9)) and most[0] == 1, most
+
+
 def test_a_failed_concurrent_program_raises_at_once():
     """Under ``concurrent_programs`` (a split row's programs, each in a thread) a program
     that fails leaves its partners waiting for it: its error is raised at once, not after
