@@ -126,8 +126,8 @@ def main() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before any kernel is defined
         communicator = Communicator.initialize("gloo", 120.0, "cpu")
     world, rank = communicator.world_size, communicator.rank
-    rows, failures = [], 0
-    for name, function, check_args in checks(world, cuda):
+    rows, failures, apart = [], 0, ""
+    for index, (name, function, check_args) in enumerate(checks(world, cuda)):
         start = time.perf_counter()
         try:
             function(communicator, *check_args)
@@ -139,7 +139,11 @@ def main() -> None:
             # instead of the verdicts (where it is lost)
             print(f"rank {rank}: {name} raised\n{verdict}", file=sys.stderr, flush=True)
         seconds = time.perf_counter() - start
-        verdicts = communicator.all_gather_object(verdict)
+        verdicts, apart = exchange_verdicts(communicator, index, name, verdict)
+        if apart:  # the checks after this one cannot run in step: stop
+            print(apart, file=sys.stderr, flush=True)
+            failures += 1
+            break
         failed = [r for r, v in enumerate(verdicts) if v != "ok"]
         failures += bool(failed)
         kernels = _kernels_of(check_args)
@@ -165,11 +169,30 @@ def main() -> None:
                 f"{world} benchmarks/check_gpu.py --out {args.out}",
                 "torch": torch.__version__,
                 "failed": failures,
+                "out_of_step": apart,
                 "rows": rows,
             }
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     failfast.finish(1 if failures else 0)  # no interpreter teardown: see finish
+
+
+def exchange_verdicts(communicator, index: int, name: str, verdict: str) -> tuple[list, str]:
+    """Every rank's verdict on check ``index`` (``name``), and "" ; or, where some rank's
+    payload is not its verdict on this check (a rank raised between two of its
+    collectives: the ranks are a collective apart, and every later check would fail for
+    it, or wait), this rank's verdicts so far and why the checks stop."""
+    received = communicator.all_gather_object((index, verdict))
+    apart = [rank for rank, item in enumerate(received)
+             if not (isinstance(item, tuple) and len(item) == 2 and item[0] == index)]  # fmt: skip
+    if apart:
+        return [], (
+            f"rank {communicator.rank}: after check {index} ({name}), rank(s) {apart} sent "
+            "something other than their verdict on it: a rank raised between two of its "
+            "collectives and the ranks are a collective apart; the checks stop here (the "
+            "first rank that raised printed its traceback above)"
+        )
+    return [verdict for _, verdict in received], ""
 
 
 if __name__ == "__main__":

@@ -192,6 +192,37 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     assert all(row["ranks"] == ["ok", "ok"] for row in record["rows"])
 
 
+def test_check_gpu_stops_where_the_ranks_are_a_collective_apart():
+    """A rank that raised between two of its collectives leaves the ranks a collective
+    apart: its verdict reached a peer's collective, and the peer's next payload comes to
+    the verdicts (on a GPU run, after a kernel raised on one rank, 19 later checks failed
+    for it, or NCCL waited). Each verdict is tagged with its check: a payload that is
+    not this check's verdict stops the checks, saying so; in step, the verdicts as
+    sent."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import check_gpu
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+    class Stub:
+        rank = 0
+
+        def __init__(self, received):
+            self.received, self.sent = received, []
+
+        def all_gather_object(self, item):
+            self.sent.append(item)
+            return [item, *self.received]
+
+    in_step = Stub([(3, "FAILED\nboom")])
+    verdicts, apart = check_gpu.exchange_verdicts(in_step, 3, "a check", "ok")
+    assert verdicts == ["ok", "FAILED\nboom"] and apart == "" and in_step.sent == [(3, "ok")]
+    for payload in ((4, "ok"), "ok", [b"a piece"], (3,)):  # the next check's, or another
+        verdicts, apart = check_gpu.exchange_verdicts(Stub([payload]), 3, "a check", "ok")
+        assert verdicts == [] and "rank(s) [1]" in apart and "check 3 (a check)" in apart
+
+
 def test_check_gpu_leaves_triton_interpret_as_the_user_set_it():
     """A test module ``check_gpu.py`` imports once set TRITON_INTERPRET=1 for its CPU
     runs: on GPUs every generated kernel then ran in the interpreter (47 checks failed on 2
