@@ -487,6 +487,7 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     assert params.why.startswith("split (the row does not fit"), params.why
     bits = dtype == "bfloat16" and name == "layernorm_fwd" and profile is H200
     assert params.column_bits == bits and params.cluster == (name == "rmsnorm_fwd"), params
+    assert not params.contract, params  # no column sums: not contracted
     assert ("the weights kept as their bfloat16 bits" in params.why) == bits, params.why
 
 
