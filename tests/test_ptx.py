@@ -338,25 +338,33 @@ _CONTRACT = """
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
+from schedulers import ptx
 from schedulers.hardware import H200
-from schedulers.ptx import kernel_widths
 from schedulers.registry import split_into_kernels
+passed = {}  # what kernel_widths asks the compiler for, by kernel
+plain = ptx.compiled
+def compiled(source, name, *args, contract=False, **kwargs):
+    passed[name] = contract
+    return plain(source, name, *args, contract=contract, **kwargs)
+ptx.compiled = compiled
 fd = BUILDERS["layernorm_bwd"](65536, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
 params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
 for contract in (True, False):
     chosen = dataclasses.replace(params, contract=contract)
-    for name, row in kernel_widths(group.scheduler, group.plan, chosen, [4096, 65536],
-                                   True).items():
+    for name, row in ptx.kernel_widths(group.scheduler, group.plan, chosen, [4096, 65536],
+                                       True).items():
         print(json.dumps({"chosen": params.contract, "contract": contract, "name": name,
-                          "fmas": row["fused_multiply_adds"]}))
+                          "fmas": row["fused_multiply_adds"], "passed": passed[name]}))
 """
 
 
 def test_a_split_layernorm_backward_on_the_h200_is_compiled_with_fmas():
     """Its params say ``contract`` (H200: 0.80 of copy against 0.78 at 4096x65536): the
-    split kernel's PTX holds fused multiply-adds, none without it; the combining
-    kernel's never (every other kernel keeps ``COMPILE_OPTIONS``)."""
+    split kernel is compiled with contraction and its PTX holds fused multiply-adds,
+    none without it; the combining kernel is compiled without it either way (it keeps
+    ``COMPILE_OPTIONS``; it has no multiply and add to fuse, so its PTX alone could not
+    tell)."""
     found = _compiled_rows(_CONTRACT)
     assert {(row["name"], row["contract"]) for row in found} == {
         ("normalization_kernel", True), ("normalization_kernel", False),
@@ -364,6 +372,7 @@ def test_a_split_layernorm_backward_on_the_h200_is_compiled_with_fmas():
     for row in found:
         assert row["chosen"], row
         fused = row["contract"] and row["name"] == "normalization_kernel"
+        assert row["passed"] == fused, row
         assert row["fmas"] > 0 if fused else row["fmas"] == 0, row
 
 
