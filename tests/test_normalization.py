@@ -488,6 +488,7 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     bits = dtype == "bfloat16" and name == "layernorm_fwd" and profile is H200
     assert params.column_bits == bits and params.cluster == (name == "rmsnorm_fwd"), params
     assert not params.contract, params  # no column sums: not contracted
+    assert ("column_bits=True" in str(dataclasses.replace(params, why=""))) == bits
     assert ("the weights kept as their bfloat16 bits" in params.why) == bits, params.why
 
 
@@ -781,6 +782,22 @@ def test_a_split_row_that_keeps_its_weights_as_bits_matches_the_reference(name, 
     assert all(source.index(" = xwait", walk) < at for at in widened), source
     weights = [m.group(1) for m in re.finditer(r"widen_bf16_here\((\w+)\)", source)]
     assert all(source.index(f"{w} = ") < walk for w in weights), source  # bits loaded once
+
+
+@pytest.mark.parametrize(
+    ("dtype", "contracted"),
+    [("bfloat16", True), ("float16", True), ("float32", True), ("float8_e4m3fn", False)],
+)
+def test_layernorm_backward_is_contracted_where_its_outputs_are_floats(dtype, contracted):
+    """The H200's split LayerNorm backward at 65536 columns contracts its multiplies and
+    adds where every output is a 16- or 32-bit float (within the tolerance its sums
+    need); an fp8 dx (a code: one rounding may move it a whole step) keeps them apart.
+    The reasons and the params' text say so."""
+    scheduler, plan = _plan("layernorm_bwd", 65536, dtype)
+    params = scheduler.heuristics(plan, H200, [4096, 65536])
+    assert params.strategy == SPLIT and params.contract == contracted, params
+    assert ("multiplies and adds contracted into fmas" in params.why) == contracted
+    assert ("contract=True" in str(dataclasses.replace(params, why=""))) == contracted
 
 
 @pytest.mark.parametrize("contract", [True, False])

@@ -76,8 +76,9 @@ class NormalizationParams:
     # made of them (fewer registers a thread: more programs an SM)
     column_bits: bool = False  # (column_registers) bfloat16 column inputs kept as their
     # bits across the walk, widened where used each row (half their registers)
-    contract: bool = False  # the kernel's multiplies and adds contracted into fmas (off
-    # by default: an fma skips the product's rounding the reference does)
+    contract: bool = False  # the rows kernel's (``normalization_kernel``'s) multiplies and
+    # adds contracted into fmas (off by default: an fma skips the product's rounding the
+    # reference does; the combining and strips kernels never)
     max_registers: int = 0  # >0: the registers a thread of the kernel is held to (ptxas's
     # maxnreg; what does not fit spills), so more of its programs fit an SM
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program

@@ -179,7 +179,15 @@ def split_params(
     # (one partial) level (0.887 / 0.904-0.906 against 0.883-0.884 / 0.905-0.909). On the
     # H100 LayerNorm 8192x16384 0.885-0.886 against 0.893-0.894, 65536 0.924-0.927
     # against 0.920-0.921: not taken there.
-    contract = sums and partials > 1 and hardware.memory_gbps >= FAST_MEMORY_GBPS
+    # Its outputs 16- or 32-bit floats: a code (fp8, fp4) or an exact output (bool, an
+    # integer) may come out otherwise than the reference's.
+    contract = (
+        sums
+        and partials > 1
+        and hardware.memory_gbps >= FAST_MEMORY_GBPS
+        and all(o.dtype.is_floating and o.dtype.bits in (16, 32) and not o.dtype.storage_only
+                for o in plan.outputs)
+    )  # fmt: skip
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = cluster_programs(parts, hardware.sm_count) if cluster else capped if rewiden else 0
