@@ -358,7 +358,9 @@ class Generator:
                 value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":
                 loaded = emit.load(tensor, pointer, "cols", "col_mask")
-                raw = emit.assign(f"{loaded.raw}[None, :]") if loaded.raw else ""
+                # kept as bits (``column_bits``): their reshaped bits, widened where used
+                bits = loaded.raw and self.params.column_bits
+                raw = emit.assign(f"{loaded.raw}[None, :]") if bits else ""
                 value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype, raw)
             elif kind == "row":
                 loaded = emit.load(tensor, pointer, "rows", "row_mask")
