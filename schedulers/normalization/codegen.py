@@ -69,6 +69,8 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         raise ValueError(f"{params}: warp specialization needs persistent rows and programs")
     if params.column_registers and not walking:
         raise ValueError(f"{params}: weights in registers need persistent rows and programs")
+    if params.column_bits and not params.column_registers:
+        raise ValueError(f"{params}: weights kept as bits are kept in registers")
     if params.cluster and not (split and params.parts in CLUSTER_SIZES):
         raise ValueError(f"{params}: a cluster of a split row's programs holds "
                          f"{', '.join(map(str, CLUSTER_SIZES))} of them")  # fmt: skip
@@ -96,8 +98,6 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     # its column sums after it
     if params.column_registers or (split and (params.prefetch or plan.column_sums)):
         generator.columns(early, start, rows=False)
-    if params.column_bits and not params.column_registers:
-        raise ValueError(f"{params}: weights kept as bits are kept in registers")
     if params.column_registers:
         for tensor in plan.inputs:
             if plan.kinds[tensor] == "column":
