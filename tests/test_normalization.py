@@ -782,6 +782,9 @@ def test_a_split_row_that_keeps_its_weights_as_bits_matches_the_reference(name, 
     assert all(source.index(" = xwait", walk) < at for at in widened), source
     weights = [m.group(1) for m in re.finditer(r"widen_bf16_here\((\w+)\)", source)]
     assert all(source.index(f"{w} = ") < walk for w in weights), source  # bits loaded once
+    unkept = dataclasses.replace(params, column_registers=False)  # read with each row
+    with pytest.raises(ValueError, match="weights kept as bits are kept in registers"):
+        scheduler.kernels(plan, unkept, [5, n])
 
 
 @pytest.mark.parametrize(
