@@ -924,10 +924,12 @@ def test_a_split_row_in_three_pipelined_slices(name):
 
 @pytest.mark.parametrize("count", [1, 2, 3, 5, 6, 7, 8, 12, 16, 17, 32])
 def test_a_waits_sums_add_the_words_in_the_order_the_kernel_would(count):
-    """``wait_source``'s summed form adds a partial's words in ``combine_in_order``'s
-    order (pairs of neighbours, a leftover carried to the end), so it gives the bits the
-    kernel's own additions gave: values whose sum depends on the order (float32 addition
-    is not associative) added both ways, bit for bit; added left to right they differ."""
+    """The fixed order of a split row's partials (``_pairwise``: pairs of neighbours, then
+    pairs of those, a leftover carried to the end), which both ``combine_in_order`` (the
+    kernel's additions) and the summed wait follow: its steps, and the kernel's lines run
+    in float32, against that order written out level by level here, bit for bit, on
+    values whose sum depends on the order (float32 addition is not associative); added
+    left to right they differ."""
     import numpy as np
 
     from schedulers.normalization.exchange import _pairwise
@@ -937,14 +939,21 @@ def test_a_waits_sums_add_the_words_in_the_order_the_kernel_would(count):
     head = [2.0**24, 1.0, 1.0, -(2.0**24)]
     words = {f"w{i}": np.float32(head[i] if i < 4 else rng.uniform(1, 3)) for i in range(count)}
     names = list(words)
+    level = list(words.values())  # the order, level by level
+    while len(level) > 1:
+        pairs = [np.float32(a + b) for a, b in zip(level[::2], level[1::2], strict=False)]
+        level = pairs + level[len(pairs) * 2 :]
     waited = dict(words)
     steps = _pairwise(names, "s")
     for out, a, b in steps:
         waited[out] = np.float32(waited[a] + waited[b])
     got = waited[steps[-1][0]] if steps else waited[names[0]]
     kernel = _added_in_combine_order(words)
-    assert got.tobytes() == kernel.tobytes(), (got, kernel)
+    assert got.tobytes() == level[0].tobytes() == kernel.tobytes(), (got, level, kernel)
     assert len(steps) == count - 1
+    if count == 5:
+        assert steps == [("s0", "w0", "w1"), ("s1", "w2", "w3"), ("s2", "s0", "s1"),
+                         ("s3", "s2", "w4")], steps  # fmt: skip
     if count >= 5:  # left to right: another order, other bits
         ordered = words[names[0]]
         for name in names[1:]:

@@ -234,8 +234,10 @@ def wait_source(name: str, parts: int, width: int, count: int, rows: int,
 
 
 def _pairwise(values: list[str], prefix: str) -> list[tuple[str, str, str]]:
-    """``combine_in_order``'s additions of ``values`` as (result, left, right) names,
-    results named ``prefix`` and a number, the last one the total."""
+    """The fixed order a split row's partials are combined in (``combine_in_order``, and
+    the summed wait's additions): pairs of neighbours, then pairs of those, a leftover
+    carried to the end; as (result, left, right) names, results named ``prefix`` and a
+    number, the last one the total."""
     steps: list[tuple[str, str, str]] = []
     while len(values) > 1:
         pairs = []
@@ -487,10 +489,11 @@ def _chan(generator: Generator, emit: Emitter, producer: VarMeanOp,
 
 def combine_in_order(emit: Emitter, combine: str, values: list[str]) -> str:
     """``values`` combined with ``combine`` ("add", "maximum", "minimum") in a fixed
-    order: pairs of neighbours, then pairs of those (sums as ``+``: a call a pair costs
-    the interpreter)."""
-    while len(values) > 1:
-        pairs = [emit.assign(f"{a} + {b}" if combine == "add" else f"{combine}({a}, {b})")
-                 for a, b in zip(values[::2], values[1::2], strict=False)]  # fmt: skip
-        values = pairs + values[len(pairs) * 2 :]
-    return values[0]
+    order, ``_pairwise``'s (the summed wait adds in the same): pairs of neighbours, then
+    pairs of those (sums as ``+``: a call a pair costs the interpreter)."""
+    names, total = {}, values[0]
+    for out, a, b in _pairwise(values, "#"):  # "#": no variable's name
+        a, b = names.get(a, a), names.get(b, b)
+        total = emit.assign(f"{a} + {b}" if combine == "add" else f"{combine}({a}, {b})")
+        names[out] = total
+    return total
