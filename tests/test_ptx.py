@@ -256,26 +256,35 @@ def test_a_column_walks_kernels_pipeline_wide_accesses():
         assert strips["async_copies"] > 0, strips
 
 
-_REGISTERS = """
+_SPLIT_REGISTERS = """
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])
 from examples.norms import BUILDERS
 from schedulers.hardware import H200
+from schedulers.normalization.heuristics import tma_inputs
 from schedulers.ptx import compiled, registers
 from schedulers.registry import split_into_kernels
-for name in ("rmsnorm_bwd", "layernorm_bwd"):
-    fd = BUILDERS[name](16384, "bfloat16")
+for name, columns, rows, fields in json.loads(sys.argv[2]):
+    fd = BUILDERS[name](columns, "bfloat16")
     group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
-    params = group.scheduler.heuristics(group.plan, H200, [8192, 16384])
-    for rewiden in (True, False):  # 4096 columns a program over 4 warps, either way
-        chosen = dataclasses.replace(params, rewiden=rewiden, parts=4, block_columns=4096,
-                                     num_warps=4, max_registers=0)
-        (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [8192, 16384], True)
-        print(json.dumps({"name": name, "chosen": params.rewiden, "rewiden": rewiden,
-                          "warps": chosen.num_warps, "strategy": params.strategy,
-                          "registers": registers(compiled(kernel.source, kernel.name,
-                              kernel.pointers, kernel.constants, kernel.num_warps)["cubin"])}))
+    params = group.scheduler.heuristics(group.plan, H200, [rows, columns])
+    chosen = dataclasses.replace(params, **fields)
+    (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [rows, columns], True)
+    tiles = {f"in{group.plan.inputs.index(t)}" for t in tma_inputs(group.plan, chosen)}
+    descriptors = {a: f"tensordesc<bf16[1, {chosen.block_columns}]>" for a in tiles}
+    print(json.dumps({"name": name, "fields": fields, "strategy": params.strategy,
+                      "rewiden": params.rewiden, "column_bits": params.column_bits,
+                      "warps": chosen.num_warps, "parts": chosen.parts, "tma": chosen.tma,
+                      "registers": registers(compiled(kernel.source, kernel.name,
+                          kernel.pointers, kernel.constants, kernel.num_warps,
+                          descriptors=descriptors, integers="i32")["cubin"])}))
 """
+
+
+def _split_registers(cases: list) -> list[dict]:
+    """``_SPLIT_REGISTERS`` over ``cases`` ((op, columns, rows, fields replacing the
+    H200's params) each): the split kernels compiled for sm_90, their registers a thread."""
+    return _compiled_rows(_SPLIT_REGISTERS, json.dumps(cases))
 
 
 def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
@@ -284,39 +293,19 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
     to a register count: their bf16 inputs' bits kept across the exchange and widened
     again after it (as chosen), three programs an SM fit the registers
     (``SPLIT_SUMS_WARPS_PER_SM``; RMSNorm 128 a thread, LayerNorm 168 with Triton 3.6),
-    where keeping the float32s (200, 234) fits two."""
+    where keeping the float32s (200, 232) fits two."""
     from schedulers.normalization.split import SPLIT_SUMS_WARPS_PER_SM
 
-    found = _compiled_rows(_REGISTERS)
+    shape = {"parts": 4, "block_columns": 4096, "num_warps": 4, "max_registers": 0}
+    found = _split_registers([[name, 16384, 8192, {**shape, "rewiden": rewiden}]
+                              for name in ("rmsnorm_bwd", "layernorm_bwd")
+                              for rewiden in (True, False)])  # fmt: skip
     assert len(found) == 4, found
     for row in found:
-        assert row["chosen"] and row["strategy"] == "split" and row["warps"] == 4, row
+        assert row["rewiden"] and row["strategy"] == "split" and row["warps"] == 4, row
         fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
-        assert fit >= SPLIT_SUMS_WARPS_PER_SM // 4 if row["rewiden"] else fit <= 2, row
-
-
-_COLUMN_BITS = """
-import dataclasses, json, sys
-sys.path.insert(0, sys.argv[1])
-from examples.norms import BUILDERS
-from schedulers.hardware import H200
-from schedulers.normalization.heuristics import tma_inputs
-from schedulers.ptx import compiled, registers
-from schedulers.registry import split_into_kernels
-fd = BUILDERS["layernorm_fwd"](65536, "bfloat16")
-group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
-params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
-for bits in (True, False):
-    chosen = dataclasses.replace(params, column_bits=bits)
-    (kernel, *_) = group.scheduler.kernels(group.plan, chosen, [4096, 65536], True)
-    tiles = {f"in{group.plan.inputs.index(t)}" for t in tma_inputs(group.plan, chosen)}
-    descriptors = {a: f"tensordesc<bf16[1, {chosen.block_columns}]>" for a in tiles}
-    print(json.dumps({"chosen": params.column_bits, "bits": bits, "warps": chosen.num_warps,
-                      "strategy": params.strategy, "parts": chosen.parts, "tma": chosen.tma,
-                      "registers": registers(compiled(kernel.source, kernel.name,
-                          kernel.pointers, kernel.constants, kernel.num_warps,
-                          descriptors=descriptors, integers="i32")["cubin"])}))
-"""
+        widened = row["fields"]["rewiden"]
+        assert fit >= SPLIT_SUMS_WARPS_PER_SM // 4 if widened else fit <= 2, row
 
 
 def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
@@ -325,13 +314,14 @@ def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
     widened where used after the exchange (as chosen), three programs an SM fit the
     registers (168 a thread with Triton 3.6); their float32s kept (255), two. A widening
     the compiler may hoist out of the walk (a pure one) gives the float32s back."""
-    found = _compiled_rows(_COLUMN_BITS)
+    found = _split_registers([["layernorm_fwd", 65536, 4096, {"column_bits": bits}]
+                              for bits in (True, False)])  # fmt: skip
     assert len(found) == 2, found
     for row in found:
-        assert row["chosen"] and row["strategy"] == "split" and row["tma"], row
+        assert row["column_bits"] and row["strategy"] == "split" and row["tma"], row
         assert (row["warps"], row["parts"]) == (4, 8), row
         fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
-        assert fit >= 3 if row["bits"] else fit <= 2, row
+        assert fit >= 3 if row["fields"]["column_bits"] else fit <= 2, row
 
 
 _CONTRACT = """
@@ -376,13 +366,13 @@ def test_a_split_layernorm_backward_on_the_h200_is_compiled_with_fmas():
         assert row["fmas"] > 0 if fused else row["fmas"] == 0, row
 
 
-def _compiled_rows(script: str) -> list[dict]:
+def _compiled_rows(script: str, *arguments: str) -> list[dict]:
     """The JSON lines ``script`` prints, run (compiling for sm_90) in a process without
-    ``TRITON_INTERPRET``, the repository's root its first argument."""
+    ``TRITON_INTERPRET``, the repository's root its first argument, ``arguments`` after."""
     pytest.importorskip("triton.backends.nvidia", reason="Triton without its NVIDIA backend")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run([sys.executable, "-c", script, str(ROOT)], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=600)  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", script, str(ROOT), *arguments], cwd=ROOT,
+                            env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert result.returncode == 0, result.stderr[-4000:]
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
 
