@@ -26,7 +26,7 @@ from __future__ import annotations
 import functools
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from fusion.exprs import Expr
@@ -70,6 +70,7 @@ class KernelSource:
     constants: dict[str, int]  # its ``tl.constexpr`` arguments
     num_warps: int
     pointers: dict[str, str]  # pointer argument -> the Triton type of its elements
+    options: dict = field(default_factory=dict)  # compile options beyond COMPILE_OPTIONS
 
 
 class Launcher(ABC):

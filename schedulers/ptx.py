@@ -67,7 +67,7 @@ def compiled(
     arch: int = 90,
     descriptors: dict[str, str] | None = None,
     integers: str = "i64",
-    contract: bool = False,
+    options: dict | None = None,
 ) -> dict:
     """Kernel ``name`` in ``source`` compiled for ``sm_<arch>``: its assembly by kind
     (``"ptx"``, ``"cubin"``).
@@ -79,8 +79,8 @@ def compiled(
     Other non-constexpr arguments are 64-bit integers no fact is known of (as
     ``do_not_specialize`` makes them), or of type ``integers`` (``"i32"``: as Triton
     launches an integer argument below 2**31; TMA offsets must be 32-bit).
-    ``contract``: multiplies and adds contracted into fmas (a kernel whose params say
-    ``contract``; ``COMPILE_OPTIONS`` has it off).
+    ``options``: compile options beyond ``COMPILE_OPTIONS`` (``KernelSource.options``:
+    ``enable_fp_fusion`` for a normalization kernel whose params say ``contract``).
     """
     _require_compiler()
     import triton
@@ -107,11 +107,7 @@ def compiled(
         result = triton.compile(
             ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=aligned),
             target=GPUTarget("cuda", arch, 32),
-            options={
-                "num_warps": num_warps,
-                **COMPILE_OPTIONS,
-                **({"enable_fp_fusion": True} if contract else {}),
-            },  # fmt: skip
+            options={"num_warps": num_warps, **COMPILE_OPTIONS, **(options or {})},
         )
         return result.asm
 
@@ -170,15 +166,14 @@ def kernel_widths(
     ``shape`` of ``plan.space``: its ``access_widths``, its instruction count
     (``"instructions"``), how many of them convert to bf16 rounding to nearest
     (``"bf16_conversions"``) and how many are fused multiply-adds
-    (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``, but in a normalization
-    kernel whose params say ``contract``) or flush subnormals to
+    (``"fused_multiply_adds"``: none, see ``COMPILE_OPTIONS``, but in a kernel whose
+    ``options`` allow them) or flush subnormals to
     zero (``"flush_to_zero"``: the fp4 decoder needs them kept), and its asynchronous
     copies to shared memory (``"async_copies"``: a pipelined loop's loads)."""
     result = {}
     for kernel in scheduler.kernels(plan, params, shape, aligned):
-        contract = getattr(params, "contract", False) and kernel.name == "normalization_kernel"
         ptx = compiled(kernel.source, kernel.name, kernel.pointers, kernel.constants,
-                       kernel.num_warps, arch, contract=contract)["ptx"]  # fmt: skip
+                       kernel.num_warps, arch, options=kernel.options)["ptx"]  # fmt: skip
         opcodes = instructions(ptx)
         result[kernel.name] = {
             **access_widths(ptx),

@@ -333,9 +333,9 @@ from schedulers.hardware import H200
 from schedulers.registry import split_into_kernels
 passed = {}  # what kernel_widths asks the compiler for, by kernel
 plain = ptx.compiled
-def compiled(source, name, *args, contract=False, **kwargs):
-    passed[name] = contract
-    return plain(source, name, *args, contract=contract, **kwargs)
+def compiled(source, name, *args, options=None, **kwargs):
+    passed[name] = bool((options or {}).get("enable_fp_fusion"))
+    return plain(source, name, *args, options=options, **kwargs)
 ptx.compiled = compiled
 fd = BUILDERS["layernorm_bwd"](65536, "bfloat16")
 group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]

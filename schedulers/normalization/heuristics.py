@@ -85,6 +85,13 @@ class NormalizationParams:
     strip_warps: int = 0  # walks down the rows (``programs`` of them), and its warps
     why: str = field(default="", compare=False)  # the heuristic's reasons
 
+    @property
+    def compile_options(self) -> dict:
+        """The rows kernel's compile options beyond ``COMPILE_OPTIONS`` (Triton's names):
+        ``max_registers`` as ``maxnreg``, ``contract`` as ``enable_fp_fusion``."""
+        options: dict = {"maxnreg": self.max_registers} if self.max_registers else {}
+        return options | ({"enable_fp_fusion": True} if self.contract else {})
+
     def __str__(self) -> str:
         text = (
             f"NormalizationParams(block_rows={self.block_rows}, "

@@ -224,7 +224,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
             pointers["stash"] = "tl.float32"
         main = source(plan, params)
         kernels = [KernelSource("normalization_kernel", main, constants(plan, params, columns),
-                                params.num_warps, pointers)]  # fmt: skip
+                                params.num_warps, pointers, params.compile_options)]  # fmt: skip
         if walks:
             kernels.append(KernelSource("column_kernel", column_source(plan, params),
                                         column_constants(params, columns),
@@ -337,11 +337,7 @@ class NormalizationLauncher(Launcher):
                 f"{columns}"
             )
         options = {**constants(plan, params, columns), "num_warps": params.num_warps,
-                   **COMPILE_OPTIONS}  # fmt: skip
-        if params.max_registers:
-            options["maxnreg"] = params.max_registers
-        if params.contract:
-            options["enable_fp_fusion"] = True
+                   **COMPILE_OPTIONS, **params.compile_options}  # fmt: skip
         if self.strips is not None:  # a column walk: the rows' values, then the strips
             return self._bind_walk(rows, columns, options)
         combine = self._bind_combine(columns)
