@@ -144,7 +144,9 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             variants["split,prefetched"] = replace(params, tma=False, stages=1, prefetch=True)
             for stages in (2, 4):
                 variants[f"split,stages={stages}"] = replace(params, stages=stages)
-        if params.cluster:  # the exchange through global memory; 1 and 4 clusters an SM
+        if params.one_pass:  # each slice's variance in two reductions
+            variants["split,two passes"] = replace(params, one_pass=False)
+        if params.cluster:  # the exchange through global memory; half and twice the grid
             variants["split,global exchange"] = replace(params, cluster=False, programs=0)
             for programs in (params.programs // 2, params.programs * 2):
                 variants[f"split,programs={programs}"] = replace(params, programs=programs)

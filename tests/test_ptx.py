@@ -310,10 +310,12 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
 
 def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
     """LayerNorm forward split on the H200 (4096x65536: 8 programs a row of 8192 columns
-    over 4 warps, through TMA) for sm_90: its bf16 weight and bias kept as their bits and
-    widened where used after the exchange (as chosen), three programs an SM fit the
-    registers (168 a thread with Triton 3.6); their float32s kept (255), two. A widening
-    the compiler may hoist out of the walk (a pure one) gives the float32s back."""
+    over 4 warps, through TMA, a cluster, each slice's variance in one pass) for sm_90:
+    its bf16 weight and bias kept as their bits and widened where used after the exchange
+    (as chosen), three programs an SM fit the registers (167 a thread with Triton 3.6;
+    168 exchanging through global memory in two passes); their float32s kept (233-255),
+    two. A widening the compiler may hoist out of the walk (a pure one) gives the
+    float32s back."""
     found = _split_registers([["layernorm_fwd", 65536, 4096, {"column_bits": bits}]
                               for bits in (True, False)])  # fmt: skip
     assert len(found) == 2, found

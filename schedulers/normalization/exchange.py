@@ -28,6 +28,7 @@ from fusion.ir import TensorView
 from schedulers.codegen import COMBINE, Emitter, reduce_call
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
+from schedulers.normalization.variance import slice_moments
 from schedulers.runtime import cdiv, next_power_of_two
 
 if TYPE_CHECKING:  # the generator calls these; they emit through it
@@ -443,15 +444,7 @@ def reduce_split(generator: Generator, step: Step, group: list[TensorView], leve
         producer = tensor.definition
         if isinstance(producer, VarMeanOp):  # the mean's level: both outputs
             value = emit.as_compute(generator.value(step, producer.inputs[0]), float32)
-            total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
-            # the slice's columns, counted without a reduction (a row past the
-            # last has no values and is not stored)
-            count = emit.assign("tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), "
-                                "BLOCK_COLUMNS).to(tl.float32)")  # fmt: skip
-            local = emit.assign(f"{total} / tl.maximum({count}, 1.0)")
-            centred = emit.assign(f"tl.where(mask, {value} - {local}[:, None], 0.0)")
-            squares = emit.assign(f"tl.sum({centred} * {centred}, 1)")
-            partials += [total, squares]
+            partials += slice_moments(emit, value, generator.params.one_pass)
             finishes.append(producer)
     # plain reductions only (a variance's partials are combined by Chan's rule)
     ops = [COMBINE[op] for _, op, _, _ in terms]

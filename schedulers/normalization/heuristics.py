@@ -79,6 +79,9 @@ class NormalizationParams:
     contract: bool = False  # the rows kernel's (``normalization_kernel``'s) multiplies and
     # adds contracted into fmas (off by default: an fma skips the product's rounding the
     # reference does; the combining and strips kernels never)
+    one_pass: bool = False  # (SPLIT) a slice's variance from one reduction of its values
+    # and their squares (its squares about its mean as their difference), reduced again
+    # about its mean where that difference cancels more than ``ONE_PASS_LOSS`` allows
     max_registers: int = 0  # >0: the registers a thread of the kernel is held to (ptxas's
     # maxnreg; what does not fit spills), so more of its programs fit an SM
     strip_columns: int = 0  # (COLUMN_WALK) the second kernel's strips: columns a program
@@ -109,6 +112,7 @@ class NormalizationParams:
         text += ", rewiden=True" if self.rewiden else ""
         text += ", column_bits=True" if self.column_bits else ""
         text += ", contract=True" if self.contract else ""
+        text += ", one_pass=True" if self.one_pass else ""
         text += f", max_registers={self.max_registers}" if self.max_registers else ""
         if self.strip_columns:
             text += f", strip_columns={self.strip_columns}, strip_warps={self.strip_warps}"

@@ -6,6 +6,7 @@ distributed shared memory."""
 from __future__ import annotations
 
 from fusion.dtypes import bfloat16
+from fusion.exprs import VarMeanOp
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import CLUSTER_SIZES
@@ -83,11 +84,24 @@ SPLIT_NARROW_WORDS = 16
 # H200 (results/norms_cluster_*_h200_cf04f06.json), against the exchange through global
 # memory: RMSNorm forward 4096x65536 0.91 of copy against 0.87, 8192x65536 0.92 against
 # 0.85; as many clusters as the device holds at once 0.72-0.83 (placed by cluster, the
-# SMs' loads are uneven), one an SM 0.90-0.91. Two partials (LayerNorm's variance) stay
-# on global memory: 4096x65536 0.82 either way, 8192x32768 0.80 against 0.83; and the
-# backwards: RMSNorm 8192x16384 0.80 against 0.81, LayerNorm 4096x65536 0.67-0.71
-# against 0.72 (.devtmp A/B probes, results/norms_cluster_ab_h200_*.json).
+# SMs' loads are uneven), one an SM 0.90-0.91. Two partials (LayerNorm's variance) with
+# float32 weights stay on global memory: 4096x65536 0.82 either way, 8192x32768 0.80
+# against 0.83; and the backwards: RMSNorm 8192x16384 0.80 against 0.81, LayerNorm
+# 4096x65536 0.67-0.71 against 0.72 (.devtmp A/B probes, results/norms_cluster_ab_h200_*).
 CLUSTERS_PER_SM = 2
+# Two partials (LayerNorm forward's variance) form a cluster too where the weights are
+# kept as their bits (three programs an SM fit: without the bits two, 0.80-0.82 of copy),
+# this many programs an SM (whole clusters; fewer, or as many as the device holds at
+# once, lose: the SMs' loads are uneven), each slice's variance in one reduction
+# (``one_pass``). H200, fraction of copy against the exchange through global memory (two
+# runs, .devtmp A/B probes at 420cf7d, results/norms_lncluster*_h200_420cf7d_*.json):
+# 4096x65536 0.871 against 0.857-0.858, 8192x65536 0.890 against 0.864-0.868, 16384x
+# 65536 0.892-0.893 against 0.865-0.866, 8192x32768 (clusters of 4) 0.873-0.875 against
+# 0.862-0.865; in one pass 0.885-0.886, 0.898-0.900, 0.900, 0.881-0.883. 2048x65536 and
+# 4096x32768 level (0.82-0.85). Programs an SM (8192x65536): 4, 6 0.74-0.76; 10, 12, 16
+# 0.86-0.89; as many as the device holds at once 0.63. The H100 keeps the float32
+# weights, on global memory (0.91-0.92).
+CLUSTER_PROGRAMS_PER_SM = 8
 
 
 def split_params(
@@ -102,7 +116,8 @@ def split_params(
     reductions, a row), and applies them to its slice; weights are loaded once. Without
     column sums and with one partial a row to exchange, on sm_90, a row's programs form
     a thread-block cluster exchanging through its shared memory, ``CLUSTERS_PER_SM`` of
-    them an SM.
+    them an SM; with two partials (a variance) where the weights are kept as their bits,
+    ``CLUSTER_PROGRAMS_PER_SM`` programs an SM, each slice's variance in one pass.
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
@@ -150,10 +165,18 @@ def split_params(
     loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
-    cluster = (not sums and partials == 1 and hardware.arch // 10 == 9
-               and parts in CLUSTER_SIZES and cluster_launches())  # fmt: skip
-    # A split row without column sums exchanging through global memory keeps its bfloat16
-    # weights in registers as their bits, widened where used after the exchange
+    # bfloat16 weights kept as their bits (below) where they may be: forwards on fast memory
+    keep_bits = (
+        not sums
+        and hardware.memory_gbps >= FAST_MEMORY_GBPS
+        and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
+    )
+    # a cluster: one partial a round, or two (a variance's) with the weights as bits
+    cluster = (not sums and (partials == 1 or partials == 2 and keep_bits)
+               and hardware.arch // 10 == 9 and parts in CLUSTER_SIZES
+               and cluster_launches())  # fmt: skip
+    # A split row without column sums (but a cluster exchanging one partial) keeps its
+    # bfloat16 weights in registers as their bits, widened where used after the exchange
     # (``column_bits``; ``triton_math.widen_bf16_here``, which the compiler does not hoist
     # out of the walk): LayerNorm forward's weight and bias, 4096x65536, 255 -> 168
     # registers a thread (sm_90, Triton 3.6), three programs of 4 warps an SM instead of
@@ -164,12 +187,11 @@ def split_params(
     # (168 -> 128 registers) 0.90-0.91 against 0.91-0.92: not taken there. On the H100
     # (3000 GB/s) the bits lose: LayerNorm forward 4096x65536 0.83 against 0.91, 8192x65536
     # 0.82 against 0.90 (results/norms_column_bits_h100_f9ce1a6.json): fast memory only.
-    bits = (
-        not sums
-        and not cluster
-        and hardware.memory_gbps >= FAST_MEMORY_GBPS
-        and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
-    )
+    # (These through global memory; LayerNorm's now a cluster: CLUSTER_PROGRAMS_PER_SM.)
+    bits = keep_bits and not (cluster and partials == 1)
+    # A variance's slices in one reduction each (``one_pass``) where a cluster exchanges
+    # them (see CLUSTER_PROGRAMS_PER_SM)
+    one_pass = cluster and any(isinstance(t.definition, VarMeanOp) for t in plan.levels)
     # Two partials a row with column sums (LayerNorm backward's), on fast memory: its
     # multiplies and adds contracted into fmas (``contract``; the reference rounds each
     # product, an fma does not: within the tolerance of the sums and bf16 outputs they
@@ -190,7 +212,8 @@ def split_params(
     )  # fmt: skip
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
-    programs = cluster_programs(parts, hardware.sm_count) if cluster else capped if rewiden else 0
+    programs = (cluster_programs(parts, hardware.sm_count, partials) if cluster
+                else capped if rewiden else 0)  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
@@ -199,6 +222,7 @@ def split_params(
            if rewiden else "")
         + ("; the weights kept as their bfloat16 bits, widened where used" if bits else "")
         + ("; multiplies and adds contracted into fmas" if contract else "")
+        + ("; each slice's variance in one reduction" if one_pass else "")
         + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
            "programs" if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
@@ -207,10 +231,14 @@ def split_params(
     return NormalizationParams(1, width, warps, True, programs, stages, strategy=SPLIT,
                                column_registers=True, parts=parts, prefetch=prefetch,
                                tma=tma, cluster=cluster, rewiden=rewiden,
-                               column_bits=bits, contract=contract, why=why)  # fmt: skip
+                               column_bits=bits, contract=contract, one_pass=one_pass,
+                               why=why)  # fmt: skip
 
 
-def cluster_programs(parts: int, sm_count: int) -> int:
-    """A split row's programs launched as clusters of ``parts``: ``CLUSTERS_PER_SM``
-    clusters an SM of a device of ``sm_count`` SMs."""
-    return parts * sm_count * CLUSTERS_PER_SM
+def cluster_programs(parts: int, sm_count: int, partials: int = 1) -> int:
+    """A split row's programs launched as clusters of ``parts`` on a device of
+    ``sm_count`` SMs: ``CLUSTERS_PER_SM`` clusters an SM exchanging one partial a round,
+    ``CLUSTER_PROGRAMS_PER_SM`` programs an SM (whole clusters) exchanging more."""
+    if partials == 1:
+        return parts * sm_count * CLUSTERS_PER_SM
+    return parts * max(1, sm_count * CLUSTER_PROGRAMS_PER_SM // parts)
