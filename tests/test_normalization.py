@@ -839,6 +839,28 @@ def test_layernorm_forward_as_the_h200_splits_it_matches_the_reference(n):
         scheduler.kernels(plan, whole, [5, n])
 
 
+def test_a_variance_in_one_pass_whose_squares_pass_float32s_range_is_reduced_again():
+    """A slice whose sum of squares passes float32's range (2^128) where its squares about
+    its mean do not (2^64 and -2^56 in a row of zeros, in one slice): the difference of
+    the one pass is inf (an inf less a finite square), so the squares are reduced again
+    about the mean; the rstd comes out finite, as the reference's (kept, it was 0)."""
+    scheduler, plan = _plan("layernorm_fwd", 1000)
+    params = scheduler.heuristics(plan, INTERPRETER, [3, 1000], SPLIT)
+    params = dataclasses.replace(params, cluster=True, programs=2 * params.parts,
+                                 column_bits=True, one_pass=True)  # fmt: skip
+    fd = BUILDERS["layernorm_fwd"](1000, "bfloat16")
+    inputs = make_inputs("layernorm_fwd", 3, 1000, torch.bfloat16, "cpu",
+                         torch.Generator().manual_seed(0))  # fmt: skip
+    inputs[0][0] = 0.0
+    inputs[0][0, :2] = torch.tensor([2.0**64, -(2.0**56)])
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    outputs, expected = executor.run(inputs), fd.execute(inputs)
+    for actual, wanted in zip(outputs, expected, strict=True):
+        assert_close(actual, wanted, reduction_extent=1000)
+    rstd = [t for t in outputs if t.dtype == torch.float32 and t.ndim == 1][-1]
+    assert 0 < rstd[0] < 1e-17 and torch.isfinite(rstd).all(), rstd
+
+
 @pytest.mark.parametrize(
     ("dtype", "contracted"),
     [("bfloat16", True), ("float16", True), ("float32", True), ("float8_e4m3fn", False)],

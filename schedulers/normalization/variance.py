@@ -8,9 +8,10 @@ from schedulers.codegen import Emitter
 
 # A variance in one pass keeps a slice's squares about its mean as the sum of its squares
 # less its sum's square over its count where that difference is at least 1/ONE_PASS_LOSS
-# of the squares (at most 4 bits lost to the cancellation); otherwise (a NaN too: squares
-# past float32's range) it reduces them about the mean
+# of the sum of squares (at most 4 bits lost to the cancellation) and that sum is finite;
+# otherwise (a NaN too) it reduces them about the mean
 ONE_PASS_LOSS = 16.0
+FLOAT32_MAX = 3.4028234663852886e38  # a sum of squares past it is inf: reduced again
 # the slice's columns, counted without a reduction (a row past the last has no values
 # and is not stored)
 COUNT = "tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), BLOCK_COLUMNS).to(tl.float32)"
@@ -36,7 +37,8 @@ def slice_moments(emit: Emitter, value: str, one_pass: bool) -> list[str]:
     squares = emit.assign(f"{raw} - {total} * {total} / tl.maximum({count}, 1.0)")
     again = emit.nested()
     again.line(f"{squares} = {_about_mean(again, value, total, count)}")
-    kept = f"{raw} <= {ONE_PASS_LOSS} * {squares}"  # false where either is a NaN
+    # false where either is a NaN; an inf sum of squares less a finite square is inf
+    kept = f"({raw} <= {ONE_PASS_LOSS} * {squares}) & ({raw} <= {FLOAT32_MAX})"
     emit.block(f"if tl.max(tl.where({kept}, 0, 1), 0) > 0:", again)
     return [total, squares]
 
