@@ -512,6 +512,27 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     assert ("each slice's variance in one reduction" in params.why) == bits, params.why
 
 
+def test_two_plain_sums_a_row_exchange_through_global_memory():
+    """Two partials a round that are not a variance (a row's sum and sum of squares, bf16
+    weights) keep the exchange through global memory on the H200, in two reductions:
+    the cluster of two partials is LayerNorm's, measured only there."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 65536], "bfloat16")
+        w = fd.define_tensor([65536], "bfloat16")
+        xf = fd.ops.cast(x, "float32")
+        total = fd.ops.sum(xf, dims=[1])
+        squares = fd.ops.sum(xf * xf, dims=[1])
+        scale = fd.ops.broadcast(squares - total, [False, True])
+        wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
+        fd.add_output(fd.ops.cast(xf * scale * wf, "bfloat16"))
+    (group, *_) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    assert isinstance(group.scheduler, NormalizationScheduler), group.scheduler
+    assert group.plan.exchanges == {1: 2}, group.plan.exchanges
+    params = split_params(group.plan, H200, 65536)
+    assert params.strategy == SPLIT and params.column_bits, params
+    assert not params.cluster and not params.one_pass and params.programs == 0, params
+
+
 def test_short_rows_gain_sooner_on_the_h200_only():
     """RMSNorm backward with 32 rows a program of 1024 columns (4096 rows: one program an
     SM since the partial sums are kept by row of the tile): warp-specialized on the H200

@@ -171,8 +171,9 @@ def split_params(
         and hardware.memory_gbps >= FAST_MEMORY_GBPS
         and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
     )
-    # a cluster: one partial a round, or two (a variance's) with the weights as bits
-    cluster = (not sums and (partials == 1 or partials == 2 and keep_bits)
+    # a cluster: one partial a round, or a variance's two with the weights as bits
+    variance = any(isinstance(t.definition, VarMeanOp) for t in plan.levels)
+    cluster = (not sums and (partials == 1 or partials == 2 and variance and keep_bits)
                and hardware.arch // 10 == 9 and parts in CLUSTER_SIZES
                and cluster_launches())  # fmt: skip
     # A split row without column sums (but a cluster exchanging one partial) keeps its
@@ -191,7 +192,7 @@ def split_params(
     bits = keep_bits and not (cluster and partials == 1)
     # A variance's slices in one reduction each (``one_pass``) where a cluster exchanges
     # them (see CLUSTER_PROGRAMS_PER_SM)
-    one_pass = cluster and any(isinstance(t.definition, VarMeanOp) for t in plan.levels)
+    one_pass = cluster and variance
     # Two partials a row with column sums (LayerNorm backward's), on fast memory: its
     # multiplies and adds contracted into fmas (``contract``; the reference rounds each
     # product, an fma does not: within the tolerance of the sums and bf16 outputs they
