@@ -8,8 +8,9 @@ from schedulers.codegen import Emitter
 
 # A variance in one pass keeps a slice's squares about its mean as the sum of its squares
 # less its sum's square over its count where that difference is at least 1/ONE_PASS_LOSS
-# of the sum of squares (at most 4 bits lost to the cancellation) and that sum is finite;
-# otherwise (a NaN too) it reduces them about the mean
+# of the sum of squares (the cancellation multiplies the sums' own rounding error by at
+# most ONE_PASS_LOSS) and that sum is finite; otherwise (a NaN too) it reduces them about
+# the mean
 ONE_PASS_LOSS = 16.0
 FLOAT32_MAX = 3.4028234663852886e38  # a sum of squares past it is inf: reduced again
 # the slice's columns, counted without a reduction (a row past the last has no values
