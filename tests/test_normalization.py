@@ -835,9 +835,9 @@ def test_layernorm_forward_as_the_h200_splits_it_matches_the_reference(n):
     """Forced in the interpreter as the H200 takes it at 65536 columns: a row's programs a
     cluster (two of them over 5 rows), the weights as their bits, each slice's variance
     in one reduction (``one_pass``); every output against the reference, inputs about
-    zero and far from it (a mean 100 and 10^4 times the spread: the squares reduced
-    again about the slice's mean, where their difference would keep too little; 10^19,
-    whose squares pass float32's range where the squares about the mean do not)."""
+    zero and moved: by 100 (a mean 100 times the spread: the squares reduced again about
+    the slice's mean, where their difference would keep too little), by 10^4 and 10^19
+    (constant rows in bf16; the second's sum of squares past float32's range)."""
     scheduler, plan = _plan("layernorm_fwd", n)
     params = scheduler.heuristics(plan, INTERPRETER, [5, n], SPLIT)
     params = dataclasses.replace(params, cluster=True, programs=2 * params.parts,
@@ -858,6 +858,42 @@ def test_layernorm_forward_as_the_h200_splits_it_matches_the_reference(n):
                                 column_bits=False, column_registers=False)  # fmt: skip
     with pytest.raises(ValueError, match="a variance in one pass is a split row's"):
         scheduler.kernels(plan, whole, [5, n])
+
+
+@pytest.mark.parametrize("block_rows", [1, 2])
+@pytest.mark.parametrize("n", [1000, 4096])
+def test_a_variance_in_one_pass_is_reduced_again_where_the_difference_keeps_too_little(
+    n, block_rows
+):
+    """The one pass's squares are reduced again about the slice's mean exactly where
+    their difference keeps less than 1/ONE_PASS_LOSS of the sum of squares, for the
+    whole block when any of its rows does: 5 rows of spread about 1, rows 0 and 3 moved
+    by ``offset``. Moved by 4.5 or 10 (a sum of squares 21 and 101 times the squares
+    about the mean) their block's rstd comes out bit for bit as in two reductions (the
+    other row of a block of two too); by 3 (10 times) and about zero (rows kept in one
+    pass) it does not."""
+    scheduler, plan = _plan("layernorm_fwd", n)
+    params = scheduler.heuristics(plan, INTERPRETER, [5, n], SPLIT)
+    params = dataclasses.replace(params, cluster=True, programs=2 * params.parts,
+                                 column_bits=True, block_rows=block_rows)  # fmt: skip
+    fd = BUILDERS["layernorm_fwd"](n, "bfloat16")
+    for offset in (3.0, 4.5, 10.0):
+        inputs = make_inputs("layernorm_fwd", 5, n, torch.bfloat16, "cpu",
+                             torch.Generator().manual_seed(n))  # fmt: skip
+        inputs[0][[0, 3]] = (inputs[0][[0, 3]].float() + offset).to(torch.bfloat16)
+        rstd = {}
+        for one_pass in (True, False):
+            forced = {"k0": dataclasses.replace(params, one_pass=one_pass)}
+            executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params=forced)
+            rstd[one_pass] = executor.run(inputs)[2]
+        moved = [0, 3] + ([1, 2] if block_rows == 2 else [])  # blocks (0, 1), (2, 3)
+        if offset > 4:  # reduced again
+            assert torch.equal(rstd[True][moved], rstd[False][moved]), (offset, rstd)
+        else:
+            assert not torch.equal(rstd[True][[0, 3]], rstd[False][[0, 3]]), rstd
+        kept = [4] if block_rows == 2 else [1, 2, 4]  # about zero: one pass
+        assert not torch.equal(rstd[True][kept], rstd[False][kept]), (offset, rstd)
+        assert_close(rstd[True], rstd[False], reduction_extent=n)
 
 
 def test_a_variance_in_one_pass_whose_squares_pass_float32s_range_is_reduced_again():

@@ -274,6 +274,7 @@ for name, columns, rows, fields in json.loads(sys.argv[2]):
     descriptors = {a: f"tensordesc<bf16[1, {chosen.block_columns}]>" for a in tiles}
     print(json.dumps({"name": name, "fields": fields, "strategy": params.strategy,
                       "rewiden": params.rewiden, "column_bits": params.column_bits,
+                      "cluster": chosen.cluster, "one_pass": chosen.one_pass,
                       "warps": chosen.num_warps, "parts": chosen.parts, "tma": chosen.tma,
                       "registers": registers(compiled(kernel.source, kernel.name,
                           kernel.pointers, kernel.constants, kernel.num_warps,
@@ -321,7 +322,8 @@ def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
     assert len(found) == 2, found
     for row in found:
         assert row["column_bits"] and row["strategy"] == "split" and row["tma"], row
-        assert (row["warps"], row["parts"]) == (4, 8), row
+        assert (row["warps"], row["parts"]) == (4, 8) and row["cluster"], row
+        assert row["one_pass"], row
         fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
         assert fit >= 3 if row["fields"]["column_bits"] else fit <= 2, row
 
