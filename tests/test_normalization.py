@@ -858,6 +858,11 @@ def test_layernorm_forward_as_the_h200_splits_it_matches_the_reference(n):
                                 column_bits=False, column_registers=False)  # fmt: skip
     with pytest.raises(ValueError, match="a variance in one pass is a split row's"):
         scheduler.kernels(plan, whole, [5, n])
+    rms, rms_plan = _plan("rmsnorm_fwd", n)  # no variance to take in one pass
+    plain = dataclasses.replace(rms.heuristics(rms_plan, INTERPRETER, [5, n], SPLIT),
+                                one_pass=True)  # fmt: skip
+    with pytest.raises(ValueError, match="a split row's with a variance"):
+        rms.kernels(rms_plan, plain, [5, n])
 
 
 @pytest.mark.parametrize("block_rows", [1, 2])

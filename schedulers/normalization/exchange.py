@@ -28,7 +28,7 @@ from fusion.ir import TensorView
 from schedulers.codegen import COMBINE, Emitter, reduce_call
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.heuristics import NormalizationParams
-from schedulers.normalization.variance import slice_moments
+from schedulers.normalization.variance import slice_count, slice_moments
 from schedulers.runtime import cdiv, next_power_of_two
 
 if TYPE_CHECKING:  # the generator calls these; they emit through it
@@ -470,10 +470,7 @@ def _chan(generator: Generator, emit: Emitter, producer: VarMeanOp,
     row_mean = generator.means[producer]  # float32, unrounded: (BLOCK_ROWS, 1)
     terms = []
     for p, (slice_total, slice_squares) in enumerate(zip(totals, squares, strict=True)):
-        count = emit.assign(
-            f"tl.minimum(tl.maximum(COLUMNS - {p} * BLOCK_COLUMNS, 0), "
-            "BLOCK_COLUMNS).to(tl.float32)"
-        )  # each slice's, clamped
+        count = emit.assign(slice_count(str(p)))
         local = emit.assign(f"{slice_total}[:, None] / tl.maximum({count}, 1.0)")
         spread = emit.assign(f"{local} - {row_mean}")
         terms.append(emit.assign(f"{slice_squares}[:, None] + {count} * {spread} * {spread}"))

@@ -13,9 +13,6 @@ from schedulers.codegen import Emitter
 # the mean
 ONE_PASS_LOSS = 16.0
 FLOAT32_MAX = 3.4028234663852886e38  # a sum of squares past it is inf: reduced again
-# the slice's columns, counted without a reduction (a row past the last has no values
-# and is not stored)
-COUNT = "tl.minimum(tl.maximum(COLUMNS - part * BLOCK_COLUMNS, 0), BLOCK_COLUMNS).to(tl.float32)"
 
 
 def slice_moments(emit: Emitter, value: str, one_pass: bool) -> list[str]:
@@ -28,13 +25,13 @@ def slice_moments(emit: Emitter, value: str, one_pass: bool) -> list[str]:
     block."""
     if not one_pass:
         total = emit.assign(f"tl.sum(tl.where(mask, {value}, 0.0), 1)")
-        count = emit.assign(COUNT)
+        count = emit.assign(slice_count("part"))
         return [total, emit.assign(_about_mean(emit, value, total, count))]
     masked = emit.assign(f"tl.where(mask, {value}, 0.0)")
     both = emit.assign(f"tl.sum(tl.join({masked}, {masked} * {masked}), 1)")
     total, raw = emit.fresh(), emit.fresh()
     emit.line(f"{total}, {raw} = tl.split({both})")
-    count = emit.assign(COUNT)
+    count = emit.assign(slice_count("part"))
     squares = emit.assign(f"{raw} - {total} * {total} / tl.maximum({count}, 1.0)")
     again = emit.nested()
     again.line(f"{squares} = {_about_mean(again, value, total, count)}")
@@ -42,6 +39,14 @@ def slice_moments(emit: Emitter, value: str, one_pass: bool) -> list[str]:
     kept = f"({raw} <= {ONE_PASS_LOSS} * {squares}) & ({raw} <= {FLOAT32_MAX})"
     emit.block(f"if tl.max(tl.where({kept}, 0, 1), 0) > 0:", again)
     return [total, squares]
+
+
+def slice_count(part: str) -> str:
+    """Triton source of the columns of slice ``part`` (a program's: ``"part"``; or a
+    number), float32, counted without a reduction: clamped to the row (a slice past its
+    end has none; a row past the last has no values and is not stored)."""
+    clamped = f"tl.minimum(tl.maximum(COLUMNS - {part} * BLOCK_COLUMNS, 0), BLOCK_COLUMNS)"
+    return f"{clamped}.to(tl.float32)"
 
 
 def _about_mean(emit: Emitter, value: str, total: str, count: str) -> str:
