@@ -466,6 +466,7 @@ def test_a_layernorm_forward_of_32768_columns_is_split_on_the_h200_only():
         params = scheduler.heuristics(plan, H200, [rows, 32768])
         assert params.strategy == SPLIT and params.parts == 4, params
         assert params.cluster and params.column_bits and params.one_pass, params
+        assert params.contract, params
         assert params.programs == CLUSTER_PROGRAMS_PER_SM * H200.sm_count, params
         assert params.why.startswith("split (a variance over rows of 32768"), params.why
         assert scheduler.heuristics(plan, H100, [rows, 32768]).strategy == MULTIWAVE
@@ -492,9 +493,10 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     own layout (0.82 split, twice, commit 6b9ab9f); there its bf16 weight and bias are
     kept as their bits since (0.86; on the H100 0.83 against 0.91 kept as float32s), and
     its programs a cluster, CLUSTER_PROGRAMS_PER_SM an SM, each slice's variance in one
-    pass (0.89 at 4096x65536). RMSNorm's row, a cluster everywhere, keeps its weight's
-    float32s (0.91 against 0.90 as bits); float32 weights have no bits to keep (nor
-    LayerNorm's cluster, which needs them)."""
+    pass, its multiplies and adds contracted (0.89 at 4096x65536, 0.90 at 8192).
+    RMSNorm's row, a cluster everywhere, keeps its weight's float32s (0.91 against 0.90
+    as bits); float32 weights have no bits to keep (nor LayerNorm's cluster, which needs
+    them)."""
     scheduler, plan = _plan(name, 65536, dtype)
     params = scheduler.heuristics(plan, profile, [4096, 65536])
     assert params.strategy == SPLIT and params.persistent, params
@@ -505,11 +507,34 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     assert params.one_pass == bits, params  # LayerNorm's cluster only
     per_sm = CLUSTER_PROGRAMS_PER_SM if bits else CLUSTERS_PER_SM * params.parts
     assert params.programs == (per_sm * profile.sm_count if clustered else 0), params
-    assert not params.contract, params  # no column sums: not contracted
+    assert params.contract == bits, params  # LayerNorm's cluster: contracted
     text = str(dataclasses.replace(params, why=""))
     assert ("column_bits=True" in text) == bits and ("one_pass=True" in text) == bits
     assert ("the weights kept as their bfloat16 bits" in params.why) == bits, params.why
     assert ("each slice's variance in one reduction" in params.why) == bits, params.why
+
+
+def test_a_layernorm_forward_with_a_coded_output_is_not_contracted():
+    """LayerNorm forward's cluster in one pass contracts its multiplies and adds on the
+    H200 where every output is a 16- or 32-bit float; y as fp8 (a code: one rounding may
+    move it a whole step) keeps them apart, the cluster and the one pass kept."""
+    for coded in (False, True):
+        with FusionDefinition() as fd:
+            x = fd.define_tensor(["rows", 65536], "bfloat16")
+            w = fd.define_tensor([65536], "bfloat16")
+            b = fd.define_tensor([65536], "bfloat16")
+            xf = fd.ops.cast(x, "float32")
+            var, mean = fd.ops.var_mean(xf, dims=[1], correction=0)
+            rstd = fd.ops.broadcast(fd.ops.rsqrt(var + 1e-5), [False, True])
+            xhat = (xf - fd.ops.broadcast(mean, [False, True])) * rstd
+            wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
+            bf = fd.ops.broadcast(fd.ops.cast(b, "float32"), [True, False])
+            fd.add_output(fd.ops.cast(xhat * wf + bf, "float8_e4m3fn" if coded else "bfloat16"))
+        (group, *_) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+        params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
+        assert params.strategy == SPLIT and params.cluster and params.one_pass, params
+        assert params.contract != coded, params
+        assert ("multiplies and adds contracted into fmas" in params.why) != coded
 
 
 def test_two_plain_sums_a_row_exchange_through_global_memory():

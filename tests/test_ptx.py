@@ -278,13 +278,15 @@ for name, columns, rows, fields in json.loads(sys.argv[2]):
                       "warps": chosen.num_warps, "parts": chosen.parts, "tma": chosen.tma,
                       "registers": registers(compiled(kernel.source, kernel.name,
                           kernel.pointers, kernel.constants, kernel.num_warps,
-                          descriptors=descriptors, integers="i32")["cubin"])}))
+                          descriptors=descriptors, integers="i32",
+                          options=kernel.options)["cubin"])}))
 """
 
 
 def _split_registers(cases: list) -> list[dict]:
     """``_SPLIT_REGISTERS`` over ``cases`` ((op, columns, rows, fields replacing the
-    H200's params) each): the split kernels compiled for sm_90, their registers a thread."""
+    H200's params) each): the split kernels compiled for sm_90 with their compile options
+    (LayerNorm's contracted, as the H200 takes them), their registers a thread."""
     return _compiled_rows(_SPLIT_REGISTERS, json.dumps(cases))
 
 
@@ -294,7 +296,7 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
     to a register count: their bf16 inputs' bits kept across the exchange and widened
     again after it (as chosen), three programs an SM fit the registers
     (``SPLIT_SUMS_WARPS_PER_SM``; RMSNorm 128 a thread, LayerNorm 168 with Triton 3.6),
-    where keeping the float32s (200, 232) fits two."""
+    where keeping the float32s (200, 254) fits two."""
     from schedulers.normalization.split import SPLIT_SUMS_WARPS_PER_SM
 
     shape = {"parts": 4, "block_columns": 4096, "num_warps": 4, "max_registers": 0}
@@ -311,10 +313,11 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
 
 def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
     """LayerNorm forward split on the H200 (4096x65536: 8 programs a row of 8192 columns
-    over 4 warps, through TMA, a cluster, each slice's variance in one pass) for sm_90:
+    over 4 warps, through TMA, a cluster, each slice's variance in one pass, contracted)
+    for sm_90:
     its bf16 weight and bias kept as their bits and widened where used after the exchange
-    (as chosen), three programs an SM fit the registers (167 a thread with Triton 3.6;
-    168 exchanging through global memory in two passes); their float32s kept (233-255),
+    (as chosen), three programs an SM fit the registers (168 a thread with Triton 3.6,
+    as through global memory in two passes uncontracted); their float32s kept (254),
     two. A widening the compiler may hoist out of the walk (a pure one) gives the
     float32s back."""
     found = _split_registers([["layernorm_fwd", 65536, 4096, {"column_bits": bits}]

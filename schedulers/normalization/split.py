@@ -203,10 +203,14 @@ def split_params(
     # H100 LayerNorm 8192x16384 0.885-0.886 against 0.893-0.894, 65536 0.924-0.927
     # against 0.920-0.921: not taken there.
     # Its outputs 16- or 32-bit floats: a code (fp8, fp4) or an exact output (bool, an
-    # integer) may come out otherwise than the reference's.
+    # integer) may come out otherwise than the reference's. LayerNorm forward's cluster in
+    # one pass too (its sums of squares, Chan's combination, the weight's product and the
+    # bias; two runs, results/norms_lnfwd_contract_h200_2af968a_{1,2}.json): 8192x65536
+    # 0.903-0.904 against 0.895, 16384x65536 0.902 against 0.890, 4096x65536 0.890-0.891
+    # against 0.889, 8192x32768 0.880-0.881 against 0.871-0.879; contracted on global
+    # memory in two passes it had needed 242 registers (0.79), in the cluster 168.
     contract = (
-        sums
-        and partials > 1
+        (sums and partials > 1 or one_pass)
         and hardware.memory_gbps >= FAST_MEMORY_GBPS
         and all(o.dtype.is_floating and o.dtype.bits in (16, 32) and not o.dtype.storage_only
                 for o in plan.outputs)
