@@ -514,27 +514,39 @@ def test_a_forward_of_65536_columns_is_split(profile, name, dtype):
     assert ("each slice's variance in one reduction" in params.why) == bits, params.why
 
 
-def test_a_layernorm_forward_with_a_coded_output_is_not_contracted():
+@pytest.mark.parametrize(
+    ("output", "contracted"),
+    [("bfloat16", True), ("float8_e4m3fn", False), ("float64", False),
+     ("a comparison", False), ("an integer", False)],
+)  # fmt: skip
+def test_a_layernorm_forward_is_contracted_where_it_computes_floats_only(output, contracted):
     """LayerNorm forward's cluster in one pass contracts its multiplies and adds on the
-    H200 where every output is a 16- or 32-bit float; y as fp8 (a code: one rounding may
-    move it a whole step) keeps them apart, the cluster and the one pass kept."""
-    for coded in (False, True):
-        with FusionDefinition() as fd:
-            x = fd.define_tensor(["rows", 65536], "bfloat16")
-            w = fd.define_tensor([65536], "bfloat16")
-            b = fd.define_tensor([65536], "bfloat16")
-            xf = fd.ops.cast(x, "float32")
-            var, mean = fd.ops.var_mean(xf, dims=[1], correction=0)
-            rstd = fd.ops.broadcast(fd.ops.rsqrt(var + 1e-5), [False, True])
-            xhat = (xf - fd.ops.broadcast(mean, [False, True])) * rstd
-            wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
-            bf = fd.ops.broadcast(fd.ops.cast(b, "float32"), [True, False])
-            fd.add_output(fd.ops.cast(xhat * wf + bf, "float8_e4m3fn" if coded else "bfloat16"))
-        (group, *_) = split_into_kernels(fd.fusion.exprs, fd.fusion)
-        params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
-        assert params.strategy == SPLIT and params.cluster and params.one_pass, params
-        assert params.contract != coded, params
-        assert ("multiplies and adds contracted into fmas" in params.why) != coded
+    H200 where every value it computes is a 16- or 32-bit float; y as fp8 (a code: one
+    rounding may move it a whole step), as float64, or made of a comparison or of a
+    rounding to integers (an exact value, though cast back to bf16) keeps them apart,
+    the cluster and the one pass kept."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 65536], "bfloat16")
+        w = fd.define_tensor([65536], "bfloat16")
+        b = fd.define_tensor([65536], "bfloat16")
+        xf = fd.ops.cast(x, "float32")
+        var, mean = fd.ops.var_mean(xf, dims=[1], correction=0)
+        rstd = fd.ops.broadcast(fd.ops.rsqrt(var + 1e-5), [False, True])
+        xhat = (xf - fd.ops.broadcast(mean, [False, True])) * rstd
+        wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
+        bf = fd.ops.broadcast(fd.ops.cast(b, "float32"), [True, False])
+        y = xhat * wf + bf
+        if output == "a comparison":
+            y = fd.ops.cast(fd.ops.gt(y, 0.0), "bfloat16")
+        elif output == "an integer":
+            y = fd.ops.cast(fd.ops.cast(y * 100.0, "int32"), "bfloat16")
+        exact = output in ("a comparison", "an integer")  # already bf16
+        fd.add_output(y if exact else fd.ops.cast(y, output))
+    (group, *_) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    params = group.scheduler.heuristics(group.plan, H200, [4096, 65536])
+    assert params.strategy == SPLIT and params.cluster and params.one_pass, params
+    assert params.contract == contracted, params
+    assert ("multiplies and adds contracted into fmas" in params.why) == contracted
 
 
 def test_two_plain_sums_a_row_exchange_through_global_memory():

@@ -202,19 +202,20 @@ def split_params(
     # (one partial) level (0.887 / 0.904-0.906 against 0.883-0.884 / 0.905-0.909). On the
     # H100 LayerNorm 8192x16384 0.885-0.886 against 0.893-0.894, 65536 0.924-0.927
     # against 0.920-0.921: not taken there.
-    # Its outputs 16- or 32-bit floats: a code (fp8, fp4) or an exact output (bool, an
-    # integer) may come out otherwise than the reference's. LayerNorm forward's cluster in
+    # Every value it computes 16- or 32-bit floats: a code (fp8, fp4) or an exact value
+    # (bool, an integer: a comparison, a rounding to integers) may come out otherwise
+    # than the reference's, a float64 is not to lose bits. LayerNorm forward's cluster in
     # one pass too (its sums of squares, Chan's combination, the weight's product and the
     # bias; two runs, results/norms_lnfwd_contract_h200_2af968a_{1,2}.json): 8192x65536
     # 0.903-0.904 against 0.895, 16384x65536 0.902 against 0.890, 4096x65536 0.890-0.891
     # against 0.889, 8192x32768 0.880-0.881 against 0.871-0.879; contracted on global
     # memory in two passes it had needed 242 registers (0.79), in the cluster 168.
+    computed = [*plan.outputs, *(t for e in plan.exprs for t in e.outputs)]
     contract = (
-        (sums and partials > 1 or one_pass)
+        ((sums and partials > 1) or one_pass)
         and hardware.memory_gbps >= FAST_MEMORY_GBPS
-        and all(o.dtype.is_floating and o.dtype.bits in (16, 32) and not o.dtype.storage_only
-                for o in plan.outputs)
-    )  # fmt: skip
+        and all(t.dtype.is_floating and t.dtype.bits in (16, 32) for t in computed)
+    )
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     programs = (cluster_programs(parts, hardware.sm_count, partials) if cluster
