@@ -275,6 +275,7 @@ for name, columns, rows, fields in json.loads(sys.argv[2]):
     print(json.dumps({"name": name, "fields": fields, "strategy": params.strategy,
                       "rewiden": params.rewiden, "column_bits": params.column_bits,
                       "cluster": chosen.cluster, "one_pass": chosen.one_pass,
+                      "options": kernel.options,
                       "warps": chosen.num_warps, "parts": chosen.parts, "tma": chosen.tma,
                       "registers": registers(compiled(kernel.source, kernel.name,
                           kernel.pointers, kernel.constants, kernel.num_warps,
@@ -313,20 +314,19 @@ def test_a_split_row_that_widens_its_inputs_again_takes_fewer_registers():
 
 def test_a_split_row_that_keeps_its_weights_as_bits_takes_fewer_registers():
     """LayerNorm forward split on the H200 (4096x65536: 8 programs a row of 8192 columns
-    over 4 warps, through TMA, a cluster, each slice's variance in one pass, contracted)
-    for sm_90:
-    its bf16 weight and bias kept as their bits and widened where used after the exchange
-    (as chosen), three programs an SM fit the registers (168 a thread with Triton 3.6,
-    as through global memory in two passes uncontracted); their float32s kept (254),
-    two. A widening the compiler may hoist out of the walk (a pure one) gives the
-    float32s back."""
+    over 4 warps, through TMA, a cluster, each slice's variance in one pass, contracted:
+    compiled with ``enable_fp_fusion``) for sm_90: its bf16 weight and bias kept as their
+    bits and widened where used after the exchange (as chosen), three programs an SM fit
+    the registers (168 a thread with Triton 3.6, as through global memory in two passes
+    uncontracted); their float32s kept (254), two. A widening the compiler may hoist out
+    of the walk (a pure one) gives the float32s back."""
     found = _split_registers([["layernorm_fwd", 65536, 4096, {"column_bits": bits}]
                               for bits in (True, False)])  # fmt: skip
     assert len(found) == 2, found
     for row in found:
         assert row["column_bits"] and row["strategy"] == "split" and row["tma"], row
         assert (row["warps"], row["parts"]) == (4, 8) and row["cluster"], row
-        assert row["one_pass"], row
+        assert row["one_pass"] and row["options"].get("enable_fp_fusion"), row
         fit = 65536 // (row["registers"] * 32 * row["warps"])  # an SM's 64 Ki registers
         assert fit >= 3 if row["fields"]["column_bits"] else fit <= 2, row
 
