@@ -49,6 +49,11 @@ class NormalizationPlan:
         return dict(sorted(counts.items()))
 
     @property
+    def variance(self) -> bool:
+        """Whether one of the reductions is a variance (``var_mean``)."""
+        return any(isinstance(expr, VarMeanOp) for expr in self.reductions)
+
+    @property
     def full_inputs(self) -> list[TensorView]:
         """The inputs of the full shape S (a row each), in order."""
         return [t for t in self.inputs if self.kinds[t] == "full"]

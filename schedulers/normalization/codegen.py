@@ -74,8 +74,7 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
     if params.cluster and not (split and params.parts in CLUSTER_SIZES):
         raise ValueError(f"{params}: a cluster of a split row's programs holds "
                          f"{', '.join(map(str, CLUSTER_SIZES))} of them")  # fmt: skip
-    if params.one_pass and not (split and any(isinstance(t.definition, VarMeanOp)
-                                              for t in plan.levels)):  # fmt: skip
+    if params.one_pass and not (split and plan.variance):
         raise ValueError(f"{params}: a variance in one pass is a split row's with a variance")
     if params.rewiden and not split:
         raise ValueError(f"{params}: inputs widened again after the exchange need a split row")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from fusion.exprs import VarMeanOp
 from fusion.ir import TensorView
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
@@ -337,7 +336,7 @@ def _walked_from(plan: NormalizationPlan, hardware: HardwareProfile) -> int | No
     ``PLAIN_CHUNKS`` with one level of reductions; None otherwise."""
     if plan.column_sums or full_bits(plan) > 16 or hardware.memory_gbps < FAST_MEMORY_GBPS:
         return None
-    if any(isinstance(expr, VarMeanOp) for expr in plan.reductions):
+    if plan.variance:
         return VARIANCE_CHUNKS
     return PLAIN_CHUNKS if plan.depth == 1 else None
 

@@ -6,7 +6,6 @@ distributed shared memory."""
 from __future__ import annotations
 
 from fusion.dtypes import bfloat16
-from fusion.exprs import VarMeanOp
 from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import CLUSTER_SIZES
@@ -165,15 +164,15 @@ def split_params(
     loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
+    fast = hardware.memory_gbps >= FAST_MEMORY_GBPS  # the bits', a cluster's, contraction's
     # bfloat16 weights kept as their bits (below) where they may be: forwards on fast memory
     keep_bits = (
         not sums
-        and hardware.memory_gbps >= FAST_MEMORY_GBPS
+        and fast
         and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
     )
     # a cluster: one partial a round, or a variance's two with the weights as bits
-    variance = any(isinstance(t.definition, VarMeanOp) for t in plan.levels)
-    cluster = (not sums and (partials == 1 or partials == 2 and variance and keep_bits)
+    cluster = (not sums and (partials == 1 or partials == 2 and plan.variance and keep_bits)
                and hardware.arch // 10 == 9 and parts in CLUSTER_SIZES
                and cluster_launches())  # fmt: skip
     # A split row without column sums (but a cluster exchanging one partial) keeps its
@@ -192,7 +191,7 @@ def split_params(
     bits = keep_bits and not (cluster and partials == 1)
     # A variance's slices in one reduction each (``one_pass``) where a cluster exchanges
     # them (see CLUSTER_PROGRAMS_PER_SM)
-    one_pass = cluster and variance
+    one_pass = cluster and plan.variance
     # Two partials a row with column sums (LayerNorm backward's), on fast memory: its
     # multiplies and adds contracted into fmas (``contract``; the reference rounds each
     # product, an fma does not: within the tolerance of the sums and bf16 outputs they
@@ -213,7 +212,7 @@ def split_params(
     computed = [*plan.outputs, *(t for e in plan.exprs for t in e.outputs)]
     contract = (
         ((sums and partials > 1) or one_pass)
-        and hardware.memory_gbps >= FAST_MEMORY_GBPS
+        and fast
         and all(t.dtype.is_floating and t.dtype.bits in (16, 32) for t in computed)
     )
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
