@@ -191,9 +191,13 @@ class Emitter:
             byte = self.assign(f"tl.load({pointer} + ({index} >> 1), mask={mask}, other=0{hint})")
             shift = f"(({index} & 1) * 4).to(tl.uint8)"
             return Value(self.assign(f"({byte} >> {shift}) & 15"), dtype)
-        return self.loaded(
-            self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0{hint})"), dtype
-        )
+        return self.loaded(self.load_stored(pointer, index, mask, eviction), dtype)
+
+    def load_stored(self, pointer: str, index: str, mask: str, eviction: str = "") -> str:
+        """The name of the values at ``pointer + index`` as they are stored (not widened:
+        ``load``'s first step)."""
+        hint = f", eviction_policy='{eviction}'" if eviction else ""
+        return self.assign(f"tl.load({pointer} + {index}, mask={mask}, other=0{hint})")
 
     def loaded(self, raw: str, dtype: DataType) -> Value:
         """``raw`` (a tensor loaded as ``dtype`` is stored) in value form: floats carried

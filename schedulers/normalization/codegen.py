@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusion.dtypes import DataType, float32, float64
+from fusion.dtypes import DataType, bfloat16, float32, float64
 from fusion.exprs import Expr, ReductionOp, VarMeanOp
 from fusion.ir import TensorView
 from schedulers.codegen import (
@@ -102,11 +102,12 @@ def source(plan: NormalizationPlan, params: NormalizationParams) -> str:
         generator.columns(early, start, rows=False)
     if params.column_registers:
         for tensor in plan.inputs:
-            if plan.kinds[tensor] == "column":
-                value = generator.value(Step(early, row_cache), tensor)
-                if params.column_bits and value.raw:  # widened where used, each row
-                    generator.bits[tensor] = value.raw
-                    del row_cache[tensor]
+            if plan.kinds[tensor] != "column":
+                continue
+            if params.column_bits and tensor.dtype is bfloat16:  # widened where used
+                generator.keep_bits(early, tensor)
+            else:
+                generator.value(Step(early, row_cache), tensor)
     if persistent:
         generator.columns(outer, start)
         step = Step(outer, row_cache)  # one step: everything shares one cache
@@ -269,6 +270,13 @@ class Generator:
         self.start = start  # a persistent row's first column (a split row's slice's)
         self.bits: dict[TensorView, str] = {}  # column inputs kept as bfloat16 bits
 
+    def keep_bits(self, emit: Emitter, tensor: TensorView) -> None:
+        """Column input ``tensor`` (bfloat16) loaded into ``emit`` (before the walk) as
+        its bits, not widened: ``value`` widens them where used, each row
+        (``column_bits``)."""
+        raw = emit.load_stored(self.pointers[tensor], "cols", "col_mask")
+        self.bits[tensor] = emit.assign(f"{raw}[None, :]")
+
     def helper(self, prefix: str, write, *shape: int) -> str:
         """The name of a device function ``write(name, *shape)`` writes, defined once in
         the kernel's source."""
@@ -360,10 +368,7 @@ class Generator:
                 value = emit.load(tensor, pointer, "offs", "mask", step.eviction)
             elif kind == "column":
                 loaded = emit.load(tensor, pointer, "cols", "col_mask")
-                # kept as bits (``column_bits``): their reshaped bits, widened where used
-                bits = loaded.raw and self.params.column_bits
-                raw = emit.assign(f"{loaded.raw}[None, :]") if bits else ""
-                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype, raw)
+                value = Value(emit.assign(f"{loaded.name}[None, :]"), tensor.dtype)
             elif kind == "row":
                 loaded = emit.load(tensor, pointer, "rows", "row_mask")
                 value = Value(emit.assign(f"{loaded.name}[:, None]"), tensor.dtype)
