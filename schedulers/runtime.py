@@ -1,7 +1,8 @@
 """Helpers every scheduler shares at plan and launch time: sizes rounded to powers of
 two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes, TMA
-tensor descriptors), how many programs a device holds at once, and the interpreter
-running a launch's programs concurrently.
+tensor descriptors), kernels launched straight to their compiled launcher (in
+clusters too), and the interpreter running a launch's programs concurrently
+(``schedulers.occupancy``: how many programs a device holds at once).
 
 Nothing here imports Triton at module level: importing Triton before
 ``TRITON_INTERPRET`` is set (the tests set it at collection) would leave the
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from schedulers.occupancy import max_active_clusters
 
 
 def interpreted() -> bool:
@@ -143,6 +146,8 @@ class BoundKernel:
         self.driver, self.knobs = driver, knobs  # read at every launch, as Triton does
         self.tail: list | None = None  # the constexprs' values, in the kernel's order
         self.compiled: dict[tuple, tuple] = {}  # by specialization: what a launch takes
+        self.resources: dict[tuple, tuple] = {}  # by specialization: a cluster's programs'
+        # threads and dynamic shared memory
         if isinstance(kernel, JITFunction) and direct_launches():
             flags = [param.is_constexpr for param in kernel.params]
             first = flags.index(True) if True in flags else len(flags)
@@ -176,7 +181,7 @@ class BoundKernel:
                     "(``specialization``) are not launched in clusters"
                 )
             if found is None:
-                found = self.compiled[key] = self._load_clustered(grid, arguments, key[0])
+                found = self.compiled[key] = self._load_clustered(grid, arguments, key)
         elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
             compiled = self.kernel[grid](*arguments, **self.keywords)
             if key is not None:
@@ -189,10 +194,25 @@ class BoundKernel:
                grid[2] if len(grid) > 2 else 1, self.driver.active.get_current_stream(key[0]),
                function, *head, *passed, *self.tail)  # fmt: skip
 
-    def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
-        """The compiled kernel for these arguments (compiled now, not launched), loaded
-        again allowing ``shared`` bytes more (``OutOfResources`` past the device's
-        most): its launch in clusters."""
+    def resident_clusters(self, grid: tuple, *arguments) -> int:
+        """How many of this kernel's clusters, launched as ``bound(grid, *arguments)``
+        launches them, the device holds at once (``occupancy.max_active_clusters``;
+        loaded, compiled if need be, not launched). A persistent grid of more runs the
+        rest in a second wave."""
+        key, _ = self._key(arguments)
+        if self.cluster == 1 or key is None:
+            raise ValueError(f"{getattr(self.kernel, '__name__', self.kernel)}: not launched "
+                             "in clusters here")  # fmt: skip
+        if key not in self.compiled:
+            self.compiled[key] = self._load_clustered(grid, arguments, key)
+        function = self.compiled[key][1]
+        return max_active_clusters(function, *self.resources[key], self.cluster)
+
+    def _load_clustered(self, grid: tuple, arguments: tuple, key: tuple) -> tuple:
+        """The compiled kernel for these arguments (compiled now, not launched; ``key``
+        their specialization, its device first), loaded again allowing ``shared`` bytes
+        more (``OutOfResources`` past the device's most): its launch in clusters."""
+        device = key[0]
         compiled = self.kernel.warmup(*arguments, grid=grid, **self.keywords)
         metadata = compiled.metadata
         if metadata.global_scratch_size or metadata.profile_scratch_size or (
@@ -213,6 +233,7 @@ class BoundKernel:
         # loaded for its dynamic and static shared memory together: Triton's loader then
         # allows the dynamic part past the default 48 KiB where the two pass it
         _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
+        self.resources[key] = (metadata.num_warps * 32, metadata.shared)  # as it is launched
         return launch, function, head, descriptors
 
     def _key(self, arguments: tuple) -> tuple[tuple | None, list | tuple]:
@@ -344,22 +365,6 @@ def specialization(argument) -> tuple:
         return (TensorDescriptor, base.dtype, base.data_ptr() % 16 == 0, tuple(argument.shape),
                 tuple(argument.strides), tuple(argument.block_shape), argument.padding)  # fmt: skip
     raise TypeError(f"no specialization known for a {type(argument).__name__} argument")
-
-
-def resident_programs(compiled, hardware) -> int:
-    """How many programs of the ``compiled`` Triton kernel a device of ``hardware``
-    holds at once (every SM as many as its registers, threads and shared memory
-    allow): a grid of programs that wait for each other must not be larger."""
-    compiled._init_handles()  # registers are read when the kernel loads
-    warps = compiled.metadata.num_warps
-    threads = warps * hardware.warp_size
-    # registers are allocated a warp at a time, in units of 256
-    per_warp = cdiv(max(compiled.n_regs, 1) * hardware.warp_size, 256) * 256
-    by_registers = hardware.registers_per_sm // (per_warp * warps)
-    by_threads = hardware.max_threads_per_sm // threads
-    shared = compiled.metadata.shared
-    by_shared = (hardware.smem_per_block_bits // 8 + 1024) // (shared + 1024) if shared else 32
-    return hardware.sm_count * max(0, min(by_registers, by_threads, by_shared, 32))
 
 
 @contextlib.contextmanager

@@ -599,7 +599,8 @@ def row_split_normalization(communicator, name: str, seed: int, kernels: str = "
                             strategy: str | None = None):  # fmt: skip
     """``strategy`` (generated kernels): the normalization kernel's, forced (a split row's
     programs exchanging partial reductions, a forward's input through TMA; a backward's
-    column walk)."""
+    column walk; ``"clusters"``: a backward's split row as the H200 runs it, a cluster
+    of ``CLUSTER_SUMS_PARTS`` programs a row, as many clusters as the device holds)."""
     from examples.norms import BUILDERS, make_inputs
 
     n, rows = 48, 4 * communicator.world_size + 3  # uneven pieces
@@ -614,6 +615,15 @@ def row_split_normalization(communicator, name: str, seed: int, kernels: str = "
     # a backward's weight gradients sum every rank's rows: one more rounding of a partial
     partial_sums = 2 if name.endswith("_bwd") else 1
     forced = {"k0": strategy} if strategy else None
+    if strategy == "clusters":
+        from schedulers.hardware import H200
+        from schedulers.normalization.split import CLUSTER_SUMS_PARTS, split_params
+        from schedulers.registry import split_into_kernels
+
+        plan = split_into_kernels(fd.fusion.exprs, fd.fusion)[0].plan
+        params = split_params(plan, H200, n, CLUSTER_SUMS_PARTS)
+        assert params.cluster and not params.programs, params
+        forced = {"k0": params}
     return _check(communicator, fd, full, max(n, rows), kernels, partial_sums=partial_sums,
                   kernel_params=forced)  # fmt: skip
 
@@ -675,10 +685,11 @@ NORMALIZATIONS = ["softmax_fwd", "softmax_bwd", "rmsnorm_fwd", "rmsnorm_bwd", "l
 
 def _normalization_cases() -> list[tuple[str, str, str | None]]:
     """Every normalization with each kernel kind, split rows forced, and the backward
-    ones' column walk forced (it writes column sums)."""
+    ones' column walk and clusters forced (they write column sums)."""
     cases = [(name, k, None) for name in NORMALIZATIONS for k in KERNELS]
     cases += [(name, "generated", "split") for name in NORMALIZATIONS]
-    return cases + [(name, "generated", "column_walk") for name in NORMALIZATIONS
+    return cases + [(name, "generated", strategy) for name in NORMALIZATIONS
+                    for strategy in ("column_walk", "clusters")
                     if name.endswith("_bwd") and not name.startswith("softmax")]  # fmt: skip
 
 
@@ -687,8 +698,8 @@ def _normalization_cases() -> list[tuple[str, str, str | None]]:
 def test_the_examples_normalizations_with_rows_split(rank_pools, world, name, kernels, strategy):
     """``strategy="split"``: each rank's rows split over programs too (the exchange of
     partial reductions, a forward's input through TMA); ``"column_walk"``: the rows'
-    values first, then strips of columns walked down each rank's rows; as
-    ``check_gpu.py`` runs them."""
+    values first, then strips of columns walked down each rank's rows; ``"clusters"``: a
+    backward's split row in clusters of programs; as ``check_gpu.py`` runs them."""
     results = rank_pools(world).run(row_split_normalization, name, 25, kernels, strategy)
     # forwards need nothing from other ranks; backwards all-reduce their weight gradients
     column_sums = {"rmsnorm_bwd": 1, "layernorm_bwd": 2}.get(name, 0)

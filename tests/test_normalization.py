@@ -36,6 +36,7 @@ from schedulers.normalization.heuristics import short_row_params
 from schedulers.normalization.scheduler import partial_rows
 from schedulers.normalization.split import (
     CLUSTER_PROGRAMS_PER_SM,
+    CLUSTER_SUMS_PARTS,
     CLUSTERS_PER_SM,
     SPLIT_SUMS_STAGES,
     SPLIT_SUMS_WARPS_PER_SM,
@@ -1228,7 +1229,8 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
     scheduler, plan = _plan("layernorm_bwd", 16384)
     chosen = scheduler.heuristics(plan, H200, [8192, 16384], SPLIT)
     assert chosen.block_columns >= 256 * chosen.num_warps, chosen
-    narrow = dataclasses.replace(chosen, block_columns=512, parts=32, num_warps=4)
+    # 32 programs a row: more than a cluster holds, through global memory
+    narrow = dataclasses.replace(chosen, block_columns=512, parts=32, num_warps=4, cluster=False)
     assert "tl.debug_barrier()" not in source(plan, chosen)
     assert source(plan, narrow).count("tl.debug_barrier()") == 1
 
@@ -1257,6 +1259,29 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, stra
 
 
 @pytest.mark.parametrize(
+    ("name", "n", "parts", "clustered"),
+    [("rmsnorm_bwd", 16384, 4, False), ("rmsnorm_bwd", 24576, 6, False),
+     ("layernorm_bwd", 12288, 6, False), ("layernorm_bwd", 16384, 8, True),
+     ("rmsnorm_bwd", 32768, 8, True), ("layernorm_bwd", 32768, 8, True),
+     ("rmsnorm_bwd", 65536, 16, True), ("layernorm_bwd", 65536, 16, True)],
+)  # fmt: skip
+def test_split_backwards_are_clusters_on_the_h200_from_eight_programs_a_row(name, n, parts,
+                                                                            clustered):  # fmt: skip
+    """A split row with column sums forms a cluster on the H200 (fast memory) where a row
+    has CLUSTER_SUMS_PARTS programs or more, its grid left to the launch (as many
+    clusters as the device holds at once, the driver's count), said in the reasons; with
+    fewer programs, and on the H100, the exchange stays in global memory, its grid set."""
+    scheduler, plan = _plan(name, n)
+    for rows in (2048, 8192):
+        h200 = scheduler.heuristics(plan, H200, [rows, n])
+        assert h200.strategy == SPLIT and h200.parts == parts, h200
+        assert h200.cluster == clustered and (h200.programs == 0) == clustered, h200
+        assert ("as many clusters as the device holds at once" in h200.why) == clustered
+        h100 = scheduler.heuristics(plan, H100, [rows, n])
+        assert h100.strategy == SPLIT and not h100.cluster and h100.programs > 0, h100
+
+
+@pytest.mark.parametrize(
     ("name", "n", "rows", "parts", "warps", "profiles"),
     [
         ("rmsnorm_fwd", 65536, 4096, 8, 4, (H100, H200)),  # a forward: 64 values a thread
@@ -1277,22 +1302,25 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     one is degenerate), H100 and H200 split it: with column sums a program per 4096
     columns over 4 warps, its loads pipelined, its bf16 inputs widened again after the
     exchange, as many programs as the device holds of 12 warps an SM, exchanging through
-    global memory; a forward a program per 8192 columns over 4 warps,
-    through TMA (prefetched where TMA cannot stride its rows); RMSNorm's (one partial a
-    row) a cluster a row exchanging through its shared memory, CLUSTERS_PER_SM clusters
-    an SM. The interpreter keeps the chunks (its programs would run one at a time; with
-    column sums the columns walked), as do rows that fit."""
+    global memory (on the H200, where a row has CLUSTER_SUMS_PARTS programs or more: a
+    cluster a row, as many as the device holds, counted at the launch); a forward a
+    program per 8192 columns over 4 warps, through TMA (prefetched where TMA cannot
+    stride its rows); RMSNorm's (one partial a row) a cluster a row exchanging through
+    its shared memory, CLUSTERS_PER_SM clusters an SM. The interpreter keeps the chunks
+    (its programs would run one at a time; with column sums the columns walked), as do
+    rows that fit."""
     scheduler, plan = _plan(name, n)
     forward = not plan.column_sums  # its input through TMA, SPLIT_TMA_STAGES rows deep
     for profile in profiles:
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
-        clustered = name == "rmsnorm_fwd"
+        sums_clustered = not forward and profile is H200 and parts >= CLUSTER_SUMS_PARTS
+        clustered = name == "rmsnorm_fwd" or sums_clustered
         # column sums: the bf16 inputs widened again after the exchange, at most
         # SPLIT_SUMS_WARPS_PER_SM warps an SM (fewer registers a thread: more fit)
         widened = profile.sm_count * (SPLIT_SUMS_WARPS_PER_SM // warps)
-        programs = (parts * profile.sm_count * CLUSTERS_PER_SM if clustered
-                    else 0 if forward else widened)  # fmt: skip
+        programs = (parts * profile.sm_count * CLUSTERS_PER_SM if name == "rmsnorm_fwd"
+                    else 0 if forward or sums_clustered else widened)  # fmt: skip
         assert params.num_warps == warps and params.programs == programs, params
         assert params.cluster == clustered and params.rewiden == (not forward), params
         # LayerNorm backward's two partials, on the H200: multiplies and adds contracted
@@ -1447,7 +1475,7 @@ class _Compiled:
     ],
 )
 def test_resident_programs_on_an_h100(registers, warps, shared, per_sm):
-    from schedulers.runtime import resident_programs
+    from schedulers.occupancy import resident_programs
 
     assert resident_programs(_Compiled(registers, warps, shared), H100) == 132 * per_sm
 

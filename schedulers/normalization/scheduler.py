@@ -62,6 +62,7 @@ from schedulers.normalization.warp_specialized import (
     warp_specialized_params,
     ws_threshold,
 )
+from schedulers.occupancy import resident_programs
 from schedulers.runtime import (
     BYTE_CODED,
     BoundKernel,
@@ -70,7 +71,6 @@ from schedulers.runtime import (
     cdiv,
     concurrent_programs,
     interpreted,
-    resident_programs,
     tma_descriptor,
 )
 
@@ -368,7 +368,7 @@ class NormalizationLauncher(Launcher):
             device = inputs[0].device
             launched, count, most, slots = grid, grid[0], planned, ()
             if split:  # groups of `parts` programs, every one of them resident at once
-                most = self._resident(device, pointers, rows, options) // params.parts
+                most = self._resident(device, kernel, pointers, rows, options) // params.parts
                 count = min(grid[0], most)
                 launched = (count * params.parts,)
                 slots = (allocate_slots(max(count * group_words, 1), dtype=torch.int64,
@@ -437,11 +437,14 @@ class NormalizationLauncher(Launcher):
 
         return launch
 
-    def _resident(self, device: torch.device, pointers: list, rows: int, options: dict) -> int:
+    def _resident(self, device: torch.device, kernel: BoundKernel, pointers: list, rows: int,
+                  options: dict) -> int:  # fmt: skip
         """(SPLIT) the programs that may run: as many as the device holds at once (the
         interpreter: two groups; ``params.programs``, when set, at most); a device that
         cannot hold one group raises ``RuntimeError`` (they would wait forever). A
-        cluster's groups wait for no others: on a GPU, ``params.programs`` exactly."""
+        cluster's groups wait for no others: on a GPU, ``params.programs`` exactly, or
+        without it as many clusters as the device holds at once (the driver's count:
+        ``BoundKernel.resident_clusters``), each walking its rows to the end."""
         params = self.params
         if device.type == "cuda" and params.cluster and params.programs:
             if params.programs < params.parts:
@@ -456,9 +459,13 @@ class NormalizationLauncher(Launcher):
                 partials = [torch.empty(1, dtype=torch.float32, device=device)
                             for _ in self.plan.column_sums]  # fmt: skip
                 slots = torch.empty(1, dtype=torch.int64, device=device)
-                compiled = self.kernel.warmup(*pointers, *partials, slots, rows,
-                                              grid=(params.parts,), **options)  # fmt: skip
-                self.resident[key] = resident_programs(compiled, self.hardware)
+                arguments = (*pointers, *partials, slots, rows)
+                if params.cluster:  # a kernel bound to clusters: the driver counts them
+                    clusters = kernel.resident_clusters((params.parts,), *arguments)
+                    self.resident[key] = clusters * params.parts
+                else:
+                    compiled = self.kernel.warmup(*arguments, grid=(params.parts,), **options)
+                    self.resident[key] = resident_programs(compiled, self.hardware)
             resident = self.resident[key]
         if params.programs:
             resident = min(resident, params.programs)

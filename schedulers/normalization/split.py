@@ -101,6 +101,24 @@ CLUSTERS_PER_SM = 2
 # 0.86-0.89; as many as the device holds at once 0.63. The H100 keeps the float32
 # weights, on global memory (0.91-0.92).
 CLUSTER_PROGRAMS_PER_SM = 8
+# A split row with column sums (a backward) on fast memory forms a cluster too where a
+# row has at least this many programs, as many clusters as the device holds at once
+# (the driver's count, ``occupancy.max_active_clusters``: 21 clusters of 16 programs of
+# LayerNorm backward 4096x65536 on an H200, where 396 programs fit three an SM), each
+# walking its rows to the end. Earlier runs of the backwards as clusters (results/
+# norms_bwd_cluster_grid_h200_4c3902d_*.json: 0.63-0.75 of copy) had taken more clusters
+# than the device holds: the rest ran in a second wave. H200, fraction of copy, against
+# the exchange through global memory (.devtmp A/B probes at 56bf201, results/
+# norms_bwd_clusters_{h200,h100}_56bf201.json): LayerNorm backward 4096x65536 0.818
+# against 0.797, 2048x65536 0.791 against 0.776, 8192x32768 0.908 against 0.862,
+# 8192x16384 0.928 against 0.867, 16384x16384 0.963 against 0.904; RMSNorm backward
+# 4096x65536 0.915-0.920 against 0.885-0.888, 8192x65536 0.924 against 0.891, 8192x32768
+# 0.937-0.938 against 0.918, but 8192x16384 (clusters of 4) 0.875-0.877 against
+# 0.906-0.912 (99 clusters, as many programs as through global memory: 0.854). Fewer
+# clusters lose (RMSNorm 8192x32768: 49 of 62, 0.884). On the H100 they lose but at
+# LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939, RMSNorm
+# 4096x65536 0.928 against 0.952): fast memory only.
+CLUSTER_SUMS_PARTS = 8
 
 
 def split_params(
@@ -116,7 +134,9 @@ def split_params(
     column sums and with one partial a row to exchange, on sm_90, a row's programs form
     a thread-block cluster exchanging through its shared memory, ``CLUSTERS_PER_SM`` of
     them an SM; with two partials (a variance) where the weights are kept as their bits,
-    ``CLUSTER_PROGRAMS_PER_SM`` programs an SM, each slice's variance in one pass.
+    ``CLUSTER_PROGRAMS_PER_SM`` programs an SM, each slice's variance in one pass; with
+    column sums on fast memory, where a row has ``CLUSTER_SUMS_PARTS`` programs or more,
+    as many clusters as the device holds at once (counted at the launch).
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
@@ -171,10 +191,15 @@ def split_params(
         and fast
         and any(plan.kinds[t] == "column" and t.dtype is bfloat16 for t in plan.inputs)
     )
-    # a cluster: one partial a round, or a variance's two with the weights as bits
-    cluster = (not sums and (partials == 1 or partials == 2 and plan.variance and keep_bits)
-               and hardware.arch // 10 == 9 and parts in CLUSTER_SIZES
-               and cluster_launches())  # fmt: skip
+    # a cluster: one partial a round, or a variance's two with the weights as bits; with
+    # column sums, on fast memory, CLUSTER_SUMS_PARTS programs a row or more
+    cluster = (
+        (sums and fast and parts >= CLUSTER_SUMS_PARTS
+         or not sums and (partials == 1 or partials == 2 and plan.variance and keep_bits))
+        and hardware.arch // 10 == 9
+        and parts in CLUSTER_SIZES
+        and cluster_launches()
+    )  # fmt: skip
     # A split row without column sums (but a cluster exchanging one partial) keeps its
     # bfloat16 weights in registers as their bits, widened where used after the exchange
     # (``column_bits``; ``triton_math.widen_bf16_here``, which the compiler does not hoist
@@ -217,7 +242,9 @@ def split_params(
     )
     # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
     capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
-    programs = (cluster_programs(parts, hardware.sm_count, partials) if cluster
+    # a cluster with column sums: as many as the device holds at once, known at its launch
+    programs = (0 if cluster and sums
+                else cluster_programs(parts, hardware.sm_count, partials) if cluster
                 else capped if rewiden else 0)  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
@@ -228,8 +255,9 @@ def split_params(
         + ("; the weights kept as their bfloat16 bits, widened where used" if bits else "")
         + ("; multiplies and adds contracted into fmas" if contract else "")
         + ("; each slice's variance in one reduction" if one_pass else "")
-        + (f"; a cluster a row's programs, exchanging through its shared memory, {programs} "
-           "programs" if cluster
+        + ("; a cluster a row's programs, exchanging through its shared memory, "
+           + (f"{programs} programs" if programs
+              else "as many clusters as the device holds at once") if cluster
            else f"; as many programs as the device holds at once, {programs} at most"
            if programs else "; as many programs as the device holds at once")
     )  # fmt: skip
