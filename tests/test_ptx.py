@@ -172,12 +172,13 @@ def _split_exchange(overrides: dict, name: str = "layernorm_bwd", n: int = 16384
 
 
 def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
-    """LayerNorm backward's split kernel for sm_90: its two partials posted by one
-    atomic each, one spin (one load a lane, a vote), the words shuffled to every lane.
-    A wait with side effects and no dependency on the post was copied by Triton into
-    every layout its users wanted, each copy kept (7 spins a row); the exchange before
-    gathered the words across warps through shared memory."""
-    found = _split_exchange({})
+    """LayerNorm backward's split kernel for sm_90 exchanging through global memory (the
+    H100's; the H200's is a cluster, below): its two partials posted by one atomic each,
+    one spin (one load a lane, a vote), the words shuffled to every lane. A wait with
+    side effects and no dependency on the post was copied by Triton into every layout
+    its users wanted, each copy kept (7 spins a row); the exchange before gathered the
+    words across warps through shared memory."""
+    found = _split_exchange({"cluster": False})
     assert found["polls"] == 1 and found["posts"] == 2 and found["votes"] == 1, found
     assert found["shuffles"] == found["parts"] * 2 and found["stores"] == 0, found
 
@@ -186,9 +187,10 @@ def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
     ("overrides", "polls"),
     [
         # 64 words (32 programs of 2 partials): every lane polls every word
-        ({"parts": 32, "block_columns": 512, "num_warps": 2}, 64),
+        ({"parts": 32, "block_columns": 512, "num_warps": 2, "cluster": False}, 64),
         # two rows a block: every thread holding a row stores and polls its words
-        ({"block_rows": 2, "block_columns": 4096, "parts": 4, "num_warps": 8}, 8),
+        ({"block_rows": 2, "block_columns": 4096, "parts": 4, "num_warps": 8,
+          "cluster": False}, 8),  # fmt: skip
     ],
 )
 def test_a_split_rows_exchange_falls_back_to_polling_every_word(overrides, polls):
