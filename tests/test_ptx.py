@@ -189,8 +189,10 @@ def test_a_split_rows_exchange_compiles_to_one_spin_and_one_post_a_row():
         # 64 words (32 programs of 2 partials): every lane polls every word
         ({"parts": 32, "block_columns": 512, "num_warps": 2, "cluster": False}, 64),
         # two rows a block: every thread holding a row stores and polls its words
-        ({"block_rows": 2, "block_columns": 4096, "parts": 4, "num_warps": 8,
-          "cluster": False}, 8),  # fmt: skip
+        (
+            {"block_rows": 2, "block_columns": 4096, "parts": 4, "num_warps": 8, "cluster": False},
+            8,
+        ),  # fmt: skip
     ],
 )
 def test_a_split_rows_exchange_falls_back_to_polling_every_word(overrides, polls):
