@@ -212,11 +212,7 @@ class Emitter:
         dtype = tensor.dtype
         if dtype.storage_only:
             raise ValueError(f"{tensor}: {dtype} codes are not loaded through descriptors")
-        raw = self.assign(f"{descriptor}.load([{offsets}])")
-        if dtype.is_floating and dtype is not float64:
-            return Value(self.assign(f"{raw}.to(tl.float32)"), dtype,
-                         raw if dtype is bfloat16 else "")  # fmt: skip
-        return Value(raw, dtype)
+        return self.loaded(self.assign(f"{descriptor}.load([{offsets}])"), dtype)
 
     def stored(self, value: Value) -> str:
         """The expression to store for ``value`` (exact: it already has the dtype's value)."""
