@@ -58,7 +58,7 @@ from schedulers.normalization import (  # noqa: E402
     NormalizationParams,
 )
 from schedulers.normalization.exchange import CLUSTER_SIZES  # noqa: E402
-from schedulers.normalization.split import cluster_programs  # noqa: E402
+from schedulers.normalization.split import cluster_programs, sums_programs  # noqa: E402
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
@@ -132,6 +132,7 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
                     parts=parts,
                     block_columns=width,
                     num_warps=max(1, min(16, params.num_warps * params.parts // parts)),
+                    cluster=params.cluster and parts in CLUSTER_SIZES,
                 )
         for warps in (params.num_warps // 2, params.num_warps * 2):
             if 1 <= warps <= 16:
@@ -147,8 +148,11 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
         if params.one_pass:  # each slice's variance in two reductions
             variants["split,two passes"] = replace(params, one_pass=False)
         if params.cluster:  # the exchange through global memory; half and twice the grid
-            variants["split,global exchange"] = replace(params, cluster=False, programs=0)
-            for programs in (params.programs // 2, params.programs * 2):
+            # (with column sums, the grid the heuristics take for that exchange)
+            programs = (sums_programs(params.parts, params.num_warps, sm_count) if params.rewiden
+                        else 0)  # fmt: skip
+            variants["split,global exchange"] = replace(params, cluster=False, programs=programs)
+            for programs in (params.programs // 2, params.programs * 2) if params.programs else ():
                 variants[f"split,programs={programs}"] = replace(params, programs=programs)
         elif params.parts in CLUSTER_SIZES:  # a cluster a row, as the heuristics take it
             programs = cluster_programs(params.parts, sm_count)

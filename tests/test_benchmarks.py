@@ -319,3 +319,31 @@ def test_a_result_names_a_tree_that_is_not_its_commit(monkeypatch):
     assert kernels.commit_id() == "unknown"
     monkeypatch.setenv("BENCH_COMMIT", "given")
     assert kernels.commit_id() == "given"
+
+
+@pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd", "layernorm_bwd"])
+@pytest.mark.parametrize("n", [16384, 32768, 65536])
+def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
+    """``--sweep``'s neighbours of the H200's split choice (clusters among them, with
+    column sums or not) are configurations the generator takes: none raises where a real
+    sweep would stop; the cluster's exchange through global memory takes the grid the
+    heuristics give that exchange."""
+    from types import SimpleNamespace
+
+    from benchmarks.norms import alternatives
+    from examples.norms import BUILDERS
+    from schedulers.hardware import H200
+    from schedulers.normalization.heuristics import SPLIT
+    from schedulers.registry import split_into_kernels
+
+    fd = BUILDERS[name](n, "bfloat16")
+    group = split_into_kernels(fd.fusion.exprs, fd.fusion)[0]
+    params = group.scheduler.heuristics(group.plan, H200, [8192, n], SPLIT)
+    variants = alternatives(SimpleNamespace(chosen_params={"k0": params}), H200.sm_count)
+    assert variants and all(set(v) == {"k0"} for v in variants.values()), variants
+    for label, overrides in variants.items():
+        for kernel in group.scheduler.kernels(group.plan, overrides["k0"], [8192, n], True):
+            assert "def " in kernel.source, label
+    if params.cluster and params.rewiden:  # 12 warps an SM (SPLIT_SUMS_WARPS_PER_SM)
+        through_memory = variants["split,global exchange"]["k0"]
+        assert through_memory.programs == H200.sm_count * 12 // params.num_warps, through_memory

@@ -240,12 +240,11 @@ def split_params(
         and fast
         and all(t.dtype.is_floating and t.dtype.bits in (16, 32) for t in computed)
     )
-    # at most SPLIT_SUMS_WARPS_PER_SM warps an SM, two groups at least (the interpreter's)
-    capped = max(2 * parts, hardware.sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
     # a cluster with column sums: as many as the device holds at once, known at its launch
     programs = (0 if cluster and sums
                 else cluster_programs(parts, hardware.sm_count, partials) if cluster
-                else capped if rewiden else 0)  # fmt: skip
+                else sums_programs(parts, warps, hardware.sm_count) if rewiden
+                else 0)  # fmt: skip
     why = (
         f"the row split over {parts} programs of {width} columns ({warps} warps, "
         f"{max(1, width // (warps * hardware.warp_size))} values a thread a buffer), "
@@ -266,6 +265,13 @@ def split_params(
                                tma=tma, cluster=cluster, rewiden=rewiden,
                                column_bits=bits, contract=contract, one_pass=one_pass,
                                why=why)  # fmt: skip
+
+
+def sums_programs(parts: int, warps: int, sm_count: int) -> int:
+    """A split row's programs with column sums exchanging through global memory on a
+    device of ``sm_count`` SMs: at most ``SPLIT_SUMS_WARPS_PER_SM`` warps of them an SM,
+    two groups of ``parts`` at least (the interpreter's)."""
+    return max(2 * parts, sm_count * max(1, SPLIT_SUMS_WARPS_PER_SM // warps))
 
 
 def cluster_programs(parts: int, sm_count: int, partials: int = 1) -> int:
