@@ -68,13 +68,18 @@ def max_active_clusters(function: int, threads: int, shared: int, cluster: int) 
     memory, the current device holds at once, launched as ``BoundKernel`` launches them
     (spread over the SMs of a GPC): the driver's count (``cuOccupancyMaxActiveClusters``),
     which knows how the SMs are grouped. Fewer than the programs the device holds over
-    the cluster's size: an H200 holds 396 programs of LayerNorm forward's split
-    (three an SM) but 45 clusters of 8 of them, 21 of 16. ``RuntimeError`` where the
-    driver refuses the question."""
+    the cluster's size: an H200 holds 396 programs of LayerNorm forward's split (three
+    an SM) but 45 clusters of 8 of them; 396 of LayerNorm backward's, 21 clusters of 16.
+    The count is an idle device's: kernels running beside (a collective's) leave room
+    for fewer, the rest then run after the first (slower, the results the same: a
+    cluster waits for no other). ``RuntimeError`` where the driver refuses the
+    question."""
     driver = _driver()
     handle = ctypes.c_void_p(function)
-    if cluster > 8 and driver.cuFuncSetAttribute(handle, _NON_PORTABLE, 1):
-        raise RuntimeError(f"clusters of {cluster} programs: the driver allows none past 8")
+    status = driver.cuFuncSetAttribute(handle, _NON_PORTABLE, 1) if cluster > 8 else 0
+    if status:
+        raise RuntimeError(f"clusters of {cluster} programs (past 8, not portable): "
+                           f"cuFuncSetAttribute refused them, CUresult {status}")  # fmt: skip
     attributes = (_Attribute * 2)()
     attributes[0].id = _CLUSTER_DIMENSION
     attributes[0].value.dims[:] = [cluster, 1, 1]

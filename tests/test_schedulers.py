@@ -1033,3 +1033,48 @@ def test_a_failed_concurrent_program_raises_at_once():
             waits_for_program_0[(2,)](flag, out)
     assert time.monotonic() - start < CONCURRENT_TIMEOUT_S / 10
     assert interpreter._patch_lang is plain
+
+
+def test_the_driver_is_asked_for_clusters_as_they_are_launched(monkeypatch):
+    """``occupancy.max_active_clusters`` hands ``cuOccupancyMaxActiveClusters`` cuda.h's
+    structures (their sizes and offsets), the launch's threads, dynamic shared memory,
+    cluster size and spread policy, allowing sizes past 8 first; the driver's count comes
+    back, a refusal as an error naming its CUresult."""
+    import ctypes
+
+    from schedulers import occupancy
+
+    assert ctypes.sizeof(occupancy._Value) == 64 and ctypes.sizeof(occupancy._Attribute) == 72
+    assert occupancy._Attribute.value.offset == 8 and ctypes.sizeof(occupancy._Config) == 56
+    offsets = [getattr(occupancy._Config, f).offset for f in
+               ("grid", "block", "shared", "stream", "attributes", "count")]  # fmt: skip
+    assert offsets == [0, 12, 24, 32, 40, 48], offsets
+    calls, answer = [], {"status": 0, "count": 21}
+
+    class Driver:
+        def cuFuncSetAttribute(self, handle, attribute, value):
+            calls.append(("allow", handle.value, attribute, value))
+            return 0
+
+        def cuOccupancyMaxActiveClusters(self, count, handle, config):
+            config = config._obj
+            attributes = [config.attributes[i] for i in range(config.count)]
+            calls.append(("ask", handle.value, list(config.grid), list(config.block),
+                          config.shared, config.stream,
+                          [(a.id, list(a.value.dims)) for a in attributes]))  # fmt: skip
+            count._obj.value = answer["count"]
+            return answer["status"]
+
+    monkeypatch.setattr(occupancy, "_driver", Driver)
+    assert occupancy.max_active_clusters(0x1234, 128, 32808, 16) == 21
+    # the policy's value shares the union with the dims: SPREAD (1) is its first word
+    assert calls == [("allow", 0x1234, 14, 1),
+                     ("ask", 0x1234, [16, 1, 1], [128, 1, 1], 32808, None,
+                      [(4, [16, 1, 1]), (5, [1, 0, 0])])], calls  # fmt: skip
+    calls.clear()
+    answer["count"] = 45
+    assert occupancy.max_active_clusters(0x99, 64, 16520, 8) == 45
+    assert [call[0] for call in calls] == ["ask"] and calls[0][3] == [64, 1, 1], calls
+    answer["status"] = 1
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        occupancy.max_active_clusters(0x99, 64, 16520, 8)

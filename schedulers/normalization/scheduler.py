@@ -71,6 +71,7 @@ from schedulers.runtime import (
     cdiv,
     concurrent_programs,
     interpreted,
+    specialization,
     tma_descriptor,
 )
 
@@ -454,7 +455,10 @@ class NormalizationLauncher(Launcher):
         if device.type != "cuda":
             resident = 2 * params.parts
         else:
-            key = (device.index, options["COLUMNS"])
+            # by the kernel's specialization (an argument's alignment, a count's class):
+            # each compiles to its own registers
+            key = (device.index, options["COLUMNS"], specialization(rows),
+                   *map(specialization, pointers))  # fmt: skip
             if key not in self.resident:
                 partials = [torch.empty(1, dtype=torch.float32, device=device)
                             for _ in self.plan.column_sums]  # fmt: skip
@@ -470,10 +474,11 @@ class NormalizationLauncher(Launcher):
         if params.programs:
             resident = min(resident, params.programs)
         if resident < params.parts:
-            raise RuntimeError(
-                f"{params}: the device holds {resident} of this kernel's programs at once, "
-                f"fewer than the {params.parts} that share a row and wait for each other"
-            )
+            held = (f"no cluster of the {params.parts} programs" if params.cluster
+                    else f"{resident} of this kernel's programs at once, fewer than the "
+                    f"{params.parts}")  # fmt: skip
+            raise RuntimeError(f"{params}: the device holds {held} that share a row and wait "
+                               "for each other")  # fmt: skip
         return resident
 
     def forms(self) -> list[str]:
