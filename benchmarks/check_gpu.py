@@ -80,8 +80,10 @@ def checks(world: int, cuda: bool):
             if k == "generated" and norm in ("rmsnorm_bwd", "layernorm_bwd"):
                 name = f"example {norm}, rows split, column walk"
                 yield name, scenarios.row_split_normalization, (norm, 25, k, "column_walk")
-                name = f"example {norm}, rows split, split-row kernel in clusters"
-                yield name, scenarios.row_split_normalization, (norm, 25, k, "clusters")
+                # thread-block clusters: sm_90 (or the interpreter's programs on CPUs)
+                if not cuda or torch.cuda.get_device_capability()[0] == 9:
+                    name = f"example {norm}, rows split, split-row kernel in clusters"
+                    yield name, scenarios.row_split_normalization, (norm, 25, k, "clusters")
         if k == "generated":
             for norm in ("rmsnorm_fwd", "layernorm_bwd"):
                 name = f"example {norm}, new and misaligned buffers"

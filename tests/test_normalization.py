@@ -1233,6 +1233,10 @@ def test_a_split_row_whose_warps_may_hold_copies_of_it_waits_at_a_barrier():
     narrow = dataclasses.replace(chosen, block_columns=512, parts=32, num_warps=4, cluster=False)
     assert "tl.debug_barrier()" not in source(plan, chosen)
     assert source(plan, narrow).count("tl.debug_barrier()") == 1
+    # the H200's cluster of 8 programs, its slices over 16 warps: the barrier too
+    assert chosen.cluster and chosen.parts == 8, chosen
+    clustered = dataclasses.replace(chosen, num_warps=16)
+    assert source(plan, clustered).count("tl.debug_barrier()") == 1
 
 
 @pytest.mark.parametrize(
@@ -1263,12 +1267,14 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, stra
     [("rmsnorm_bwd", 16384, 4, False), ("rmsnorm_bwd", 24576, 6, False),
      ("layernorm_bwd", 12288, 6, False), ("layernorm_bwd", 16384, 8, True),
      ("rmsnorm_bwd", 32768, 8, True), ("layernorm_bwd", 32768, 8, True),
-     ("rmsnorm_bwd", 65536, 16, True), ("layernorm_bwd", 65536, 16, True)],
+     ("rmsnorm_bwd", 65536, 16, True), ("layernorm_bwd", 65536, 16, True),
+     ("rmsnorm_bwd", 40960, 10, False)],  # ten programs: no cluster's size
 )  # fmt: skip
 def test_split_backwards_are_clusters_on_the_h200_from_eight_programs_a_row(name, n, parts,
                                                                             clustered):  # fmt: skip
     """A split row with column sums forms a cluster on the H200 (fast memory) where a row
-    has CLUSTER_SUMS_PARTS programs or more, its grid left to the launch (as many
+    has CLUSTER_SUMS_PARTS programs or more and a cluster holds them (8 or 16), its grid
+    left to the launch (as many
     clusters as the device holds at once, the driver's count), said in the reasons; with
     fewer programs, and on the H100, the exchange stays in global memory, its grid set."""
     scheduler, plan = _plan(name, n)

@@ -113,9 +113,11 @@ CLUSTER_PROGRAMS_PER_SM = 8
 # against 0.797, 2048x65536 0.791 against 0.776, 8192x32768 0.908 against 0.862,
 # 8192x16384 0.928 against 0.867, 16384x16384 0.963 against 0.904; RMSNorm backward
 # 4096x65536 0.915-0.920 against 0.885-0.888, 8192x65536 0.924 against 0.891, 8192x32768
-# 0.937-0.938 against 0.918, but 8192x16384 (clusters of 4) 0.875-0.877 against
-# 0.906-0.912 (99 clusters, as many programs as through global memory: 0.854). Fewer
-# clusters lose (RMSNorm 8192x32768: 49 of 62, 0.884). On the H100 they lose but at
+# 0.937-0.938 against 0.918 (level in the A/B of the built choice: 0.912-0.915 against
+# 0.910-0.922, results/norms_bwd_clusters_ab_h200_5ae18e7.json), but 8192x16384
+# (clusters of 4) 0.875-0.877 against 0.906-0.912 (99 clusters, as many programs as
+# through global memory: 0.854). Fewer clusters lose (RMSNorm 8192x32768: 49 of 62,
+# 0.884). On the H100 they lose but at
 # LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939, RMSNorm
 # 4096x65536 0.928 against 0.952): fast memory only.
 CLUSTER_SUMS_PARTS = 8
@@ -135,8 +137,9 @@ def split_params(
     a thread-block cluster exchanging through its shared memory, ``CLUSTERS_PER_SM`` of
     them an SM; with two partials (a variance) where the weights are kept as their bits,
     ``CLUSTER_PROGRAMS_PER_SM`` programs an SM, each slice's variance in one pass; with
-    column sums on fast memory, where a row has ``CLUSTER_SUMS_PARTS`` programs or more,
-    as many clusters as the device holds at once (counted at the launch).
+    column sums on fast memory, where a row has ``CLUSTER_SUMS_PARTS`` programs or more
+    and a cluster holds them (8 or 16), as many clusters as the device holds at once
+    (counted at the launch).
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
     - with column sums, a program per ``SPLIT_SUMS_SLICE`` columns (as many as the row
