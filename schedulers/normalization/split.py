@@ -117,10 +117,12 @@ CLUSTER_PROGRAMS_PER_SM = 8
 # 0.910-0.922, results/norms_bwd_clusters_ab_h200_5ae18e7.json), but 8192x16384
 # (clusters of 4) 0.875-0.877 against 0.906-0.912 (99 clusters, as many programs as
 # through global memory: 0.854). Fewer clusters lose (RMSNorm 8192x32768: 49 of 62,
-# 0.884). On the H100 they lose but at
-# LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939, RMSNorm
-# 4096x65536 0.928 against 0.952): fast memory only.
-CLUSTER_SUMS_PARTS = 8
+# 0.884). Six programs a row (results/norms_bwd_clusters6_h200_cb7305c.json): LayerNorm
+# backward 8192x24576 0.863 against 0.791, 8192x12288 (2048 columns a program) 0.882
+# against 0.800, RMSNorm backward 8192x24576 0.955 against 0.906. On the H100 they lose
+# but at LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939,
+# RMSNorm 4096x65536 0.928 against 0.952): fast memory only.
+CLUSTER_SUMS_PARTS = 6
 
 
 def split_params(
@@ -138,7 +140,7 @@ def split_params(
     them an SM; with two partials (a variance) where the weights are kept as their bits,
     ``CLUSTER_PROGRAMS_PER_SM`` programs an SM, each slice's variance in one pass; with
     column sums on fast memory, where a row has ``CLUSTER_SUMS_PARTS`` programs or more
-    and a cluster holds them (8 or 16), as many clusters as the device holds at once
+    and a cluster holds them (6-8 or 16), as many clusters as the device holds at once
     (counted at the launch).
     By default, at least two programs, and no more than a warp polls words at once (a
     row longer than that many slices takes wider ones, more warps):
