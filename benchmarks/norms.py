@@ -155,7 +155,9 @@ def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict
             for programs in (params.programs // 2, params.programs * 2) if params.programs else ():
                 variants[f"split,programs={programs}"] = replace(params, programs=programs)
         elif params.parts in CLUSTER_SIZES:  # a cluster a row, as the heuristics take it
-            programs = cluster_programs(params.parts, sm_count)
+            # (with column sums as many as the device holds, counted at the launch; without,
+            # one partial's grid)
+            programs = 0 if params.rewiden else cluster_programs(params.parts, sm_count)
             variants["split,cluster"] = replace(params, cluster=True, programs=programs)
         return {label: {"k0": replace(p, why="")} for label, p in variants.items()}
     if params.strategy == WARP_SPECIALIZED:  # its parameter loop's neighbours

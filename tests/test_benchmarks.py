@@ -322,7 +322,7 @@ def test_a_result_names_a_tree_that_is_not_its_commit(monkeypatch):
 
 
 @pytest.mark.parametrize("name", ["rmsnorm_fwd", "layernorm_fwd", "rmsnorm_bwd", "layernorm_bwd"])
-@pytest.mark.parametrize("n", [16384, 32768, 65536])
+@pytest.mark.parametrize("n", [12288, 16384, 24576, 32768, 65536])
 def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
     """``--sweep``'s neighbours of the H200's split choice (clusters among them, with
     column sums or not) are configurations the generator takes: none raises where a real
@@ -347,3 +347,6 @@ def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
     if params.cluster and params.rewiden:  # 12 warps an SM (SPLIT_SUMS_WARPS_PER_SM)
         through_memory = variants["split,global exchange"]["k0"]
         assert through_memory.programs == H200.sm_count * 12 // params.num_warps, through_memory
+    if not params.cluster and params.rewiden and params.parts in (2, 3, 4, 5, 6, 7, 8, 16):
+        # a cluster with column sums: the launch counts its grid
+        assert variants["split,cluster"]["k0"].programs == 0, variants["split,cluster"]

@@ -903,6 +903,29 @@ def test_layernorm_forward_as_the_h200_splits_it_matches_the_reference(n):
         rms.kernels(rms_plan, plain, [5, n])
 
 
+@pytest.mark.parametrize("name", ["rmsnorm_bwd", "layernorm_bwd"])
+@pytest.mark.parametrize(
+    "n", [pytest.param(n, marks=[pytest.mark.slow] if n >= LARGE else []) for n in HIDDEN]
+)
+def test_split_backwards_as_the_h200_runs_them_match_the_reference(name, n):
+    """Forced in the interpreter as the H200 takes them: a row's programs a cluster with
+    column sums, as many clusters as the launch counts (two over 5 rows here), at the
+    H200's parts where it splits into a cluster (six at 24576, sixteen at 65536), else
+    CLUSTER_SUMS_PARTS; dx against the reference, the weight gradients against float64."""
+    scheduler, plan = _plan(name, n)
+    params = split_params(plan, H200, n)
+    if not params.cluster:
+        params = split_params(plan, H200, n, CLUSTER_SUMS_PARTS)
+    assert params.cluster and not params.programs, params
+    if n in (24576, 65536):
+        assert params == split_params(plan, H200, n), params  # the H200's own choice
+    fd, inputs, outputs, _ = _run(name, n, "bfloat16", rows=5, params=params)
+    assert_close(outputs[0], fd.execute(inputs)[0], reduction_extent=n)
+    exact = _weight_gradients_in_float64(name, inputs)
+    for actual, wanted in zip(outputs[1:], exact, strict=True):
+        assert_close(actual, wanted.to(torch.float32), reduction_extent=5)
+
+
 @pytest.mark.parametrize("block_rows", [1, 2])
 @pytest.mark.parametrize("n", [1000, 4096])
 def test_a_variance_in_one_pass_is_reduced_again_where_the_difference_keeps_too_little(
@@ -1270,7 +1293,7 @@ def test_a_forced_strategy_s_kernels_are_reused_across_batch_sizes(name, n, stra
      ("rmsnorm_bwd", 65536, 16, True), ("layernorm_bwd", 65536, 16, True),
      ("rmsnorm_bwd", 40960, 10, False)],  # ten programs: no cluster's size
 )  # fmt: skip
-def test_split_backwards_are_clusters_on_the_h200_from_eight_programs_a_row(name, n, parts,
+def test_split_backwards_are_clusters_on_the_h200_from_six_programs_a_row(name, n, parts,
                                                                             clustered):  # fmt: skip
     """A split row with column sums forms a cluster on the H200 (fast memory) where a row
     has CLUSTER_SUMS_PARTS programs or more and a cluster holds them (6-8 or 16), its grid

@@ -222,6 +222,17 @@ def test_a_clusters_exchange_assembles_for_sm_90(name, n, rows):
     assert found["polls"] == found["posts"] == found["stores"] == 0, found
 
 
+@pytest.mark.parametrize(("name", "n", "parts"), [("layernorm_bwd", 24576, 6),
+                                                 ("rmsnorm_bwd", 28672, 7)])  # fmt: skip
+def test_the_h200_s_split_backward_in_a_cluster_of_six_or_seven_assembles(name, n, parts):
+    """The H200's own choice at these widths (no override): a cluster of six or seven
+    programs a row with column sums, accepted by ptxas, its exchange in shared memory."""
+    found = _split_exchange({}, name, n)
+    assert found["parts"] == parts and found["declared"] == 1, found
+    assert found["cluster_stores"] > 0 and found["cluster_polls"] > 0, found
+    assert found["polls"] == found["posts"] == found["stores"] == 0, found
+
+
 _COLUMN_WALK = """
 import dataclasses, json, sys
 sys.path.insert(0, sys.argv[1])

@@ -71,7 +71,6 @@ from schedulers.runtime import (
     cdiv,
     concurrent_programs,
     interpreted,
-    specialization,
     tma_descriptor,
 )
 
@@ -455,10 +454,11 @@ class NormalizationLauncher(Launcher):
         if device.type != "cuda":
             resident = 2 * params.parts
         else:
-            # by the kernel's specialization (an argument's alignment, a count's class):
+            # by what the kernel's specialization may change here (a tensor's alignment, a
+            # count's class; the dtypes are the plan's, a descriptor's base is aligned):
             # each compiles to its own registers
-            key = (device.index, options["COLUMNS"], specialization(rows),
-                   *map(specialization, pointers))  # fmt: skip
+            aligned = [p.data_ptr() % 16 == 0 for p in pointers if isinstance(p, torch.Tensor)]
+            key = (device.index, options["COLUMNS"], rows == 1, rows % 16 == 0, *aligned)
             if key not in self.resident:
                 partials = [torch.empty(1, dtype=torch.float32, device=device)
                             for _ in self.plan.column_sums]  # fmt: skip

@@ -101,26 +101,28 @@ CLUSTERS_PER_SM = 2
 # 0.86-0.89; as many as the device holds at once 0.63. The H100 keeps the float32
 # weights, on global memory (0.91-0.92).
 CLUSTER_PROGRAMS_PER_SM = 8
-# A split row with column sums (a backward) on fast memory forms a cluster too where a
-# row has at least this many programs, as many clusters as the device holds at once
-# (the driver's count, ``occupancy.max_active_clusters``: 21 clusters of 16 programs of
-# LayerNorm backward 4096x65536 on an H200, where 396 programs fit three an SM), each
-# walking its rows to the end. Earlier runs of the backwards as clusters (results/
-# norms_bwd_cluster_grid_h200_4c3902d_*.json: 0.63-0.75 of copy) had taken more clusters
-# than the device holds: the rest ran in a second wave. H200, fraction of copy, against
-# the exchange through global memory (.devtmp A/B probes at 56bf201, results/
-# norms_bwd_clusters_{h200,h100}_56bf201.json): LayerNorm backward 4096x65536 0.818
-# against 0.797, 2048x65536 0.791 against 0.776, 8192x32768 0.908 against 0.862,
-# 8192x16384 0.928 against 0.867, 16384x16384 0.963 against 0.904; RMSNorm backward
-# 4096x65536 0.915-0.920 against 0.885-0.888, 8192x65536 0.924 against 0.891, 8192x32768
-# 0.937-0.938 against 0.918 (level in the A/B of the built choice: 0.912-0.915 against
-# 0.910-0.922, results/norms_bwd_clusters_ab_h200_5ae18e7.json), but 8192x16384
-# (clusters of 4) 0.875-0.877 against 0.906-0.912 (99 clusters, as many programs as
-# through global memory: 0.854). Fewer clusters lose (RMSNorm 8192x32768: 49 of 62,
-# 0.884). Six programs a row (results/norms_bwd_clusters6_h200_cb7305c.json): LayerNorm
-# backward 8192x24576 0.863 against 0.791, 8192x12288 (2048 columns a program) 0.882
-# against 0.800, RMSNorm backward 8192x24576 0.955 against 0.906. On the H100 they lose
-# but at LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939,
+# A split row with column sums (a backward) on fast memory forms a cluster too where a row has at
+# least this many programs and a cluster holds them (6-8, 16), as many clusters as the device holds
+# at once (the driver's count, ``occupancy.max_active_clusters``: 21 clusters of 16 programs of
+# LayerNorm backward 4096x65536 on an H200, where 396 programs fit three an SM), each walking its
+# rows to the end. Earlier runs of the backwards as clusters
+# (results/norms_bwd_cluster_grid_h200_4c3902d_*.json: 0.63-0.75 of copy) had taken more clusters
+# than the device holds: the rest ran in a second wave. H200, fraction of copy, against the exchange
+# through global memory (.devtmp A/B probes at 56bf201,
+# results/norms_bwd_clusters_{h200,h100}_56bf201.json): LayerNorm backward 4096x65536 0.818 against
+# 0.797, 2048x65536 0.791 against 0.776, 8192x32768 0.908 against 0.862, 8192x16384 0.928 against
+# 0.867, 16384x16384 0.963 against 0.904; RMSNorm backward 4096x65536 0.915-0.920 against
+# 0.885-0.888, 8192x65536 0.924 against 0.891, 8192x32768 0.937-0.938 against 0.918 (level in the
+# A/B of the built choice: 0.912-0.915 against 0.910-0.922,
+# results/norms_bwd_clusters_ab_h200_5ae18e7.json), but 8192x16384 (clusters of 4) 0.875-0.877
+# against 0.906-0.912 (99 clusters, as many programs as through global memory: 0.854). Fewer
+# clusters lose (RMSNorm 8192x32768: 49 of 62, 0.884). Six programs a row
+# (results/norms_bwd_clusters6_h200_cb7305c.json): LayerNorm backward 8192x24576 0.863 against
+# 0.791, 8192x12288 (2048 columns a program) 0.882 against 0.800, RMSNorm backward 8192x24576 0.955
+# against 0.906; seven (results/norms_bwd_clusters7_ab_h200_ab3a4c8.json): LayerNorm backward
+# 8192x28672 0.838 against 0.773, 8192x14336 0.893 against 0.795, RMSNorm 8192x28672 0.948 against
+# 0.914. Ten or twelve programs a row stay on global memory (no cluster holds them). On the H100
+# they lose but at LayerNorm 4096x65536 (0.935 against 0.915; 8192x32768 0.888 against 0.939,
 # RMSNorm 4096x65536 0.928 against 0.952): fast memory only.
 CLUSTER_SUMS_PARTS = 6
 
