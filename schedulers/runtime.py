@@ -146,8 +146,6 @@ class BoundKernel:
         self.driver, self.knobs = driver, knobs  # read at every launch, as Triton does
         self.tail: list | None = None  # the constexprs' values, in the kernel's order
         self.compiled: dict[tuple, tuple] = {}  # by specialization: what a launch takes
-        self.resources: dict[tuple, tuple] = {}  # by specialization: a cluster's programs'
-        # threads and dynamic shared memory
         if isinstance(kernel, JITFunction) and direct_launches():
             flags = [param.is_constexpr for param in kernel.params]
             first = flags.index(True) if True in flags else len(flags)
@@ -181,7 +179,7 @@ class BoundKernel:
                     "(``specialization``) are not launched in clusters"
                 )
             if found is None:
-                found = self.compiled[key] = self._load_clustered(grid, arguments, key)
+                found = self.compiled[key] = self._load_clustered(grid, arguments, key[0])
         elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
             compiled = self.kernel[grid](*arguments, **self.keywords)
             if key is not None:
@@ -204,15 +202,16 @@ class BoundKernel:
             raise ValueError(f"{getattr(self.kernel, '__name__', self.kernel)}: not launched "
                              "in clusters here")  # fmt: skip
         if key not in self.compiled:
-            self.compiled[key] = self._load_clustered(grid, arguments, key)
-        function = self.compiled[key][1]
-        return max_active_clusters(function, *self.resources[key], self.cluster)
+            self.compiled[key] = self._load_clustered(grid, arguments, key[0])
+        # the compiled kernel's threads and dynamic shared memory, as a launch takes them
+        metadata = self.kernel.warmup(*arguments, grid=grid, **self.keywords).metadata
+        return max_active_clusters(self.compiled[key][1], metadata.num_warps * 32,
+                                   metadata.shared, self.cluster)  # fmt: skip
 
-    def _load_clustered(self, grid: tuple, arguments: tuple, key: tuple) -> tuple:
-        """The compiled kernel for these arguments (compiled now, not launched; ``key``
-        their specialization, its device first), loaded again allowing ``shared`` bytes
-        more (``OutOfResources`` past the device's most): its launch in clusters."""
-        device = key[0]
+    def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
+        """The compiled kernel for these arguments (compiled now, not launched), loaded
+        again allowing ``shared`` bytes more (``OutOfResources`` past the device's
+        most): its launch in clusters."""
         compiled = self.kernel.warmup(*arguments, grid=grid, **self.keywords)
         metadata = compiled.metadata
         if metadata.global_scratch_size or metadata.profile_scratch_size or (
@@ -233,7 +232,6 @@ class BoundKernel:
         # loaded for its dynamic and static shared memory together: Triton's loader then
         # allows the dynamic part past the default 48 KiB where the two pass it
         _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
-        self.resources[key] = (metadata.num_warps * 32, metadata.shared)  # as it is launched
         return launch, function, head, descriptors
 
     def _key(self, arguments: tuple) -> tuple[tuple | None, list | tuple]:
