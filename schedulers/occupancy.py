@@ -14,16 +14,13 @@ import ctypes
 import functools
 
 from schedulers.hardware import HardwareProfile
+from schedulers.runtime import cdiv
 
 # cuda.h (CUDA 12 and later): what cuOccupancyMaxActiveClusters is given
 _CLUSTER_DIMENSION = 4  # CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
 _SCHEDULING_POLICY = 5  # CU_LAUNCH_ATTRIBUTE_CLUSTER_SCHEDULING_POLICY_PREFERENCE
 _SPREAD = 1  # CU_CLUSTER_SCHEDULING_POLICY_SPREAD: as Triton's launcher launches them
 _NON_PORTABLE = 14  # CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED (past 8)
-
-
-def _units(count: int, unit: int) -> int:
-    return -(-count // unit) * unit
 
 
 def resident_programs(compiled, hardware: HardwareProfile) -> int:
@@ -34,7 +31,7 @@ def resident_programs(compiled, hardware: HardwareProfile) -> int:
     warps = compiled.metadata.num_warps
     threads = warps * hardware.warp_size
     # registers are allocated a warp at a time, in units of 256
-    per_warp = _units(max(compiled.n_regs, 1) * hardware.warp_size, 256)
+    per_warp = cdiv(max(compiled.n_regs, 1) * hardware.warp_size, 256) * 256
     by_registers = hardware.registers_per_sm // (per_warp * warps)
     by_threads = hardware.max_threads_per_sm // threads
     shared = compiled.metadata.shared

@@ -22,8 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from schedulers.occupancy import max_active_clusters
-
 
 def interpreted() -> bool:
     """Whether Triton runs kernels in its interpreter (``TRITON_INTERPRET``) rather than
@@ -197,6 +195,8 @@ class BoundKernel:
         launches them, the device holds at once (``occupancy.max_active_clusters``;
         loaded, compiled if need be, not launched). A persistent grid of more runs the
         rest in a second wave."""
+        from schedulers.occupancy import max_active_clusters  # it imports this module
+
         key, _ = self._key(arguments)
         if self.cluster == 1 or key is None:
             raise ValueError(f"{getattr(self.kernel, '__name__', self.kernel)}: not launched "
