@@ -333,6 +333,7 @@ def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
     from benchmarks.norms import alternatives
     from examples.norms import BUILDERS
     from schedulers.hardware import H200
+    from schedulers.normalization.exchange import CLUSTER_SIZES
     from schedulers.normalization.heuristics import SPLIT
     from schedulers.registry import split_into_kernels
 
@@ -347,6 +348,6 @@ def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
     if params.cluster and params.rewiden:  # 12 warps an SM (SPLIT_SUMS_WARPS_PER_SM)
         through_memory = variants["split,global exchange"]["k0"]
         assert through_memory.programs == H200.sm_count * 12 // params.num_warps, through_memory
-    if not params.cluster and params.rewiden and params.parts in (2, 3, 4, 5, 6, 7, 8, 16):
+    if not params.cluster and params.rewiden and params.parts in CLUSTER_SIZES:
         # a cluster with column sums: the launch counts its grid
         assert variants["split,cluster"]["k0"].programs == 0, variants["split,cluster"]

@@ -1343,7 +1343,8 @@ def test_rows_that_do_not_fit_are_split_on_hopper(name, n, rows, parts, warps, p
     for profile in profiles:
         params = scheduler.heuristics(plan, profile, [rows, n])
         assert params.strategy == SPLIT and params.parts == parts, params
-        sums_clustered = not forward and profile is H200 and parts >= CLUSTER_SUMS_PARTS
+        # every backward here has 6, 8 or 16 programs a row: a cluster on the H200
+        sums_clustered = not forward and profile is H200
         clustered = name == "rmsnorm_fwd" or sums_clustered
         # column sums: the bf16 inputs widened again after the exchange, at most
         # SPLIT_SUMS_WARPS_PER_SM warps an SM (fewer registers a thread: more fit)
