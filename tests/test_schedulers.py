@@ -1078,3 +1078,38 @@ def test_the_driver_is_asked_for_clusters_as_they_are_launched(monkeypatch):
     answer["status"] = 1
     with pytest.raises(RuntimeError, match="CUresult 1"):
         occupancy.max_active_clusters(0x99, 64, 16520, 8)
+
+
+def test_a_bound_kernel_asks_for_its_clusters_with_its_compiled_threads_and_memory(
+    monkeypatch,
+):
+    """``BoundKernel.resident_clusters`` hands the driver the loaded kernel its launches
+    use, the compiled kernel's threads (its warps of 32) and dynamic shared memory, and
+    its cluster size; a kernel not bound to clusters is refused."""
+    from types import SimpleNamespace
+
+    from schedulers import occupancy
+    from schedulers.runtime import BoundKernel
+
+    asked = []
+
+    class Driver:
+        def cuOccupancyMaxActiveClusters(self, count, handle, config):
+            config = config._obj
+            asked.append((handle.value, config.block[0], config.shared,
+                          list(config.attributes[0].value.dims)))  # fmt: skip
+            count._obj.value = 45
+            return 0
+
+    monkeypatch.setattr(occupancy, "_driver", Driver)
+    compiled = SimpleNamespace(metadata=SimpleNamespace(num_warps=4, shared=32816))
+    kernel = SimpleNamespace(warmup=lambda *arguments, grid, **keywords: compiled)
+    bound = object.__new__(BoundKernel)  # as bound on a GPU: no interpreter, no compiler
+    bound.kernel, bound.keywords, bound.cluster = kernel, {}, 8
+    bound.compiled = {(0, "k"): (None, 0x5A, (), None)}  # loaded already
+    monkeypatch.setattr(bound, "_key", lambda arguments: ((0, "k"), list(arguments)))
+    assert bound.resident_clusters((8,), 1, 2) == 45
+    assert asked == [(0x5A, 128, 32816, [8, 1, 1])], asked
+    bound.cluster = 1
+    with pytest.raises(ValueError, match="not launched in clusters here"):
+        bound.resident_clusters((8,), 1, 2)
