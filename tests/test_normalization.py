@@ -2024,3 +2024,42 @@ def test_partial_rows_of_every_column_sum_start_aligned(count, columns):
         assert block.shape == (count, columns) and block.is_contiguous()
         assert (block.data_ptr() - start) % 128 == 0 and not block.any()
     assert start % 16 == 0 and all(block.isnan().all() for block in unzeroed)
+
+
+def test_a_clusters_grid_is_the_drivers_count_kept_by_specialization(monkeypatch):
+    """The H200's split backward (clusters of 16, no grid in its params) launches as many
+    programs as the device holds clusters of them (``BoundKernel.resident_clusters``,
+    the driver's count) times 16, asked once a specialization: again for a misaligned
+    tensor or another class of row count, not for the same ones; a device with room for
+    no cluster refuses; a grid in the params is taken as it is."""
+    from types import SimpleNamespace
+
+    scheduler, plan = _plan("layernorm_bwd", 65536)
+    params = split_params(plan, H200, 65536)
+    assert params.cluster and params.parts == 16 and not params.programs, params
+    launcher = scheduler.launcher(plan, params, H200, None)
+    asked, room = [], {"clusters": 21}
+
+    def resident_clusters(grid, *arguments):
+        asked.append((grid, arguments[-1]))
+        return room["clusters"]
+
+    kernel = SimpleNamespace(resident_clusters=resident_clusters)
+    # the dummy partial rows and slots: CPU stand-ins for the device's
+    zeros = torch.zeros
+    monkeypatch.setattr(torch, "empty", lambda *shape, dtype, device: zeros(*shape, dtype=dtype))
+    cuda, options = torch.device("cuda", 0), {"COLUMNS": 65536}
+    held = torch.zeros(64, dtype=torch.bfloat16)
+    pointers = [held[:16], held[16:32]]
+    assert launcher._resident(cuda, kernel, pointers, 4096, options) == 21 * 16
+    assert launcher._resident(cuda, kernel, pointers, 2048, options) == 21 * 16
+    assert asked == [((16,), 4096)], asked  # rows of the same class: asked once
+    launcher._resident(cuda, kernel, [held[1:17], held[16:32]], 4096, options)
+    launcher._resident(cuda, kernel, pointers, 1, options)
+    assert [rows for _, rows in asked] == [4096, 4096, 1], asked
+    room["clusters"] = 0
+    with pytest.raises(RuntimeError, match="holds no cluster of the 16 programs"):
+        launcher._resident(cuda, kernel, pointers, 4095, options)
+    fixed = scheduler.launcher(plan, dataclasses.replace(params, programs=64), H200, None)
+    assert fixed._resident(cuda, kernel, pointers, 4096, options) == 64
+    assert len(asked) == 4, asked
