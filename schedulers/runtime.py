@@ -1,8 +1,8 @@
 """Helpers every scheduler shares at plan and launch time: sizes rounded to powers of
-two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes, TMA
-tensor descriptors), kernels launched straight to their compiled launcher (in
-clusters too), and the interpreter running a launch's programs concurrently
-(``schedulers.occupancy``: how many programs a device holds at once).
+two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes; TMA
+tensor descriptors: ``schedulers.tma``), kernels launched straight to their compiled
+launcher (in clusters too), and the interpreter running a launch's programs
+concurrently (``schedulers.occupancy``: how many programs a device holds at once).
 
 Nothing here imports Triton at module level: importing Triton before
 ``TRITON_INTERPRET`` is set (the tests set it at collection) would leave the
@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 
 import torch
+
+from schedulers.tma import Descriptors, TmaTensor, triton_arguments
 
 
 def interpreted() -> bool:
@@ -84,23 +86,6 @@ def allocator(device: torch.device) -> Callable[[tuple, tuple, torch.dtype], tor
         return fast(shape, strides, dtype)
 
     return allocate
-
-
-def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box: list[int], params):
-    """A TMA tensor descriptor of contiguous ``tensor`` seen as (rows, columns), read in
-    ``box`` tiles. TMA needs rows of a multiple of 16 bytes (``ValueError`` naming
-    ``params`` otherwise) and a 16-byte aligned base (a misaligned tensor is copied)."""
-    # imported here: see the module's docstring
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    if columns * tensor.element_size() % 16:
-        raise ValueError(
-            f"{params}: rows of {columns} {tensor.dtype} are not a multiple of 16 bytes, "
-            "which TMA descriptors need"
-        )
-    if tensor.data_ptr() % 16:
-        tensor = tensor.clone()
-    return TensorDescriptor(tensor, [rows, columns], [columns, 1], box)
 
 
 class BoundKernel:
@@ -179,7 +164,7 @@ class BoundKernel:
             if found is None:
                 found = self.compiled[key] = self._load_clustered(grid, arguments, key[0])
         elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
-            compiled = self.kernel[grid](*arguments, **self.keywords)
+            compiled = self.kernel[grid](*triton_arguments(arguments), **self.keywords)
             if key is not None:
                 self.compiled[key] = _direct(compiled, compiled.packed_metadata)
             return
@@ -204,7 +189,8 @@ class BoundKernel:
         if key not in self.compiled:
             self.compiled[key] = self._load_clustered(grid, arguments, key[0])
         # the compiled kernel's threads and dynamic shared memory, as a launch takes them
-        metadata = self.kernel.warmup(*arguments, grid=grid, **self.keywords).metadata
+        metadata = self.kernel.warmup(*triton_arguments(arguments), grid=grid,
+                                      **self.keywords).metadata  # fmt: skip
         return max_active_clusters(self.compiled[key][1], metadata.num_warps * 32,
                                    metadata.shared, self.cluster)  # fmt: skip
 
@@ -212,7 +198,7 @@ class BoundKernel:
         """The compiled kernel for these arguments (compiled now, not launched), loaded
         again allowing ``shared`` bytes more (``OutOfResources`` past the device's
         most): its launch in clusters."""
-        compiled = self.kernel.warmup(*arguments, grid=grid, **self.keywords)
+        compiled = self.kernel.warmup(*triton_arguments(arguments), grid=grid, **self.keywords)
         metadata = compiled.metadata
         if metadata.global_scratch_size or metadata.profile_scratch_size or (
                 metadata.num_ctas != 1):  # fmt: skip
@@ -287,44 +273,8 @@ def _direct(compiled, metadata) -> tuple:
         cells = dict(zip(names, (cell.cell_contents for cell in launch.__closure__),
                          strict=True))  # fmt: skip
         launch, indices = cells["launcher"], sorted(cells["tensordesc_indices"])
-        descriptors = _Descriptors(indices, cells["tensordesc_meta"])
+        descriptors = Descriptors(indices, cells["tensordesc_meta"])
     return launch, compiled.function, head, descriptors
-
-
-class _Descriptors:
-    """A compiled kernel's tensor-descriptor arguments (at ``positions``, encoded as its
-    ``metas`` say) as its launcher's entry takes them: encoded once an address and
-    layout (Triton's wrapper encoded each at every launch, cuTensorMapEncodeTiled: 25
-    us of a LayerNorm backward's host time with two). An encoded descriptor holds the
-    address, not the tensor."""
-
-    def __init__(self, positions: list[int], metas: list) -> None:
-        # imported here: see the module's docstring
-        from triton.backends.nvidia.driver import make_tensordesc_arg
-
-        self.encode = make_tensordesc_arg
-        self.places = sorted(zip(positions, metas, strict=True), reverse=True)
-        self.encoded: dict[tuple, list] = {}
-
-    def __call__(self, passed: list) -> list:
-        passed = list(passed)
-        for position, meta in self.places:  # the last first: the earlier stay in place
-            descriptor = passed[position]
-            if meta is None:  # decomposed on the host, the tensor itself among them
-                passed[position : position + 1] = self.encode(descriptor, None)
-                continue
-            # its layout is the same at every launch: part of the compiled kernel's key
-            at = (position, descriptor.base.data_ptr())
-            encoded = self.encoded.get(at)
-            if encoded is None:
-                if len(self.encoded) >= ENCODED_DESCRIPTORS:  # addresses keep changing
-                    self.encoded.clear()
-                encoded = self.encoded[at] = self.encode(descriptor, meta)
-            passed[position : position + 1] = encoded
-        return passed
-
-
-ENCODED_DESCRIPTORS = 64  # a kernel's encoded tensor descriptors kept, at most
 
 
 # The Triton versions whose ``CompiledKernel.run`` takes what ``BoundKernel`` passes.
@@ -356,6 +306,9 @@ def specialization(argument) -> tuple:
     if type(argument) is int:
         return (argument == 1, argument % 16 == 0, -(2**31) <= argument < 2**31,
                 argument < 2**63)  # fmt: skip
+    if type(argument) is TmaTensor:  # its layout in tuples: held as it is
+        base = argument.base
+        return (TmaTensor, base.dtype, base.data_ptr() % 16 == 0, argument[1:])
     from triton.tools.tensor_descriptor import TensorDescriptor  # see the docstring
 
     if type(argument) is TensorDescriptor:

@@ -21,6 +21,7 @@ import triton.language as tl
 import triton.runtime.interpreter as interpreter
 from triton.runtime.errors import OutOfResources
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from fusion import FusionDefinition
 from fusion.dtypes import as_dtype
@@ -47,6 +48,7 @@ from schedulers.runtime import (
     contiguous_strides,
     specialization,
 )
+from schedulers.tma import tma_descriptor
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]
@@ -460,7 +462,6 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, 
     first; a descriptor of another tensor encoded anew. Without the compiler's metadata
     (decomposed on the host, the tensor among them) encoded at every launch."""
     import triton.backends.nvidia.driver as nvidia
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     encodings = []
 
@@ -497,6 +498,58 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, 
     else:
         expected = [(d.base.data_ptr(), None) for a, b in launches[1:] for d in (b, a)]
     assert encodings == expected
+
+
+def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(monkeypatch):
+    """``tma_descriptor``'s ``TmaTensor``: the first launch of a layout reaches the
+    JITFunction as Triton's ``TensorDescriptor`` of the same fields (its checks run);
+    later launches of that layout, at any aligned address, go to the compiled kernel's
+    entry encoded once an address; another tile, rows or dtype is another
+    specialization (through the JITFunction again); a misaligned tensor is copied,
+    so its base is aligned."""
+    import triton.backends.nvidia.driver as nvidia
+
+    encodings = []
+
+    def encode(descriptor, meta):
+        encodings.append((descriptor.base.data_ptr(), tuple(descriptor.shape), meta))
+        return [("map", descriptor.base.data_ptr()), *descriptor.shape, *descriptor.strides]
+
+    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
+    bound, kernel = _bound(monkeypatch, _descriptors, {"WIDE": 8, "BLOCK": 64})
+    launcher = kernel.compiled_kernel.run
+    desc = "tensordesc<fp32[2, 16]>"
+    signature = {"x": "*fp32", "a": desc, "n": "i32",
+                 "b": desc, "BLOCK": "constexpr", "WIDE": "constexpr"}  # fmt: skip
+    metas = [{"swizzle": 128}, {"swizzle": 64}]
+    launcher.launch = nvidia.wrap_handle_tensordesc(launcher.launch, signature, metas)
+    held = torch.zeros(1024)
+    x = held[:16]
+
+    def tiles(at, rows=4, box=(2, 16), source=held):
+        return tma_descriptor(source[at : at + rows * 16].view(rows, 16), rows, 16, box, "p")
+
+    bound((2,), x, tiles(64), 16, tiles(128))  # the first: through the JITFunction
+    ((_, jitted, _),) = kernel.jitted
+    assert [type(a) for a in jitted] == [torch.Tensor, TensorDescriptor, int, TensorDescriptor]
+    assert (jitted[1].base.data_ptr(), jitted[1].shape, jitted[1].strides,
+            jitted[1].block_shape, jitted[1].padding) == (
+            held[64:].data_ptr(), [4, 16], [16, 1], [2, 16], "zero")  # fmt: skip
+    for a, b in [(64, 128), (192, 128), (64, 256)]:  # the same layout, new addresses
+        bound((2,), x, tiles(a), 16, tiles(b))
+    assert len(kernel.jitted) == 1 and len(kernel.direct) == 3
+    assert [d[0] for d in encodings] == [held[at:].data_ptr() for at in (128, 64, 192, 256)]
+    head = (2, 1, 1, 77, "f", 0, 1, None, None, "m", None, None, None)
+    spliced = [(("map", held[at:].data_ptr()), 4, 16, 16, 1) for at in (64, 256)]
+    assert kernel.direct[-1] == (*head, x, *spliced[0], 16, *spliced[1], 64, 8)
+    bound((2,), x, tiles(64, box=(1, 16)), 16, tiles(128))  # another tile
+    bound((2,), x, tiles(64, rows=8), 16, tiles(128))  # other rows
+    halves = torch.zeros(1024, dtype=torch.float16)
+    bound((2,), x, tiles(64, source=halves), 16, tiles(128))  # another dtype
+    assert len(kernel.jitted) == 4 and len(kernel.direct) == 3
+    misaligned = tiles(65)
+    assert misaligned.base.data_ptr() % 16 == 0
+    assert torch.equal(misaligned.base, held[65:129].view(4, 16))
 
 
 def test_a_kernel_that_failed_to_load_is_launched_through_its_raising_launcher():
@@ -574,6 +627,9 @@ def test_a_bound_kernel_launches_clusters_of_programs_with_more_shared_memory(mo
     metadata.shared, metadata.global_scratch_size = 1000, 128
     with pytest.raises(ValueError, match="scratch memory"):
         bound((8,), x, y, 1)
+    metadata.global_scratch_size = 0  # a TMA tensor: compiled as Triton's descriptor
+    bound((8,), x, tma_descriptor(torch.zeros(4, 16), 4, 16, (2, 16), "p"), 16)
+    assert type(warmed[-1][1][1]) is TensorDescriptor
     monkeypatch.setattr(runtime, "interpreted", lambda: True)
     assert BoundKernel(kernel, keywords, cluster=4).cluster == 1
     monkeypatch.setattr(runtime, "interpreted", lambda: False)
@@ -1103,13 +1159,17 @@ def test_a_bound_kernel_asks_for_its_clusters_with_its_compiled_threads_and_memo
 
     monkeypatch.setattr(occupancy, "_driver", Driver)
     compiled = SimpleNamespace(metadata=SimpleNamespace(num_warps=4, shared=32816))
-    kernel = SimpleNamespace(warmup=lambda *arguments, grid, **keywords: compiled)
+    warmed = []
+    kernel = SimpleNamespace(warmup=lambda *arguments, grid, **keywords: warmed.append(arguments)
+                             or compiled)  # fmt: skip
     bound = object.__new__(BoundKernel)  # as bound on a GPU: no interpreter, no compiler
     bound.kernel, bound.keywords, bound.cluster = kernel, {}, 8
     bound.compiled = {(0, "k"): (None, 0x5A, (), None)}  # loaded already
     monkeypatch.setattr(bound, "_key", lambda arguments: ((0, "k"), list(arguments)))
-    assert bound.resident_clusters((8,), 1, 2) == 45
+    tiles = tma_descriptor(torch.zeros(4, 16), 4, 16, (2, 16), "p")
+    assert bound.resident_clusters((8,), 1, tiles) == 45
     assert asked == [(0x5A, 128, 32816, [8, 1, 1])], asked
+    assert type(warmed[0][1]) is TensorDescriptor  # compiled as Triton's descriptor
     bound.cluster = 1
     with pytest.raises(ValueError, match="not launched in clusters here"):
         bound.resident_clusters((8,), 1, 2)

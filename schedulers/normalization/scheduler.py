@@ -71,8 +71,8 @@ from schedulers.runtime import (
     cdiv,
     concurrent_programs,
     interpreted,
-    tma_descriptor,
 )
+from schedulers.tma import tma_descriptor
 
 # The shapes a launcher keeps bound launches for (``NormalizationLauncher.bind``).
 BOUND_SHAPES = 64
