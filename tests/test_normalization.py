@@ -2026,6 +2026,38 @@ def test_partial_rows_of_every_column_sum_start_aligned(count, columns):
     assert start % 16 == 0 and all(block.isnan().all() for block in unzeroed)
 
 
+def test_a_global_memory_splits_count_compiles_its_tma_tensors_as_triton_descriptors(
+    monkeypatch,
+):
+    """The H100's LayerNorm forward at 65536 (a split through TMA slices, exchanging
+    through global memory) counts the programs the device holds from its kernel
+    compiled for the launch's arguments: its TMA tensors reach the JITFunction as
+    Triton's ``TensorDescriptor``, the rest as they are."""
+    from types import SimpleNamespace
+
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    import schedulers.normalization.scheduler as module
+    from schedulers.tma import tma_descriptor
+
+    scheduler, plan = _plan("layernorm_fwd", 65536)
+    params = split_params(plan, H100, 65536)
+    assert params.tma and not params.cluster and not params.programs, params
+    launcher = scheduler.launcher(plan, params, H100, None)
+    warmed = []
+    stand_in = SimpleNamespace(warmup=lambda *a, grid, **k: warmed.append(a) or "k")
+    object.__setattr__(launcher, "kernel", stand_in)  # a frozen launcher's JITFunction
+    monkeypatch.setattr(module, "resident_programs", lambda compiled, hardware: 264)
+    zeros = torch.zeros  # the dummy partial rows and slots: CPU stand-ins for the device's
+    monkeypatch.setattr(torch, "empty", lambda *shape, dtype, device: zeros(*shape, dtype=dtype))
+    x, weights = torch.zeros(4, 65536, dtype=torch.bfloat16), torch.zeros(65536)
+    tiles = tma_descriptor(x, 4, 65536, (1, params.block_columns), params)
+    cuda = torch.device("cuda", 0)
+    assert launcher._resident(cuda, None, [tiles, weights], 4, {"COLUMNS": 65536}) == 264
+    ((first, second, *_),) = warmed
+    assert type(first) is TensorDescriptor and first.base is x and second is weights
+
+
 def test_a_clusters_grid_is_the_drivers_count_kept_by_specialization(monkeypatch):
     """The H200's split backward (clusters of 16, no grid in its params) launches as many
     programs as the device holds clusters of them (``BoundKernel.resident_clusters``,
