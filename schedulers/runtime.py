@@ -1,6 +1,6 @@
 """Helpers every scheduler shares at plan and launch time: sizes rounded to powers of
 two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes; TMA
-tensor descriptors: ``schedulers.tma``), kernels launched straight to their compiled
+tensor descriptors: ``schedulers.tma_tensors``), kernels launched straight to their compiled
 launcher (in clusters too), and the interpreter running a launch's programs
 concurrently (``schedulers.occupancy``: how many programs a device holds at once).
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 
 import torch
 
-from schedulers.tma import Descriptors, TmaTensor, triton_arguments
+from schedulers.tma_tensors import Descriptors, TmaTensor, triton_arguments
 
 
 def interpreted() -> bool:

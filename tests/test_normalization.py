@@ -2038,7 +2038,7 @@ def test_a_global_memory_splits_count_compiles_its_tma_tensors_as_triton_descrip
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     import schedulers.normalization.scheduler as module
-    from schedulers.tma import tma_descriptor
+    from schedulers.tma_tensors import tma_descriptor
 
     scheduler, plan = _plan("layernorm_fwd", 65536)
     params = split_params(plan, H100, 65536)

@@ -48,7 +48,7 @@ from schedulers.runtime import (
     contiguous_strides,
     specialization,
 )
-from schedulers.tma import tma_descriptor
+from schedulers.tma_tensors import tma_descriptor, triton_arguments
 
 SHAPES = [(1,), (7,), (1000,), (7, 1000), (1000, 7), (3, 333), (1, 1), (64, 513)]
 FLOATS = ["float32", "bfloat16", "float16"]
@@ -500,13 +500,14 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, 
     assert encodings == expected
 
 
-def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(monkeypatch):
+@pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
+def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(monkeypatch, metas):
     """``tma_descriptor``'s ``TmaTensor``: the first launch of a layout reaches the
     JITFunction as Triton's ``TensorDescriptor`` of the same fields (its checks run);
     later launches of that layout, at any aligned address, go to the compiled kernel's
-    entry encoded once an address; another tile, rows or dtype is another
-    specialization (through the JITFunction again); a misaligned tensor is copied,
-    so its base is aligned."""
+    entry encoded once an address (without the compiler's metadata, at every launch);
+    another tile, rows or dtype is another specialization (through the JITFunction
+    again); a misaligned tensor is copied, so its base is aligned; a padding is kept."""
     import triton.backends.nvidia.driver as nvidia
 
     encodings = []
@@ -521,7 +522,6 @@ def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(mon
     desc = "tensordesc<fp32[2, 16]>"
     signature = {"x": "*fp32", "a": desc, "n": "i32",
                  "b": desc, "BLOCK": "constexpr", "WIDE": "constexpr"}  # fmt: skip
-    metas = [{"swizzle": 128}, {"swizzle": 64}]
     launcher.launch = nvidia.wrap_handle_tensordesc(launcher.launch, signature, metas)
     held = torch.zeros(1024)
     x = held[:16]
@@ -538,7 +538,9 @@ def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(mon
     for a, b in [(64, 128), (192, 128), (64, 256)]:  # the same layout, new addresses
         bound((2,), x, tiles(a), 16, tiles(b))
     assert len(kernel.jitted) == 1 and len(kernel.direct) == 3
-    assert [d[0] for d in encodings] == [held[at:].data_ptr() for at in (128, 64, 192, 256)]
+    # the later position first, then each new address; without metadata every launch's
+    encoded = (128, 64, 192, 256) if metas else (128, 64, 128, 192, 256, 64)
+    assert [d[0] for d in encodings] == [held[at:].data_ptr() for at in encoded]
     head = (2, 1, 1, 77, "f", 0, 1, None, None, "m", None, None, None)
     spliced = [(("map", held[at:].data_ptr()), 4, 16, 16, 1) for at in (64, 256)]
     assert kernel.direct[-1] == (*head, x, *spliced[0], 16, *spliced[1], 64, 8)
@@ -550,6 +552,7 @@ def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(mon
     misaligned = tiles(65)
     assert misaligned.base.data_ptr() % 16 == 0
     assert torch.equal(misaligned.base, held[65:129].view(4, 16))
+    assert tiles(64)._replace(padding="nan").triton().padding == "nan"
 
 
 def test_a_kernel_that_failed_to_load_is_launched_through_its_raising_launcher():
@@ -697,7 +700,8 @@ def test_a_bound_kernel_recompiles_where_tritons_debug_knob_changes(monkeypatch)
 def test_specialization_refines_tritons_own():
     """Two arguments ``specialization`` keys alike are specialized alike by Triton itself
     (its native binder, as a CUDA launch calls it): integers across the edges of its
-    classes, tensors of several dtypes, aligned and not."""
+    classes, tensors of several dtypes, aligned and not, TMA tensors of several dtypes,
+    rows, tiles and paddings (as the JITFunction gets them)."""
     from triton.backends.nvidia.compiler import CUDABackend
     from triton.runtime.jit import native_specialize_impl
 
@@ -705,11 +709,15 @@ def test_specialization_refines_tritons_own():
     values = [v for edge in (0, 1, 16, 2**31, 2**32, 2**63) for v in (edge - 1, edge, edge + 1)]
     values += [-16, -(2**31) - 1, 48, 4096 * 4096]
     values += [t[offset : offset + 8] for t in held.values() for offset in (0, 1, 8, 16)]
+    values += [tma_descriptor(t[at : at + rows * 8].view(rows, 8), rows, 8, box, "p")
+               for t in held.values() for at in (0, 16) for rows in (2, 4)
+               for box in ((1, 8), (2, 8))]  # fmt: skip
+    values.append(values[-1]._replace(padding="nan"))
     for a in values:
         for b in values:
             if type(a) is type(b) and specialization(a) == specialization(b):
                 triton_a, triton_b = (native_specialize_impl(CUDABackend, v, False, True, True)
-                                      for v in (a, b))  # fmt: skip
+                                      for v in triton_arguments((a, b)))  # fmt: skip
                 assert triton_a == triton_b, (a, b)
 
 

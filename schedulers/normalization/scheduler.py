@@ -72,7 +72,7 @@ from schedulers.runtime import (
     concurrent_programs,
     interpreted,
 )
-from schedulers.tma import tma_descriptor, triton_arguments
+from schedulers.tma_tensors import tma_descriptor, triton_arguments
 
 # The shapes a launcher keeps bound launches for (``NormalizationLauncher.bind``).
 BOUND_SHAPES = 64

@@ -34,7 +34,7 @@ from schedulers.reduction.codegen import (
 from schedulers.reduction.heuristics import ReductionParams, tiled_params
 from schedulers.reduction.tma import tma_params
 from schedulers.runtime import BoundKernel, as_bytes, cdiv
-from schedulers.tma import tma_descriptor
+from schedulers.tma_tensors import tma_descriptor
 
 
 class ReductionScheduler(Scheduler[ReductionPlan, ReductionParams]):

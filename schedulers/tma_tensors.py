@@ -15,6 +15,7 @@ Nothing here imports Triton at module level (see ``schedulers.runtime``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -39,7 +40,9 @@ class TmaTensor(NamedTuple):
                                 list(self.block_shape), self.padding)  # fmt: skip
 
 
-def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box, params) -> TmaTensor:
+def tma_descriptor(
+    tensor: torch.Tensor, rows: int, columns: int, box: Sequence[int], params: object
+) -> TmaTensor:
     """Contiguous ``tensor`` seen as (rows, columns), read in ``box`` tiles. TMA needs
     rows of a multiple of 16 bytes (``ValueError`` naming ``params`` otherwise) and a
     16-byte aligned base (a misaligned tensor is copied)."""
@@ -53,7 +56,7 @@ def tma_descriptor(tensor: torch.Tensor, rows: int, columns: int, box, params) -
     return TmaTensor(tensor, (rows, columns), (columns, 1), tuple(box))
 
 
-def triton_arguments(arguments) -> tuple:
+def triton_arguments(arguments: Sequence) -> tuple:
     """``arguments`` as Triton's ``JITFunction`` takes them: each ``TmaTensor`` as a
     ``TensorDescriptor``."""
     return tuple(a.triton() if type(a) is TmaTensor else a for a in arguments)
