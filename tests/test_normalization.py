@@ -236,9 +236,9 @@ def _plan(name: str, n: int, dtype: str = "bfloat16"):
 @pytest.mark.parametrize(
     ("name", "n", "persistent", "warps", "values"),
     [
-        ("rmsnorm_fwd", 1024, True, 1, 32),  # 32 bf16 a thread: four 128-bit vectors
-        ("rmsnorm_fwd", 4096, True, 4, 32),
-        ("layernorm_fwd", 8192, True, 8, 32),
+        ("rmsnorm_fwd", 1024, True, 2, 16),  # 16 bf16 a thread: two 128-bit vectors
+        ("rmsnorm_fwd", 4096, True, 8, 16),
+        ("layernorm_fwd", 8192, True, 8, 32),  # a variance on fast memory: four
         ("softmax_fwd", 16384, True, 16, 32),
         ("rmsnorm_fwd", 24576, True, 16, 64),  # padded to 32768 columns
         ("rmsnorm_fwd", 65536, False, 16, None),  # 128 values a thread: too many registers
@@ -260,6 +260,32 @@ def test_heuristics_on_h200(name, n, persistent, warps, values):
         # more (the grid never goes below that)
         in_flight = params.programs * n * 16 * plan.buffers
         assert in_flight <= H200.l2_bits // 2 or params.programs == H200.sm_count
+
+
+@pytest.mark.parametrize(
+    ("name", "n", "hardware", "warps", "values"),
+    [
+        ("rmsnorm_fwd", 4096, H200, 8, 16),
+        ("rmsnorm_fwd", 4096, H100, 8, 16),
+        ("rmsnorm_fwd", 1024, H100, 2, 16),
+        ("layernorm_fwd", 4096, H200, 4, 32),  # a variance on fast memory
+        ("layernorm_fwd", 1024, H200, 1, 32),
+        ("layernorm_fwd", 4096, H100, 8, 16),
+        ("layernorm_fwd", 8192, H100, 16, 16),
+        ("softmax_fwd", 1024, H200, 2, 16),
+        ("softmax_bwd", 4096, H100, 8, 16),
+    ],
+)
+def test_a_thread_holds_two_vectors_a_row_but_a_variance_on_fast_memory_four(
+    name, n, hardware, warps, values
+):
+    """The multi-wave rows without column sums: enough values a thread to keep its loads
+    busy are two 128-bit vectors (16 bf16), four for a variance (LayerNorm) on fast
+    memory (the H200), where fewer lost (``BUSY_VECTORS``)."""
+    scheduler, plan = _plan(name, n)
+    params = scheduler.heuristics(plan, hardware, [32768, n])
+    assert params.persistent and params.block_rows == 1 and params.num_warps == warps, params
+    assert f"{values} values a thread" in params.why, params
 
 
 def test_more_buffered_inputs_leave_the_registers_sooner():

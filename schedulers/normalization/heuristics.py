@@ -18,6 +18,23 @@ OCCUPANCY_TARGET = 0.25  # of the SM's warps: enough loads in flight for memory-
 MAX_REGISTERS = 255  # a thread's registers; more spill to local memory
 OTHER_REGISTERS = 40  # indices, masks, pointers, reduction temporaries (an estimate)
 CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunked)
+# A thread's 128-bit vectors a buffered row that keep its loads busy, ranking the
+# multi-wave candidates without column sums (``multiwave_params``): two (16 bf16), four
+# (32) for a variance on fast memory. Twice the warps over the row (16 values a thread
+# against 32; .devtmp A/B at 5e80526, results/norms_busy_vectors_ab_{h100,h200}_
+# 5e80526.json, every output checked first), fraction of copy: H100, RMSNorm and
+# LayerNorm forward level or ahead at 256-8192 columns (LayerNorm 32768x4096 0.983 against 0.972,
+# 16384x8192 0.981 against 0.977, 32768x1024 0.898 against 0.872; RMSNorm 16384x8192
+# 0.990 against 0.984, 32768x1024 0.911 against 0.900), but RMSNorm 4096x2048 0.679
+# against 0.693 (a 16 us kernel); H200 RMSNorm the same (32768x4096 0.967 against
+# 0.947, 32768x1024 0.873 against 0.852, 65536x512 0.876 against 0.838; 4096x2048 0.576
+# against 0.587), H200 LayerNorm far behind where its rows are long (32768x4096 0.878
+# against 0.941, 16384x8192 0.851 against 0.960; earlier, 0.84 against 0.92 and 0.82
+# against 0.94); softmax forward and backward level or ahead on both (H100 65536x512
+# forward 0.928 against 0.918; H200 4096x4096 0.756 against 0.741), but the H100's
+# forward at 16384x2048 0.919 against 0.924.
+BUSY_VECTORS = 2
+BUSY_VECTORS_VARIANCE_FAST = 4
 PIPELINE_REGISTERS = 128  # at most this many estimated: room for the pipelined loads
 SPILL_ALLOWANCE = 1.25  # a block whose register estimate passes its share of the register
 # file (what a thread may have for one block an SM) by at most this factor is compiled at
@@ -123,17 +140,19 @@ def multiwave_params(
     plan: NormalizationPlan, hardware: HardwareProfile, columns: int, rows: int
 ) -> NormalizationParams:
     """Enumerate persistent batch sizes (values a thread holds per buffered row) and
-    rank them by, in order: reaching the occupancy target, at least four 128-bit
-    vectors a thread (measured on H200, forward, 32 bf16 a thread against 16:
-    LayerNorm 0.92 against 0.84 of copy at 4096 columns, 0.94 against 0.82 at 8192;
-    RMSNorm 0.92-0.94 either way; earlier, 16 against 8: 0.95 against 0.84), the
-    row dividing evenly into the threads'
+    rank them by, in order: reaching the occupancy target, enough 128-bit vectors a
+    thread to keep its loads busy (``BUSY_VECTORS``; a variance on fast memory
+    ``BUSY_VECTORS_VARIANCE_FAST``: measured on H200, forward, 32 bf16 a thread against
+    16: LayerNorm 0.92 against 0.84 of copy at 4096 columns, 0.94 against 0.82 at 8192;
+    earlier, 16 against 8: 0.95 against 0.84), the row dividing evenly into the threads'
     vectors, registers left for other values, fewer waves, higher occupancy.
     The number of rows only ranks waves. With column sums, a wave
     of programs walks the rows, loads pipelined three deep (0.90 against 0.78 of
     copy for RMSNorm backward at 4096) unless registers are short."""
     width = next_power_of_two(max(columns, 1))
     vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
+    fast = hardware.memory_gbps >= FAST_MEMORY_GBPS
+    busy = BUSY_VECTORS_VARIANCE_FAST if plan.variance and fast else BUSY_VECTORS
     candidates = []
     for warps in (1, 2, 4, 8, 16):
         threads = warps * hardware.warp_size
@@ -149,7 +168,7 @@ def multiwave_params(
             if registers > MAX_REGISTERS:
                 continue
             candidate = _Candidate.of(hardware, warps, block_rows, width, columns, rows,
-                                      vector, registers)  # fmt: skip
+                                      vector, registers, busy * vector)  # fmt: skip
             if candidate.occupancy > 0:  # a block whose registers fit an SM at all
                 candidates.append(candidate)
     if not candidates:
@@ -415,12 +434,13 @@ class _Candidate:
     even: bool
     waves: int
     blocks: int  # programs an SM holds at once
-    busy: bool  # at least four 128-bit vectors a thread per buffered row
+    busy: bool  # enough values a thread per buffered row to keep its loads busy
     in_warp: bool  # at most a warp's threads a row (not a row a warp: see
     # ``multiwave_params``), at most 32 values a thread per buffered row
 
     @classmethod
-    def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers):
+    def of(cls, hardware, warps, block_rows, width, columns, rows, vector, registers,
+           busy_values):  # fmt: skip
         threads = warps * hardware.warp_size
         share = min(MAX_REGISTERS, hardware.registers_per_sm // threads)  # one block an SM
         compiled = share if share < registers <= SPILL_ALLOWANCE * share else registers
@@ -433,7 +453,7 @@ class _Candidate:
         values = max(1, block_rows * width // threads)
         return cls(warps, block_rows, values, registers, occupancy,
                    occupancy >= OCCUPANCY_TARGET, even, waves, blocks,
-                   values >= 4 * vector, lanes <= 32 and values <= 32)  # fmt: skip
+                   values >= busy_values, lanes <= 32 and values <= 32)  # fmt: skip
 
     def rank(self, walks: bool) -> tuple:
         """Sort key, best first; ``walks``: a fixed grid walks the rows (column sums)."""
