@@ -454,13 +454,10 @@ def _descriptors(x, a, n, b, BLOCK: tl.constexpr, WIDE: tl.constexpr):
     pass
 
 
-@pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
-def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, metas):
-    """A kernel taking tensor descriptors, its launcher's entry wrapped by Triton 3.6's
-    own ``wrap_handle_tensordesc``: launched at the entry, each descriptor encoded
-    (``make_tensordesc_arg``) once an address and spliced in its place, the later one
-    first; a descriptor of another tensor encoded anew. Without the compiler's metadata
-    (decomposed on the host, the tensor among them) encoded at every launch."""
+def _bound_with_descriptors(monkeypatch, metas) -> tuple:
+    """``_descriptors`` bound, its launcher's entry wrapped by Triton 3.6's own
+    ``wrap_handle_tensordesc`` with ``metas``; the encodings (``make_tensordesc_arg``,
+    a stand-in) recorded as (address, meta)."""
     import triton.backends.nvidia.driver as nvidia
 
     encodings = []
@@ -476,6 +473,17 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, 
     signature = {"x": "*fp32", "a": desc, "n": "i32",
                  "b": desc, "BLOCK": "constexpr", "WIDE": "constexpr"}  # fmt: skip
     launcher.launch = nvidia.wrap_handle_tensordesc(launcher.launch, signature, metas)
+    return bound, kernel, encodings
+
+
+@pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
+def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, metas):
+    """A kernel taking tensor descriptors, its launcher's entry wrapped by Triton 3.6's
+    own ``wrap_handle_tensordesc``: launched at the entry, each descriptor encoded
+    (``make_tensordesc_arg``) once an address and spliced in its place, the later one
+    first; a descriptor of another tensor encoded anew. Without the compiler's metadata
+    (decomposed on the host, the tensor among them) encoded at every launch."""
+    bound, kernel, encodings = _bound_with_descriptors(monkeypatch, metas)
     held = torch.zeros(512)
     x = held[:16]
     first, second, third = (TensorDescriptor(held[at : at + 64], [4, 16], [16, 1], [2, 16])
@@ -508,21 +516,7 @@ def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(mon
     entry encoded once an address (without the compiler's metadata, at every launch);
     another tile, rows or dtype is another specialization (through the JITFunction
     again); a misaligned tensor is copied, so its base is aligned; a padding is kept."""
-    import triton.backends.nvidia.driver as nvidia
-
-    encodings = []
-
-    def encode(descriptor, meta):
-        encodings.append((descriptor.base.data_ptr(), tuple(descriptor.shape), meta))
-        return [("map", descriptor.base.data_ptr()), *descriptor.shape, *descriptor.strides]
-
-    monkeypatch.setattr(nvidia, "make_tensordesc_arg", encode)
-    bound, kernel = _bound(monkeypatch, _descriptors, {"WIDE": 8, "BLOCK": 64})
-    launcher = kernel.compiled_kernel.run
-    desc = "tensordesc<fp32[2, 16]>"
-    signature = {"x": "*fp32", "a": desc, "n": "i32",
-                 "b": desc, "BLOCK": "constexpr", "WIDE": "constexpr"}  # fmt: skip
-    launcher.launch = nvidia.wrap_handle_tensordesc(launcher.launch, signature, metas)
+    bound, kernel, encodings = _bound_with_descriptors(monkeypatch, metas)
     held = torch.zeros(1024)
     x = held[:16]
 
