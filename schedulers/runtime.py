@@ -1,7 +1,7 @@
 """Helpers every scheduler shares at plan and launch time: sizes rounded to powers of
 two, grid sizes, how tensors are handed to a kernel (fp8 and fp4 as bytes; TMA
-tensor descriptors: ``schedulers.tma_tensors``), kernels launched straight to their compiled
-launcher (in clusters too), and the interpreter running a launch's programs
+tensor descriptors: ``schedulers.tma_tensors``), kernels launched straight to their
+compiled launcher (in clusters too), and the interpreter running a launch's programs
 concurrently (``schedulers.occupancy``: how many programs a device holds at once).
 
 Nothing here imports Triton at module level: importing Triton before

@@ -23,10 +23,10 @@ CHUNK_VALUES = 16  # values a thread per buffer when the row does not fit (chunk
 # (32) for a variance on fast memory. Twice the warps over the row (16 values a thread
 # against 32; .devtmp A/B at 5e80526, results/norms_busy_vectors_ab_{h100,h200}_
 # 5e80526.json, every output checked first), fraction of copy: H100, RMSNorm and
-# LayerNorm forward level or ahead at 256-8192 columns (LayerNorm 32768x4096 0.983 against 0.972,
-# 16384x8192 0.981 against 0.977, 32768x1024 0.898 against 0.872; RMSNorm 16384x8192
-# 0.990 against 0.984, 32768x1024 0.911 against 0.900), but RMSNorm 4096x2048 0.679
-# against 0.693 (a 16 us kernel); H200 RMSNorm the same (32768x4096 0.967 against
+# LayerNorm forward level or ahead at 256-8192 columns (LayerNorm 32768x4096 0.983
+# against 0.972, 16384x8192 0.981 against 0.977, 32768x1024 0.898 against 0.872; RMSNorm
+# 16384x8192 0.990 against 0.984, 32768x1024 0.911 against 0.900), but RMSNorm 4096x2048
+# 0.679 against 0.693 (a 16 us kernel); H200 RMSNorm the same (32768x4096 0.967 against
 # 0.947, 32768x1024 0.873 against 0.852, 65536x512 0.876 against 0.838; 4096x2048 0.576
 # against 0.587), H200 LayerNorm far behind where its rows are long (32768x4096 0.878
 # against 0.941, 16384x8192 0.851 against 0.960; earlier, 0.84 against 0.92 and 0.82
