@@ -162,7 +162,8 @@ class BoundKernel:
                     "(``specialization``) are not launched in clusters"
                 )
             if found is None:
-                found = self.compiled[key] = self._load_clustered(grid, arguments, key[0])
+                found = self.compiled[key] = self._load_clustered(self.warmup(grid, *arguments),
+                                                                  key[0])  # fmt: skip
         elif found is None:  # the JITFunction compiles the kernel, or finds it compiled
             compiled = self.kernel[grid](*triton_arguments(arguments), **self.keywords)
             if key is not None:
@@ -186,19 +187,23 @@ class BoundKernel:
         if self.cluster == 1 or key is None:
             raise ValueError(f"{getattr(self.kernel, '__name__', self.kernel)}: not launched "
                              "in clusters here")  # fmt: skip
+        compiled = self.warmup(grid, *arguments)
         if key not in self.compiled:
-            self.compiled[key] = self._load_clustered(grid, arguments, key[0])
+            self.compiled[key] = self._load_clustered(compiled, key[0])
         # the compiled kernel's threads and dynamic shared memory, as a launch takes them
-        metadata = self.kernel.warmup(*triton_arguments(arguments), grid=grid,
-                                      **self.keywords).metadata  # fmt: skip
+        metadata = compiled.metadata
         return max_active_clusters(self.compiled[key][1], metadata.num_warps * 32,
                                    metadata.shared, self.cluster)  # fmt: skip
 
-    def _load_clustered(self, grid: tuple, arguments: tuple, device: int) -> tuple:
-        """The compiled kernel for these arguments (compiled now, not launched), loaded
-        again allowing ``shared`` bytes more (``OutOfResources`` past the device's
-        most): its launch in clusters."""
-        compiled = self.kernel.warmup(*triton_arguments(arguments), grid=grid, **self.keywords)
+    def warmup(self, grid: tuple, *arguments):
+        """The compiled kernel ``bound(grid, *arguments)`` launches, compiled now if need
+        be, not launched (the ``JITFunction``'s ``warmup``, TMA tensors handed over as
+        Triton's descriptors)."""
+        return self.kernel.warmup(*triton_arguments(arguments), grid=grid, **self.keywords)
+
+    def _load_clustered(self, compiled, device: int) -> tuple:
+        """``compiled`` (this kernel's, not launched) loaded again allowing ``shared``
+        bytes more (``OutOfResources`` past the device's most): its launch in clusters."""
         metadata = compiled.metadata
         if metadata.global_scratch_size or metadata.profile_scratch_size or (
                 metadata.num_ctas != 1):  # fmt: skip

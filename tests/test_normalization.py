@@ -2064,22 +2064,23 @@ def test_a_global_memory_splits_count_compiles_its_tma_tensors_as_triton_descrip
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     import schedulers.normalization.scheduler as module
+    from schedulers.runtime import BoundKernel
     from schedulers.tma_tensors import tma_descriptor
 
     scheduler, plan = _plan("layernorm_fwd", 65536)
     params = split_params(plan, H100, 65536)
     assert params.tma and not params.cluster and not params.programs, params
     launcher = scheduler.launcher(plan, params, H100, None)
-    warmed = []
+    warmed, options = [], {"COLUMNS": 65536}
     stand_in = SimpleNamespace(warmup=lambda *a, grid, **k: warmed.append(a) or "k")
-    object.__setattr__(launcher, "kernel", stand_in)  # a frozen launcher's JITFunction
+    kernel = BoundKernel(stand_in, options)  # as the launch binds it
     monkeypatch.setattr(module, "resident_programs", lambda compiled, hardware: 264)
     zeros = torch.zeros  # the dummy partial rows and slots: CPU stand-ins for the device's
     monkeypatch.setattr(torch, "empty", lambda *shape, dtype, device: zeros(*shape, dtype=dtype))
     x, weights = torch.zeros(4, 65536, dtype=torch.bfloat16), torch.zeros(65536)
     tiles = tma_descriptor(x, 4, 65536, (1, params.block_columns), params)
     cuda = torch.device("cuda", 0)
-    assert launcher._resident(cuda, None, [tiles, weights], 4, {"COLUMNS": 65536}) == 264
+    assert launcher._resident(cuda, kernel, [tiles, weights], 4, options) == 264
     ((first, second, *_),) = warmed
     assert type(first) is TensorDescriptor and first.base is x and second is weights
 

@@ -72,7 +72,7 @@ from schedulers.runtime import (
     concurrent_programs,
     interpreted,
 )
-from schedulers.tma_tensors import tma_descriptor, triton_arguments
+from schedulers.tma_tensors import tma_descriptor
 
 # The shapes a launcher keeps bound launches for (``NormalizationLauncher.bind``).
 BOUND_SHAPES = 64
@@ -468,8 +468,7 @@ class NormalizationLauncher(Launcher):
                     clusters = kernel.resident_clusters((params.parts,), *arguments)
                     self.resident[key] = clusters * params.parts
                 else:
-                    arguments = triton_arguments(arguments)  # TMA tensors as Triton's
-                    compiled = self.kernel.warmup(*arguments, grid=(params.parts,), **options)
+                    compiled = kernel.warmup((params.parts,), *arguments)
                     self.resident[key] = resident_programs(compiled, self.hardware)
             resident = self.resident[key]
         if params.programs:
