@@ -476,19 +476,29 @@ def _bound_with_descriptors(monkeypatch, metas) -> tuple:
     return bound, kernel, encodings
 
 
+def _triton_descriptor(tensor: torch.Tensor) -> TensorDescriptor:
+    return TensorDescriptor(tensor, [4, 16], [16, 1], [2, 16])
+
+
+def _tma_tensor(tensor: torch.Tensor):
+    return tma_descriptor(tensor.view(4, 16), 4, 16, (2, 16), "p")
+
+
+@pytest.mark.parametrize("describe", [_triton_descriptor, _tma_tensor])
 @pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
-def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, metas):
-    """A kernel taking tensor descriptors, its launcher's entry wrapped by Triton 3.6's
-    own ``wrap_handle_tensordesc``: launched at the entry, each descriptor encoded
+def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, metas,
+                                                                   describe):  # fmt: skip
+    """A kernel taking tensor descriptors (Triton's, or ``tma_descriptor``'s
+    ``TmaTensor``s), its launcher's entry wrapped by Triton 3.6's own
+    ``wrap_handle_tensordesc``: launched at the entry, each descriptor encoded
     (``make_tensordesc_arg``) once an address and spliced in its place, the later one
     first; a descriptor of another tensor encoded anew. Without the compiler's metadata
     (decomposed on the host, the tensor among them) encoded at every launch."""
     bound, kernel, encodings = _bound_with_descriptors(monkeypatch, metas)
     held = torch.zeros(512)
     x = held[:16]
-    first, second, third = (TensorDescriptor(held[at : at + 64], [4, 16], [16, 1], [2, 16])
-                            for at in (64, 128, 192))  # fmt: skip
-    again = TensorDescriptor(held[64:128], [4, 16], [16, 1], [2, 16])  # first's address
+    first, second, third = (describe(held[at : at + 64]) for at in (64, 128, 192))
+    again = describe(held[64:128])  # first's address
     launches = [(first, third), (first, third), (again, third), (second, third)]
     for a, b in launches:
         bound((2,), x, a, 16, b)
@@ -508,15 +518,13 @@ def test_a_bound_kernel_encodes_tensor_descriptors_once_an_address(monkeypatch, 
     assert encodings == expected
 
 
-@pytest.mark.parametrize("metas", [[{"swizzle": 128}, {"swizzle": 64}], None])
-def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(monkeypatch, metas):
+def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors(monkeypatch):
     """``tma_descriptor``'s ``TmaTensor``: the first launch of a layout reaches the
-    JITFunction as Triton's ``TensorDescriptor`` of the same fields (its checks run);
-    later launches of that layout, at any aligned address, go to the compiled kernel's
-    entry encoded once an address (without the compiler's metadata, at every launch);
-    another tile, rows or dtype is another specialization (through the JITFunction
-    again); a misaligned tensor is copied, so its base is aligned; a padding is kept."""
-    bound, kernel, encodings = _bound_with_descriptors(monkeypatch, metas)
+    JITFunction as Triton's ``TensorDescriptor`` of the same fields (its checks run),
+    later ones the compiled kernel (encoded: above); another tile, rows or dtype is
+    another specialization (through the JITFunction again); a misaligned tensor is
+    copied, so its base is aligned; a padding is kept."""
+    bound, kernel, _ = _bound_with_descriptors(monkeypatch, [{"swizzle": 128}] * 2)
     held = torch.zeros(1024)
     x = held[:16]
 
@@ -529,20 +537,13 @@ def test_a_bound_kernel_takes_tma_tensors_as_triton_descriptors_then_encoded(mon
     assert (jitted[1].base.data_ptr(), jitted[1].shape, jitted[1].strides,
             jitted[1].block_shape, jitted[1].padding) == (
             held[64:].data_ptr(), [4, 16], [16, 1], [2, 16], "zero")  # fmt: skip
-    for a, b in [(64, 128), (192, 128), (64, 256)]:  # the same layout, new addresses
-        bound((2,), x, tiles(a), 16, tiles(b))
-    assert len(kernel.jitted) == 1 and len(kernel.direct) == 3
-    # the later position first, then each new address; without metadata every launch's
-    encoded = (128, 64, 192, 256) if metas else (128, 64, 128, 192, 256, 64)
-    assert [d[0] for d in encodings] == [held[at:].data_ptr() for at in encoded]
-    head = (2, 1, 1, 77, "f", 0, 1, None, None, "m", None, None, None)
-    spliced = [(("map", held[at:].data_ptr()), 4, 16, 16, 1) for at in (64, 256)]
-    assert kernel.direct[-1] == (*head, x, *spliced[0], 16, *spliced[1], 64, 8)
+    bound((2,), x, tiles(192), 16, tiles(256))  # the same layout, new addresses
+    assert len(kernel.jitted) == 1 and len(kernel.direct) == 1
     bound((2,), x, tiles(64, box=(1, 16)), 16, tiles(128))  # another tile
     bound((2,), x, tiles(64, rows=8), 16, tiles(128))  # other rows
     halves = torch.zeros(1024, dtype=torch.float16)
     bound((2,), x, tiles(64, source=halves), 16, tiles(128))  # another dtype
-    assert len(kernel.jitted) == 4 and len(kernel.direct) == 3
+    assert len(kernel.jitted) == 4 and len(kernel.direct) == 1
     misaligned = tiles(65)
     assert misaligned.base.data_ptr() % 16 == 0
     assert torch.equal(misaligned.base, held[65:129].view(4, 16))
