@@ -151,7 +151,7 @@ def multiwave_params(
     copy for RMSNorm backward at 4096) unless registers are short."""
     width = next_power_of_two(max(columns, 1))
     vector = max(1, 128 // max(t.dtype.bits for t in plan.inputs))
-    fast = hardware.memory_gbps >= FAST_MEMORY_GBPS
+    fast = fast_memory(hardware)
     busy = BUSY_VECTORS_VARIANCE_FAST if plan.variance and fast else BUSY_VECTORS
     candidates = []
     for warps in (1, 2, 4, 8, 16):
@@ -349,11 +349,17 @@ FAST_MEMORY_GBPS = 4000.0  # the H200 (4300), not the H100 (3000); also WS_SHORT
 PLAIN_CHUNKS = 8192
 
 
+def fast_memory(hardware: HardwareProfile) -> bool:
+    """Whether ``hardware``'s memory is fast (``FAST_MEMORY_GBPS``: the H200, not the
+    H100)."""
+    return hardware.memory_gbps >= FAST_MEMORY_GBPS
+
+
 def _walked_from(plan: NormalizationPlan, hardware: HardwareProfile) -> int | None:
     """The fewest columns from which a forward (no column sums, one 16-bit full input)
     walks its rows in chunks on ``hardware``: ``VARIANCE_CHUNKS`` with a variance,
     ``PLAIN_CHUNKS`` with one level of reductions; None otherwise."""
-    if plan.column_sums or full_bits(plan) > 16 or hardware.memory_gbps < FAST_MEMORY_GBPS:
+    if plan.column_sums or full_bits(plan) > 16 or not fast_memory(hardware):
         return None
     if plan.variance:
         return VARIANCE_CHUNKS

@@ -10,9 +10,9 @@ from schedulers.hardware import HardwareProfile
 from schedulers.normalization.analysis import NormalizationPlan
 from schedulers.normalization.exchange import CLUSTER_SIZES
 from schedulers.normalization.heuristics import (
-    FAST_MEMORY_GBPS,
     SPLIT,
     NormalizationParams,
+    fast_memory,
     tma_refusal,
 )
 from schedulers.runtime import cdiv, cluster_launches, next_power_of_two
@@ -191,7 +191,7 @@ def split_params(
     loads = (f", the input's slices loaded through TMA, pipelined {stages} stages deep" if tma
              else f", the inputs' slices pipelined {stages} rows deep" if sums
              else ", the next row's inputs loaded first" if prefetch else "")  # fmt: skip
-    fast = hardware.memory_gbps >= FAST_MEMORY_GBPS  # the bits', a cluster's, contraction's
+    fast = fast_memory(hardware)  # the bits', a cluster's, contraction's
     # bfloat16 weights kept as their bits (below) where they may be: forwards on fast memory
     keep_bits = (
         not sums
