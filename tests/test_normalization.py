@@ -1323,9 +1323,9 @@ def test_split_backwards_are_clusters_on_the_h200_from_six_programs_a_row(name, 
                                                                             clustered):  # fmt: skip
     """A split row with column sums forms a cluster on the H200 (fast memory) where a row
     has CLUSTER_SUMS_PARTS programs or more and a cluster holds them (6-8 or 16), its grid
-    left to the launch (as many
-    clusters as the device holds at once, the driver's count), said in the reasons; with
-    fewer programs, and on the H100, the exchange stays in global memory, its grid set."""
+    left to the launch (as many clusters as the device holds at once, the driver's count),
+    said in the reasons; with fewer programs, and on the H100, the exchange stays in
+    global memory, its grid set."""
     scheduler, plan = _plan(name, n)
     for rows in (2048, 8192):
         h200 = scheduler.heuristics(plan, H200, [rows, n])
