@@ -17,7 +17,7 @@ from every rank's operands (within ``fusion.testing``'s tolerance; a failure sto
 rank), and the largest difference is reported beside whether it is bitwise equal to
 the sequential run's and, for a reduce-scatter whose fixed chunk counts share a
 transport, whether they give the same bits (a reduce-scatter pipeline sums in one order
-at every chunk count: ``overlap.partials``; its partials, each chunk's matmul, may still
+at every chunk count: ``overlap.comm.partials``; its partials, each chunk's matmul, may still
 round otherwise at another chunk size on a GPU).
 Where the cost model calls a variant faster than the sequential program and the clock
 says slower (or the reverse), the row says ``MODEL WRONG ON`` those variants: the
@@ -46,10 +46,12 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
-from overlap.communicator import Communicator  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.planner import OverlapOptions  # noqa: E402
-from overlap.timeline import Timeline  # noqa: E402
+from overlap import (  # noqa: E402
+    Communicator,
+    MultiDeviceExecutor,
+    OverlapOptions,
+    Timeline,
+)
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 SHAPES = [(8192, 8192, 14336), (8192, 8192, 4096), (16384, 8192, 8192), (8192, 8192, 1024),

@@ -77,10 +77,12 @@ from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: 
 from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from benchmarks.kernels import compiled_alone  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.planner import OverlapOptions  # noqa: E402
-from overlap.timeline import Timeline  # noqa: E402
-from overlap.trainable import TrainableFusion  # noqa: E402
+from overlap import (  # noqa: E402
+    MultiDeviceExecutor,
+    OverlapOptions,
+    Timeline,
+    TrainableFusion,
+)
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 # (tokens, hidden, ffn); the attention block takes tokens and hidden, 8 KV heads of 128

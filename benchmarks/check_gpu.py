@@ -41,7 +41,7 @@ import test_pipelined as pipelined  # noqa: E402
 import test_trainable as trainable  # noqa: E402
 
 from launch import failfast  # noqa: E402
-from overlap.communicator import Communicator  # noqa: E402
+from overlap import Communicator  # noqa: E402
 
 
 def checks(world: int, cuda: bool):

@@ -61,8 +61,7 @@ def main(communicator) -> None:
     import torch
 
     from launch.demo import build_tp_mlp, whole_inputs
-    from overlap.executor import MultiDeviceExecutor
-    from overlap.planner import OverlapOptions
+    from overlap import MultiDeviceExecutor, OverlapOptions
 
     fault, variant, folder = sys.argv[1:4]
     cuda = communicator.device.type == "cuda"

@@ -3,7 +3,7 @@
     from benchmarks.hardware_figures import measure_hardware_figures
     figures = measure_hardware_figures(communicator)  # every rank, together
 
-``benchmarks/ag_matmul.py`` plans with these; ``overlap.figures.H200_FIGURES`` records a
+``benchmarks/ag_matmul.py`` plans with these; ``overlap.plan.figures.H200_FIGURES`` records a
 measurement of 2x H200.
 """
 
@@ -14,7 +14,8 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from overlap.figures import CPU_FIGURES, HardwareFigures
+from overlap import HardwareFigures
+from overlap.plan.figures import CPU_FIGURES
 from schedulers.hardware import current_hardware
 
 

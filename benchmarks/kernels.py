@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from fusion.fp4 import from_fp4, to_fp4  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap import MultiDeviceExecutor  # noqa: E402
 from schedulers.pointwise import PointwiseParams  # noqa: E402
 from schedulers.reduction import ReductionParams  # noqa: E402
 

@@ -73,7 +73,7 @@ def rank_job(communicator, sizes: tuple[int, int, int], rounds: int, iterations:
     """One rank: build, run, check against the reference, time. Returns its output
     piece (on the CPU), its times and what ran."""
     from fusion.testing import assert_close
-    from overlap.executor import MultiDeviceExecutor
+    from overlap import MultiDeviceExecutor
 
     device = communicator.device
     fd = build_block(*sizes, communicator.world_size)

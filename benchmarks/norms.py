@@ -46,7 +46,7 @@ from benchmarks.kernels import (  # noqa: E402
 )
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap import MultiDeviceExecutor  # noqa: E402
 from schedulers.analysis import NotSchedulable  # noqa: E402
 from schedulers.cache import KERNEL_CACHE  # noqa: E402
 from schedulers.normalization import (  # noqa: E402

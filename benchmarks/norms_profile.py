@@ -23,7 +23,7 @@ from benchmarks.kernels import benchmark_parser, copy_gbps, write_results  # noq
 from benchmarks.norms import eager_function  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
+from overlap import MultiDeviceExecutor  # noqa: E402
 
 
 def kernel_times(function, iterations: int) -> dict[str, tuple[int, float]]:

@@ -1,4 +1,4 @@
-"""A Llama decoder block parallelized from PyTorch: ``overlap.parallelize`` against
+"""A Llama decoder block parallelized from PyTorch: ``overlap.train.parallelize`` against
 PyTorch's own tensor parallelism, eager and compiled, one training step each.
 
     torchrun --nproc-per-node 2 benchmarks/parallel_block.py [--smoke]
@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
 from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
-from overlap.parallelize import parallelize  # noqa: E402
+from overlap import parallelize  # noqa: E402
 
 TOLERANCE = 2.0  # a variant's worst error over eager bf16's
 SHAPE = (4096, 4096, 32, 14336)  # tokens (whole), hidden, heads, ffn: a Llama-3 8B block

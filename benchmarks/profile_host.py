@@ -23,9 +23,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ag_matmul import build  # noqa: E402
 
-from overlap.communicator import Communicator  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.planner import OverlapOptions  # noqa: E402
+from overlap import (  # noqa: E402
+    Communicator,
+    MultiDeviceExecutor,
+    OverlapOptions,
+)
 
 
 def main() -> None:

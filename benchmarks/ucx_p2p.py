@@ -27,7 +27,7 @@ SMOKE_SIZES = [2**10, 2**20]
 def rank_job(communicator, sizes: list[int], rounds: int) -> list[dict]:
     import torch.distributed as dist
 
-    from overlap.ucx import UcxTransport
+    from overlap import UcxTransport
 
     device, rank = communicator.device, communicator.rank
     transport = UcxTransport(communicator)

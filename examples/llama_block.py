@@ -10,7 +10,7 @@ The block: RMSNorm, attention (rotary embeddings, a causal mask, heads split ove
 ranks: q, k and v column-wise, the output projection row-wise), a residual, RMSNorm, a
 SwiGLU MLP (gate and up column-wise, down row-wise), a residual; the tokens split over
 the ranks between the blocks (sequence parallel). The plan is PyTorch's own, in its
-``torch.distributed.tensor.parallel`` styles. ``overlap.parallelize`` captures the block
+``torch.distributed.tensor.parallel`` styles. ``overlap.train.parallelize`` captures the block
 (``torch.export``), places it by the plan and runs its forward and backward as
 overlapped programs on every rank; its parameters are DTensors, stepped by AdamW.
 Every rank also trains the module whole, on its own device, from the same weights and
@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from overlap.parallelize import parallelize  # noqa: E402
+from overlap import parallelize  # noqa: E402
 
 TOKENS, HIDDEN, FFN, HEADS = 24, 32, 64, 4
 TOLERANCE = 1e-4  # relative, per step's loss (float32; the ranks sum in another order)

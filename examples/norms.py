@@ -163,7 +163,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from fusion.testing import assert_close
-    from overlap.executor import MultiDeviceExecutor
+    from overlap import MultiDeviceExecutor
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, build in BUILDERS.items():

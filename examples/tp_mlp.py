@@ -35,8 +35,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusion import DataType, FusionDefinition  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
-from overlap.executor import MultiDeviceExecutor  # noqa: E402
-from overlap.planner import OverlapOptions  # noqa: E402
+from overlap import (
+    MultiDeviceExecutor,  # noqa: E402
+    OverlapOptions,  # noqa: E402
+)
 from sharding import DeviceMesh, Replicate, Shard, shard  # noqa: E402
 
 

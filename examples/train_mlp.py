@@ -9,7 +9,7 @@ The model: tokens split over the ranks (sequence parallel), gathered for a
 column-parallel linear, gelu, a row-parallel linear whose partial sums are
 reduce-scattered back to the tokens' pieces. Each rank holds its pieces of the two
 weights as ``torch.nn.Parameter``s and an AdamW over them; the forward and the backward
-run as overlapped programs on every rank (``overlap.trainable.TrainableFusion``). Every
+run as overlapped programs on every rank (``overlap.train.trainable.TrainableFusion``). Every
 rank also trains the same model whole, on its own device, with plain PyTorch from the
 same initial weights and data; rank 0 prints both losses per step, and the job fails
 unless they agree within ``TOLERANCE`` at every step.
@@ -27,7 +27,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusion import FusionDefinition  # noqa: E402
-from overlap.trainable import TrainableFusion  # noqa: E402
+from overlap import TrainableFusion  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 TOKENS, HIDDEN, FFN = 64, 32, 64

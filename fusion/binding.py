@@ -3,7 +3,7 @@
 ``bind_inputs`` checks one device's inputs (count, type, dtype, rank, shape, device) and
 binds every symbol; ``check_constraints`` checks the extent constraints ops recorded
 (``a + b`` of two symbolic extents must agree). The multi-device executor binds from
-every rank's pieces (``overlap.inputs``) with the same constraint check.
+every rank's pieces (``overlap.runtime.inputs``) with the same constraint check.
 
 Example::
 

@@ -25,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"overlap {_version()}")
     commands = parser.add_subparsers(dest="command", required=True)
     from launch.demo import CPU_SIZES, GPU_SIZES, OUT
-    from overlap.dump import count
+    from overlap.compile.dump import count
 
     demo = commands.add_parser("demo", help="the tensor-parallel MLP demo on local devices")
     for index, (name, what) in enumerate(
@@ -48,13 +48,13 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds before giving up (default: none; Ray 600)")  # fmt: skip
     run.add_argument("script", help="a Python file defining main(communicator)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    from overlap.dump import add_arguments
+    from overlap.compile.dump import add_arguments
 
     add_arguments(commands.add_parser("dump", help="print a script's programs, without running"))
     args = parser.parse_args(argv)
     from launch.env import LaunchError
     from launch.local import fits_the_devices
-    from overlap import progress
+    from overlap.diag import progress
 
     progress.enable()  # long steps (compiling kernels) say so, in every rank started
 
@@ -123,7 +123,7 @@ def _script_main(communicator, script: str, argv: list[str]) -> None:
 
 def _dump(args) -> int:
     from launch.env import LaunchError
-    from overlap.dump import ScriptError, dump
+    from overlap.compile.dump import ScriptError, dump
 
     try:
         dump(args.script, args.world, args.device, args.kernels, args.passes, args.cuda_graph)

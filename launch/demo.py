@@ -70,10 +70,8 @@ def _ms(function, device: torch.device) -> float:
 
 def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -> dict:
     """One rank's part: the programs, the checks, the timings, the timeline."""
-    from overlap import progress
-    from overlap.executor import MultiDeviceExecutor
-    from overlap.planner import OverlapOptions
-    from overlap.timeline import Timeline
+    from overlap import MultiDeviceExecutor, OverlapOptions, Timeline
+    from overlap.diag import progress
 
     tokens, hidden, ffn = sizes
     world, device, rank = communicator.world_size, communicator.device, communicator.rank
@@ -137,7 +135,7 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
 
 def _beside(executor, spans) -> list[str]:
     """Per pattern: how much of its communication ran while one of its matmuls did."""
-    from overlap.roof import measure
+    from overlap.plan.roof import measure
 
     lines = []
     for meter in measure(executor.overlap, executor.program, spans):
@@ -151,8 +149,8 @@ def _beside(executor, spans) -> list[str]:
 def gpu_plan(nproc: int, device: str = "h200") -> str:
     """What the planner chooses for the demo at its GPU sizes on ``nproc`` GPUs of the
     recorded ``device`` figures (no GPU needed)."""
-    from overlap.compile import compile_program
-    from overlap.figures import NAMED_FIGURES
+    from overlap import compile_program
+    from overlap.plan.figures import NAMED_FIGURES
 
     world = max(nproc, 2)
     compiled = compile_program(build_tp_mlp(*GPU_SIZES, world), world, None,
@@ -163,7 +161,7 @@ def gpu_plan(nproc: int, device: str = "h200") -> str:
 def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, out: str = OUT) -> bool:
     """Run the demo on the local devices; print it; True when every check passed."""
     from launch.local import default_nproc, run_function
-    from overlap import progress
+    from overlap.diag import progress
 
     gpu = torch.cuda.is_available()
     default = GPU_SIZES if gpu else CPU_SIZES
@@ -224,7 +222,7 @@ def _print_timings(results: list[dict], gpu: bool, nproc: int) -> bool:
 
 
 def _print_timeline(results: list[dict], sizes, where: str, out: str) -> None:
-    from overlap.timeline import render_png, render_text, write_chrome_trace
+    from overlap.diag.timeline import render_png, render_text, write_chrome_trace
 
     by_rank = {rank: r["spans"] for rank, r in enumerate(results)}
     walls = {rank: max(s.end_ms for s in spans) for rank, spans in by_rank.items()}

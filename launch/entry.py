@@ -8,7 +8,7 @@ at once (``launch.failfast``); the launcher then stops the others.
 
 A rank whose ``main`` returns exits 0 as any Python program does (its ``atexit``
 handlers run); the ``Communicator`` destroys the process groups at exit, before the
-interpreter finalizes (``overlap.communicator``).
+interpreter finalizes (``overlap.comm.communicator``).
 """
 
 from __future__ import annotations

@@ -83,7 +83,7 @@ def finish(exit_code: int = 0, timeout_s: float = ABORT_WAIT_S) -> None:
     tensors are otherwise released during that teardown, when a gloo worker thread can
     no longer take the GIL and aborts the process ("terminate called without an active
     exception", SIGABRT): a finished job reported failed. Destroying the groups at exit
-    (``overlap.communicator``) leaves such objects behind: ``benchmarks/check_gpu.py``
+    (``overlap.comm.communicator``) leaves such objects behind: ``benchmarks/check_gpu.py``
     on 2 gloo ranks aborted so once in 8 runs, after every check had passed on both
     ranks (PyTorch tried the same destroy at exit, pytorch/pytorch#179291, and
     abandoned it). Never returns."""

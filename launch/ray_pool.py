@@ -89,7 +89,7 @@ class _Rank:
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
 
     def setup(self, master: str, port: int, local_rank: int, timeout_s: float) -> str:
-        from overlap.communicator import Communicator
+        from overlap import Communicator
 
         os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
         backend, device = ("nccl", f"cuda:{local_rank}") if self.use_gpu else ("gloo", "cpu")
@@ -102,7 +102,7 @@ class _Rank:
 
     def run(self, definition: bytes, inputs: list, whole: bool, options: dict) -> list:
         from fusion.portable import portable, restored
-        from overlap.executor import MultiDeviceExecutor
+        from overlap import MultiDeviceExecutor
 
         inputs = restored(inputs)
         key = definition + pickle.dumps(sorted(options.items()))

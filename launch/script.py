@@ -14,8 +14,8 @@ from __future__ import annotations
 from types import ModuleType
 
 from launch.env import LaunchError
-from overlap.dump import ScriptError
-from overlap.dump import load_script as _load
+from overlap.compile.dump import ScriptError
+from overlap.compile.dump import load_script as _load
 
 
 def load_script(path: str, need: str = "main") -> ModuleType:

@@ -1,7 +1,7 @@
-"""``python -m overlap dump ...``: see ``overlap.dump`` (the ``overlap`` command has more)."""
+"""``python -m overlap dump ...``: see ``overlap.compile.dump`` (``overlap`` has more)."""
 
 import sys
 
-from overlap.dump import main
+from overlap.compile.dump import main
 
 sys.exit(main())

@@ -1,7 +1,8 @@
 """Pieces of tensors: a rank's piece of a whole value, and the whole from every piece.
 
 ``local_piece`` cuts what a rank holds of a tensor placed on a mesh; ``assemble`` is its
-inverse. Packed fp4 is cut on values, not bytes.
+inverse. Packed fp4 is cut on values, not bytes: ``check_packed_pieces`` refuses a
+layout whose pieces would not fill whole bytes.
 
 Example::
 
@@ -13,9 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from fusion.ir import TensorView
+from fusion.binding import Bindings, resolve
+from fusion.ir import Fusion, Symbol, TensorView
 from fusion.storage import to_logical, to_storage
-from sharding.layout import Shard, layout_of, split_range
+from sharding.layout import Shard, layout_of, split_range, split_sizes
 
 
 def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Tensor | None:
@@ -62,3 +64,29 @@ def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torc
         return torch.cat(parts, placement.dim)
 
     return to_storage(tensor.dtype, along(0, {}))
+
+
+def check_packed_pieces(fusion: Fusion, bindings: Bindings, error: type[Exception]) -> None:
+    """Every rank's piece of a packed tensor (fp4, two values a byte) split along its
+    innermost axis must fill whole bytes; else ``error``, the same verdict on every rank.
+    Extents still unbound (symbols before the inputs come) are checked when they are."""
+    for tensor in fusion.tensors:
+        layout = layout_of(tensor)
+        if not tensor.dtype.is_packed or layout is None:
+            continue
+        innermost = tensor.ndim - 1
+        mesh_axis = layout.mesh_axis_of(innermost)
+        extent = tensor.shape[innermost]
+        if mesh_axis is None or (isinstance(extent, Symbol) and extent not in bindings):
+            continue
+        extent = resolve(extent, bindings)
+        pieces = split_sizes(extent, layout.mesh.shape[mesh_axis])
+        per_byte = tensor.dtype.values_per_storage_element
+        if any(piece % per_byte for piece in pieces):
+            raise error(
+                f"{tensor} holds {tensor.dtype} packed {per_byte} values a byte, and its "
+                f"innermost axis ({extent} values) is split over mesh axis "
+                f"{layout.mesh.axis_names[mesh_axis]!r} into pieces of {pieces} values: a piece "
+                f"must fill whole bytes. Make the extent split into multiples of {per_byte} "
+                "or split another axis"
+            )

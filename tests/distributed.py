@@ -38,7 +38,7 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
     import torch.distributed as dist
 
-    from overlap.communicator import Communicator
+    from overlap import Communicator
 
     communicator = Communicator.initialize("gloo", 60.0, "cpu", rank, world_size)
     while True:

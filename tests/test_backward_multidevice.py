@@ -1,6 +1,6 @@
 """Gradients of placed fusions on real gloo ranks, against torch autograd on one device.
 
-The backward (``overlap.backward.placed_backward``) runs like any placed fusion; every
+The backward (``overlap.train.backward.placed_backward``) runs like any placed fusion; every
 rank's gradient pieces, of activations and weights, must equal the single-device
 gradients (torch autograd through the reference evaluator) cut to that rank's piece,
 and the communications the gradients need are asserted.
@@ -15,9 +15,8 @@ from test_pipelined import SWIGLU_PIPELINES, _loops, swiglu_block
 from fusion import FusionDefinition
 from fusion.reference import evaluate
 from fusion.testing import assert_close
-from overlap.backward import placed_backward
-from overlap.executor import MultiDeviceExecutor
-from overlap.planner import OverlapOptions
+from overlap import MultiDeviceExecutor, OverlapOptions
+from overlap.train.backward import placed_backward
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 
 

@@ -10,7 +10,7 @@ from distributed import RankError
 from test_backward_multidevice import tensor_parallel_mlp
 
 from fusion.testing import assert_close
-from overlap.executor import MultiDeviceExecutor
+from overlap import MultiDeviceExecutor
 
 
 def dtensor_run(communicator, wrong: str | None = None) -> list[str]:

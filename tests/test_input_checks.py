@@ -19,8 +19,8 @@ from distributed import RankError
 
 from fusion import FusionDefinition
 from fusion.errors import InputError
-from overlap.executor import MultiDeviceExecutor
-from overlap.inputs import (
+from overlap import MultiDeviceExecutor
+from overlap.runtime.inputs import (
     InputChangeError,
     LocalBinding,
     changes_seen_everywhere,
@@ -276,7 +276,7 @@ def test_shard_inputs_refuses_whole_inputs_that_differ_between_ranks_on_every_ra
 def test_an_unplaced_fusion_binds_again_only_when_an_input_changes(monkeypatch):
     """One device: inputs of the last run's dtypes, shapes and devices reuse its bindings
     (binding cost more host time than a small kernel); any change is checked again."""
-    import overlap.inputs as inputs_module
+    import overlap.runtime.inputs as inputs_module
 
     calls = []
     real = inputs_module.bind_inputs

@@ -29,7 +29,7 @@ import torch
 from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
-from overlap.executor import MultiDeviceExecutor
+from overlap import MultiDeviceExecutor
 
 
 def fusion(world):
@@ -326,11 +326,11 @@ def test_a_kernel_compile_says_how_long_it_took_once_and_a_cached_one_says_nothi
     code = (
         "import os, sys\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from overlap import compute_steps, progress\n"
+        "from overlap.runtime import compute_steps, progress\n"
         "progress.enable()\n"
         "import torch\n"
         "from examples.norms import BUILDERS, make_inputs\n"
-        "from overlap.executor import MultiDeviceExecutor\n"
+        "from overlap.runtime.executor import MultiDeviceExecutor\n"
         "fd = BUILDERS['rmsnorm_fwd'](64, 'float32')\n"
         "inputs = make_inputs('rmsnorm_fwd', 3, 64, torch.float32, 'cpu', torch.Generator())\n"
         "compute_steps.COMPILED_S = 0.0  # any first launch counts as a compile\n"
@@ -407,7 +407,7 @@ _MANY_COLLECTIVES = """
 import torch
 import torch.distributed as dist
 
-from overlap.communicator import Communicator
+from overlap import Communicator
 
 Communicator.initialize("gloo")
 for _ in range(50):  # finished collectives whose tensors gloo's threads release late

@@ -3,7 +3,7 @@
 Every scenario runs on 2 and 4 ranks with fresh random inputs, checks every rank's output
 piece against the reference evaluator's whole output (cut to that rank's piece), and
 asserts which communications the framework inserted. Its backward
-(``overlap.backward.placed_backward``) runs too: every rank's piece of every input's
+(``overlap.train.backward.placed_backward``) runs too: every rank's piece of every input's
 gradient against torch autograd through the reference evaluator on one device. Each
 runs twice: with the compute evaluated by the reference evaluator, and with generated
 Triton kernels (under Triton's interpreter here, compiled on GPUs by
@@ -19,9 +19,9 @@ import torch
 from fusion import FusionDefinition, to_fp4
 from fusion.reference import evaluate
 from fusion.testing import assert_close
-from overlap.backward import placed_backward
-from overlap.executor import MultiDeviceExecutor
-from overlap.host_ir import LaunchKernel, walk
+from overlap import MultiDeviceExecutor
+from overlap.ir import LaunchKernel, walk
+from overlap.train.backward import placed_backward
 from sharding import DeviceMesh, Partial, Replicate, Shard, shard
 
 WORLD_SIZES = [2, 4]

@@ -13,8 +13,8 @@ from distributed import RankError
 
 from fusion import FusionDefinition
 from fusion.errors import InputError
-from overlap.autograd import without_grad
-from overlap.executor import MultiDeviceExecutor
+from overlap import MultiDeviceExecutor
+from overlap.runtime.autograd import without_grad
 from sharding import DeviceMesh, Replicate, Shard, ShardingError, shard
 
 
@@ -364,8 +364,7 @@ def test_a_single_device_run_refuses_what_is_not_a_list_of_tensors():
 
 def test_a_compiled_program_runs_as_it_was_compiled_or_is_refused(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # generated kernels may run on CPU
-    from overlap.compile import compile_program
-    from overlap.planner import OverlapOptions
+    from overlap import OverlapOptions, compile_program
 
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 8])

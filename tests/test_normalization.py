@@ -13,8 +13,7 @@ import torch
 from examples.norms import BUILDERS, make_inputs
 from fusion import FusionDefinition
 from fusion.testing import assert_close
-from overlap import host_ir
-from overlap.executor import MultiDeviceExecutor
+from overlap import MultiDeviceExecutor, ir
 from schedulers.analysis import NotSchedulable
 from schedulers.cache import KERNEL_CACHE
 from schedulers.hardware import B200, H100, H200, INTERPRETER
@@ -1998,8 +1997,8 @@ def test_fp8_rows_in_and_out_pass_through_the_kernel_as_byte_codes():
         wf = fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
         fd.add_output(fd.ops.cast(xf * rstd * wf, "float8_e5m2"))
     executor = MultiDeviceExecutor(fd, kernels="generated")
-    launches = [i for i in host_ir.walk(executor.program.instructions)
-                if isinstance(i, host_ir.LaunchKernel)]  # fmt: skip
+    launches = [i for i in ir.walk(executor.program.instructions)
+                if isinstance(i, ir.LaunchKernel)]  # fmt: skip
     assert [launch.backend for launch in launches] == ["normalization"]
     generator = torch.Generator().manual_seed(3)
     for rows in (5, 5, 9):

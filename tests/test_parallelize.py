@@ -1,4 +1,4 @@
-"""``overlap.parallelize``: a PyTorch module captured, placed by a tensor-parallel plan and
+"""``overlap.train.parallelize``: a PyTorch module captured, placed by a tensor-parallel plan and
 trained on real gloo ranks; every rank's output piece and gradient pieces equal the
 unparallelized module's under torch autograd, cut to that rank."""
 
@@ -11,7 +11,7 @@ from distributed import RankError
 from test_capture import RMSNorm, RotaryAttention, SwiGLU
 
 from fusion.testing import assert_close
-from overlap.parallelize import parallelize
+from overlap import parallelize
 
 PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 HEADS_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}

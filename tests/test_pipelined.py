@@ -14,10 +14,9 @@ from distributed import RankError
 from fusion import FusionDefinition, ParallelType
 from fusion.exprs import LinearOp
 from fusion.testing import assert_close
-from overlap.executor import MultiDeviceExecutor
-from overlap.host_ir import Communicate, ForLoop, LaunchKernel
-from overlap.partials import PartialCombiner
-from overlap.planner import OverlapOptions
+from overlap import MultiDeviceExecutor, OverlapOptions
+from overlap.comm.partials import PartialCombiner
+from overlap.ir import Communicate, ForLoop, LaunchKernel
 from schedulers.cache import KERNEL_CACHE
 from schedulers.hardware import INTERPRETER
 from sharding import DeviceMesh, Shard, ShardingError, shard, shard_fusion
@@ -112,7 +111,7 @@ def reduce_waits_in_order(communicator, chunks: int) -> list[str]:
     for, on this CPU rank (the result checked too)."""
     import torch.distributed as dist
 
-    from overlap import pipelined as pipelines
+    from overlap.comm import pipelined as pipelines
 
     log = []
     post, wait = dist.batch_isend_irecv, pipelines._Batch.wait
@@ -162,7 +161,8 @@ def _partials(world: int, x: torch.Tensor, w: torch.Tensor) -> list[torch.Tensor
 
 
 def _in_coordinate_order(partials: list[torch.Tensor]) -> torch.Tensor:
-    """The documented order of ``overlap.partials``: float32, coordinate 0 first, one rounding."""
+    """The documented order of ``overlap.comm.partials``: float32, coordinate 0 first, one
+    rounding."""
     total = partials[0].float()
     for partial in partials[1:]:
         total = total + partial.float()
@@ -220,7 +220,7 @@ def test_a_pipelined_reduce_scatter_sums_in_its_documented_order_at_every_chunk_
     rank_pools, transport, per_rank_counts, kernels
 ):
     """4 ranks, bf16, 13 rows (4/3/3/3): every chunk count gives the same bits on every
-    rank, and they are the documented order's (overlap.partials for the collective
+    rank, and they are the documented order's (overlap.comm.partials for the collective
     transport: coordinate order in float32, one rounding; the ring's hop order, rounded
     at each hop). Ranks 0 and 1 compute large partials that cancel, so another order
     (reversed; the ring's against the coordinate order) gives other bits: the check can

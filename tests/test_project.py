@@ -106,6 +106,60 @@ def test_packages_import_only_downward(layer):
         assert not wrong, f"{path.relative_to(ROOT)} imports {sorted(wrong)}, a layer above it"
 
 
+# overlap's rooms, lowest first: a room imports only the rooms before it (and itself).
+OVERLAP_ROOMS = ["diag", "ir", "plan", "compile", "comm", "runtime", "train"]
+
+
+def _imported_overlap_rooms(path: Path) -> set[str]:
+    """The rooms of ``overlap`` a module imports, at any depth of its code (a function's
+    deferred import counts)."""
+    rooms = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        modules = []
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules = [node.module]
+            if node.module == "overlap":  # from overlap import progress, Communicator...
+                modules = [f"overlap.{alias.name}" for alias in node.names]
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "overlap" and len(parts) > 1:
+                rooms.add(parts[1])
+    return rooms
+
+
+def test_overlap_is_made_of_its_rooms_and_nothing_else():
+    modules = sorted(p.name for p in (ROOT / "overlap").glob("*.py"))
+    assert modules == ["__init__.py", "__main__.py"], modules
+    rooms = sorted(p.name for p in (ROOT / "overlap").iterdir() if (p / "__init__.py").exists())
+    assert rooms == sorted(OVERLAP_ROOMS)
+
+
+@pytest.mark.parametrize("room", OVERLAP_ROOMS)
+def test_overlap_rooms_import_only_the_rooms_below(room):
+    """``ir``, ``plan`` and ``compile`` never import ``runtime`` or ``comm``: what a
+    program is and how it is decided is known before any rank talks to another."""
+    allowed = set(OVERLAP_ROOMS[: OVERLAP_ROOMS.index(room) + 1])
+    for path in (ROOT / "overlap" / room).rglob("*.py"):
+        wrong = _imported_overlap_rooms(path) - allowed
+        assert not wrong, f"{path.relative_to(ROOT)} imports overlap.{sorted(wrong)}, above it"
+
+
+def test_the_public_names_of_overlap_load_from_where_they_live():
+    code = (
+        "import sys, overlap\n"
+        "assert 'overlap.runtime' not in sys.modules\n"
+        "for name in overlap.__all__:\n"
+        "    value = getattr(overlap, name)\n"
+        "    assert value.__name__ == name, (name, value)\n"
+        "from overlap import MultiDeviceExecutor, parallelize\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+
+
 @pytest.mark.parametrize("layer", LAYERS)
 def test_no_package_imports_another_packages_private_names(layer):
     """A name with a leading underscore is its module's business: another package that
@@ -153,7 +207,7 @@ def test_importing_the_framework_leaves_triton_unimported():
     tests) set TRITON_INTERPRET=1 would break every generated kernel on CPU."""
     code = (
         "import sys\n"
-        "import fusion, sharding, schedulers.registry, overlap.executor\n"
+        "import fusion, sharding, schedulers.registry, overlap.runtime.executor\n"
         "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,

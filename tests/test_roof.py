@@ -9,13 +9,11 @@ import pytest
 import torch
 
 from fusion import FusionDefinition
-from overlap.compile import compile_program
-from overlap.executor import MultiDeviceExecutor
-from overlap.figures import H200_FIGURES
-from overlap.host_ir import Communicate, LaunchKernel, walk
-from overlap.planner import OverlapOptions
-from overlap.roof import measure, report
-from overlap.timeline import Span, Timeline
+from overlap import MultiDeviceExecutor, OverlapOptions, Timeline, compile_program
+from overlap.diag.timeline import Span
+from overlap.ir import Communicate, LaunchKernel, walk
+from overlap.plan.figures import H200_FIGURES
+from overlap.plan.roof import measure, report
 from sharding import DeviceMesh, Shard, shard
 
 

@@ -27,8 +27,8 @@ from fusion import FusionDefinition
 from fusion.dtypes import as_dtype
 from fusion.fp4 import FP4_MAGNITUDES, FP4_MIDPOINTS, pack_fp4, to_fp4
 from fusion.testing import assert_close
-from overlap.executor import MultiDeviceExecutor
-from overlap.host_ir import LaunchKernel, walk
+from overlap import MultiDeviceExecutor
+from overlap.ir import LaunchKernel, walk
 from schedulers import runtime
 from schedulers.analysis import NotSchedulable
 from schedulers.cache import KERNEL_CACHE

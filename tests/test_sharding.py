@@ -8,8 +8,8 @@ import torch
 from fusion import FusionDefinition
 from fusion.ir import ParallelType
 from fusion.reference import evaluate
-from overlap.deallocate import insert_deallocations
-from overlap.lowering import lower_to_host_program
+from overlap.compile.deallocate import insert_deallocations
+from overlap.compile.lowering import lower_to_host_program
 from sharding import (
     DeviceMesh,
     Layout,

@@ -13,15 +13,14 @@ from fusion import FusionDefinition, ParallelType
 from fusion.autodiff import backward
 from fusion.reference import evaluate
 from fusion.testing import assert_close
-from overlap.backward import placed_backward
-from overlap.compile import compile_program
-from overlap.cost_model import predict
-from overlap.executor import MultiDeviceExecutor
-from overlap.figures import CPU_FIGURES, H200_FIGURES
-from overlap.host_ir import LaunchKernel, walk
-from overlap.lowering import lower_to_host_program
-from overlap.planner import OverlapOptions, plan_overlap
-from overlap.timeline import Span, Timeline, axis_ticks, chrome_trace, render_png, render_text
+from overlap import MultiDeviceExecutor, OverlapOptions, Timeline, compile_program
+from overlap.compile.lowering import lower_to_host_program
+from overlap.diag.timeline import Span, axis_ticks, chrome_trace, render_png, render_text
+from overlap.ir import LaunchKernel, walk
+from overlap.plan.cost_model import predict
+from overlap.plan.figures import CPU_FIGURES, H200_FIGURES
+from overlap.plan.planner import plan_overlap
+from overlap.train.backward import placed_backward
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
 
 

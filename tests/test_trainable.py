@@ -17,8 +17,8 @@ from test_backward_multidevice import BLOCKS
 from fusion import FusionDefinition
 from fusion.reference import evaluate
 from fusion.testing import assert_close
-from overlap.backward import placed_backward, saved_by_policy
-from overlap.trainable import TrainableFusion
+from overlap import TrainableFusion
+from overlap.train.backward import placed_backward, saved_by_policy
 from sharding import DeviceMesh, Shard, shard
 
 

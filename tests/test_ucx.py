@@ -1,4 +1,4 @@
-"""UCX point-to-point transfers (``overlap.ucx``) between two CPU processes: exact bytes
+"""UCX point-to-point transfers (``overlap.comm.ucx``) between two CPU processes: exact bytes
 for every dtype, one-way and as a ring step, and clear refusals."""
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def _payloads() -> list[torch.Tensor]:
 
 
 def _one_way(communicator) -> list[torch.Tensor]:
-    from overlap.ucx import UcxTransport
+    from overlap import UcxTransport
 
     transport = UcxTransport(communicator)
     received = []
@@ -43,7 +43,7 @@ def _one_way(communicator) -> list[torch.Tensor]:
 
 
 def _ring(communicator) -> torch.Tensor:
-    from overlap.ucx import UcxTransport
+    from overlap import UcxTransport
 
     transport = UcxTransport(communicator)
     try:
@@ -58,7 +58,7 @@ def _ring(communicator) -> torch.Tensor:
 
 
 def _refusals(communicator) -> list[str]:
-    from overlap.ucx import UcxTransport
+    from overlap import UcxTransport
 
     transport = UcxTransport(communicator)
     said = []

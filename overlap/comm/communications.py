@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fusion.ir import TensorView
-from overlap.communicator import Communicator
+from overlap.comm.communicator import Communicator
 from sharding.communication import Communication, CommunicationKind
 from sharding.layout import split_range, split_sizes
 from sharding.mesh import DeviceMesh

@@ -7,7 +7,7 @@ A pass over a host program, after lowering: ``insert_deallocations(program)``.
 from __future__ import annotations
 
 from fusion.ir import TensorView
-from overlap.host_ir import (
+from overlap.ir import (
     AliasSelect,
     Communicate,
     Deallocate,

@@ -2,8 +2,8 @@
 
 ``RankProgram`` unrolls the host program's loops into a flat list of steps, each a
 closure that launches work: a kernel (generated, through cuBLAS, or the evaluator),
-a communication (``overlap.communications``, or a chunk of a pipeline through
-``overlap.pipelined``), a stream switch. Everything a run does not need to decide again
+a communication (``overlap.comm.communications``, or a chunk of a pipeline through
+``overlap.comm.pipelined``), a stream switch. Everything a run does not need to decide again
 is decided here once. It reads the compiled program and its ``RankSetup`` and writes
 only its own fields, and the copy-engine buffers its setup hands it (which its steps
 fill and read, as a run must).
@@ -20,10 +20,12 @@ from fusion.binding import Bindings, resolve
 from fusion.fp4 import unpack_fp4
 from fusion.ir import TensorView
 from fusion.storage import is_packed, packed, storage_dtype, storage_shape
-from overlap.communications import Pending, RankContext, start
-from overlap.compile import CompiledProgram
-from overlap.compute_steps import ComputeSteps
-from overlap.host_ir import (
+from overlap.comm.communications import Pending, RankContext, start
+from overlap.comm.pipelined import PipelinedComms, chunk_rows, place
+from overlap.comm.symmetric import SymmetricBuffers
+from overlap.compile.pipeline import CompiledProgram
+from overlap.diag.timeline import Timeline
+from overlap.ir import (
     AliasSelect,
     Allocate,
     CombineStaged,
@@ -38,10 +40,8 @@ from overlap.host_ir import (
     Transport,
     Wait,
 )
-from overlap.pipelined import PipelinedComms, chunk_rows, place
-from overlap.streams import StreamPool
-from overlap.symmetric import SymmetricBuffers
-from overlap.timeline import Timeline
+from overlap.runtime.compute_steps import ComputeSteps
+from overlap.runtime.streams import StreamPool
 from schedulers.hardware import HardwareProfile
 from sharding.errors import ShardingError
 from sharding.layout import Shard, layout_of, local_shape
@@ -100,7 +100,7 @@ class RankProgram:
             storage_dtype,
             setup.device,
         )
-        # sums of partials (overlap.partials) as generated kernels where compute is
+        # sums of partials (overlap.comm.partials) as generated kernels where compute is
         self.pipelined = PipelinedComms(
             self.ctx, setup.symmetric, setup.hardware if compiled.schedule else None
         )

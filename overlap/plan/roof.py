@@ -24,9 +24,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlap.host_ir import Communicate, HostProgram, LaunchKernel, walk
-from overlap.planner import OverlapDecision, OverlapPlan
-from overlap.timeline import Span
+from overlap.diag.timeline import Span
+from overlap.ir import Communicate, HostProgram, LaunchKernel, walk
+from overlap.plan.planner import OverlapDecision, OverlapPlan
 
 # Below this share of its communication time spent beside a matmul, a planned overlap
 # did not happen.

@@ -9,7 +9,7 @@ Host-side exchanges (input checks, agreements) go through gloo, never waiting on
 One gloo group has a timeout of its own (``input_check_timeout_s``: 60 s, or the
 ``OVERLAP_INPUT_CHECK_TIMEOUT_S`` environment variable): a rank whose inputs changed
 alone exchanges there, and learns within that time that its peers are not coming
-(``overlap.inputs.InputCheck``).
+(``overlap.runtime.inputs.InputCheck``).
 
 A process that built a ``Communicator`` destroys its process groups when it exits
 (``atexit``), before the interpreter finalizes. Left alive, a gloo worker thread that

@@ -5,15 +5,15 @@ The passes run from one visible list, ``PASSES``, each a function of its own mod
 1. ``shard`` (``sharding.resharding.shard_fusion``): a placed copy of the fusion, every
    tensor laid out and the communications inserted (a fusion placed on no mesh is
    copied as it is);
-2. ``plan overlap`` (``overlap.planner.plan_overlap``): which communications to
+2. ``plan overlap`` (``overlap.plan.planner.plan_overlap``): which communications to
    pipeline with their matmuls, how many chunks, by which transport, in which order:
    a typed ``OverlapPlan``, decided from the device's figures, changing nothing;
-3. ``apply the plan`` (``overlap.apply_plan.apply_overlap_plan``): the chosen rows
+3. ``apply the plan`` (``overlap.compile.apply_plan.apply_overlap_plan``): the chosen rows
    become ``Stream`` axes;
-4. ``lower`` (``overlap.lowering.lower_to_host_program``): segments, kernels (generated
+4. ``lower`` (``overlap.compile.lowering.lower_to_host_program``): segments, kernels (generated
    by the schedulers, or the evaluator) and stream loops, the plan's transports and
    orders on the pipelined communications;
-5. ``deallocate`` (``overlap.deallocate.insert_deallocations``).
+5. ``deallocate`` (``overlap.compile.deallocate.insert_deallocations``).
 
 ``compile.py`` lists the passes, wraps each to the state it reads and writes, and holds
 the checks only the world size allows (a mesh larger than the world). Nothing here talks
@@ -35,16 +35,16 @@ from typing import TextIO
 
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion
-from overlap.apply_plan import apply_overlap_plan
-from overlap.deallocate import insert_deallocations
-from overlap.figures import CPU_FIGURES, HardwareFigures
-from overlap.host_ir import HostProgram
-from overlap.inputs import check_packed_pieces
-from overlap.lowering import lower_to_host_program
-from overlap.planner import OverlapOptions, OverlapPlan, plan_overlap
-from overlap.recompute import drop_dead_exprs, gather_pointwise, recompute_widened_inputs
+from overlap.compile.apply_plan import apply_overlap_plan
+from overlap.compile.deallocate import insert_deallocations
+from overlap.compile.lowering import lower_to_host_program
+from overlap.compile.recompute import drop_dead_exprs, gather_pointwise, recompute_widened_inputs
+from overlap.ir import HostProgram
+from overlap.plan.figures import CPU_FIGURES, HardwareFigures
+from overlap.plan.planner import OverlapOptions, OverlapPlan, plan_overlap
 from sharding.errors import ShardingError
 from sharding.layout import is_placed
+from sharding.pieces import check_packed_pieces
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
 

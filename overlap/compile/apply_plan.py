@@ -1,18 +1,18 @@
 """Applying an overlap plan: the rows each chosen pipeline cuts become ``Stream`` axes.
 
-The planner (``overlap.planner.plan_overlap``) only decides; this pass writes its choices
+The planner (``overlap.plan.planner.plan_overlap``) only decides; this pass writes its choices
 into the fusion's IR, as parallel types: the contraction's output rows and the
 communication's output along its split axis become ``Stream`` axes of the chosen chunk
 count, and so do the rows of the other exprs the pipeline runs chunk by chunk (the
 gathered rows' other matmuls). Stream lowering
-(``overlap.lowering``) then turns them into chunk loops, and takes
+(``overlap.compile.lowering``) then turns them into chunk loops, and takes
 each communication's transport and chunk order from the same plan.
 """
 
 from __future__ import annotations
 
-from overlap.cost_model import Pattern
-from overlap.planner import OverlapPlan
+from overlap.plan.cost_model import Pattern
+from overlap.plan.planner import OverlapPlan
 
 
 def apply_overlap_plan(plan: OverlapPlan) -> None:

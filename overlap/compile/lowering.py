@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from fusion.exprs import AttentionGradOp, AttentionOp, Expr, LinearOp, MatmulOp
 from fusion.ir import Axis, Fusion, TensorView
-from overlap.host_ir import (
+from overlap.ir import (
     LOOP_STREAM,
     AliasSelect,
     Allocate,
@@ -50,7 +50,7 @@ from overlap.host_ir import (
     Wait,
     stream_dim,
 )
-from overlap.planner import OverlapPlan
+from overlap.plan.planner import OverlapPlan
 from schedulers.registry import KernelGroup, split_into_kernels
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError

@@ -11,8 +11,8 @@ from __future__ import annotations
 import enum
 import math
 
-from overlap.figures import HardwareFigures
-from overlap.host_ir import Transport
+from overlap.ir import Transport
+from overlap.plan.figures import HardwareFigures
 
 
 class Pattern(enum.StrEnum):
@@ -127,7 +127,7 @@ def _device_ms(
     chunk_bytes = [r * moved_width * bits / 8 for r in rows]
     if transport is Transport.COPY_ENGINE:
         # Own chunks need no transfer; the peers' arrive one after another (each pull
-        # waits for the one before: overlap.symmetric), after this rank's piece is staged
+        # waits for the one before: overlap.comm.symmetric), after this rank's piece is staged
         # for them (beside the first matmuls, on its own stream).
         own = set(range(per_rank))
         staging = (m / parts) * k * bits / 8 * 2 / (figures.memory_gbps * 1e6)

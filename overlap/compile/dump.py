@@ -4,7 +4,7 @@
 
 The script defines ``fusion(world_size)`` returning its ``FusionDefinition`` (see
 ``launch/script.py``). The fusion is compiled for the named device's figures
-(``overlap.figures.NAMED_FIGURES``: h200, h100, b200, cpu) by ``compile_program``
+(``overlap.plan.figures.NAMED_FIGURES``: h200, h100, b200, cpu) by ``compile_program``
 directly: no process group, no GPU needed. It prints the planner's choices with their
 reasons, then each distinct rank program once (with the ranks that run it); ``--passes``
 prints the fusion or program after every pass, ``--kernels`` lowers compute to
@@ -21,8 +21,8 @@ from pathlib import Path
 from types import ModuleType
 from typing import TextIO
 
-from overlap.compile import compile_program
-from overlap.figures import NAMED_FIGURES
+from overlap.compile.pipeline import compile_program
+from overlap.plan.figures import NAMED_FIGURES
 
 
 class ScriptError(ValueError):

@@ -34,7 +34,7 @@ returns its pieces of the outputs. Its parameters are DTensors on a torch
 initialized): their local pieces are this rank's, their placements the plan's, so
 optimizers, gradient clipping and ``torch.distributed.checkpoint`` treat them as
 tensor-parallel parameters; with ``dtensors=False`` they are the plain pieces. An uneven
-split that DTensor would cut otherwise (``overlap.dtensors.torch_split_differs``) is
+split that DTensor would cut otherwise (``overlap.runtime.dtensors.torch_split_differs``) is
 refused, naming the parameter. ``full_state(module)`` hands this rank's pieces of an
 unparallelized module's state, to load or compare.
 
@@ -58,10 +58,10 @@ import torch.distributed as dist
 
 from fusion import ops
 from fusion.capture import Boundary, capture
-from overlap.communicator import Communicator
-from overlap.dtensors import is_dtensor, torch_placement, torch_split_differs
-from overlap.inputs import check_same_on_every_rank
-from overlap.trainable import TrainableFusion
+from overlap.comm.communicator import Communicator
+from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
+from overlap.runtime.inputs import check_same_on_every_rank
+from overlap.train.trainable import TrainableFusion
 from schedulers.runtime import contiguous_strides
 from sharding import DeviceMesh, Replicate, Shard, shard
 from sharding.annotate import as_placement

@@ -26,7 +26,7 @@ import socket
 import numpy as np
 import torch
 
-from overlap.communicator import Communicator
+from overlap.comm.communicator import Communicator
 
 _RANK_BYTES = 8  # the first message on a new endpoint: the connecting rank
 

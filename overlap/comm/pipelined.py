@@ -9,7 +9,7 @@ into its owner. How a chunk moves:
   partials go whole to its owner (each iteration's sends and receives posted as one
   batch: in the ``local_last`` order the planner picks, every rank sends one
   partial to one owner and receives one, all links busy at once); the owner combines
-  them, in coordinate order, at its own iteration of the chunk (``overlap.partials``).
+  them, in coordinate order, at its own iteration of the chunk (``overlap.comm.partials``).
 - ``ring``: send/receive to the ring neighbours; an all-gather chunk is
   forwarded rank to rank starting at its owner, a reduce-scatter chunk is
   accumulated rank to rank and lands on its owner.
@@ -19,7 +19,7 @@ into its owner. How a chunk moves:
   in any order, its own first (all-gather) or last (reduce-scatter).
 
 A reduce-scatter's partials are summed in one documented order: by the collective
-and copy-engine transports as ``overlap.partials`` says (given the same partials, the
+and copy-engine transports as ``overlap.comm.partials`` says (given the same partials, the
 same bits at every chunk count and by either transport), by the ring hop by hop along
 the ring, from the owner's successor to the owner, each hop's sum rounded to the
 output's type (the same bits at every chunk count, given the same partials).
@@ -41,9 +41,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from overlap.communications import Pending, RankContext, start
-from overlap.host_ir import ChunkScheme, Communicate, Transport, stream_dim
-from overlap.partials import COMBINE, PartialCombiner
+from overlap.comm.communications import Pending, RankContext, start
+from overlap.comm.partials import COMBINE, PartialCombiner
+from overlap.ir import ChunkScheme, Communicate, Transport, stream_dim
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import split_range

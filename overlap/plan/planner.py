@@ -20,7 +20,7 @@ when no candidate beats the sequential run by at least 3 %. Every choice prints 
 reason and the candidates' predictions; ``OverlapOptions`` overrides any part of it.
 
 ``plan_overlap`` only decides: it returns an ``OverlapPlan`` and changes nothing.
-``overlap.apply_plan`` marks the chosen rows as ``Stream`` axes, and lowering reads each
+``overlap.compile.apply_plan`` marks the chosen rows as ``Stream`` axes, and lowering reads each
 communication's transport and order from the plan.
 """
 
@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
-from overlap.cost_model import Pattern, predict
-from overlap.figures import HardwareFigures
-from overlap.host_ir import ChunkOrder, Transport
+from overlap.ir import ChunkOrder, Transport
+from overlap.plan.cost_model import Pattern, predict
+from overlap.plan.figures import HardwareFigures
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import layout_of, local_shape
@@ -242,7 +242,7 @@ def plan_overlap(
     replayed: bool = False,
 ) -> OverlapPlan:
     """Decide the overlap of every pattern found in ``fusion``; changes nothing
-    (``overlap.apply_plan.apply_overlap_plan`` applies the plan).
+    (``overlap.compile.apply_plan.apply_overlap_plan`` applies the plan).
 
     ``replayed``: runs replay a CUDA graph, so the host's cost of issuing a long
     pipeline does not count.

@@ -37,7 +37,8 @@ from fusion.binding import Bindings, InputAt, bind_inputs, check_constraints, re
 from fusion.errors import InputError
 from fusion.exprs import ReductionOp
 from fusion.ir import Fusion, Symbol, TensorView
-from sharding.layout import Layout, layout_of, local_shape, split_sizes
+from sharding.layout import Layout, layout_of, local_shape
+from sharding.pieces import check_packed_pieces
 
 CHECK_MODES = ("changes", "always", "never")
 
@@ -345,32 +346,6 @@ def check_bound_extents(fusion: Fusion, bindings: Bindings) -> None:
     fill whole bytes, and no max/min reduces an axis empty everywhere."""
     check_packed_pieces(fusion, bindings, InputError)
     check_extremes_have_values(fusion, bindings)
-
-
-def check_packed_pieces(fusion: Fusion, bindings: Bindings, error: type[Exception]) -> None:
-    """Every rank's piece of a packed tensor (fp4, two values a byte) split along its
-    innermost axis must fill whole bytes; else ``error``, the same verdict on every rank.
-    Extents still unbound (symbols before the inputs come) are checked when they are."""
-    for tensor in fusion.tensors:
-        layout = layout_of(tensor)
-        if not tensor.dtype.is_packed or layout is None:
-            continue
-        innermost = tensor.ndim - 1
-        mesh_axis = layout.mesh_axis_of(innermost)
-        extent = tensor.shape[innermost]
-        if mesh_axis is None or (isinstance(extent, Symbol) and extent not in bindings):
-            continue
-        extent = resolve(extent, bindings)
-        pieces = split_sizes(extent, layout.mesh.shape[mesh_axis])
-        per_byte = tensor.dtype.values_per_storage_element
-        if any(piece % per_byte for piece in pieces):
-            raise error(
-                f"{tensor} holds {tensor.dtype} packed {per_byte} values a byte, and its "
-                f"innermost axis ({extent} values) is split over mesh axis "
-                f"{layout.mesh.axis_names[mesh_axis]!r} into pieces of {pieces} values: a piece "
-                f"must fill whole bytes. Make the extent split into multiples of {per_byte} "
-                "or split another axis"
-            )
 
 
 def check_extremes_have_values(fusion: Fusion, bindings: Bindings) -> None:

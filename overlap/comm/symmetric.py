@@ -8,7 +8,7 @@ peer's buffer is a device-to-device copy done by the copy engines: no SMs.
   every piece is there, then every rank pulls the chunks it needs;
 - reduce-scatter: each rank pushes partial chunk ``c`` into slot ``me`` of
   the owner's buffer, a barrier makes sure every push has landed, then the
-  owner combines the slots in coordinate order (``overlap.partials``).
+  owner combines the slots in coordinate order (``overlap.comm.partials``).
 
 Buffers alternate between two halves from one run to the next, so a rank never
 overwrites what a slower peer may still be reading: the barrier of run n+1
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from overlap.host_ir import ChunkScheme, Communicate
-from overlap.pipelined import ChunkPlace, chunk_rows
+from overlap.comm.pipelined import ChunkPlace, chunk_rows
+from overlap.ir import ChunkScheme, Communicate
 from sharding.layout import split_sizes
 
 
@@ -158,7 +158,7 @@ class SymmetricBuffers:
 
     def combine(self, communicate: Communicate, output: torch.Tensor, combiner) -> None:
         """Wait until every push has landed, then combine the slots into this rank's
-        piece with ``combiner`` (``overlap.partials``: in coordinate order, one pass)."""
+        piece with ``combiner`` (``overlap.comm.partials``: in coordinate order, one pass)."""
         buffer = self.buffers[communicate]
         buffer.handle.barrier(channel=0)
         moved = output.movedim(buffer.dim, 0)

@@ -1,6 +1,6 @@
 """``MultiDeviceExecutor``: runs a fusion's compiled program on this rank.
 
-Construction (the same on every rank): ``overlap.compile.compile_program`` places every
+Construction (the same on every rank): ``overlap.compile.pipeline.compile_program`` places every
 tensor, inserts the communications, plans the overlap and lowers the fusion to a host
 program; then one exchange in which every rank says whether it could build the program
 and what it will post (``Communicator.agree``); then the process groups the program
@@ -8,11 +8,11 @@ needs (collectively).
 
 ``run(local_inputs)`` first checks every rank's inputs against the fusion: at the first
 run, and whenever a rank's inputs change, the ranks exchange their inputs' shapes and
-dtypes (one small host all-gather) and each rank checks all of them (``overlap.inputs``),
+dtypes (one small host all-gather) and each rank checks all of them (``overlap.runtime.inputs``),
 so a bad input on any rank raises the same ``InputError`` on every rank, before any
 communication of the program starts; a run whose inputs are as before asks no one. Then
 it runs this rank's
-program (``overlap.rank_program.RankProgram``, built once per set of extents): compute
+program (``overlap.runtime.rank_program.RankProgram``, built once per set of extents): compute
 as generated kernels or with the evaluator on local pieces, communications through
 torch.distributed, optionally replayed from a CUDA graph.
 
@@ -34,14 +34,18 @@ from fusion.definition import FusionDefinition
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
-from overlap import roof
-from overlap.autograd import refusing_backward, without_grad
-from overlap.communicator import Communicator
-from overlap.compile import CompiledProgram, compile_program
-from overlap.dtensors import as_dtensors, local_pieces
-from overlap.figures import HardwareFigures, default_hardware_figures
-from overlap.host_ir import HostProgram, Transport
-from overlap.inputs import (
+from overlap.comm.communicator import Communicator
+from overlap.comm.symmetric import SymmetricBuffers
+from overlap.compile.lowering import lower_to_host_program
+from overlap.compile.pipeline import CompiledProgram, compile_program
+from overlap.diag.timeline import Timeline
+from overlap.ir import HostProgram, Transport
+from overlap.plan import roof
+from overlap.plan.figures import HardwareFigures, default_hardware_figures
+from overlap.plan.planner import OverlapOptions, OverlapPlan
+from overlap.runtime.autograd import refusing_backward, without_grad
+from overlap.runtime.dtensors import as_dtensors, local_pieces
+from overlap.runtime.inputs import (
     InputCheck,
     LocalBinding,
     addresses,
@@ -49,12 +53,8 @@ from overlap.inputs import (
     check_mode,
     check_same_on_every_rank,
 )
-from overlap.lowering import lower_to_host_program
-from overlap.planner import OverlapOptions, OverlapPlan
-from overlap.rank_program import RankProgram, RankSetup, rank_shape
-from overlap.streams import StreamPool
-from overlap.symmetric import SymmetricBuffers
-from overlap.timeline import Timeline
+from overlap.runtime.rank_program import RankProgram, RankSetup, rank_shape
+from overlap.runtime.streams import StreamPool
 from schedulers.hardware import current_hardware
 from schedulers.runtime import interpreted
 from sharding.errors import ShardingError
@@ -234,7 +234,7 @@ class MultiDeviceExecutor:
     def explain_overlap(self, timeline: Timeline | None = None) -> str:
         """The planner's choices, with reasons and predicted times; with the ``timeline``
         of a run, what each pattern measured on this rank against its limit, and loudly
-        where a planned overlap did not happen (``overlap.roof``)."""
+        where a planned overlap did not happen (``overlap.plan.roof``)."""
         text = self.compiled.explain_overlap()
         if timeline is None:
             return text
@@ -320,7 +320,7 @@ class MultiDeviceExecutor:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
         An input may be a DTensor placed as the fusion places that input (checked, then
-        its local piece is used; ``overlap.dtensors``); outputs on a mesh such inputs
+        its local piece is used; ``overlap.runtime.dtensors``); outputs on a mesh such inputs
         came on are then DTensors too. With a ``timeline``, every kernel and
         communication is recorded per stream.
         ``check_inputs`` says when the ranks exchange their inputs' shapes (a small host

@@ -2,12 +2,12 @@
 
 Local pieces in, local pieces out, as ``MultiDeviceExecutor.run``; the outputs carry
 autograd history, and ``loss.backward()`` runs the fusion's backward program
-(``overlap.backward.placed_backward``) on every rank: each input that requires a
+(``overlap.train.backward.placed_backward``) on every rank: each input that requires a
 gradient gets this rank's piece of it (a replicated input the whole, combined over the
 ranks). Inputs that need no gradient get none computed: the backward is built for the
 inputs that require one, once per such set, on first use. ``saved``: which
 intermediates of the fusion the forward hands to the backward instead of the backward
-recomputing them (memory against time): a policy of ``overlap.backward.SAVE_POLICIES``
+recomputing them (memory against time): a policy of ``overlap.train.backward.SAVE_POLICIES``
 (default ``"matmuls"``: what matmuls compute is saved, the rest recomputed; chosen for
 the gradients of every floating-point input but those at ``frozen`` positions;
 ``"nothing"``: everything recomputed) or a list of the fusion's intermediates.
@@ -43,14 +43,14 @@ import torch
 from fusion.autodiff import differentiable
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion, TensorView
-from overlap.backward import (
+from overlap.comm.communicator import Communicator
+from overlap.runtime.executor import MultiDeviceExecutor
+from overlap.train.backward import (
     SAVE_POLICIES,
     placed_backward,
     placed_forward_with_saved,
     saved_by_policy,
 )
-from overlap.communicator import Communicator
-from overlap.executor import MultiDeviceExecutor
 from sharding.pieces import local_piece
 
 

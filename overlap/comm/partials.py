@@ -19,7 +19,7 @@ what NCCL's reduce-scatter computes (one rounded addition). At more, NCCL's own
 reduce-scatter (the sequential program's) rounds after each hop of its ring, in an
 order of its own, so the sequential result may differ in the last bits, within
 ``fusion.testing``'s tolerance for partial sums. The ``ring`` transport accumulates
-hop by hop instead (``overlap.pipelined``).
+hop by hop instead (``overlap.comm.pipelined``).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ from fusion.exprs import AttentionGradOp, AttentionOp, Expr, IotaOp, LinearOp, M
 from fusion.ir import TensorView
 from fusion.reference import attention_grads, attention_value, evaluate_expr
 from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, unpacked
-from overlap import progress
-from overlap.communications import identity
-from overlap.host_ir import LaunchKernel
+from overlap.comm.communications import identity
+from overlap.diag import progress
+from overlap.ir import LaunchKernel
 from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range

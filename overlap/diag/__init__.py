@@ -1,0 +1,8 @@
+"""What a run did: its timeline (per rank, per stream) and progress messages.
+
+Imports nothing else of ``overlap``: every other room may record into it.
+"""
+
+from overlap.diag.timeline import Span, Timeline
+
+__all__ = ["Span", "Timeline"]
