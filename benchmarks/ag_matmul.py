@@ -147,7 +147,7 @@ def run_shape(
     )
     local = [
         torch.randn(shape_, generator=generator, device=device, dtype=torch.bfloat16)
-        for shape_ in (sequential.ctx_local_shape(t) for t in sequential.fusion.inputs)
+        for shape_ in (sequential.local_shape(t) for t in sequential.fusion.inputs)
     ]
     variants = {"seq": sequential}
     variants["ours"] = MultiDeviceExecutor(fd, communicator, None, figures, cuda_graph=graphs)

@@ -41,7 +41,7 @@ def main() -> None:
         options = OverlapOptions(overlap=True, num_chunks=2, transport="copy_engine")
         executor = MultiDeviceExecutor(fd, communicator, options)
         local = [
-            torch.randn(executor.ctx_local_shape(t), device="cuda", dtype=torch.bfloat16)
+            torch.randn(executor.local_shape(t), device="cuda", dtype=torch.bfloat16)
             for t in executor.fusion.inputs
         ]
         (reference,) = executor.run(local)

@@ -135,11 +135,18 @@ class Axis:
         self.stream_chunks = chunks
         return self
 
-    def __str__(self) -> str:
+    def text(self, streamed: bool = False) -> str:
+        """How the axis prints; ``streamed``: as cut into chunks on streams even where
+        the axis itself is not marked (a host program's planned pipeline)."""
         parallel = self.parallel_type.value
-        if self.parallel_type.is_device and self.stream_chunks is not None:
+        if self.parallel_type.is_device and (streamed or self.stream_chunks is not None):
             parallel += "|Stream"
+        elif streamed:
+            parallel = ParallelType.Stream.value
         return f"{self.iter_type.value}{parallel}{self.id}{{{self.extent}}}"
+
+    def __str__(self) -> str:
+        return self.text()
 
     __repr__ = __str__
 
@@ -205,9 +212,15 @@ class TensorView:
     def is_output(self) -> bool:
         return self in self.fusion.outputs
 
-    def __str__(self) -> str:
-        axes = ", ".join(str(axis) for axis in self.axes)
+    def text(self, stream_dim: int | None = None) -> str:
+        """How the tensor prints; ``stream_dim``: its logical axis shown as cut into
+        chunks on streams (see ``Axis.text``)."""
+        streamed = None if stream_dim is None else self.logical_axes[stream_dim]
+        axes = ", ".join(axis.text(axis is streamed) for axis in self.axes)
         return f"{self.name}_{self.dtype.short}[{axes}]"
+
+    def __str__(self) -> str:
+        return self.text()
 
     __repr__ = __str__
 

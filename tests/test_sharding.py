@@ -500,8 +500,7 @@ def test_host_program_of_the_sequence_parallel_block_is_pinned():
     sharded, _ = _sequence_parallel_block()
     segments = segment_fusion(sharded)
     assert [s.is_communication for s in segments] == [False, True, False, True]
-    program = lower_to_host_program(sharded)
-    insert_deallocations(program)
+    program = insert_deallocations(lower_to_host_program(sharded))
     assert str(program) == HOST_PROGRAM_GOLDEN
 
 

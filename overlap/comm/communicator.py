@@ -41,12 +41,12 @@ class ProgramMismatch(PeerError):
     some rank would wait forever in a collective its peers never post."""
 
 
-def _compare_plans(plans: list[list[str]], step: str) -> None:
-    first = plans[0]
-    odd = next((rank for rank, other in enumerate(plans) if other != first), None)
+def _compare_postings(postings: list[list[str]], step: str) -> None:
+    first = postings[0]
+    odd = next((rank for rank, other in enumerate(postings) if other != first), None)
     if odd is None:
         return
-    other = plans[odd]
+    other = postings[odd]
     line = next(
         (i for i, (a, b) in enumerate(zip(first, other, strict=False)) if a != b),
         min(len(first), len(other)),
@@ -151,26 +151,26 @@ class Communicator:
         return self._groups[key]
 
     def agree(
-        self, failure: BaseException | None, step: str, plan: list[str] | None = None
+        self, failure: BaseException | None, step: str, posted: list[str] | None = None
     ) -> None:
-        """Every rank says whether ``step`` failed on it and, with ``plan`` (a program's
-        ``communication_plan()``), what it will post (collective: one exchange).
+        """Every rank says whether ``step`` failed on it and, with ``posted`` (a program's
+        ``posting_order()``), what it will post (collective: one exchange).
 
         If any rank failed, every rank raises: the failing one its own error, the others
-        a ``PeerError`` naming it. If the plans differ, every rank raises
+        a ``PeerError`` naming it. If what they post differs, every rank raises
         ``ProgramMismatch`` showing the first difference. Either way no rank goes on into
         a collective that some peer never posts.
         """
         said = None if failure is None else f"{type(failure).__name__}: {failure}"
-        everyone = self.all_gather_object((said, plan))
+        everyone = self.all_gather_object((said, posted))
         if failure is not None:
             raise failure
         failed = [(rank, message) for rank, (message, _) in enumerate(everyone) if message]
         if failed:
             rank, message = failed[0]
             raise PeerError(f"{step} failed on rank {rank}: {message}")
-        if plan is not None:
-            _compare_plans([other for _, other in everyone], step)
+        if posted is not None:
+            _compare_postings([other for _, other in everyone], step)
 
     def all_gather_object(self, value: object) -> list[object]:
         """``value`` from every rank of the world, in rank order."""

@@ -43,17 +43,12 @@ import torch.distributed as dist
 
 from overlap.comm.communications import Pending, RankContext, start
 from overlap.comm.partials import COMBINE, PartialCombiner
-from overlap.ir import ChunkScheme, Communicate, Transport, stream_dim
+from overlap.ir import ChunkScheme, Communicate, Transport
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import split_range
 
 ChunkTransfer = Callable[[torch.Tensor | None, torch.Tensor | None], Pending]
-
-
-def is_pipelined(comm: Communication, scheme: ChunkScheme) -> bool:
-    """Whether the loop cuts the axis this communication gathers or scatters."""
-    return scheme.owners > 1 and comm.split_dim == stream_dim(comm.output)
 
 
 @dataclass
@@ -188,7 +183,7 @@ class PipelinedComms:
     ) -> ChunkTransfer:
         """The transfer of ``communicate``'s chunk at ``iteration``, for this rank."""
         comm = communicate.communication
-        if not is_pipelined(comm, scheme):
+        if not communicate.pipelined:
             return self._whole_collective(comm)
         where = place(scheme, self.ctx.rank, iteration)
         group = self.ctx.communicator.group(where.team) if where.parts > 1 else None

@@ -1,7 +1,8 @@
 """Deallocation: each intermediate is released after the top-level instruction that uses
 it last (a chunk's use counts as a use of its whole tensor).
 
-A pass over a host program, after lowering: ``insert_deallocations(program)``.
+A pass over a host program, after lowering: ``insert_deallocations(program)`` returns it
+with the releases.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ def _reads(instruction: Instruction) -> list[TensorView]:
     return []
 
 
-def insert_deallocations(program: HostProgram) -> None:
-    """Release each intermediate after the top-level instruction that uses it last."""
+def insert_deallocations(program: HostProgram) -> HostProgram:
+    """``program`` with each intermediate released after the top-level instruction that
+    uses it last."""
     kept = set(program.fusion.inputs) | set(program.fusion.outputs)
     last_use: dict[TensorView, int] = {}
     source_of: dict[TensorView, TensorView] = {}  # a chunk's use is a use of its tensor
@@ -51,4 +53,4 @@ def insert_deallocations(program: HostProgram) -> None:
     for position, instruction in enumerate(program.instructions):
         instructions.append(instruction)
         instructions.extend(Deallocate(t) for t in releases.get(position, []))
-    program.instructions = instructions
+    return HostProgram(program.fusion, tuple(instructions))

@@ -4,31 +4,28 @@ Exprs outside any stream-parallel run become, in order, ``LaunchKernel``s
 (consecutive compute exprs on one mesh share one; a matmul or linear gets its
 own, on cuBLAS) and communications (``Allocate``, ``Communicate``, ``Wait``).
 
-Stream lowering: an expr whose output has a ``Stream`` axis runs chunk by chunk
-in a ``ForLoop``. Consecutive stream-parallel exprs over the same axis (same
-extent, same number of chunks) share one loop; any other expr between them ends
-the loop. A stream-parallel compute expr that reads nothing computed since the
-last loop of its kind is moved up into that loop (the up projection next to the
-gate projection, both fed by one gathered chunk). The loop's outputs are
-allocated once, before it. The synchronizations with the user's stream are
-hoisted into a loop of their own before the work loop, so no iteration waits on
-another. In the work loop, iteration ``i`` makes stream ``i`` current, selects
-chunk ``i`` of every tensor it touches (``AliasSelect``; a reduction over
-another axis keeps its reduction axes), runs the exprs on the chunks, restores
-the user's stream and makes it wait for stream ``i``.
+Stream lowering: an expr whose output has a stream axis (``StreamAxes``, from
+``overlap.compile.apply_plan``: the user's ``Stream`` marks and the plan's pipelines)
+runs chunk by chunk in a ``ForLoop`` (which exprs share a loop:
+``overlap.compile.runs``). The loop's outputs are allocated once, before it. The
+synchronizations with the user's stream are hoisted into a loop of their own before
+the work loop, so no iteration waits on another. In the work loop, iteration ``i``
+makes stream ``i`` current, selects chunk ``i`` of every tensor it touches
+(``AliasSelect``; a reduction over another axis keeps its reduction axes), runs the
+exprs on the chunks, restores the user's stream and makes it wait for stream ``i``.
 
 A communication next to a stream-parallel expr joins its loop along the
-matching axis: an all-gather feeding a linear is gathered chunk by chunk, each
-chunk consumed as soon as it lands; a reduce-scatter of a linear's output
-reduces each chunk as soon as it is computed.
+matching axis (``StreamAxes`` says so): an all-gather feeding a linear is gathered
+chunk by chunk, each chunk consumed as soon as it lands; a reduce-scatter of a
+linear's output reduces each chunk as soon as it is computed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from fusion.exprs import AttentionGradOp, AttentionOp, Expr, LinearOp, MatmulOp
-from fusion.ir import Axis, Fusion, TensorView
+from fusion.ir import Fusion, TensorView
+from overlap.compile.apply_plan import StreamAxes, stream_axes
+from overlap.compile.runs import loop_keys, runs
 from overlap.ir import (
     LOOP_STREAM,
     AliasSelect,
@@ -48,7 +45,6 @@ from overlap.ir import (
     Synchronize,
     Transport,
     Wait,
-    stream_dim,
 )
 from overlap.plan.planner import OverlapPlan
 from schedulers.registry import KernelGroup, split_into_kernels
@@ -59,107 +55,6 @@ from sharding.rules import dim_map
 from sharding.segmentation import segment_fusion
 
 USER_STREAM = StreamRef("s0")
-DEFAULT_CHUNKS = 2
-
-
-def _chunks(axis: Axis) -> int:
-    return axis.stream_chunks or DEFAULT_CHUNKS
-
-
-def propagate_stream_axes(fusion: Fusion) -> None:
-    """Pull communications next to stream-parallel exprs into their loops.
-
-    A communication whose output feeds a stream-parallel expr along the stream axis
-    (an all-gather feeding a pipelined linear), or whose input comes from one (the
-    reduce-scatter of a pipelined linear), gets the same Stream axis.
-    """
-    for expr in fusion.live_exprs():
-        if not isinstance(expr, Communication) or stream_dim(expr.output) is not None:
-            continue
-        (source,) = expr.inputs
-        producer = source.definition
-        if producer is not None and stream_dim(source) is not None:
-            dim = stream_dim(source)
-            if dim < expr.output.ndim:
-                expr.output.axis(dim).stream(_chunks(source.axis(dim)))
-                continue
-        for consumer in expr.output.uses:
-            dim = stream_dim(consumer.outputs[0])
-            if dim is None:
-                continue
-            needs = dim_map(consumer, 1).backward(Shard(dim))
-            position = consumer.inputs.index(expr.output)
-            wanted = needs[position] if needs else None
-            if isinstance(wanted, Shard):
-                expr.output.axis(wanted.dim).stream(_chunks(consumer.outputs[0].axis(dim)))
-                break
-
-
-@dataclass
-class _Run:
-    exprs: list[Expr]
-    looped: bool
-
-
-def _loop_key(expr: Expr, owners: dict[Expr, int]) -> tuple | None:
-    """Which loop ``expr`` may share: its stream axis's extent and chunk count, and the
-    planned pattern it belongs to (two patterns never share a loop: their chunks may
-    go in different orders)."""
-    out = expr.outputs[0]
-    dim = stream_dim(out)
-    if dim is None:
-        return None
-    axis = out.axis(dim)
-    return (axis.extent, _chunks(axis), owners.get(expr))
-
-
-def _pattern_owners(plan: OverlapPlan) -> dict[Expr, int]:
-    """Each expr of a pipelined pattern, with the pattern's position in ``plan``."""
-    owners: dict[Expr, int] = {}
-    for position, decision in enumerate(plan):
-        if decision.overlapped:
-            members = [decision.communication, decision.contraction]
-            for expr in (*members, *(expr for expr, _ in decision.chunked)):
-                owners[expr] = position
-    return owners
-
-
-def _pulled_into_loops(exprs: list[Expr], owners: dict[Expr, int]) -> list[Expr]:
-    """``exprs`` with each stream-parallel expr moved up to just after the last expr of
-    its loop key, when none of the exprs it would pass computes its inputs (they cannot
-    read its outputs: they came first). A reduce-scatter placed late (a backward's,
-    after the weight gradients computed beside it) joins the loop of its matmul."""
-    order: list[Expr] = []
-    for expr in exprs:
-        key = _loop_key(expr, owners)
-        if key is not None:
-            last = next(
-                (i for i in range(len(order) - 1, -1, -1) if _loop_key(order[i], owners) == key),
-                None,
-            )
-            if last is not None and last < len(order) - 1:
-                passed = {t for e in order[last + 1 :] for t in e.outputs}
-                if not passed.intersection(expr.inputs):
-                    order.insert(last + 1, expr)
-                    continue
-        order.append(expr)
-    return order
-
-
-def _runs(exprs: list[Expr], owners: dict[Expr, int]) -> list[_Run]:
-    runs: list[_Run] = []
-    for expr in _pulled_into_loops(exprs, owners):
-        key = _loop_key(expr, owners)
-        looped = key is not None
-        if (
-            runs
-            and runs[-1].looped == looped
-            and (not looped or _loop_key(runs[-1].exprs[-1], owners) == key)
-        ):
-            runs[-1].exprs.append(expr)
-        else:
-            runs.append(_Run([expr], looped))
-    return runs
 
 
 def _split_dims(tensor: TensorView) -> tuple | None:
@@ -185,11 +80,23 @@ def _is_contraction(expr: Expr) -> bool:
 
 
 class _Lowering:
-    def __init__(self, fusion: Fusion, plan: OverlapPlan | None, schedule: bool) -> None:
+    def __init__(
+        self,
+        fusion: Fusion,
+        plan: OverlapPlan,
+        streams: StreamAxes,
+        schedule: bool,
+        name_generated: bool = False,
+    ) -> None:
         self.fusion = fusion
-        self.plan = plan or OverlapPlan()
+        self.plan = plan
+        self.streams = streams
         self.schedule = schedule
-        self.program = HostProgram(fusion)
+        self.instructions: list[Instruction] = []
+        # the generated kernels' names and schedulers; evaluating compute, those a
+        # scheduled lowering would give (``name_generated``), for checks by name
+        self.generated: dict[str, object] | None = {} if schedule or name_generated else None
+        self.scheduled_kernels = 0
         self.scratch = Fusion("chunks")
         self.scratch.finalized = True
         self.next_tensor_id = fusion.next_tensor_id()
@@ -213,15 +120,7 @@ class _Lowering:
         group: KernelGroup | None = None,
     ) -> LaunchKernel:
         aliases = aliases or {}
-        produced = {t for e in exprs for t in e.outputs}
-        inputs = list(dict.fromkeys(t for e in exprs for t in e.inputs if t not in produced))
-        inside = set(exprs)
-        outputs = [
-            t
-            for e in exprs
-            for t in e.outputs
-            if t in self.fusion.outputs or any(use not in inside for use in t.uses)
-        ]
+        inputs, outputs = self.fusion.boundary(exprs)
         name = f"k{self.kernels}"
         self.kernels += 1
         # PyTorch's own kernels: contractions, attention (both run natively in their dtype)
@@ -262,42 +161,61 @@ class _Lowering:
             groups.append([expr])
         kernels = []
         for group in groups:
-            if not self.schedule or _is_contraction(group[0]):
+            pieces = None if _is_contraction(group[0]) else self._scheduled(group)
+            if not self.schedule or pieces is None:
                 kernels.append(self._kernel(group, aliases))
                 continue
-            for piece in split_into_kernels(group, self.fusion):
+            for piece in pieces:
                 kernels.append(self._kernel(piece.exprs, aliases, piece))
         return kernels
 
-    def _communicate(self, comm: Communication, source: TensorView, target: TensorView):
+    def _scheduled(self, group: list[Expr]) -> list[KernelGroup] | None:
+        """The kernels a scheduled lowering makes of ``group`` (None: not asked), each
+        generated one named in ``self.generated`` as that lowering names it."""
+        if self.generated is None:
+            return None
+        pieces = split_into_kernels(group, self.fusion)
+        for piece in pieces:
+            if piece.scheduler is not None:
+                self.generated[f"k{self.scheduled_kernels}"] = piece.scheduler
+            self.scheduled_kernels += 1
+        return pieces
+
+    def _communicate(
+        self,
+        comm: Communication,
+        source: TensorView,
+        target: TensorView,
+        pipelined: bool = False,
+        alias_owned: bool = False,
+    ) -> Communicate:
         name = f"c{self.communications}"
         self.communications += 1
-        return Communicate(name, comm, source, target, _transport(self.plan, comm))
+        transport = _transport(self.plan, comm)
+        return Communicate(name, comm, source, target, transport, pipelined, alias_owned)
 
     # -- runs -----------------------------------------------------------------
 
     def lower(self) -> HostProgram:
-        for run in _runs(self.fusion.live_exprs(), _pattern_owners(self.plan)):
+        for run in runs(self.fusion.live_exprs(), loop_keys(self.plan, self.streams)):
             if run.looped:
                 self._lower_loop(run.exprs)
             else:
                 self._lower_plain(run.exprs)
-        return self.program
+        return HostProgram(self.fusion, tuple(self.instructions))
 
     def _lower_plain(self, exprs: list[Expr]) -> None:
         for segment in segment_fusion(self.fusion, exprs):
             if not segment.is_communication:
-                self.program.instructions.extend(self._compute_kernels(segment.exprs))
+                self.instructions.extend(self._compute_kernels(segment.exprs))
                 continue
             comm = segment.communication
             communicate = self._communicate(comm, comm.inputs[0], comm.output)
-            self.program.instructions += [Allocate(comm.output), communicate, Wait(communicate)]
+            self.instructions += [Allocate(comm.output), communicate, Wait(communicate)]
 
-    def _scheme(self, exprs: list[Expr]) -> ChunkScheme:
-        out = exprs[0].outputs[0]
-        chunks = _chunks(out.axis(stream_dim(out)))
+    def _scheme(self, exprs: list[Expr], pipelined: list[Communication]) -> ChunkScheme:
+        chunks = self.streams.chunks(exprs[0].outputs[0])
         scheme = ChunkScheme(chunks)
-        pipelined = _pipelined([e for e in exprs if isinstance(e, Communication)], chunks)
         # Unplanned (marked by hand), reduce-scatters alone take own chunks last (each rank
         # sends one partial a step); an all-gather's broadcasts need the global order.
         alone = all(c.kind is CommunicationKind.ReduceScatter for c in pipelined)
@@ -316,13 +234,15 @@ class _Lowering:
         return scheme
 
     def _lower_loop(self, exprs: list[Expr]) -> None:
-        scheme = self._scheme(exprs)
-        instructions = self.program.instructions
-        instructions.extend(Allocate(t) for e in exprs for t in e.outputs)
+        comms = [e for e in exprs if isinstance(e, Communication)]
+        pipelined = _pipelined(comms, self.streams)
+        scheme = self._scheme(exprs, pipelined)
+        instructions = self.instructions
+        instructions.extend(Allocate(t, self.streams.dim(t)) for e in exprs for t in e.outputs)
         if not self.saved_user_stream:
             instructions.append(GetCurrentStream(USER_STREAM.saved))
             self.saved_user_stream = True
-        sync_loop = ForLoop(scheme, [SetCurrentStream(LOOP_STREAM), Synchronize(USER_STREAM)])
+        sync_loop = ForLoop(scheme, (SetCurrentStream(LOOP_STREAM), Synchronize(USER_STREAM)))
         body: list[Instruction] = [SetCurrentStream(LOOP_STREAM)]
         chunks: dict[TensorView, TensorView] = {}
         before: list[Instruction] = []
@@ -342,7 +262,7 @@ class _Lowering:
                 pending.clear()
 
         for expr in exprs:
-            out_dim = stream_dim(expr.outputs[0])
+            out_dim = self.streams.dim(expr.outputs[0])
             for tensor, dim in _input_dims(expr, out_dim):
                 if dim is not None:
                     select(tensor, dim)
@@ -355,13 +275,16 @@ class _Lowering:
                         f"packed {expr.output.dtype} values is not supported; keep it whole"
                     )
                 flush()
-                communicate = self._communicate(expr, chunks[expr.inputs[0]], chunks[expr.output])
-                communicate.alias_owned = (
-                    communicate.transport is Transport.COPY_ENGINE
+                alias_owned = (
+                    _transport(self.plan, expr) is Transport.COPY_ENGINE
                     and expr.kind is CommunicationKind.Allgather
                     and expr.output not in self.fusion.outputs
                     and all(use in exprs for use in expr.output.uses)
                 )
+                communicate = self._communicate(
+                    expr, chunks[expr.inputs[0]], chunks[expr.output],
+                    expr in pipelined and scheme.owners > 1, alias_owned,
+                )  # fmt: skip
                 body += [communicate, Wait(communicate)]
                 if communicate.transport is Transport.COPY_ENGINE:
                     if expr.kind is CommunicationKind.Allgather:
@@ -378,18 +301,18 @@ class _Lowering:
         instructions.append(sync_loop)
         posting = _hoisted_transfers(exprs[0], _transport(self.plan, exprs[0]), body, scheme)
         if posting:
-            instructions.append(ForLoop(scheme, posting, "post every transfer first"))
-        instructions.append(ForLoop(scheme, body, scheme.describe()))
+            instructions.append(ForLoop(scheme, tuple(posting), "post every transfer first"))
+        instructions.append(ForLoop(scheme, tuple(body), scheme.describe()))
         instructions.extend(after)
 
 
-def _pipelined(comms: list[Communication], chunks: int) -> list[Communication]:
+def _pipelined(comms: list[Communication], streams: StreamAxes) -> list[Communication]:
     """The communications a loop pipelines (they gather or scatter its stream axis). The
     others run chunk by chunk: one that split or gathered that axis (an all-to-all of the
     rows) would move each chunk's rows as if they were the whole, so it is refused."""
     pipelined = []
     for comm in comms:
-        dim = stream_dim(comm.output)
+        dim, chunks = streams.dim(comm.output), streams.chunks(comm.output)
         if comm.split_dim is not None and comm.split_dim == dim:
             pipelined.append(comm)
         elif dim in (comm.in_dim, comm.out_dim):
@@ -445,14 +368,35 @@ def _input_dims(expr: Expr, out_dim: int) -> list[tuple[TensorView, int | None]]
 
 
 def lower_to_host_program(
-    fusion: Fusion, plan: OverlapPlan | None = None, schedule: bool = False
+    fusion: Fusion,
+    plan: OverlapPlan | None = None,
+    schedule: bool = False,
+    streams: StreamAxes | None = None,
 ) -> HostProgram:
-    """The host program of a resharded (or single-device) fusion, its stream axes marked
-    (by ``apply_overlap_plan`` or the user); ``plan`` gives each pipelined
-    communication's transport and chunk order.
+    """The host program of a resharded (or single-device) fusion. ``plan`` gives each
+    pipelined communication's transport and chunk order; ``streams`` which tensors run
+    chunk by chunk (default: ``stream_axes(fusion, plan)``, the user's marks and the
+    plan's pipelines).
 
     ``schedule``: compute that a scheduler takes becomes generated Triton kernels (the
     rest, and everything when False, runs through the reference evaluator).
     """
-    propagate_stream_axes(fusion)
-    return _Lowering(fusion, plan, schedule).lower()
+    plan = plan or OverlapPlan()
+    streams = streams if streams is not None else stream_axes(fusion, plan)
+    return _Lowering(fusion, plan, streams, schedule).lower()
+
+
+def lower_naming_kernels(
+    fusion: Fusion,
+    plan: OverlapPlan | None = None,
+    schedule: bool = False,
+    streams: StreamAxes | None = None,
+) -> tuple[HostProgram, dict[str, object]]:
+    """``lower_to_host_program``'s program, and the generated kernels' schedulers by
+    name: the program's own, or where it evaluates compute, those the same lowering
+    would generate with ``schedule`` (so that names given for the generated kernels
+    are checked on a machine that evaluates; it costs the schedulers' analysis)."""
+    plan = plan or OverlapPlan()
+    streams = streams if streams is not None else stream_axes(fusion, plan)
+    lowering = _Lowering(fusion, plan, streams, schedule, name_generated=True)
+    return lowering.lower(), dict(lowering.generated)

@@ -104,20 +104,22 @@ def _at(mesh: object, labels: dict[object, str]) -> str:
     return f"  @{labels[mesh]}" if mesh in labels else ""
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Allocate(Instruction):
-    """Allocate the local buffer of ``tensor`` (filled later, whole or chunk by chunk)."""
+    """Allocate the local buffer of ``tensor`` (filled later, whole or, along
+    ``stream_dim``, chunk by chunk)."""
 
     tensor: TensorView
+    stream_dim: int | None = None
 
     def text(self, labels: dict[object, str]) -> list[str]:
-        return [f"Allocate {self.tensor}{_at(self.tensor.mesh, labels)}"]
+        return [f"Allocate {self.tensor.text(self.stream_dim)}{_at(self.tensor.mesh, labels)}"]
 
     def runs_on(self, rank: int) -> bool:
         return _on(self.tensor.mesh, rank)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class LaunchKernel(Instruction):
     """Run ``exprs`` on the ranks of ``mesh`` (everywhere when None).
 
@@ -135,7 +137,7 @@ class LaunchKernel(Instruction):
     backend: str = "reference"
     aliases: dict[TensorView, TensorView] = field(default_factory=dict)
     scheduler: object | None = None  # the scheduler that generates the kernel
-    plan: object | None = None  # its analysis of ``exprs``
+    analysis: object | None = None  # its analysis of ``exprs`` (its ``plan()``'s result)
     note: str = ""  # why no scheduler took the exprs, for a reference kernel
 
     def text(self, labels: dict[object, str]) -> list[str]:
@@ -152,7 +154,7 @@ class LaunchKernel(Instruction):
         return _on(self.mesh, rank)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Communicate(Instruction):
     """Start a communication (asynchronously where the backend allows).
 
@@ -160,7 +162,9 @@ class Communicate(Instruction):
     how a chunk moves: ``collective`` (a broadcast of each chunk, or each partial
     sent to its owner, every rank taking part at each step), ``ring``
     (send/receive around the ring) or ``copy_engine`` (copies from or to peers'
-    symmetric-memory buffers, no SMs used).
+    symmetric-memory buffers, no SMs used). ``pipelined``: the loop cuts the axis it
+    gathers or scatters (chunk ``c`` moves between its owner and the others); else a
+    loop's communication moves each chunk whole, as the communication it is.
     """
 
     name: str
@@ -168,13 +172,14 @@ class Communicate(Instruction):
     source: TensorView
     target: TensorView
     transport: Transport | None = None
+    pipelined: bool = False
     # A copy-engine all-gather whose gathered tensor is used only chunk by chunk: a
     # rank's own chunk is used where it is instead of being copied in.
     alias_owned: bool = False
 
     def __post_init__(self) -> None:
-        if self.transport is not None:
-            self.transport = Transport(self.transport)  # a name reads as its member
+        if self.transport is not None:  # a name reads as its member
+            object.__setattr__(self, "transport", Transport(self.transport))
 
     def described(self, labels: dict[object, str]) -> tuple[list[str], str]:
         """Its attributes (``axis='x'``...), and its transport and meshes as printed."""
@@ -195,7 +200,7 @@ class Communicate(Instruction):
         return rank in self.communication.participants()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Wait(Instruction):
     """Make the current stream wait until a communication has delivered its output."""
 
@@ -208,7 +213,7 @@ class Wait(Instruction):
         return self.communicate.runs_on(rank)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Deallocate(Instruction):
     """Release ``tensor``'s local buffer after its last use."""
 
@@ -234,7 +239,7 @@ class StreamRef:
 LOOP_STREAM = StreamRef()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class GetCurrentStream(Instruction):
     """Remember the user's current stream under ``name``."""
 
@@ -244,7 +249,7 @@ class GetCurrentStream(Instruction):
         return [f"{self.name} = GetCurrentStream"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class SetCurrentStream(Instruction):
     """Make ``stream`` current: work launched next runs on it."""
 
@@ -254,7 +259,7 @@ class SetCurrentStream(Instruction):
         return [f"SetCurrentStream({self.stream})"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class Synchronize(Instruction):
     """Make the current stream wait for the work already queued on ``stream``."""
 
@@ -264,7 +269,7 @@ class Synchronize(Instruction):
         return [f"Synchronize({self.stream})"]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class AliasSelect(Instruction):
     """``result`` is a view of chunk ``i`` of ``source`` along ``dim`` (reduction axes kept).
 
@@ -283,7 +288,7 @@ class AliasSelect(Instruction):
         return _on(self.source.mesh, rank)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChunkScheme:
     """How a loop cuts its stream axis into chunks and in which order ranks visit them.
 
@@ -302,7 +307,7 @@ class ChunkScheme:
     order: ChunkOrder = ChunkOrder.GLOBAL
 
     def __post_init__(self) -> None:
-        self.order = ChunkOrder(self.order)  # a name reads as its member
+        object.__setattr__(self, "order", ChunkOrder(self.order))  # a name reads as its member
 
     @property
     def per_owner(self) -> int:
@@ -330,12 +335,12 @@ class ChunkScheme:
         )
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class ForLoop(Instruction):
     """``body`` once per chunk of a stream-parallel axis, iteration ``i`` on stream ``i``."""
 
     scheme: ChunkScheme
-    body: list[Instruction] = field(default_factory=list)
+    body: tuple[Instruction, ...] = ()
     comment: str = ""
 
     def text(self, labels: dict[object, str], rank: int | None = None) -> list[str]:
@@ -357,7 +362,7 @@ def _text(instruction: Instruction, labels: dict[object, str], rank: int | None)
     return instruction.text(labels)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class StageForPeers(Instruction):
     """Copy this rank's piece of ``tensor`` into its symmetric-memory buffer, then wait at a
     barrier until every peer has done the same (before a copy-engine all-gather)."""
@@ -371,7 +376,7 @@ class StageForPeers(Instruction):
         return self.communicate.runs_on(rank)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, frozen=True)
 class CombineStaged(Instruction):
     """After a copy-engine reduce-scatter: wait at a barrier until every peer has pushed
     its partial chunks, then sum them into this rank's piece of ``tensor``."""
@@ -401,12 +406,13 @@ def walk(instructions: list[Instruction]):
             yield from walk(instruction.body)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HostProgram:
-    """The instructions of one fusion, for every rank, with its inputs and outputs."""
+    """The instructions of one fusion, for every rank, with its inputs and outputs (a
+    value: a pass after lowering returns a new program)."""
 
     fusion: Fusion
-    instructions: list[Instruction] = field(default_factory=list)
+    instructions: tuple[Instruction, ...] = ()
 
     @property
     def communications(self) -> list[Communication]:
@@ -424,7 +430,7 @@ class HostProgram:
             if isinstance(i, LaunchKernel) and i.scheduler is not None
         }
 
-    def communication_plan(self) -> list[str]:
+    def posting_order(self) -> list[str]:
         """What this program posts, in order: every communication (with its transport
         and the tensors it moves: dtypes, extents), chunk loop and symmetric-memory step,
         with its meshes. Ranks that run together
@@ -441,10 +447,10 @@ class HostProgram:
                 lines.extend(instruction.text(labels))
         return lines
 
-    def fingerprint(self, plan: list[str] | None = None) -> str:
-        """A short hash of ``communication_plan()`` (or of ``plan``, already made): equal
+    def fingerprint(self, posted: list[str] | None = None) -> str:
+        """A short hash of ``posting_order()`` (or of ``posted``, already made): equal
         on ranks that post the same."""
-        text = "\n".join(self.communication_plan() if plan is None else plan)
+        text = "\n".join(self.posting_order() if posted is None else posted)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def transports(self) -> set[Transport]:

@@ -27,7 +27,7 @@ communication's transport and order from the plan.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
@@ -87,7 +87,7 @@ class Candidate:
         return f"{self.num_chunks} chunks, {self.transport}, {self.order} order"
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlapDecision:
     """The planner's choice for one pattern, with its reason and the alternatives.
 
@@ -104,7 +104,7 @@ class OverlapDecision:
     team_size: int
     chosen: Candidate
     reason: str
-    candidates: list[Candidate] = field(default_factory=list)
+    candidates: tuple[Candidate, ...] = ()
     chunked: tuple[tuple[Expr, int], ...] = ()
 
     @property
@@ -128,12 +128,14 @@ class OverlapDecision:
         return "\n".join(lines)
 
 
-@dataclass
+@dataclass(frozen=True)
 class OverlapPlan:
-    """Every decision of the planner, in the order the patterns occur. Iterates over the
-    decisions; ``pipeline(comm)`` is the chosen pipeline of a communication, if any."""
+    """Every decision of the planner, in the order the patterns occur: a value, read by
+    the passes after it (``overlap.compile.apply_plan``, lowering), never applied to the
+    IR. Iterates over the decisions; ``pipeline(comm)`` is the chosen pipeline of a
+    communication, if any."""
 
-    decisions: list[OverlapDecision] = field(default_factory=list)
+    decisions: tuple[OverlapDecision, ...] = ()
 
     def __iter__(self) -> Iterator[OverlapDecision]:
         return iter(self.decisions)
@@ -146,15 +148,23 @@ class OverlapPlan:
 
     def pipeline(self, communication: Communication) -> Candidate | None:
         """The candidate chosen for ``communication`` when it is pipelined, else None."""
-        for decision in self.decisions:
-            if decision.communication is communication and decision.overlapped:
-                return decision.chosen
-        return None
+        chosen = {d.communication: d.chosen for d in self.decisions if d.overlapped}
+        return chosen.get(communication)
 
     def __str__(self) -> str:
         if not self.decisions:
             return "no all-gather+matmul or matmul+reduce-scatter to overlap"
         return "\n".join(str(decision) for decision in self.decisions)
+
+
+def copy_engine_refused(where: str) -> ShardingError:
+    """The error for a copy-engine pipeline where there is no copy engine (``where``
+    says which device or rank): raised by the planner for forced options, and by the
+    executor for a program planned for another device."""
+    return ShardingError(
+        f"the copy_engine transport needs CUDA devices with symmetric memory; {where}. "
+        "Use collective or ring"
+    )
 
 
 def _static_local_shape(tensor: TensorView) -> list[int] | None:
@@ -242,17 +252,14 @@ def plan_overlap(
     replayed: bool = False,
 ) -> OverlapPlan:
     """Decide the overlap of every pattern found in ``fusion``; changes nothing
-    (``overlap.compile.apply_plan.apply_overlap_plan`` applies the plan).
+    (``overlap.compile.apply_plan.stream_axes`` reads the plan).
 
     ``replayed``: runs replay a CUDA graph, so the host's cost of issuing a long
     pipeline does not count.
     """
     options = options or OverlapOptions()
     if options.transport is Transport.COPY_ENGINE and not figures.has_copy_engine:
-        raise ShardingError(
-            f"the copy_engine transport needs CUDA devices with symmetric memory; "
-            f"{figures.name} has none. Use collective or ring"
-        )
+        raise copy_engine_refused(f"{figures.name} has none")
     decisions = []
     for pattern, comm, contraction, row, chunked in find_patterns(fusion):
         parts = comm.in_layout.mesh.shape[comm.mesh_axis]
@@ -262,7 +269,7 @@ def plan_overlap(
                            replayed)  # fmt: skip
         if decision is not None:
             decisions.append(decision)
-    return OverlapPlan(decisions)
+    return OverlapPlan(tuple(decisions))
 
 
 def _local_matmul_shape(pattern, comm, contraction, row, chunked) -> tuple[int, int, int] | None:
@@ -288,7 +295,7 @@ def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, r
         )  # fmt: skip
         reason = "symbolic extents: the cost model needs static shapes; as forced"
         return OverlapDecision(pattern, comm, contraction, row, (0, 0, 0), parts, chosen,
-                               reason, [chosen], chunked)  # fmt: skip
+                               reason, (chosen,), chunked)  # fmt: skip
     bits = comm.output.dtype.bits
     candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed)
     best = min(candidates, key=lambda c: c.predicted_ms)
@@ -314,5 +321,5 @@ def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, r
     forced = [name for name, value in vars(options).items() if value is not None]
     if forced:
         reason += f" (forced: {', '.join(forced)})"
-    return OverlapDecision(pattern, comm, contraction, row, shape, parts, best, reason, candidates,
-                           chunked)  # fmt: skip
+    return OverlapDecision(pattern, comm, contraction, row, shape, parts, best, reason,
+                           tuple(candidates), chunked)  # fmt: skip

@@ -48,7 +48,7 @@ class ComputeSteps:
         that turns out empty. Outside loops (``None``) the shapes are known now: an empty
         piece never gets here, and a CUDA kernel is compiled now."""
         program = self.program
-        scheduler, plan = kernel.scheduler, kernel.plan
+        scheduler, plan = kernel.scheduler, kernel.analysis
         hardware, shape_of = program.setup.hardware, program.local_shape
         override = program.setup.kernel_params.get(kernel.name)
         if isinstance(override, str):  # a strategy, forced
@@ -110,7 +110,7 @@ class ComputeSteps:
         changed under ``check_inputs="never"``) raises rather than be read as this one's
         (in a sharded run the other ranks then stop at their next collective's timeout:
         the input check is what fails every rank at once)."""
-        program, plan = self.program, kernel.plan
+        program, plan = self.program, kernel.analysis
         shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
         expected = [(torch.Size(storage_shape(t, shapes[t])), storage_dtype(t))
                     for t in plan.inputs]  # fmt: skip
@@ -151,7 +151,7 @@ class ComputeSteps:
         it now, while the ranks can still agree that the run may start: a kernel the
         device refuses on one rank (its resources at its local shapes) then fails every
         rank before any collective, not this rank alone in the middle of the run."""
-        plan, device = kernel.plan, self.program.ctx.device
+        plan, device = kernel.analysis, self.program.ctx.device
         shapes = {t: self.program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
 
         def zeros(tensor: TensorView) -> torch.Tensor:
@@ -291,7 +291,7 @@ class ComputeSteps:
 def _refuse_changed(kernel: LaunchKernel, inputs: list, expected: list) -> None:
     """Raises for the first of a bound kernel's ``inputs`` not of the ``expected`` shape
     and dtype."""
-    for tensor, value, (shape, dtype) in zip(kernel.plan.inputs, inputs, expected, strict=True):
+    for tensor, value, (shape, dtype) in zip(kernel.analysis.inputs, inputs, expected, strict=True):
         if value.shape != shape or value.dtype != dtype:
             raise RuntimeError(
                 f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where this "

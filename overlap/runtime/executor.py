@@ -1,20 +1,17 @@
 """``MultiDeviceExecutor``: runs a fusion's compiled program on this rank.
 
-Construction (the same on every rank): ``overlap.compile.pipeline.compile_program`` places every
-tensor, inserts the communications, plans the overlap and lowers the fusion to a host
-program; then one exchange in which every rank says whether it could build the program
-and what it will post (``Communicator.agree``); then the process groups the program
-needs (collectively).
+Its one job: bind a run's inputs, pick this rank's program for their extents, run it.
+Around that, at construction (the same on every rank): the program is compiled
+(``overlap.compile``: placed, planned, lowered, kernel params checked), every rank says
+whether it could build it and what it will post (``Communicator.agree``), and the
+process groups it needs are made (collectively).
 
-``run(local_inputs)`` first checks every rank's inputs against the fusion: at the first
-run, and whenever a rank's inputs change, the ranks exchange their inputs' shapes and
-dtypes (one small host all-gather) and each rank checks all of them (``overlap.runtime.inputs``),
-so a bad input on any rank raises the same ``InputError`` on every rank, before any
-communication of the program starts; a run whose inputs are as before asks no one. Then
-it runs this rank's
-program (``overlap.runtime.rank_program.RankProgram``, built once per set of extents): compute
-as generated kernels or with the evaluator on local pieces, communications through
-torch.distributed, optionally replayed from a CUDA graph.
+A run: the inputs are checked against the fusion on every rank alike
+(``overlap.runtime.inputs``: at the first run and whenever a rank's inputs change, one
+small host all-gather of their shapes, so a bad input on any rank raises the same
+``InputError`` on every rank before any communication starts); this rank's program for
+their extents (``overlap.runtime.rank_programs``) runs: kernels, communications,
+streams; or is replayed from a CUDA graph (``overlap.runtime.graphs``).
 
 Example (on every rank)::
 
@@ -24,42 +21,29 @@ Example (on every rank)::
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
-from fusion.binding import Bindings
 from fusion.definition import FusionDefinition
 from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
-from fusion.portable import portable, restored
 from overlap.comm.communicator import Communicator
-from overlap.comm.symmetric import SymmetricBuffers
-from overlap.compile.lowering import lower_to_host_program
-from overlap.compile.pipeline import CompiledProgram, compile_program
+from overlap.compile.pipeline import CompiledProgram
 from overlap.diag.timeline import Timeline
-from overlap.ir import HostProgram, Transport
-from overlap.plan import roof
-from overlap.plan.figures import HardwareFigures, default_hardware_figures
+from overlap.ir import HostProgram
+from overlap.plan.figures import HardwareFigures
 from overlap.plan.planner import OverlapOptions, OverlapPlan
+from overlap.runtime import pieces
 from overlap.runtime.autograd import refusing_backward, without_grad
+from overlap.runtime.build import compile_for_device, is_sharded, rank_device
 from overlap.runtime.dtensors import as_dtensors, local_pieces
-from overlap.runtime.inputs import (
-    InputCheck,
-    LocalBinding,
-    addresses,
-    check_bound_extents,
-    check_mode,
-    check_same_on_every_rank,
-)
-from overlap.runtime.rank_program import RankProgram, RankSetup, rank_shape
+from overlap.runtime.graphs import GraphReplays
+from overlap.runtime.inputs import InputCheck, LocalBinding, addresses, check_mode
+from overlap.runtime.rank_program import RankSetup, rank_shape
+from overlap.runtime.rank_programs import RankPrograms
 from overlap.runtime.streams import StreamPool
 from schedulers.hardware import current_hardware
-from schedulers.runtime import interpreted
-from sharding.errors import ShardingError
-from sharding.layout import Layout, is_placed, layout_of
-from sharding.pieces import assemble, local_piece
 
 
 class MultiDeviceExecutor:
@@ -68,8 +52,7 @@ class MultiDeviceExecutor:
 
     A fusion with no tensor placed on a mesh runs whole on one device (the
     communicator may then be None). ``options`` override the overlap planner and
-    ``hardware`` feeds its cost model (by default the recorded figures of this
-    device kind).
+    ``figures`` feed its cost model (by default this device's: ``overlap.plan.figures``).
 
     ``kernels`` chooses how compute segments run: ``"generated"`` (Triton kernels from
     the schedulers wherever one takes the segment; on CPU this needs Triton's
@@ -96,113 +79,52 @@ class MultiDeviceExecutor:
         fusion: Fusion | FusionDefinition | CompiledProgram,
         communicator: Communicator | None = None,
         options: OverlapOptions | None = None,
-        hardware: HardwareFigures | None = None,
+        figures: HardwareFigures | None = None,
         cuda_graph: bool = False,
         kernels: str = "auto",
-        kernel_params: dict[str, object] | None = None,
+        kernel_params: Mapping[str, object] | None = None,
     ) -> None:
         self.communicator = communicator
         self.rank = communicator.rank if communicator else 0
-        if communicator is not None:
-            self.device = communicator.device
-        else:  # one device: the GPU when there is one
-            self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if isinstance(fusion, CompiledProgram):
-            self.sharded = fusion.sharded
-        else:
-            fusion = fusion.fusion if isinstance(fusion, FusionDefinition) else fusion
-            self.sharded = is_placed(fusion)
+        self.device = rank_device(communicator)
+        self.sharded = is_sharded(fusion)
         self.cuda_graph = cuda_graph
-        self.kernel_params = dict(kernel_params or {})
         try:
-            self.compiled = self._compile(fusion, options, hardware, kernels)
+            self.compiled = compile_for_device(
+                fusion, self.device, communicator, options, figures, kernels, cuda_graph,
+                kernel_params,
+            )  # fmt: skip
             failure = None
         except Exception as error:  # told to the peers first, then raised
             failure = error
-        plan = None if failure else self.program.communication_plan()
+        posted = None if failure else self.program.posting_order()
         if self.sharded and communicator is not None:
             # One exchange before any group is created: a rank that could not build its
             # program, or built another one, fails with its peers instead of leaving
             # them waiting in a collective it never posts.
-            communicator.agree(failure, "building the program", plan)
+            communicator.agree(failure, "building the program", posted)
         elif failure is not None:
             raise failure
         if communicator is not None:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
-        self.fingerprint = self.program.fingerprint(plan)
-        self._copy_engine = Transport.COPY_ENGINE in self.program.transports()
-        self._symmetric: SymmetricBuffers | None = None
-        self._streams = StreamPool(self.device)
-        self._hardware_profile = current_hardware(self.device)
+        self.fingerprint = self.program.fingerprint(posted)
+        setup = RankSetup(self.rank, communicator, self.device, StreamPool(self.device), None,
+                          dict(kernel_params or {}), current_hardware(self.device))  # fmt: skip
+        self._programs = RankPrograms(self.compiled, setup)
+        self._graphs = GraphReplays()
         self._inputs = None
         if self.sharded:
             self._inputs = InputCheck(self.fusion, communicator, self.fingerprint,
-                                      self.program.communication_plan, self.device)  # fmt: skip
+                                      self.program.posting_order, self.device)  # fmt: skip
         self._local = LocalBinding(self.fusion, self.device)  # an unplaced fusion's
-        self._rank_programs: dict[tuple, RankProgram] = {}
-        self._extents_key: tuple = (None, ())  # the last bindings run, and their key
-        self._graphs: dict[tuple, tuple] = {}
-
-    def _compile(self, fusion, options, hardware, kernels: str) -> CompiledProgram:
-        """The compiled program, checked against what this rank runs on; alone."""
-        if kernels not in ("auto", "generated", "reference"):
-            raise ValueError(f"kernels must be auto, generated or reference, got {kernels!r}")
-        if kernels == "generated" and self.device.type != "cuda":
-            if not interpreted():
-                raise ValueError(
-                    "generated kernels on CPU run in Triton's interpreter: set "
-                    "TRITON_INTERPRET=1 before starting Python"
-                )
-        if self.sharded and self.communicator is None:
-            raise ShardingError("a fusion placed on device meshes needs a Communicator")
-        world = self.communicator.world_size if self.communicator else 1
-        generated = kernels == "generated" or (kernels == "auto" and self.device.type == "cuda")
-        if generated and self.device.type == "cuda" and interpreted():
-            raise ValueError("TRITON_INTERPRET=1 would run generated kernels in Triton's CPU "
-                             "interpreter, not compiled: unset it on GPUs")  # fmt: skip
-        if isinstance(fusion, CompiledProgram):
-            compiled = fusion
-            if options is not None or hardware is not None:
-                raise ValueError(
-                    "a CompiledProgram is already planned: give options and hardware to "
-                    "compile_program"
-                )
-            if compiled.schedule != generated:
-                raise ValueError(
-                    f"kernels={kernels!r} {'generates' if generated else 'evaluates'} compute "
-                    f"on {self.device.type}, but the program was compiled with "
-                    f"schedule={compiled.schedule}: compile it as this rank runs it"
-                )
-        else:
-            figures = hardware or default_hardware_figures(self.device)
-            replayed = self.cuda_graph and self.device.type == "cuda"
-            compiled = compile_program(fusion, world, options, figures, schedule=generated,
-                                       replayed=replayed)  # fmt: skip
-        if compiled.world_size > world:
-            raise ShardingError(
-                f"the program was compiled for {compiled.world_size} ranks; this world has {world}"
-            )
-        _check_transports(compiled.host, self.device)
-        # kernels="auto" off CUDA evaluates instead of generating: the params a user tuned
-        # for the generated kernels are checked against those, and left unused here
-        for_kernels = compiled.host
-        if self.kernel_params and kernels == "auto" and not generated:
-            for_kernels = lower_to_host_program(compiled.fusion, compiled.plan, schedule=True)
-        _check_kernel_params(self.kernel_params, for_kernels)
-        return compiled
 
     # -----------------------------------------------------------------------
-    # What users and tests need around a run
+    # What users and tests read
 
     @property
     def fusion(self) -> Fusion:
         """The placed fusion the program runs (communications inserted)."""
         return self.compiled.fusion
-
-    @property
-    def decisions(self) -> dict:
-        """Which rule placed each tensor, by tensor (``explain()`` prints them)."""
-        return self.compiled.decisions
 
     @property
     def program(self) -> HostProgram:
@@ -215,17 +137,13 @@ class MultiDeviceExecutor:
         return self.compiled.plan
 
     @property
-    def hardware(self) -> HardwareFigures:
+    def figures(self) -> HardwareFigures:
         """The figures the planner planned with."""
         return self.compiled.figures
 
     @property
-    def chosen_params(self) -> dict[str, object]:
-        """Each generated kernel's launch configuration, as last chosen (after a run)."""
-        chosen: dict[str, object] = {}
-        for rank_program in self._rank_programs.values():
-            chosen.update(rank_program.chosen_params)
-        return chosen
+    def communications(self) -> list:
+        return self.program.communications
 
     def explain(self) -> str:
         """Which rule placed each tensor (see ``sharding.explain``)."""
@@ -235,78 +153,41 @@ class MultiDeviceExecutor:
         """The planner's choices, with reasons and predicted times; with the ``timeline``
         of a run, what each pattern measured on this rank against its limit, and loudly
         where a planned overlap did not happen (``overlap.plan.roof``)."""
-        text = self.compiled.explain_overlap()
-        if timeline is None:
-            return text
-        meters = roof.measure(self.overlap, self.program, timeline.spans())
-        return f"{text}\n{roof.report(meters)}"
+        return self.compiled.explain_overlap(timeline.spans() if timeline else None)
 
     def kernel_report(self) -> str:
         """Each generated kernel's scheduler and launch configuration (after a first run)."""
-        lines = []
-        chosen = self.chosen_params
-        for name, kernel in self.program.generated_kernels().items():
-            line = f"{name} [{kernel.backend}] {chosen.get(name, '(not run yet)')}"
-            forms = {
-                form
-                for rank_program in self._rank_programs.values()
-                for forms_of in rank_program.kernel_forms.get(name, [])
-                for form in forms_of()
-            }
-            if forms:
-                line += f" form: {', '.join(sorted(forms))}"
-            lines.append(line)
-        return "\n".join(lines) or "no generated kernels"
+        return self._programs.kernel_report()
 
     @property
-    def communications(self) -> list:
-        return self.program.communications
+    def chosen_params(self) -> dict[str, object]:
+        """Each generated kernel's launch configuration, as last chosen (after a run)."""
+        return self._programs.chosen_params()
 
-    def input_layouts(self) -> list[Layout]:
-        return [layout_of(t) for t in self.fusion.inputs]
+    def local_shape(self, tensor: TensorView) -> list[int]:
+        """This rank's shape of ``tensor`` when every extent is static."""
+        return rank_shape(tensor, self.rank, {})
 
-    def output_layouts(self) -> list[Layout]:
-        return [layout_of(t) for t in self.fusion.outputs]
+    # -----------------------------------------------------------------------
+    # Whole tensors and pieces (``overlap.runtime.pieces``)
 
     def shard_inputs(
         self, full_inputs: Sequence[torch.Tensor], check: bool = True
     ) -> list[torch.Tensor | None]:
-        """This rank's pieces of whole inputs (None where an input is not on this rank).
-        With several ranks, ``check`` makes sure every rank was given the same whole
-        inputs (collective: one exchange of their fingerprints; ``InputError`` on every
-        rank otherwise), since a rank cuts its piece from what it is given."""
-        if check and self.communicator is not None and self.communicator.world_size > 1:
-            names = [f"input {i} ({t.name})" for i, t in enumerate(self.fusion.inputs)]
-            exchange = self.communicator.input_check_exchange
-            check_same_on_every_rank(names, full_inputs, exchange, "shard_inputs")
-        return [
-            local_piece(value, tensor, self.rank)
-            for value, tensor in zip(full_inputs, self.fusion.inputs, strict=True)
-        ]
+        """This rank's pieces of whole inputs (see ``pieces.shard_inputs``; collective
+        with ``check``)."""
+        return pieces.shard_inputs(self.fusion, full_inputs, self.communicator, check)
 
     def shard_outputs(self, full_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """This rank's pieces of whole outputs: what ``run`` should return here."""
-        return [
-            local_piece(value, tensor, self.rank)
-            for value, tensor in zip(full_outputs, self.fusion.outputs, strict=True)
-        ]
+        return pieces.rank_pieces(self.fusion.outputs, full_outputs, self.rank)
 
     def gather_outputs(self, local_outputs: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
-        """The whole outputs, assembled from every rank's pieces (collective: call on all ranks).
-
-        Pieces travel through ``all_gather_object`` (host memory): meant for checking and
-        small results, not for the hot path.
-        """
+        """The whole outputs from every rank's pieces (see ``pieces.gather_outputs``;
+        collective: call on every rank)."""
         if not self.sharded:
             return list(local_outputs)
-        cpu = [None if t is None else t.cpu() for t in local_outputs]
-        everyone = restored(self.communicator.all_gather_object(portable(cpu)))
-        return [
-            assemble({rank: pieces[position] for rank, pieces in enumerate(everyone)}, tensor).to(
-                self.device
-            )
-            for position, tensor in enumerate(self.fusion.outputs)
-        ]
+        return pieces.gather_outputs(self.fusion, local_outputs, self.communicator, self.device)
 
     # -----------------------------------------------------------------------
     # Running
@@ -320,141 +201,43 @@ class MultiDeviceExecutor:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
         An input may be a DTensor placed as the fusion places that input (checked, then
-        its local piece is used; ``overlap.runtime.dtensors``); outputs on a mesh such inputs
-        came on are then DTensors too. With a ``timeline``, every kernel and
-        communication is recorded per stream.
-        ``check_inputs`` says when the ranks exchange their inputs' shapes (a small host
-        all-gather) so that a bad input fails everywhere before any collective:
-        ``"changes"`` (default) at the first run and whenever this rank's inputs differ
-        from its last checked run's (every rank's inputs must change at the same run: a
-        rank whose input is wrong raises at once, one whose inputs changed alone raises
-        ``InputChangeError`` after the communicator's ``input_check_timeout_s``), or at
-        every run where a change of the extents may leave some rank's pieces as they
-        were (a symbolic extent only on split axes, or only on some ranks' inputs);
-        ``"always"`` (or True) at every run, for programs whose shapes may change on
-        some ranks only; ``"never"`` (or False) only at the first run (then the shapes
-        must stay). With ``cuda_graph=True``, ``"changes"`` exchanges at every run: the
-        graphs are keyed by every rank's input buffers. Every rank must use the same
-        setting.
+        its local piece is used; ``overlap.runtime.dtensors``); outputs on a mesh such
+        inputs came on are then DTensors too. With a ``timeline``, every kernel and
+        communication is recorded per stream. ``check_inputs`` says when the ranks
+        exchange their inputs' shapes so that a bad input fails everywhere before any
+        collective: ``"changes"`` (default), ``"always"`` (or True) or ``"never"`` (or
+        False), as ``overlap.runtime.inputs.check_mode`` says; with ``cuda_graph=True``,
+        ``"changes"`` exchanges at every run (the graphs are keyed by every rank's input
+        buffers). Every rank must use the same setting.
         """
         local_inputs, torch_meshes = local_pieces(self.fusion, local_inputs)
-        mode = check_mode(check_inputs)
         replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
-        # A graph is captured per set of input buffers, and capturing runs the program
-        # once more: every rank must capture at the same runs, so the graphs are keyed by
-        # every rank's buffers, learnt in the input check.
-        buffers = addresses(local_inputs) if replay else None
-        if self.sharded:
-            if self.cuda_graph and mode == "changes":  # every rank alike, timeline or not
-                mode = "always"
-            bindings, every_buffers = self._inputs.bindings(local_inputs, mode, buffers)
-            if buffers is not None and buffers != every_buffers[self.rank]:
-                raise InputError(
-                    "cuda_graph=True and check_inputs='never': this rank's inputs are not in "
-                    "the buffers of the last checked run. A new graph must be captured on "
-                    "every rank at once, which only the input check can arrange: run with "
-                    "check_inputs='changes' when the inputs move"
-                )
-        elif mode == "never" and self._local.bindings is not None:
-            bindings, every_buffers = self._local.bindings, [buffers]
-        else:
-            bindings, every_buffers = self._local(local_inputs), [buffers]
-        if self._copy_engine and self._symmetric is None:
-            self._symmetric = SymmetricBuffers(self.communicator)
-        if self._symmetric is not None:
-            self._symmetric.next_run()
-        if bindings is not self._extents_key[0]:  # the key, worked out again for new bindings
-            self._extents_key = (bindings, tuple(sorted((s.name, v) for s, v in bindings.items())))
-        key = self._extents_key[1]
-        if key not in self._rank_programs:
-            if self.sharded:  # the same verdict on every rank: the bindings are the same
-                check_bound_extents(self.fusion, bindings)
-            self._rank_programs[key] = self._rank_program(bindings)
-        compiled = self._rank_programs[key]
+        bindings, every_buffers = self._bind(local_inputs, check_mode(check_inputs), replay)
+        self._programs.next_run()
+        rank_program = self._programs.get(bindings)
         if replay:  # no autograd graph: its gradients would be one rank's
-            outputs = without_grad(self._replay, compiled, (key, tuple(every_buffers)),
-                                   local_inputs)  # fmt: skip
+            key = (self._programs.key(bindings), tuple(every_buffers), self._programs.parity)
+            outputs = without_grad(self._graphs.replay, key, rank_program, local_inputs)
         else:
-            outputs = without_grad(compiled.run, local_inputs, timeline)
+            outputs = without_grad(rank_program.run, local_inputs, timeline)
         return as_dtensors(refusing_backward(outputs, local_inputs), self.fusion, torch_meshes)
 
-    def _replay(self, compiled: RankProgram, key: tuple, local_inputs) -> list:
-        """Run through a CUDA graph captured for these extents and every rank's input
-        buffers (``key``: the same on every rank), one per symmetric buffer half."""
-        parity = self._symmetric.parity if self._symmetric is not None else 0
-        graph_key = (key, parity)
-        if graph_key not in self._graphs:
-            compiled.run(local_inputs, None)  # warm up: handles, allocations
-            graph = torch.cuda.CUDAGraph()
-            # No garbage collection while capturing: freeing an unreachable executor's
-            # symmetric memory then would be a CUDA call the capture forbids.
-            gc.collect()
-            gc.disable()
-            try:
-                with torch.cuda.graph(graph):
-                    outputs = compiled.run(local_inputs, None)
-            finally:
-                gc.enable()
-            if len(self._graphs) >= 8:  # inputs keep moving: drop the oldest graphs
-                self._graphs.pop(next(iter(self._graphs)))
-            # the graph's own buffers (an input passed through is the caller's)
-            owned = [o for o in outputs if o is not None and all(o is not i for i in local_inputs)]
-            self._graphs[graph_key] = (graph, outputs, owned)
-        graph, outputs, owned = self._graphs[graph_key]
-        graph.replay()
-        # its buffers were written: autograd then refuses a backward that saved them
-        # before this replay (their values are gone) instead of reading the new ones
-        torch.autograd.graph.increment_version(owned)
-        return list(outputs)
-
-    def _rank_program(self, bindings: Bindings) -> RankProgram:
-        """This rank's program for these extents; in a sharded run the ranks agree on the
-        outcome first (a heuristic refusing one rank's local shapes, say), so that a rank
-        that cannot build its program fails with its peers, not alone while they wait."""
-        setup = RankSetup(self.rank, self.communicator, self.device, self._streams,
-                          self._symmetric, self.kernel_params, self._hardware_profile)  # fmt: skip
-        try:
-            rank_program, failure = RankProgram(self.compiled, setup, bindings), None
-        except Exception as error:  # reported to the peers, then raised here
-            rank_program, failure = None, error
-        if self.sharded:
-            self.communicator.agree(failure, "preparing the run")
-        elif failure is not None:
-            raise failure
-        if self._symmetric is not None:  # collective: only once every rank is ready
-            rank_program.allocate_symmetric()
-        return rank_program
-
-    def ctx_local_shape(self, tensor: TensorView) -> list[int]:
-        """This rank's shape of ``tensor`` when every extent is static."""
-        return rank_shape(tensor, self.rank, {})
-
-
-def _check_transports(program: HostProgram, device: torch.device) -> None:
-    if Transport.COPY_ENGINE in program.transports() and device.type != "cuda":
-        raise ShardingError(
-            f"{program.fusion.name or 'the fusion'}: the copy_engine transport needs CUDA "
-            f"devices with symmetric memory; this rank runs on {device}. Use collective or ring"
-        )
-
-
-def _check_kernel_params(kernel_params: dict[str, object], program: HostProgram) -> None:
-    """Every kernel named in ``kernel_params`` is a generated kernel of ``program``,
-    and a strategy named there is one its kernel's scheduler has."""
-    kernels = program.generated_kernels()
-    for name, override in kernel_params.items():
-        kernel = kernels.get(name)
-        if kernel is None:
-            raise ValueError(
-                f"kernel_params[{name!r}] = {override!r}: this program has no generated "
-                f"kernel {name!r} (generated: {sorted(kernels) or 'none'}; see "
-                "print(executor.program))"
+    def _bind(self, local_inputs, mode: str, replay: bool) -> tuple:
+        """The run's extents, and every rank's input buffers where a graph replays (its
+        key: every rank captures at the same run, so the key is every rank's buffers)."""
+        buffers = addresses(local_inputs) if replay else None
+        if not self.sharded:
+            if mode == "never" and self._local.bindings is not None:
+                return self._local.bindings, [buffers]
+            return self._local(local_inputs), [buffers]
+        if self.cuda_graph and mode == "changes":  # every rank alike, timeline or not
+            mode = "always"
+        bindings, every_buffers = self._inputs.bindings(local_inputs, mode, buffers)
+        if buffers is not None and buffers != every_buffers[self.rank]:
+            raise InputError(
+                "cuda_graph=True and check_inputs='never': this rank's inputs are not in "
+                "the buffers of the last checked run. A new graph must be captured on "
+                "every rank at once, which only the input check can arrange: run with "
+                "check_inputs='changes' when the inputs move"
             )
-        if not isinstance(override, str):
-            continue
-        strategies = kernel.scheduler.strategies
-        if override not in strategies and override != "auto":  # "auto": the heuristics'
-            raise ValueError(
-                f"kernel_params[{name!r}] = {override!r}: the {kernel.scheduler.name} "
-                f"scheduler's strategies are {list(strategies)} (or 'auto')"
-            )
+        return bindings, every_buffers

@@ -51,7 +51,15 @@ class InputChangeError(InputError):
 
 def check_mode(check_inputs: bool | str) -> str:
     """``run``'s ``check_inputs`` as one of ``CHECK_MODES`` (True is ``"always"``,
-    False ``"never"``)."""
+    False ``"never"``): when the ranks exchange their inputs' shapes (a small host
+    all-gather). ``"changes"``: at the first run and whenever this rank's inputs differ
+    from its last checked run's (every rank's inputs must change at the same run: a rank
+    whose input is wrong raises at once, one whose inputs changed alone raises
+    ``InputChangeError`` after the communicator's ``input_check_timeout_s``), or at every
+    run where a change of the extents may leave some rank's pieces as they were (a
+    symbolic extent only on split axes, or only on some ranks' inputs). ``"always"``: at
+    every run, for programs whose shapes may change on some ranks only. ``"never"``: only
+    at the first run (then the shapes must stay)."""
     if check_inputs is True:
         return "always"
     if check_inputs is False:
@@ -78,16 +86,16 @@ class InputCheck:
     """The extents of a sharded run, from every rank's inputs, with the same verdict on
     every rank; a host exchange only when some rank's inputs change (see the module).
 
-    ``fingerprint`` and ``plan`` tell ranks running different programs apart;
+    ``fingerprint`` and ``posting_order`` tell ranks running different programs apart;
     ``run_count`` is this executor's runs so far on this rank (the ranks run in step).
     """
 
     def __init__(self, fusion: Fusion, communicator, fingerprint: str,
-                 plan: Callable[[], list[str]], device: torch.device) -> None:  # fmt: skip
+                 posting_order: Callable[[], list[str]], device: torch.device) -> None:  # fmt: skip
         self.fusion = fusion
         self.communicator = communicator
         self.fingerprint = fingerprint
-        self.plan = plan
+        self.posting_order = posting_order
         self.device = device
         self.run_count = 0
         self._agreed: _Agreed | None = None
@@ -162,7 +170,7 @@ class InputCheck:
         """Every rank's verdict on every rank's description: the same on every rank."""
         if any(fingerprint != self.fingerprint for fingerprint, *_ in everyone):
             # the ranks run different programs (rank 0 one executor, rank 1 another)
-            self.communicator.agree(None, "run", self.plan())
+            self.communicator.agree(None, "run", self.posting_order())
         runs = [run for _, run, _, _ in everyone]
         if len(set(runs)) > 1:
             raise InputError(

@@ -295,7 +295,7 @@ class RankProgram:
         def evaluated() -> list:
             return [self.compute.evaluated(expr, aliases) for expr in kernel.exprs]
 
-        if kernel.scheduler is None or self.compute.holds_an_empty_piece(kernel.plan):
+        if kernel.scheduler is None or self.compute.holds_an_empty_piece(kernel.analysis):
             # an empty piece (fewer rows than ranks) has nothing to launch a kernel over;
             # the evaluator gives its partial results the identity
             computes = evaluated()
