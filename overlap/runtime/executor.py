@@ -35,13 +35,14 @@ from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from fusion.portable import portable, restored
 from overlap.comm.communicator import Communicator
+from overlap.comm.measure import device_figures
 from overlap.comm.symmetric import SymmetricBuffers
 from overlap.compile.lowering import lower_to_host_program
 from overlap.compile.pipeline import CompiledProgram, compile_program
 from overlap.diag.timeline import Timeline
 from overlap.ir import HostProgram, Transport
 from overlap.plan import roof
-from overlap.plan.figures import HardwareFigures, default_hardware_figures
+from overlap.plan.figures import HardwareFigures
 from overlap.plan.planner import OverlapOptions, OverlapPlan
 from overlap.runtime.autograd import refusing_backward, without_grad
 from overlap.runtime.dtensors import as_dtensors, local_pieces
@@ -174,7 +175,9 @@ class MultiDeviceExecutor:
                     f"schedule={compiled.schedule}: compile it as this rank runs it"
                 )
         else:
-            figures = hardware or default_hardware_figures(self.device)
+            figures = hardware or device_figures(
+                self.device, self.communicator if self.sharded else None
+            )
             replayed = self.cuda_graph and self.device.type == "cuda"
             compiled = compile_program(fusion, world, options, figures, schedule=generated,
                                        replayed=replayed)  # fmt: skip
