@@ -44,7 +44,6 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
     Communicator,
@@ -52,6 +51,7 @@ from overlap import (  # noqa: E402
     OverlapOptions,
     Timeline,
 )
+from overlap.comm.measure import measure_hardware_figures  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 SHAPES = [(8192, 8192, 14336), (8192, 8192, 4096), (16384, 8192, 8192), (8192, 8192, 1024),

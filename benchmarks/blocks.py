@@ -74,7 +74,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
-from benchmarks.hardware_figures import measure_hardware_figures  # noqa: E402
 from benchmarks.kernels import compiled_alone  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
@@ -83,6 +82,7 @@ from overlap import (  # noqa: E402
     Timeline,
     TrainableFusion,
 )
+from overlap.comm.measure import measure_hardware_figures  # noqa: E402
 from sharding import DeviceMesh, Shard, shard  # noqa: E402
 
 # (tokens, hidden, ffn); the attention block takes tokens and hidden, 8 KV heads of 128

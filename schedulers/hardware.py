@@ -1,7 +1,10 @@
 """The device a scheduler plans for: every size in bits.
 
 Heuristics read only this object, so they are tested on a CPU against the
-recorded profiles of real devices (H100, H200, B200).
+recorded profiles of real devices (H100, H200, B200). A CUDA device with no recorded
+profile is read from torch, and its copy bandwidth (``memory_gbps``, which the heuristics
+read) measured at its first use and kept on disk for later runs
+(``schedulers.device_cache``).
 
 Example::
 
@@ -11,9 +14,12 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
+
+from schedulers.device_cache import read_cached, write_cached
 
 KIB_BITS = 1024 * 8
 MIB_BITS = 1024 * KIB_BITS
@@ -31,7 +37,7 @@ class HardwareProfile:
     l2_bits: int
     warp_size: int = 32
     max_threads_per_sm: int = 2048
-    memory_gbps: float = 0.0  # measured device copy bandwidth (read + write), if known
+    memory_gbps: float = 0.0  # measured device copy bandwidth (read + write); 0: unknown (CPU)
 
     @property
     def max_warps_per_sm(self) -> int:
@@ -60,8 +66,50 @@ INTERPRETER = HardwareProfile("Triton interpreter (CPU)", 0, 1, 227 * KIB_BITS, 
 PROFILES = {profile.name: profile for profile in (H100, H200, B200)}
 
 
+def median_ms(function: Callable[[], object], repeats: int = 10) -> float:
+    """Median time of ``function()`` on the current CUDA stream, timed with CUDA events
+    after one warm-up run."""
+    function()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        function()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+COPY_BYTES = 2**28  # well past any L2: the copy runs at the memory's speed
+
+
+def measure_copy_gbps(device: torch.device) -> float:
+    """``device``'s copy bandwidth: a device-to-device copy of ``COPY_BYTES`` random bytes,
+    bytes read plus bytes written a second (a few milliseconds)."""
+    with torch.cuda.device(device):
+        source = torch.randint(0, 256, (COPY_BYTES,), dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        copy_ms = median_ms(lambda: target.copy_(source))
+    return 2 * COPY_BYTES / (copy_ms * 1e6)
+
+
+def measured_memory_gbps(device: torch.device, name: str) -> float:
+    """The copy bandwidth of ``device`` (named ``name``): kept from an earlier run of this
+    torch version, else measured now and kept (``schedulers.device_cache``)."""
+    key = {"device": name, "torch": torch.__version__}
+    cached = read_cached("memory", key, positive=("memory_gbps",))
+    if cached is not None:
+        return cached["memory_gbps"]
+    memory_gbps = measure_copy_gbps(device)
+    write_cached("memory", key, {"memory_gbps": memory_gbps})
+    return memory_gbps
+
+
 def current_hardware(device: torch.device | str | None = None) -> HardwareProfile:
-    """The profile of ``device``: read from torch on CUDA, the interpreter's on CPU."""
+    """The profile of ``device``: read from torch on CUDA, the interpreter's on CPU. A
+    CUDA device with no recorded profile gets its copy bandwidth measured
+    (``measured_memory_gbps``: once, then read back from the cache)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type != "cuda":
         return INTERPRETER
@@ -79,5 +127,5 @@ def current_hardware(device: torch.device | str | None = None) -> HardwareProfil
         max_threads_per_sm=getattr(props, "max_threads_per_multi_processor", 2048),
     )
     if recorded is not None:
-        profile = replace(profile, memory_gbps=recorded.memory_gbps)
-    return profile
+        return replace(profile, memory_gbps=recorded.memory_gbps)
+    return replace(profile, memory_gbps=measured_memory_gbps(device, props.name))

@@ -5,13 +5,12 @@ Decides and measures; changes no IR and talks to no rank (never imports ``runtim
 ``comm``).
 """
 
-from overlap.plan.figures import HardwareFigures, default_hardware_figures
+from overlap.plan.figures import HardwareFigures
 from overlap.plan.planner import OverlapOptions, OverlapPlan, plan_overlap
 
 __all__ = [
     "HardwareFigures",
     "OverlapOptions",
     "OverlapPlan",
-    "default_hardware_figures",
     "plan_overlap",
 ]

@@ -79,6 +79,29 @@ def host_ms(
     return steps * figures.launch_us / 1e3
 
 
+def check_figures(figures: HardwareFigures, transport: Transport | None) -> None:
+    """Raise ``ValueError`` naming the device and each figure the pattern's cost divides
+    by that is not above 0 (a device with nothing measured or recorded for it), instead
+    of a ``ZeroDivisionError`` deep in the model."""
+    divisors = {
+        "SMs (sm_count)": figures.sm_count,
+        "matmul rate (matmul_tflops)": figures.matmul_tflops,
+        "copy bandwidth (memory_gbps)": figures.memory_gbps,
+        "collective bandwidth (collective_gbps)": figures.collective_gbps,
+        "send/receive bandwidth (p2p_gbps)": figures.p2p_gbps,
+    }
+    if transport is Transport.COPY_ENGINE:
+        divisors["copy-engine bandwidth (copy_engine_gbps)"] = figures.copy_engine_gbps
+    missing = [name for name, value in divisors.items() if not value > 0]  # NaN too
+    if missing:
+        raise ValueError(
+            f"the overlap cost model cannot price a pattern on {figures.name} (device "
+            f"{figures.device.name}): no {', '.join(missing)}. Figures measured on one rank "
+            "have no links; measure this device's figures for the team "
+            "(overlap.comm.measure.device_figures) or pass figures=HardwareFigures(...)"
+        )
+
+
 def predict(
     pattern: Pattern,
     figures: HardwareFigures,
@@ -91,9 +114,11 @@ def predict(
 ) -> float:
     """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
     host's time to issue the run if that is longer (``replayed``: from a CUDA graph).
-    The pattern and transport may be given by name."""
+    The pattern and transport may be given by name. Figures with a divisor of 0 raise
+    ``ValueError`` (``check_figures``)."""
     pattern = Pattern(pattern)
     transport = None if transport is None else Transport(transport)
+    check_figures(figures, transport)
     return max(
         _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
         host_ms(figures, transport, chunks, replayed),

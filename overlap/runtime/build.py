@@ -3,7 +3,7 @@
 ``compile_for_device`` is what an executor compiles at construction (alone, before the
 ranks agree on the outcome): the user's choice of kernels checked against the device
 (generated kernels on CPU need Triton's interpreter, and on CUDA must not run in it),
-the figures of this device (``overlap.plan.figures``), a ``CompiledProgram`` given
+the figures of this device (``planning_figures``), a ``CompiledProgram`` given
 instead of a fusion checked against the world and the device, a copy-engine program
 refused off CUDA.
 """
@@ -17,10 +17,11 @@ import torch
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion
 from overlap.comm.communicator import Communicator
+from overlap.comm.measure import device_figures
 from overlap.compile.kernel_params import check_kernel_params
 from overlap.compile.pipeline import CompiledProgram, compile_program
 from overlap.ir import Transport
-from overlap.plan.figures import HardwareFigures, default_hardware_figures
+from overlap.plan.figures import HardwareFigures
 from overlap.plan.planner import OverlapOptions, copy_engine_refused
 from schedulers.runtime import interpreted
 from sharding.errors import ShardingError
@@ -43,6 +44,22 @@ def is_sharded(fusion: Fusion | FusionDefinition | CompiledProgram) -> bool:
     return is_placed(fusion.fusion if isinstance(fusion, FusionDefinition) else fusion)
 
 
+def planning_figures(
+    fusion: Fusion | FusionDefinition | CompiledProgram,
+    device: torch.device,
+    communicator: Communicator | None,
+    figures: HardwareFigures | None,
+) -> HardwareFigures | None:
+    """The figures the planner plans ``fusion`` with here: the user's, else this
+    device's (``overlap.comm.measure.device_figures``: recorded, or measured with the
+    peers once and kept); None for a ``CompiledProgram`` (already planned). Collective
+    for a placed fusion on GPUs: called on every rank before anything that may fail on
+    one rank alone."""
+    if figures is not None or isinstance(fusion, CompiledProgram):
+        return figures
+    return device_figures(device, communicator if is_sharded(fusion) else None)
+
+
 def compile_for_device(
     fusion: Fusion | FusionDefinition | CompiledProgram,
     device: torch.device,
@@ -54,7 +71,8 @@ def compile_for_device(
     kernel_params: Mapping[str, object] | None,
 ) -> CompiledProgram:
     """``fusion`` compiled (or a ``CompiledProgram`` checked) for this rank's ``device``
-    in the communicator's world; ``ValueError``/``ShardingError`` where it cannot run."""
+    in the communicator's world, planned with ``figures`` (``planning_figures``);
+    ``ValueError``/``ShardingError`` where it cannot run."""
     generated = _generates(kernels, device)
     if is_sharded(fusion) and communicator is None:
         raise ShardingError("a fusion placed on device meshes needs a Communicator")
@@ -74,7 +92,6 @@ def compile_for_device(
             )
         check_kernel_params(kernel_params, compiled.generated)
     else:
-        figures = figures or default_hardware_figures(device)
         replayed = cuda_graph and device.type == "cuda"
         # kernels="reference" generates nothing: params named for generated kernels are
         # refused; "auto" off CUDA checks them against the kernels it would generate

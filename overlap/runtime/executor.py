@@ -36,7 +36,7 @@ from overlap.plan.figures import HardwareFigures
 from overlap.plan.planner import OverlapOptions, OverlapPlan
 from overlap.runtime import pieces
 from overlap.runtime.autograd import refusing_backward, without_grad
-from overlap.runtime.build import compile_for_device, is_sharded, rank_device
+from overlap.runtime.build import compile_for_device, is_sharded, planning_figures, rank_device
 from overlap.runtime.dtensors import as_dtensors, local_pieces
 from overlap.runtime.graphs import GraphReplays
 from overlap.runtime.inputs import InputCheck, LocalBinding, addresses, check_mode
@@ -52,7 +52,8 @@ class MultiDeviceExecutor:
 
     A fusion with no tensor placed on a mesh runs whole on one device (the
     communicator may then be None). ``options`` override the overlap planner and
-    ``figures`` feed its cost model (by default this device's: ``overlap.plan.figures``).
+    ``figures`` feed its cost model (by default this device's: recorded for H100 and
+    H200, measured once and kept for another GPU, ``overlap.comm.measure``).
 
     ``kernels`` chooses how compute segments run: ``"generated"`` (Triton kernels from
     the schedulers wherever one takes the segment; on CPU this needs Triton's
@@ -89,6 +90,7 @@ class MultiDeviceExecutor:
         self.device = rank_device(communicator)
         self.sharded = is_sharded(fusion)
         self.cuda_graph = cuda_graph
+        figures = planning_figures(fusion, self.device, communicator, figures)  # collective
         try:
             self.compiled = compile_for_device(
                 fusion, self.device, communicator, options, figures, kernels, cuda_graph,
