@@ -210,11 +210,14 @@ def compile_program(
     state = _Compilation(fusion, world_size, figures or CPU_FIGURES, options or OverlapOptions(),
                          schedule, replayed, dict(kernel_params or {}))  # fmt: skip
     shown_after = {"plan overlap": lambda: state.plan, "apply the plan": lambda: state.streams}
+    last_shown = None
     for name, run_pass in PASSES:
         run_pass(state)
         if dump is not None:
-            shown = shown_after.get(name, lambda: state.host or state.fusion)()
-            dump.write(f"=== after {name} ===\n{shown}\n\n")
+            shown = str(shown_after.get(name, lambda: state.host or state.fusion)())
+            text = "(unchanged)" if shown == last_shown else shown
+            dump.write(f"=== after {name} ===\n{text}\n\n")
+            last_shown = shown
     return CompiledProgram(
         state.fusion, state.placements, state.plan, state.streams, state.host, world_size,
         state.figures, state.sharded, schedule, state.generated,
