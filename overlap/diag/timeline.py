@@ -299,8 +299,10 @@ def timeline_figure(
         loc="outside lower center", ncols=2, frameon=False,
     )  # fmt: skip
     axes = figure.add_subplot()
-    # about 13 characters of 9 pt text per inch of width
-    key = "bar labels: instruction.chunk — " + _key(by_rank)
+    key = "bar labels: instruction.chunk"
+    if any(s.detail for spans_ in by_rank.values() for s in spans_):
+        key += " — " + _key(by_rank)  # what each instruction does
+    # wrapped at about 13 characters of 9 pt text per inch of width
     axes.set_title(textwrap.fill(key, int(width_in * 13)), loc="left", fontsize=9)
     bars = [(index, s) for index, (rank, lane) in enumerate(rows)
             for s in by_rank[rank] if s.lane == lane]  # fmt: skip
