@@ -12,12 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fusion import FusionDefinition
+from launch.demo import build_tp_mlp, whole_inputs
 from overlap import MultiDeviceExecutor, OverlapOptions, Timeline
 from overlap.diag import progress
 from overlap.diag.ranges import Recorder, recorder
 from overlap.diag.timeline import span_name
-from sharding import DeviceMesh, Shard, shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,21 +41,14 @@ def test_spans_become_profiler_ranges_only_while_a_profiler_records():
 
 
 def profiled_run(communicator) -> tuple[list[str], list[str]]:
-    """A pipelined all-gather + matmul run under ``torch.profiler`` with a timeline: the
-    profiler's event names and the timeline's spans' names."""
+    """The demo's tensor-parallel MLP (an all-gather, two matmuls, a reduce-scatter),
+    pipelined, run under ``torch.profiler`` with a timeline: the profiler's event names
+    and the timeline's spans' names."""
     world = communicator.world_size
-    mesh = DeviceMesh(world)
-    with FusionDefinition("ag_linear") as fd:
-        x = fd.define_tensor([16 * world, 64])
-        w = fd.define_tensor([32 * world, 64])
-        fd.add_output(fd.ops.linear(x, w))
-    shard(x, mesh, [Shard(0)])
-    shard(w, mesh, [Shard(0)])  # gathered for the matmul, chunk by chunk
+    fd = build_tp_mlp(8 * world, 16, 16 * world, world)
     options = OverlapOptions(num_chunks=world, transport="collective")
     executor = MultiDeviceExecutor(fd, communicator, options)
-    generator = torch.Generator().manual_seed(0)  # the same whole inputs on every rank
-    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
-    local = executor.shard_inputs(full)
+    local = executor.shard_inputs(whole_inputs(8 * world, 16, 16 * world))
     executor.run(local)  # the first run compiles
     timeline = Timeline("cpu")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
@@ -67,12 +59,12 @@ def profiled_run(communicator) -> tuple[list[str], list[str]]:
 
 def test_a_placed_run_under_the_profiler_shows_its_kernels_and_communications(rank_pools):
     for names, spans in rank_pools(2).run(profiled_run):
-        # each chunk's all-gather and matmul ("c0.1 Allgather T3"), in the profiler's
-        # events under the timeline's names
-        kinds = sorted(re.sub(r"^([ck])\d+\.(\d) (\w+) ?.*", r"\1 \3 chunk \2", s) for s in spans)
-        assert kinds == ["c Allgather chunk 0", "c Allgather chunk 1", "k linear chunk 0",
-                         "k linear chunk 1"], spans  # fmt: skip
+        # every span of the timeline is in the profiler's events, under the same name
         assert set(spans) <= set(names), sorted(set(spans) - set(names))
+        # each chunk's transfers and matmuls among them ("c0.1 Allgather T6")
+        kinds = {re.sub(r"^([ck])\d+(\.\d)? (\w+).*", r"\1\2 \3", s) for s in spans}
+        assert {"c.0 Allgather", "c.1 Allgather", "c.0 ReduceScatter", "c.1 ReduceScatter",
+                "k.0 matmul", "k.1 matmul"} <= kinds, spans  # fmt: skip
 
 
 # ---------------------------------------------------------------------------

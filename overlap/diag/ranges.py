@@ -16,11 +16,10 @@ rank program's steps: it shows as the graph's launch::
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 
 import torch
 
-from overlap.diag.timeline import Timeline, span_name
+from overlap.diag.timeline import SpanRecorder, Timeline, span_name
 
 NVTX_VARIABLE = "OVERLAP_NVTX"
 _NVTX_ASKED = os.environ.get(NVTX_VARIABLE) == "1"
@@ -28,11 +27,12 @@ _NVTX_ASKED = os.environ.get(NVTX_VARIABLE) == "1"
 _profiler_enabled = torch.autograd._profiler_enabled
 
 
-class Recorder:
+class Recorder(SpanRecorder):
     """A run's spans recorded into its ``timeline`` (if any) and opened as profiler
     ranges: ``record_function`` ranges where a torch profiler records, NVTX ranges on
-    CUDA. It answers the timeline's ``start``/``stop``/``span``; a communication's range
-    runs from its issue to its wait, so ranges may overlap (both kinds allow it)."""
+    CUDA. It answers as the timeline does (``start``, ``stop``, ``span``); a
+    communication's range runs from its issue to its wait, so ranges may overlap (both
+    kinds allow it)."""
 
     def __init__(self, timeline: Timeline | None, record: bool, nvtx: bool) -> None:
         self.timeline, self.record, self.nvtx = timeline, record, nvtx
@@ -57,15 +57,6 @@ class Recorder:
             torch.cuda.nvtx.range_end(marker)
         if function is not None:
             function.__exit__(None, None, None)
-
-    @contextmanager
-    def span(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
-        """A span around the ``with`` block (a kernel launch)."""
-        handle = self.start(lane, name, detail, chunk)
-        try:
-            yield
-        finally:
-            self.stop(handle)
 
 
 def recorder(timeline: Timeline | None, cuda: bool) -> Timeline | Recorder | None:

@@ -68,7 +68,26 @@ def span_name(name: str, detail: str = "", chunk: int | None = None) -> str:
     return f"{label} {detail}" if detail else label
 
 
-class Timeline:
+class SpanRecorder:
+    """What records a run's spans: ``start`` opens one and returns what ``stop`` takes;
+    ``span`` wraps a ``with`` block in them."""
+
+    def start(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
+        raise NotImplementedError
+
+    def stop(self, token) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def span(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
+        token = self.start(lane, name, detail, chunk)
+        try:
+            yield
+        finally:
+            self.stop(token)
+
+
+class Timeline(SpanRecorder):
     """Records spans; ``spans()`` returns them in ms from the first recorded start."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -89,14 +108,6 @@ class Timeline:
     def stop(self, token: int) -> None:
         lane, name, begin, _, detail, chunk = self._open[token]
         self._open[token] = (lane, name, begin, self._mark(), detail, chunk)
-
-    @contextmanager
-    def span(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
-        token = self.start(lane, name, detail, chunk)
-        try:
-            yield
-        finally:
-            self.stop(token)
 
     def spans(self) -> list[Span]:
         done = [entry for entry in self._open if entry[3] is not None]
