@@ -213,7 +213,8 @@ def run_shape(
         if communicator.rank == 0:
             stem = f"{timeline_dir}/timeline_{pattern}_{m}x{k}x{n}"
             timeline.write_chrome_trace(stem + ".json", rank=0)
-            timeline.write_png(stem + ".png")
+            timeline.write_png(stem + ".png", f"{pattern} {m}x{k}x{n} (bf16) on {world} "
+                               f"{device.type} ranks: rank 0, one eager run")  # fmt: skip
     times = slowest({**timer.medians(), "host": host}, device)
     t_mm, t_comm = times["mm"], times["comm"]
     t_star = max(t_mm, t_comm + t_mm / world)

@@ -238,7 +238,7 @@ def _print_timeline(results: list[dict], sizes, where: str, out: str) -> None:
              f"overlapped: {len(results)} chunks, collective transport; this run "
              f"{max(walls.values()):.3f} ms (slowest rank)")  # fmt: skip
     with open(chart, "wb") as file:
-        file.write(render_png(by_rank, width=1400, title=title))
+        file.write(render_png(by_rank, title, width_in=14.0))
     write_chrome_trace(trace, by_rank)
     print(f"  chart: {chart}")
     print(f"  trace (ui.perfetto.dev or chrome://tracing): {trace}")

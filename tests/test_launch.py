@@ -326,7 +326,8 @@ def test_a_kernel_compile_says_how_long_it_took_once_and_a_cached_one_says_nothi
     code = (
         "import os, sys\n"
         "os.environ['TRITON_INTERPRET'] = '1'\n"
-        "from overlap.runtime import compute_steps, progress\n"
+        "from overlap.diag import progress\n"
+        "from overlap.runtime import compute_steps\n"
         "progress.enable()\n"
         "import torch\n"
         "from examples.norms import BUILDERS, make_inputs\n"

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import struct
-import zlib
 
+import matplotlib.image
+import numpy
 import pytest
 import torch
 
@@ -15,7 +16,14 @@ from fusion.reference import evaluate
 from fusion.testing import assert_close
 from overlap import MultiDeviceExecutor, OverlapOptions, Timeline, compile_program
 from overlap.compile.lowering import lower_to_host_program
-from overlap.diag.timeline import Span, axis_ticks, chrome_trace, render_png, render_text
+from overlap.diag.timeline import (
+    Span,
+    axis_ticks,
+    chrome_trace,
+    render_png,
+    render_text,
+    timeline_figure,
+)
 from overlap.ir import LaunchKernel, walk
 from overlap.plan.cost_model import predict
 from overlap.plan.figures import CPU_FIGURES, H200_FIGURES
@@ -439,15 +447,18 @@ def test_the_timeline_exports_a_chrome_trace_and_a_png(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     work = [e for e in trace["traceEvents"] if e["ph"] == "X"]
     assert len(work) == 4 and all(e["pid"] == 3 for e in work)
-    timeline.write_png(tmp_path / "timeline.png", width=200, lane_height=10)
+    timeline.write_png(tmp_path / "timeline.png", width_in=4.0)
     png = (tmp_path / "timeline.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n")
-    # Decode the image data and check that some pixels are the compute colour.
-    start = png.index(b"IDAT") + 4
-    length = int.from_bytes(png[start - 8 : start - 4], "big")
-    raw = zlib.decompress(png[start : start + length])
-    assert len(raw) == 40 * (1 + 200 * 3)
-    assert bytes((66, 133, 244)) in raw
+    # Decode the image: as wide as asked (4 inches at 120 dpi), and the bars drawn in the
+    # legend's compute colour.
+    image = matplotlib.image.imread(tmp_path / "timeline.png")[..., :3]
+    assert image.shape[1] == 4 * 120
+    legend = timeline_figure(spans).legends[0]
+    compute = next(h for h, t in zip(legend.legend_handles, legend.get_texts(), strict=True)
+                   if t.get_text() == "kernel (compute)")  # fmt: skip
+    color = numpy.array(compute.get_facecolor()[:3], dtype=image.dtype)
+    assert (numpy.abs(image - color) < 1.5 / 255).all(axis=-1).sum() > 100
 
 
 def _two_ranks() -> dict[int, list[Span]]:
@@ -496,18 +507,42 @@ def test_the_time_axis_picks_a_readable_step_and_unit():
 
 
 def test_the_chart_of_several_ranks_has_a_title_legend_lanes_and_an_axis():
-    png = render_png(_two_ranks(), width=600, lane_height=20, title="tp_mlp\n2 chunks")
+    figure = timeline_figure(_two_ranks(), title="tp_mlp\n2 chunks")
+    (axes,) = figure.axes
+    assert figure.get_suptitle() == "tp_mlp\n2 chunks"
+    (legend,) = figure.legends
+    colors = {t.get_text(): h.get_facecolor()
+              for h, t in zip(legend.legend_handles, legend.get_texts(), strict=True)}  # fmt: skip
+    assert set(colors) == {"kernel (compute)", "communication, issue to wait"}
+    assert "c0 Allgather T6; k1 matmul; k2 gelu, mul" in axes.get_title(loc="left")  # the key
+    lanes = [t.get_text() for t in axes.get_yticklabels()]
+    assert lanes == [f"rank {r} {lane}" for r in (0, 1) for lane in
+                     ("main compute", "stream 0 compute", "stream 0 comm",
+                      "stream 1 compute", "stream 1 comm")]  # fmt: skip
+
+    # a bar per span, in its lane, coloured by what it is
+    def where(bar) -> tuple[str, float, float]:  # its lane, start and end (µs)
+        lane = lanes[round(bar.get_y() + bar.get_height() / 2)]
+        return lane, round(bar.get_x(), 6), round(bar.get_x() + bar.get_width(), 6)
+
+    bars = {where(bar): bar.get_facecolor() for bar in axes.patches}
+    assert len(bars) == 10
+    assert bars["rank 0 stream 1 comm", 0.0, 400.0] == colors["communication, issue to wait"]
+    assert bars["rank 1 stream 0 compute", 150.0, 400.0] == colors["kernel (compute)"]
+    assert axes.get_xlabel() == "time (µs) from each rank's first span"  # 0.75 ms: in µs
+    ticks = [t.get_text() for t in axes.get_xticklabels()]
+    assert ticks == [str(t) for t in range(0, 701, 100)]
+    # every bar labelled with its instruction and chunk (each is wider than its label)
+    assert sorted(t.get_text() for t in axes.texts) == sorted(["c0.0", "c0.1", "k1.0",
+                                                               "k1.1", "k2"] * 2)  # fmt: skip
+    # a bar narrower than its label goes unlabelled
+    short = [Span("main compute", "k5", 0.0, 0.001), Span("main compute", "k6", 0.5, 1.0)]
+    assert [t.get_text() for t in timeline_figure(short).axes[0].texts] == ["k6"]
+    png = render_png(_two_ranks(), "tp_mlp\n2 chunks", width_in=5.0, dpi=100)
+    assert png.startswith(b"\x89PNG\r\n\x1a\n")
     width, height = struct.unpack(">II", png[16:24])
-    # two title lines, the legend, the key; ten lanes; the axis and its caption
-    assert (width, height) == (600, 4 * 16 + 4 + 10 * 20 + 2 * 16 + 8)
-    start = png.index(b"IDAT") + 4
-    length = int.from_bytes(png[start - 8 : start - 4], "big")
-    raw = zlib.decompress(png[start : start + length])
-    rows = [raw[1 + y * (1 + 3 * width) : (y + 1) * (1 + 3 * width)] for y in range(height)]
-    for color in ((66, 133, 244), (245, 145, 32)):  # kernels and communications
-        assert any(bytes(color) * 5 in row for row in rows[68:268])
-    assert any(b"\x30\x30\x30" in row for row in rows[:16])  # the title is written
-    assert any(b"\x30\x30\x30" in row for row in rows[270:])  # so are the axis labels
+    one_rank = render_png(_two_ranks()[0], "tp_mlp\n2 chunks", width_in=5.0, dpi=100)
+    assert width == 500 and height > struct.unpack(">II", one_rank[16:24])[1]  # more lanes
 
 
 def test_a_trace_of_several_ranks_has_a_process_per_rank_and_names_each_span():

@@ -1,4 +1,5 @@
-"""What a run did: its timeline (per rank, per stream) and progress messages.
+"""What a run did: its timeline (per rank, per stream), the same spans as profiler ranges
+(``ranges``), and progress messages on the ``overlap`` logger.
 
 Imports nothing else of ``overlap``: every other room may record into it.
 """

@@ -11,9 +11,9 @@ rank's times from its own first span):
 
 - ``chrome_trace``: a Chrome/Perfetto trace (``chrome://tracing``, ui.perfetto.dev),
   one process per rank, one thread per lane;
-- ``render_png``: a chart read without a caption: a title, a legend, lanes named
-  (rank, stream, compute or communication), bars labelled (instruction and chunk), a
-  time axis in µs or ms; no plotting library needed;
+- ``render_png``: a chart read without a caption, drawn with matplotlib (``timeline_figure``
+  is the figure): a title, a legend, lanes named (rank, stream, compute or
+  communication), bars labelled (instruction and chunk), a time axis in µs or ms;
 - ``render_text``: the same chart in characters, for a terminal.
 
 Example::
@@ -27,15 +27,19 @@ Example::
 
 from __future__ import annotations
 
+import io
 import json
 import math
-import struct
+import textwrap
 import time
-import zlib
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -54,10 +58,36 @@ class Span:
     @property
     def label(self) -> str:
         """The bar's short label: the instruction and its chunk (``k2.0``)."""
-        return self.name if self.chunk is None else f"{self.name}.{self.chunk}"
+        return span_name(self.name, chunk=self.chunk)
 
 
-class Timeline:
+def span_name(name: str, detail: str = "", chunk: int | None = None) -> str:
+    """A span's full name as traces and profilers show it: the instruction, its chunk
+    and what it does (``k2.0 matmul``, ``c1 Allgather T6``)."""
+    label = name if chunk is None else f"{name}.{chunk}"
+    return f"{label} {detail}" if detail else label
+
+
+class SpanRecorder:
+    """What records a run's spans: ``start`` opens one and returns what ``stop`` takes;
+    ``span`` wraps a ``with`` block in them."""
+
+    def start(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
+        raise NotImplementedError
+
+    def stop(self, token) -> None:
+        raise NotImplementedError
+
+    @contextmanager
+    def span(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
+        token = self.start(lane, name, detail, chunk)
+        try:
+            yield
+        finally:
+            self.stop(token)
+
+
+class Timeline(SpanRecorder):
     """Records spans; ``spans()`` returns them in ms from the first recorded start."""
 
     def __init__(self, device: torch.device | str = "cpu") -> None:
@@ -78,14 +108,6 @@ class Timeline:
     def stop(self, token: int) -> None:
         lane, name, begin, _, detail, chunk = self._open[token]
         self._open[token] = (lane, name, begin, self._mark(), detail, chunk)
-
-    @contextmanager
-    def span(self, lane: str, name: str, detail: str = "", chunk: int | None = None):
-        token = self.start(lane, name, detail, chunk)
-        try:
-            yield
-        finally:
-            self.stop(token)
 
     def spans(self) -> list[Span]:
         done = [entry for entry in self._open if entry[3] is not None]
@@ -116,12 +138,10 @@ class Timeline:
     def write_chrome_trace(self, path: str, rank: int = 0) -> None:
         write_chrome_trace(path, {rank: self.spans()})
 
-    def write_png(
-        self, path: str, width: int = 1200, lane_height: int = 28, title: str = ""
-    ) -> None:
+    def write_png(self, path: str, title: str = "", width_in: float = 12.0) -> None:
         """A chart of this rank's spans (see ``render_png``)."""
         with open(path, "wb") as file:
-            file.write(render_png(self.spans(), width, lane_height, title))
+            file.write(render_png(self.spans(), title, width_in))
 
 
 def _by_rank(spans: list[Span] | dict[int, list[Span]]) -> dict[int, list[Span]]:
@@ -170,7 +190,7 @@ def chrome_trace(spans: list[Span] | dict[int, list[Span]]) -> dict:
             if s.chunk is not None:
                 args["chunk"] = s.chunk
             events.append(
-                {"name": s.label if not s.detail else f"{s.label} {s.detail}",
+                {"name": span_name(s.name, s.detail, s.chunk),
                  "cat": "comm" if s.communication else "compute", "ph": "X", "pid": rank,
                  "tid": rows.index((rank, s.lane)), "ts": s.start_ms * 1e3,
                  "dur": max(s.end_ms - s.start_ms, 0.0) * 1e3, "args": args}
@@ -258,132 +278,89 @@ def _natural(item: tuple[str, str]) -> tuple:
     return (name.rstrip("0123456789"), int(digits) if digits else -1)
 
 
-# A 3x5 pixel font: each glyph is 5 rows of 3 bits (left bit first); text is lowercased.
-_GLYPHS = {
-    "a": (2, 5, 7, 5, 5), "b": (6, 5, 6, 5, 6), "c": (3, 4, 4, 4, 3), "d": (6, 5, 5, 5, 6),
-    "e": (7, 4, 6, 4, 7), "f": (7, 4, 6, 4, 4), "g": (3, 4, 5, 5, 3), "h": (5, 5, 7, 5, 5),
-    "i": (7, 2, 2, 2, 7), "j": (1, 1, 1, 5, 2), "k": (5, 5, 6, 5, 5), "l": (4, 4, 4, 4, 7),
-    "m": (5, 7, 7, 5, 5), "n": (6, 5, 5, 5, 5), "o": (2, 5, 5, 5, 2), "p": (6, 5, 6, 4, 4),
-    "q": (2, 5, 5, 6, 3), "r": (6, 5, 6, 5, 5), "s": (3, 4, 2, 1, 6), "t": (7, 2, 2, 2, 2),
-    "u": (5, 5, 5, 5, 7), "v": (5, 5, 5, 5, 2), "w": (5, 5, 7, 7, 5), "x": (5, 5, 2, 5, 5),
-    "y": (5, 5, 2, 2, 2), "z": (7, 1, 2, 4, 7), "0": (7, 5, 5, 5, 7), "1": (2, 6, 2, 2, 7),
-    "2": (6, 1, 2, 4, 7), "3": (6, 1, 2, 1, 6), "4": (5, 5, 7, 1, 1), "5": (7, 4, 6, 1, 6),
-    "6": (3, 4, 7, 5, 7), "7": (7, 1, 2, 2, 2), "8": (7, 5, 7, 5, 7), "9": (7, 5, 7, 1, 6),
-    ".": (0, 0, 0, 0, 2), ":": (0, 2, 0, 2, 0), ";": (0, 2, 0, 2, 4), "-": (0, 0, 7, 0, 0),
-    "+": (0, 2, 7, 2, 0), "/": (1, 1, 2, 4, 4), "(": (1, 2, 2, 2, 1), ")": (4, 2, 2, 2, 4),
-    ",": (0, 0, 0, 2, 4), "=": (0, 7, 0, 7, 0), "%": (5, 1, 2, 4, 5), "'": (2, 2, 0, 0, 0),
-    "_": (0, 0, 0, 0, 7), "<": (1, 2, 4, 2, 1), ">": (4, 2, 1, 2, 4), "*": (0, 5, 2, 5, 0),
-    "#": (5, 7, 5, 7, 5), "[": (3, 2, 2, 2, 3), "]": (6, 2, 2, 2, 6), "µ": (5, 5, 5, 7, 4),
-}  # fmt: skip
-_SCALE = 2  # pixels per font dot
-_CHAR = 4 * _SCALE  # advance per character
-_LINE = 5 * _SCALE + 6  # height of a line of text
-_INK = (48, 48, 48)
-_COMPUTE = (66, 133, 244)
-_COMM = (245, 145, 32)
-_GRID = (225, 225, 225)
-_RANK_RULE = (120, 120, 120)
+_COMPUTE_COLOR = "#3b6fc4"
+_COMM_COLOR = "#f0953a"
+_LANE_IN = 0.32  # a lane's height in inches: room for a bar and its 8 pt label
 
 
-class _Canvas:
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.rows = [bytearray(b"\xff" * (3 * width)) for _ in range(height)]
+def timeline_figure(
+    spans: list[Span] | dict[int, list[Span]], title: str = "", width_in: float = 12.0
+) -> Figure:
+    """The chart as a matplotlib ``Figure`` on an Agg canvas (pyplot and the user's
+    backend untouched): the ``title`` (lines), a legend, a key naming what each
+    instruction does, a row per (rank, lane) named on the left, a bar per span coloured
+    by kernel or communication and labelled with its instruction and chunk where the
+    label fits, and a time axis in µs or ms. ``render_png`` saves it."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Patch
 
-    def box(self, left: int, top: int, right: int, bottom: int, color: tuple) -> None:
-        left, right = max(left, 0), min(right, self.width)
-        for y in range(max(top, 0), min(bottom, self.height)):
-            self.rows[y][3 * left : 3 * right] = bytes(color) * max(right - left, 0)
-
-    def text(self, text: str, left: int, top: int, color: tuple = _INK) -> None:
-        for position, char in enumerate(text.lower()):
-            for row, bits in enumerate(_GLYPHS.get(char, (0, 0, 0, 0, 0))):
-                for column in range(3):
-                    if bits & (4 >> column):
-                        x = left + position * _CHAR + column * _SCALE
-                        y = top + row * _SCALE
-                        self.box(x, y, x + _SCALE, y + _SCALE, color)
-
-    def png(self) -> bytes:
-        raw = b"".join(b"\x00" + bytes(row) for row in self.rows)
-
-        def chunk(kind: bytes, data: bytes) -> bytes:
-            body = kind + data
-            return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header)
-                + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))  # fmt: skip
+    by_rank, rows, names, end = _chart(spans)
+    ticks, unit, factor = axis_ticks(end)
+    unit = "µs" if unit == "us" else unit
+    titles = [line for line in title.split("\n") if line]
+    height_in = 1.9 + 0.25 * len(titles) + _LANE_IN * max(len(rows), 1)
+    figure = Figure(figsize=(width_in, height_in), layout="constrained")
+    FigureCanvasAgg(figure)
+    if titles:
+        figure.suptitle("\n".join(titles))
+    figure.legend(
+        handles=[Patch(color=_COMPUTE_COLOR, label="kernel (compute)"),
+                 Patch(color=_COMM_COLOR, label="communication, issue to wait")],
+        loc="outside lower center", ncols=2, frameon=False,
+    )  # fmt: skip
+    axes = figure.add_subplot()
+    key = "bar labels: instruction.chunk"
+    if any(s.detail for spans_ in by_rank.values() for s in spans_):
+        key += " — " + _key(by_rank)  # what each instruction does
+    # wrapped at about 13 characters of 9 pt text per inch of width
+    axes.set_title(textwrap.fill(key, int(width_in * 13)), loc="left", fontsize=9)
+    bars = [(index, s) for index, (rank, lane) in enumerate(rows)
+            for s in by_rank[rank] if s.lane == lane]  # fmt: skip
+    axes.barh(
+        [index for index, _ in bars],
+        [(s.end_ms - s.start_ms) * factor for _, s in bars],
+        left=[s.start_ms * factor for _, s in bars],
+        height=0.7,
+        color=[_COMM_COLOR if s.communication else _COMPUTE_COLOR for _, s in bars],
+        edgecolor="#202020",
+        linewidth=0.5,
+    )
+    axes.set_yticks(range(len(rows)), names)
+    axes.set_ylim(max(len(rows), 1) - 0.5, -0.5)  # the first lane on top
+    if not rows:
+        axes.text(0.5, 0.5, "(no spans recorded)", ha="center", transform=axes.transAxes)
+    for index in range(1, len(rows)):
+        if rows[index - 1][0] != rows[index][0]:  # a rule between ranks
+            axes.axhline(index - 0.5, color="#555555", linewidth=1.2)
+    axes.set_xlim(0.0, end * factor)
+    axes.set_xticks([tick * factor for tick in ticks], [_number(t * factor) for t in ticks])
+    axes.set_xlabel(f"time ({unit}) from each rank's first span")
+    axes.grid(axis="x", color="#dddddd")
+    axes.set_axisbelow(True)
+    # The layout is fixed before the labels are placed: a label is kept only where the
+    # bar is wider than it, which needs the bars' final width on the canvas.
+    figure.draw_without_rendering()
+    figure.set_layout_engine("none")
+    renderer = figure.canvas.get_renderer()
+    for index, s in bars:
+        left, right = axes.transData.transform([(s.start_ms * factor, index),
+                                                (s.end_ms * factor, index)])  # fmt: skip
+        text = axes.text((s.start_ms + s.end_ms) / 2 * factor, index, s.label, fontsize=8,
+                         ha="center", va="center", clip_on=True,
+                         color="black" if s.communication else "white")  # fmt: skip
+        if text.get_window_extent(renderer).width + 4 > right[0] - left[0]:
+            text.remove()
+    return figure
 
 
 def render_png(
     spans: list[Span] | dict[int, list[Span]],
-    width: int = 1200,
-    lane_height: int = 28,
     title: str = "",
+    width_in: float = 12.0,
+    dpi: int = 120,
 ) -> bytes:
-    """PNG bytes of the chart: the ``title`` (lines), a legend, a row per (rank, lane)
-    named on the left, a bar per span labelled with its instruction and chunk where it
-    fits, and a time axis with ticks in µs or ms under it."""
-    by_rank, rows, names, end = _chart(spans)
-    titles = [line for line in title.split("\n") if line]
-    label_width = max((len(n) for n in names), default=0) * _CHAR + 2 * _SCALE
-    if label_width > width // 3:
-        label_width = width // 3
-    labels = lane_height >= _LINE  # room to write in a lane
-    if not labels:
-        label_width = 0
-    header = (len(titles) + 2) * _LINE + 4 if labels else 0  # the titles, legend, key
-    axis = 2 * _LINE + 8 if labels else 0
-    chart_left, chart_width = label_width + _SCALE, width - label_width - 3 * _SCALE
-    canvas = _Canvas(width, header + max(len(rows), 1) * lane_height + axis)
-
-    def x(ms: float) -> int:
-        return chart_left + int(ms / end * (chart_width - 1))
-
-    if labels:
-        for index, line in enumerate(titles):
-            canvas.text(line[: (width - 4) // _CHAR], 2 * _SCALE, index * _LINE + 4)
-        top = len(titles) * _LINE + 4
-        left = 2 * _SCALE
-        for color, what in ((_COMPUTE, "kernel (compute)"),
-                            (_COMM, "communication, issue to wait")):  # fmt: skip
-            canvas.box(left, top, left + 3 * _CHAR, top + 5 * _SCALE, color)
-            canvas.text(what, left + 4 * _CHAR, top)
-            left += (len(what) + 7) * _CHAR
-        canvas.text("bar labels: instruction.chunk", left, top)
-        canvas.text(_key(by_rank)[: (width - 4) // _CHAR], 2 * _SCALE, top + _LINE)
-    ticks, unit, factor = axis_ticks(end)
-    bottom = header + len(rows) * lane_height
-    for tick in ticks:
-        canvas.box(x(tick), header, x(tick) + 1, bottom, _GRID)
-    for index, ((rank, lane), name) in enumerate(zip(rows, names, strict=True)):
-        top = header + index * lane_height
-        if index:
-            new_rank = rows[index - 1][0] != rank
-            canvas.box(0, top, width, top + (2 if new_rank else 1),
-                       _RANK_RULE if new_rank else _GRID)  # fmt: skip
-        if labels:
-            canvas.text(name[: label_width // _CHAR], _SCALE, top + (lane_height - 5 * _SCALE) // 2)
-        for s in by_rank[rank]:
-            if s.lane != lane:
-                continue
-            left, right = x(s.start_ms), max(x(s.end_ms), x(s.start_ms) + 1)
-            canvas.box(left, top + 3, right, top + lane_height - 3, _COMM if s.communication
-                       else _COMPUTE)  # fmt: skip
-            canvas.box(left, top + 3, left + 1, top + lane_height - 3, (32, 32, 32))
-            if labels and right - left >= len(s.label) * _CHAR + 2 * _SCALE:
-                canvas.text(s.label, left + 2 * _SCALE, top + (lane_height - 5 * _SCALE) // 2,
-                            (255, 255, 255))  # fmt: skip
-    if labels:
-        canvas.box(chart_left, bottom + 1, chart_left + chart_width, bottom + 2, _INK)
-        last = -1
-        for tick in ticks:
-            text = _number(tick * factor) + (f" {unit}" if tick == ticks[-1] else "")
-            at = x(tick)
-            canvas.box(at, bottom + 1, at + 1, bottom + 6, _INK)
-            if at > last and at + len(text) * _CHAR < width:
-                canvas.text(text, at - (0 if tick == 0 else _SCALE), bottom + 8)
-                last = at + (len(text) + 1) * _CHAR
-        canvas.text(f"time ({unit}) from each rank's first span", chart_left, bottom + 8 + _LINE)
-    return canvas.png()
+    """PNG bytes of the chart (``timeline_figure``), ``width_in`` inches wide at ``dpi``."""
+    buffer = io.BytesIO()
+    timeline_figure(spans, title, width_in).savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

@@ -24,6 +24,7 @@ from overlap.comm.communications import Pending, RankContext, start
 from overlap.comm.pipelined import PipelinedComms, chunk_rows, place
 from overlap.comm.symmetric import SymmetricBuffers
 from overlap.compile.pipeline import CompiledProgram
+from overlap.diag.ranges import Recorder, recorder
 from overlap.diag.timeline import Timeline
 from overlap.ir import (
     AliasSelect,
@@ -85,9 +86,9 @@ class RankProgram:
         self.rank = setup.rank
         self.values: dict[TensorView, torch.Tensor | None] = {}
         self.pending: dict[tuple[Communicate, int | None], Pending] = {}
-        self.tokens: dict[tuple[Communicate, int | None], int] = {}
+        self.tokens: dict[tuple[Communicate, int | None], object] = {}
         self.saved_streams: dict[str, object] = {}
-        self.timeline: Timeline | None = None
+        self.timeline: Timeline | Recorder | None = None  # a Recorder: profiler ranges too
         self.streams = setup.streams
         self.shapes: dict[TensorView, list[int]] = {}
         self.chosen_params: dict[str, object] = {}
@@ -136,7 +137,7 @@ class RankProgram:
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
         self.deferred = []  # none left behind by a run that raised
         self.pipelined.new_run()
-        self.timeline = timeline
+        self.timeline = recorder(timeline, self.streams.cuda)
         if self.plain_inputs:  # every input held, none packed: the common case
             self.values = values = dict(zip(self.plain_inputs, local_inputs, strict=True))
         else:
