@@ -57,18 +57,21 @@ def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
     process groups, and exit with ``exit_code`` at once (no interpreter teardown that
     could wait on a peer). Never returns."""
     rank = os.environ.get("RANK", "?")
+    # the process's own stderr: torch's excepthook (set by init_process_group around
+    # ours) points sys.stderr at a buffer it prints only after we return, and we do not
+    stderr = sys.__stderr__ or sys.stderr
     try:
         _record_failure(rank)
         if error is None:
             text = traceback.format_exc()
         else:
             text = "".join(traceback.format_exception(error))
-        sys.stderr.write(f"[overlap] rank {rank} failed:\n{text}")
-        sys.stderr.write(
+        stderr.write(f"[overlap] rank {rank} failed:\n{text}")
+        stderr.write(
             f"[overlap] rank {rank}: aborting its communicators and exiting with {exit_code}; "
             "the launcher stops the other ranks\n"
         )
-        sys.stderr.flush()
+        stderr.flush()
         sys.stdout.flush()
         abort_process_groups()
     finally:

@@ -17,6 +17,7 @@ from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from launch.env import LaunchError, launcher, rank_environment
+from launch.local import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (64, 32, 128)  # tokens, hidden, ffn
@@ -415,6 +416,23 @@ for _ in range(50):  # finished collectives whose tensors gloo's threads release
     dist.all_reduce(torch.ones(1000))
 print("done", dist.get_rank())
 """
+
+
+def test_an_uncaught_exception_in_a_launched_rank_prints_its_traceback(tmp_path):
+    """A rank torchrun started, that joined its group with ``launch.init`` and then
+    raised, exits 1 with its traceback on stderr: torch's own excepthook, set by
+    ``init_process_group`` around the fail-fast one, holds stderr in a buffer that a
+    process exiting at once would never print."""
+    script = tmp_path / "raises.py"
+    script.write_text("from launch.env import init\ninit()\nraise ValueError('boom')\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "RANK": "0",
+           "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port()), "TORCHELASTIC_RUN_ID": "test"}  # fmt: skip
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                            text=True, timeout=60)  # fmt: skip
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "[overlap] rank 0 failed:" in result.stderr, result.stderr
+    assert "ValueError: boom" in result.stderr and "raises.py" in result.stderr
 
 
 _FINISH = """
