@@ -5,6 +5,8 @@ device.
     overlap run --launcher local --nproc 2 examples/llama_block.py [--steps 10]
     overlap run --launcher ray --nproc 2 examples/llama_block.py
     overlap run --launcher torchrun --nproc 2 examples/llama_block.py   # on 2 GPUs: NCCL
+    python examples/llama_block.py                                      # alone: one rank
+    overlap dump examples/llama_block.py                                # its forward program
 
 The block: RMSNorm, attention (rotary embeddings, a causal mask, heads split over the
 ranks: q, k and v column-wise, the output projection row-wise), a residual, RMSNorm, a
@@ -37,7 +39,9 @@ from torch.distributed.tensor.parallel import (
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from fusion import FusionDefinition  # noqa: E402
 from overlap import parallelize  # noqa: E402
+from overlap.train.parallelize import place  # noqa: E402
 
 TOKENS, HIDDEN, FFN, HEADS = 24, 32, 64, 4
 TOLERANCE = 1e-4  # relative, per step's loss (float32; the ranks sum in another order)
@@ -128,6 +132,13 @@ class Block(torch.nn.Module):
         return h + self.mlp(self.mlp_norm(h))
 
 
+def fusion(world_size: int) -> FusionDefinition:
+    """The block's forward as ``parallelize`` captures and places it, for ``overlap dump``."""
+    torch.manual_seed(0)
+    example = torch.zeros(TOKENS, HIDDEN)
+    return place(Block(), [example], world_size, PLAN, outputs=["sequence"]).fd
+
+
 def batches(steps: int, device: torch.device):
     """The same (input, target) batches on every rank."""
     generator = torch.Generator().manual_seed(1)
@@ -173,5 +184,12 @@ def main(communicator) -> None:
     if worst > TOLERANCE:
         raise AssertionError(f"rank {communicator.rank}: the losses differ by up to {worst:.1e}")
     if communicator.rank == 0:
-        print(f"llama_block: {args.steps} steps on {world} ranks match one device "
+        print(f"llama_block: {args.steps} steps on {world} rank{'s' if world > 1 else ''} match "
+              f"one device "
               f"(largest relative gap {worst:.1e})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":  # run directly: under torchrun, or alone
+    from launch import init
+
+    main(init())

@@ -5,7 +5,8 @@ whose results are broadcast back along the rows. The executor gives the row part
 each to the normalization scheduler (one kernel, the row in registers) and the column
 sums of a backward (dweight, dbias) to the reduction scheduler.
 
-    python examples/norms.py      # runs each on a few rows, checks it against torch
+    python examples/norms.py                      # each on a few rows, checked
+    overlap dump --kernels examples/norms.py      # LayerNorm's forward, its kernel
 
 Every builder takes the hidden size ``n`` and the dtype of the activations; rows are
 symbolic (``"rows"``), so one kernel serves every batch size. Saved statistics (mean,
@@ -21,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusion import FusionDefinition  # noqa: E402
 
+HIDDEN = 1000  # the hidden size main runs each normalization at
 ROW = [False, True]  # broadcast a per-row value along the hidden axis
 COLUMN = [True, False]  # broadcast a per-column value (a weight) along the rows
 
@@ -145,6 +147,12 @@ def make_inputs(name: str, rows: int, n: int, dtype, device, generator) -> list:
     raise KeyError(name)
 
 
+def fusion(world_size: int) -> FusionDefinition:
+    """LayerNorm's forward as ``main`` runs it, for ``overlap dump`` (one
+    device's fusion: every rank runs it whole, whatever ``world_size``)."""
+    return layernorm_forward(HIDDEN, "bfloat16")
+
+
 BUILDERS = {
     "softmax_fwd": softmax_forward,
     "softmax_bwd": softmax_backward,
@@ -167,12 +175,12 @@ def main() -> None:
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     for name, build in BUILDERS.items():
-        fd = build(1000, "bfloat16")
+        fd = build(HIDDEN, "bfloat16")
         generator = torch.Generator().manual_seed(0)
-        inputs = make_inputs(name, 8, 1000, torch.bfloat16, device, generator)
+        inputs = make_inputs(name, 8, HIDDEN, torch.bfloat16, device, generator)
         executor = MultiDeviceExecutor(fd, kernels="generated")
         for actual, expected in zip(executor.run(inputs), fd.execute(inputs), strict=True):
-            assert_close(actual, expected, reduction_extent=1000)
+            assert_close(actual, expected, reduction_extent=HIDDEN)
         print(f"{name}: matches the reference\n  {executor.kernel_report()}")
 
 

@@ -18,8 +18,13 @@ sums. The whole inputs come from one seeded generator, so every rank holds the s
 ones (unseeded, each rank would cut its piece from a different whole). Each rank runs its
 piece, checks its output against the single-device reference (``partial_sums=world``:
 the ranks' partial sums are added in another order than one device adds them, which the
-tolerance allows for), then times the sequential program against the planner's choice.
-A wrong piece on any rank fails the job (the launcher stops the others).
+tolerance allows for), then times the sequential program against the planner's choice:
+a few untimed runs of each first, then rounds that run each once, the ranks lined up
+before every run, and the median round of each (the one run first in a process pays for
+warming caches, which a single warm-up does not cover). Where the planner keeps the
+sequential program there is one program to time, and it says so. A wrong piece on any
+rank fails the job (the launcher stops the others). ``fusion(world_size)`` is the fusion
+at the default sizes, for ``overlap dump examples/tp_mlp.py``.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -40,6 +46,9 @@ from overlap import (
     OverlapOptions,  # noqa: E402
 )
 from sharding import DeviceMesh, Replicate, Shard, shard  # noqa: E402
+
+SIZES = {"tokens": 512, "hidden": 256, "ffn": 1024}  # the defaults
+WARMUP = 3  # untimed runs of each program before the timed rounds
 
 
 def build(tokens: int, hidden: int, ffn: int, world: int) -> FusionDefinition:
@@ -57,12 +66,19 @@ def build(tokens: int, hidden: int, ffn: int, world: int) -> FusionDefinition:
     return fd
 
 
+def fusion(world_size: int) -> FusionDefinition:
+    """The fusion at the default sizes, for ``overlap dump``."""
+    return build(SIZES["tokens"], SIZES["hidden"], SIZES["ffn"], world_size)
+
+
 def main(communicator) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, default=512, help="rows of x (default 512)")
-    parser.add_argument("--hidden", type=int, default=256, help="model width (default 256)")
-    parser.add_argument("--ffn", type=int, default=1024, help="inner width (default 1024)")
-    parser.add_argument("--runs", type=int, default=5, help="timed runs (default 5)")
+    for name, what in (("tokens", "rows of x"), ("hidden", "model width"),
+                       ("ffn", "inner width")):  # fmt: skip
+        parser.add_argument(f"--{name}", type=int, default=SIZES[name],
+                            help=f"{what} (default {SIZES[name]})")  # fmt: skip
+    parser.add_argument("--runs", type=int, default=9,
+                        help="timed runs of each program, interleaved (default 9)")  # fmt: skip
     args = parser.parse_args(sys.argv[1:])
     world, rank, device = communicator.world_size, communicator.rank, communicator.device
     fd = build(args.tokens, args.hidden, args.ffn, world)
@@ -76,25 +92,37 @@ def main(communicator) -> None:
     assert_close(y.cpu(), expected, reduction_extent=args.ffn, partial_sums=world,
                  message=f"rank {rank}'s output")  # fmt: skip
     sequential = MultiDeviceExecutor(fd, communicator, OverlapOptions(overlap=False))
-    variants = (("sequential", sequential), ("planner's choice", executor))
-    times = ", ".join(f"{name} {_ms(e, local, args.runs, device):.2f} ms" for name, e in variants)
+    same = str(executor.program) == str(sequential.program)
+    variants = {"sequential": sequential} if same else {"sequential": sequential,
+                                                        "planner's choice": executor}  # fmt: skip
+    ms = _median_ms(variants, local, args.runs, device)
     if rank == 0:
         ranks = f"{world} rank{'s' if world > 1 else ''}"
+        times = ", ".join(f"{name} {value:.2f} ms" for name, value in ms.items())
+        chosen = "; the planner's choice is the same program" if same else ""
         print(f"tp_mlp on {ranks} ({device.type}): every rank's output matches one device; "
-              f"{times}", flush=True)  # fmt: skip
+              f"{times} (median of {args.runs} runs){chosen}", flush=True)  # fmt: skip
         print(executor.explain_overlap(), flush=True)
 
 
-def _ms(executor: MultiDeviceExecutor, local: list, runs: int, device: torch.device) -> float:
-    executor.run(local)  # warm-up
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    for _ in range(runs):
-        executor.run(local)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / runs * 1e3
+def _median_ms(variants: dict[str, MultiDeviceExecutor], local: list, rounds: int,
+               device: torch.device) -> dict[str, float]:  # fmt: skip
+    """Each variant's median time: ``WARMUP`` untimed rounds, then ``rounds`` timed ones,
+    each running every variant once in turn (ABAB...), so that neither profits from its
+    place; the ranks line up before every run."""
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    for round_index in range(WARMUP + rounds):
+        for name, executor in variants.items():
+            dist.barrier()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            executor.run(local)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_index >= WARMUP:
+                times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 if __name__ == "__main__":  # run directly: under torchrun, or alone

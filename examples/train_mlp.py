@@ -4,6 +4,8 @@ device.
     overlap run --launcher local --nproc 2 examples/train_mlp.py [--steps 20]
     overlap run --launcher ray --nproc 2 examples/train_mlp.py
     overlap run --launcher torchrun --nproc 2 examples/train_mlp.py   # on 2 GPUs: NCCL
+    python examples/train_mlp.py                                      # alone: one rank
+    overlap dump examples/train_mlp.py                                # its forward program
 
 The model: tokens split over the ranks (sequence parallel), gathered for a
 column-parallel linear, gelu, a row-parallel linear whose partial sums are
@@ -47,6 +49,11 @@ def build(world: int) -> FusionDefinition:
     shard(w2, mesh, [Shard(1)])  # row-parallel: partial sums ...
     shard(y, mesh, [Shard(0)])  # ... reduce-scattered back to the tokens' pieces
     return fd
+
+
+def fusion(world_size: int) -> FusionDefinition:
+    """The forward fusion, for ``overlap dump``."""
+    return build(world_size)
 
 
 def batches(steps: int, device: torch.device):
@@ -100,5 +107,12 @@ def main(communicator) -> None:
     if worst > TOLERANCE:
         raise AssertionError(f"rank {communicator.rank}: the losses differ by up to {worst:.1e}")
     if communicator.rank == 0:
-        print(f"train_mlp: {args.steps} steps on {world} ranks match one device "
+        print(f"train_mlp: {args.steps} steps on {world} rank{'s' if world > 1 else ''} match "
+              f"one device "
               f"(largest relative gap {worst:.1e})", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":  # run directly: under torchrun, or alone
+    from launch import init
+
+    main(init())

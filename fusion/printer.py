@@ -13,12 +13,27 @@ Example::
       T4_bf16[iS10{batch}, iS11{4096}]
 
 Once tensors are placed on device meshes, the meshes are listed first and each
-line ends with the mesh of its tensor (``@M0``).
+line ends with the mesh of its tensor (``@M0``). ``LEGEND`` says how to read it (the
+demo prints it; docs/guide.md carries it).
 """
 
 from __future__ import annotations
 
 from fusion.ir import Fusion, TensorView
+
+# How to read the printed IR: Axis.__str__ and TensorView.__str__ (fusion/ir.py) write
+# what it describes.
+LEGEND = (
+    "How to read it: T3_bf16[...] is tensor T3, of dtype bf16, and its axes. An axis such "
+    "as iDIDx0{512} reads: its iteration type (i iterated; r reduced, as a matmul's "
+    "contraction axis; b broadcast), its parallel type (S serial, whole on every device; "
+    "DIDx split over the devices of the mesh's first axis, DIDy and DIDz its second and "
+    "third; Stream cut into chunks that run on separate streams; DIDx|Stream both), its "
+    "id (0, unique in the fusion) and, in braces, its whole extent (each device holds its "
+    "share of a split axis; {batch} is a symbolic extent). A reduced axis split over the "
+    "devices (rDIDx) holds partial sums. @M0: the device mesh the tensor is placed on, "
+    "listed under meshes."
+)
 
 
 def count(number: int, noun: str) -> str:

@@ -16,18 +16,29 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = (
+    "Run one fusion over many devices with its communication overlapped with compute: "
+    "the demo, your own scripts, or the programs a script compiles to."
+)
+
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="overlap", description=__doc__.splitlines()[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__,
-    )  # fmt: skip
-    parser.add_argument("--version", action="version", version=f"overlap {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    """The ``overlap`` command: 0 on success; 2 (and one message, no traceback) for a
+    launch or script that cannot start."""
     from launch.demo import CPU_SIZES, GPU_SIZES, OUT
-    from overlap.compile.dump import count
+    from overlap.compile.dump import DESCRIPTION as DUMP_DESCRIPTION
+    from overlap.compile.dump import SCRIPT, add_arguments, count
 
-    demo = commands.add_parser("demo", help="the tensor-parallel MLP demo on local devices")
+    parser = argparse.ArgumentParser(prog="overlap", description=DESCRIPTION, epilog=SCRIPT)
+    parser.add_argument("--version", action="version", version=f"overlap {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo", help="the tensor-parallel MLP demo on this machine's devices",
+        description="Run a tensor-parallel MLP block on this machine's devices (every GPU, "
+        "or 2 CPU processes), sequentially and overlapped: print its fusion, communications, "
+        "host programs and the planner's choice, check every run against one device, time "
+        "them, and chart the overlapped run's timeline.",
+    )  # fmt: skip
     for index, (name, what) in enumerate(
         [("tokens", "rows of the input, split over the ranks"), ("hidden", "model width"),
          ("ffn", "the MLP's inner width, split over the ranks")]
@@ -38,7 +49,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
     demo.add_argument("--out", default=OUT,
                       help=f"folder for the timeline chart and trace (default {OUT})")  # fmt: skip
-    run = commands.add_parser("run", help="run a script's main(communicator) on N ranks")
+    run = commands.add_parser(
+        "run", help="run a script's main(communicator) on N ranks",
+        description="Run a script's main(communicator) on every rank: local processes, "
+        "torchrun, or a Ray pool.", epilog=SCRIPT,
+    )  # fmt: skip
     run.add_argument("--launcher", choices=["local", "torchrun", "ray"], default="local",
                      help="local processes, torchrun or a Ray pool (default local)")  # fmt: skip
     run.add_argument("--nproc", type=count, default=None, help=NPROC_HELP)
@@ -48,9 +63,8 @@ def main(argv: list[str] | None = None) -> int:
                      help="seconds before giving up (default: none; Ray 600)")  # fmt: skip
     run.add_argument("script", help="a Python file defining main(communicator)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
-    from overlap.compile.dump import add_arguments
-
-    add_arguments(commands.add_parser("dump", help="print a script's programs, without running"))
+    add_arguments(commands.add_parser("dump", help="print a script's programs, without running",
+                                      description=DUMP_DESCRIPTION, epilog=SCRIPT))  # fmt: skip
     args = parser.parse_args(argv)
     from launch.env import LaunchError
     from launch.local import fits_the_devices

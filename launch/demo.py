@@ -8,9 +8,11 @@ none, and prints the fusion, the inserted communications, each rank's host progr
 (sequential, and overlapped: the all-gather of chunk i+1 beside the matmul of chunk i),
 what the overlap planner chooses and why, the timings, and the overlapped run's
 timeline on every rank (in the terminal, as a PNG chart and as a Perfetto trace); every
-run is checked against the single-device reference on the whole inputs. On CPUs it
-also says what the planner would choose on GPUs (recorded H200 figures), since CPU
-processes have little to gain from overlap.
+run is checked against the single-device reference on the whole inputs. Every timed run
+is recorded on a timeline: the table's times and the chart come from the same runs (a
+run's time: from its first instruction's start to its last one's end). On CPUs it also
+says what the planner would choose on GPUs (recorded H200 figures), since CPU processes
+have little to gain from overlap.
 """
 
 from __future__ import annotations
@@ -18,20 +20,31 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-import time
+import textwrap
 
 import torch
 import torch.distributed as dist
 
 from fusion import FusionDefinition
+from fusion.printer import LEGEND
 from fusion.testing import assert_close
 from sharding import DeviceMesh, Shard, shard
 
 CPU_SIZES = (512, 256, 1024)  # tokens, hidden, ffn: seconds on two gloo processes
 GPU_SIZES = (16384, 4096, 16384)
-ROUNDS = 30  # timed rounds, each running every program once
-TIMELINES = 5  # recorded runs of the overlapped program; the median one is shown
+ROUNDS = 30  # timed rounds, each running every program once; the median run is shown
 OUT = os.path.join(tempfile.gettempdir(), "overlap-demo")  # the chart and the trace
+# How to read a host program, printed before the first one (the fusion's notation:
+# fusion.printer.LEGEND); docs/guide.md carries both.
+HOST_LEGEND = (
+    "In a host program: kN launches kernel N ([torch]: PyTorch's own kernel, a matmul "
+    "here; [reference]: the reference evaluator; [pointwise], [normalization]...: a "
+    "generated Triton kernel); cN = Allgather(...) starts communication N and Wait cN "
+    "makes the current stream wait for its result ([collective]: how each chunk moves); "
+    "sN is a stream. A FOR loop runs chunk i of a pipeline on stream i, "
+    "AliasSelect(T6, dim=0, chunk=i) being chunk i of T6; Deallocate frees a buffer "
+    "after its last use."
+)
 
 
 def build_tp_mlp(tokens: int, hidden: int, ffn: int, world: int) -> FusionDefinition:
@@ -56,16 +69,6 @@ def whole_inputs(tokens: int, hidden: int, ffn: int) -> list[torch.Tensor]:
         (torch.randn(hidden, ffn, generator=generator) / hidden**0.5).bfloat16(),
         (torch.randn(ffn, hidden, generator=generator) / ffn**0.5).bfloat16(),
     ]
-
-
-def _ms(function, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    function()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) * 1e3
 
 
 def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -> dict:
@@ -106,25 +109,24 @@ def demo_rank(communicator, sizes: tuple[int, int, int], rounds: int = ROUNDS) -
                 result["checks"][name] = False
     timed = {n: e for n, e in runs.items() if n != "planner's choice" or chosen_is is None}
     # interleaved rounds, the ranks lined up before each run: the same program times
-    # alike whichever name it runs under
-    times: dict[str, list[float]] = {name: [] for name in timed}
+    # alike whichever name it runs under. Every run is recorded: the times and the
+    # timeline shown are those of one run, each program's median
+    recorded: dict[str, list[tuple[float, list]]] = {name: [] for name in timed}
     with step(f"timing {rounds} interleaved rounds"):
         for _ in range(rounds):
             for name, executor in timed.items():
                 dist.barrier()
-                times[name].append(_ms(lambda e=executor: e.run(local), device))
-    result["ms"] = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-    with step(f"recording {TIMELINES} timelines of the overlapped program"):
-        recorded = []
-        for _ in range(TIMELINES):
-            dist.barrier()
-            timeline = Timeline(device)
-            runs["overlapped"].run(local, timeline=timeline)
-            spans = timeline.spans()
-            recorded.append((max(s.end_ms for s in spans), spans))
-        recorded.sort(key=lambda entry: entry[0])
-        _, result["spans"] = recorded[len(recorded) // 2]
+                timeline = Timeline(device)
+                executor.run(local, timeline=timeline)
+                spans = timeline.spans()
+                recorded[name].append((max(s.end_ms for s in spans), spans))
+    median = {name: sorted(runs_of, key=lambda run: run[0])[len(runs_of) // 2]
+              for name, runs_of in recorded.items()}  # fmt: skip
+    result["ms"] = {name: wall for name, (wall, _) in median.items()}
+    result["spans"] = median["overlapped"][1]
     result["roof"] = _beside(runs["overlapped"], result["spans"])
+    result["parts"] = {name: _parts(runs[name], median[name][1], median[name][0])
+                       for name in ("sequential", "overlapped")}  # fmt: skip
     if rank == 0:
         result["fusion"] = str(fd)
         result["communications"] = [str(c) for c in runs["sequential"].communications]
@@ -144,6 +146,17 @@ def _beside(executor, spans) -> list[str]:
                      f"{meter.comm_ms:.2f} ms of communication ran beside a matmul "
                      f"({share:.0%})")  # fmt: skip
     return lines
+
+
+def _parts(executor, spans, wall_ms: float) -> dict[str, float]:
+    """A run's time in parts: its communication, the part of it that ran beside a matmul
+    (summed over the plan's patterns), the part exposed, and the run's wall."""
+    from overlap.plan.roof import measure
+
+    meters = measure(executor.overlap, executor.program, spans)
+    comm = sum(meter.comm_ms for meter in meters)
+    hidden = sum(meter.overlapped_ms for meter in meters)
+    return {"comm": comm, "hidden": hidden, "exposed": comm - hidden, "wall": wall_ms}
 
 
 def gpu_plan(nproc: int, device: str = "h200") -> str:
@@ -179,14 +192,21 @@ def run_demo(tokens=None, hidden=None, ffn=None, nproc=None, out: str = OUT) -> 
     first = results[0]
     print("\n== the fusion (one device's view; shardings as given) ==")
     print(first["fusion"])
+    print(f"\n{_note(LEGEND)}")
     print("\n== communications the framework inserted ==")
     for line in first["communications"]:
         print(f"  {line}")
+    print(f"\n{_note(HOST_LEGEND)}")
     for name, program in first["programs"].items():
         print(f"\n== rank 0's host program, {name} ==")
         print(program)
     print(f"\n== what the overlap planner chooses here ({where}), and why ==")
     print(first["planner"])
+    if not gpu:
+        print(_note("These predicted times come from the planner's CPU figures, a model of "
+                    "a device, not of these gloo processes running the reference evaluator "
+                    "on shared cores: they rank the candidates, and are not comparable with "
+                    "the times measured below."))  # fmt: skip
     passed = _print_timings(results, gpu, nproc)
     _print_timeline(results, sizes, where, out)
     if not gpu or nproc == 1:  # nothing here to pipeline: what GPUs would do
@@ -212,13 +232,41 @@ def _print_timings(results: list[dict], gpu: bool, nproc: int) -> bool:
                   f"matches the reference: {checks}")  # fmt: skip
     ratio = slowest["sequential"] / slowest["overlapped"]
     print(f"  sequential / overlapped = {ratio:.2f}")
+    print(_note(_hidden_against_speedup(results)))
     if not gpu:
-        print(f"  On CPUs the {nproc} ranks are processes sharing this machine's cores, and "
-              "gloo moves the chunks with those same cores: what a pipeline gains or loses "
-              "here says little about GPUs, where the transfers run over NVLink beside the "
-              "compute. The planner's CPU figures are coarse and predict no gain, so it "
-              "keeps the sequential program; see below what it chooses on GPUs.")  # fmt: skip
+        print(_note(f"On CPUs the {nproc} ranks are processes sharing this machine's cores, "
+                    "and gloo moves the chunks with those same cores: what a pipeline gains "
+                    "or loses here says little about GPUs, where the transfers run over "
+                    "NVLink beside the compute. The planner's CPU predictions (above) are "
+                    "not comparable with these times; they predict no gain, so it keeps the "
+                    "sequential program; see below what it chooses on GPUs."))  # fmt: skip
     return passed
+
+
+def _hidden_against_speedup(results: list[dict]) -> str:
+    """One sentence that ties the share of communication the overlapped run hid to what
+    it gained or lost against the sequential run, on the rank of the table's overlapped
+    time (hiding saves exposed communication; chunking may cost the rest more)."""
+    rank = max(range(len(results)), key=lambda r: results[r]["ms"]["overlapped"])
+    seq, ovl = results[rank]["parts"]["sequential"], results[rank]["parts"]["overlapped"]
+    share = ovl["hidden"] / ovl["comm"] if ovl["comm"] else 0.0
+    saved = seq["exposed"] - ovl["exposed"]
+    rest = (ovl["wall"] - ovl["exposed"]) - (seq["wall"] - seq["exposed"])
+    return (
+        f"On rank {rank} (the slowest overlapped run), {share:.0%} of the overlapped "
+        f"run's {ovl['comm']:.2f} ms of communication ran beside a matmul, taking the "
+        f"exposed communication from {seq['exposed']:.2f} ms (sequential) to "
+        f"{ovl['exposed']:.2f} ms, {abs(saved):.2f} ms {'saved' if saved >= 0 else 'lost'}, "
+        f"while its compute and the rest "
+        f"took {abs(rest):.2f} ms {'more' if rest >= 0 else 'less'}: "
+        f"{seq['wall']:.2f} ms sequential against {ovl['wall']:.2f} ms overlapped "
+        f"(sequential / overlapped = {seq['wall'] / ovl['wall']:.2f} on this rank)."
+    )
+
+
+def _note(text: str) -> str:
+    """Prose beside the demo's output, wrapped and indented."""
+    return textwrap.fill(text, width=88, initial_indent="  ", subsequent_indent="  ")
 
 
 def _print_timeline(results: list[dict], sizes, where: str, out: str) -> None:
@@ -226,7 +274,7 @@ def _print_timeline(results: list[dict], sizes, where: str, out: str) -> None:
 
     by_rank = {rank: r["spans"] for rank, r in enumerate(results)}
     walls = {rank: max(s.end_ms for s in spans) for rank, spans in by_rank.items()}
-    print(f"\n== the overlapped program's timeline: one run (the median of {TIMELINES}) "
+    print(f"\n== the overlapped program's timeline: its median run of {ROUNDS} (timed above) "
           "on every rank, each from its own start ==")  # fmt: skip
     print(render_text(by_rank, width=72))
     for rank, r in enumerate(results):

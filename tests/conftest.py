@@ -26,10 +26,9 @@ from fusion.fp4 import to_fp4  # noqa: E402
 MakeInput = Callable[..., torch.Tensor]
 
 # Modules whose every test starts processes: launchers, benchmark scripts, clusters
-_PROCESS_MODULES = {
-    "test_benchmarks", "test_docs", "test_launch", "test_launch_cli", "test_launch_cluster",
-    "test_ucx",
-}  # fmt: skip
+# (test_docs and test_launch_cli mark theirs one by one: their other tests read files or
+# call the command line in-process)
+_PROCESS_MODULES = {"test_benchmarks", "test_launch", "test_launch_cluster", "test_ucx"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -13,10 +13,16 @@ comments (invisible on the rendered page) say what a block needs:
   skips it where Ray is not installed.
 
 Each run prints a line per block it finished, so a run that skipped blocks fails.
+Those runs start processes (``slow``); the quick checks here (``-m "not slow"``) read the
+docs without running them: every block compiles, every name of the project they mention
+(``overlap.plan.roof``, ``from overlap import ...``) imports, every path they name
+exists, and the guide's printed fusion and its legends are what the code prints.
 """
 
 from __future__ import annotations
 
+import ast
+import importlib
 import os
 import re
 import subprocess
@@ -86,6 +92,80 @@ def test_every_python_block_of_the_docs_is_in_some_run():
     assert {b.where for _, run, _ in CASES for b in run} == every
 
 
+PACKAGES = ("fusion", "sharding", "schedulers", "overlap", "launch")
+# a dotted name of the project in prose or code: overlap.plan.roof, fusion.testing.assert_close
+PROJECT_NAME = re.compile(rf"(?<![\w.])((?:{'|'.join(PACKAGES)})(?:\.\w+)+)(?![\w/])")
+# a path with a folder, in backticks (`examples/tp_mlp.py`), or a Markdown link's target
+NAMED_PATH = re.compile(r"`([\w.-]+/[\w./-]+)`|\]\(([^)\s]+)\)")
+
+
+def resolve(name: str) -> object:
+    """The module or object a dotted name of the project names (an import, then
+    attributes); raises where it names nothing."""
+    parts = name.split(".")
+    for cut in range(len(parts), 0, -1):
+        module = ".".join(parts[:cut])
+        try:
+            found = importlib.import_module(module)
+        except ModuleNotFoundError as error:
+            if not f"{module}.".startswith(f"{error.name}."):
+                raise  # the module exists but needs something missing
+            continue
+        for attribute in parts[cut:]:
+            found = getattr(found, attribute)
+        return found
+    raise ModuleNotFoundError(name)
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_python_block_of_the_docs_compiles(path):
+    for block in blocks(path):
+        compile(block.setup + block.code, block.where, "exec")
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_name_of_the_project_the_docs_mention_imports(path):
+    text = path.read_text()
+    names = {m.group(1) for m in PROJECT_NAME.finditer(text)
+             if not m.group(1).endswith((".md", ".py", ".json", ".png"))}  # fmt: skip
+    for block in blocks(path):
+        for node in ast.walk(ast.parse(block.setup + block.code)):
+            if isinstance(node, ast.ImportFrom) and node.module.split(".")[0] in PACKAGES:
+                names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    assert names, f"{path} names nothing of the project: is PROJECT_NAME still right?"
+    missing = []
+    for name in sorted(names):
+        try:
+            resolve(name)
+        except (ImportError, AttributeError) as error:
+            missing.append(f"{name}: {error}")
+    assert not missing, f"{path.relative_to(ROOT)} names what does not import: {missing}"
+
+
+@pytest.mark.parametrize("path", DOCS, ids=[str(p.relative_to(ROOT)) for p in DOCS])
+def test_every_path_the_docs_name_exists(path):
+    """Paths with a folder, from the repository's root or the document's folder (a bare
+    file name is read in its context: ``pointwise.py`` in schedulers.md)."""
+    named = [m.group(1) or m.group(2) for m in NAMED_PATH.finditer(path.read_text())]
+    named = [p.split("#")[0] for p in named if "://" not in p and not p.startswith("#")]
+    missing = [p for p in named if not ((ROOT / p).exists() or (path.parent / p).exists())]
+    assert not missing, f"{path.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+def test_the_guides_printed_fusion_and_legends_are_what_the_code_prints():
+    from fusion.printer import LEGEND
+    from launch.demo import HOST_LEGEND, build_tp_mlp
+
+    guide = (ROOT / "docs" / "guide.md").read_text()
+    section = guide.split("### Reading the printed IR", 1)[1].split("\n#", 1)[0]
+    (printed,) = re.findall(r"```\n(Fusion .*?)```", section, re.S)
+    assert printed.rstrip() == str(build_tp_mlp(64, 32, 128, world=2))
+    prose = " ".join(section.replace("`", "").split())
+    for legend in (LEGEND, HOST_LEGEND):
+        assert " ".join(legend.split()) in prose, legend
+
+
+@pytest.mark.slow  # processes: a Python per file's blocks, torchrun for 2 ranks
 @pytest.mark.parametrize(
     ("name", "run", "ranks"),
     [pytest.param(*case, marks=[pytest.mark.ray] if any("needs ray" in b.alone for b in case[1])

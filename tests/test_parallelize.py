@@ -229,6 +229,27 @@ def test_a_llama_block_under_torchs_own_plan_trains_as_the_block(rank_pools, wor
     assert kinds == ["Allgather", "ReduceScatter", "Allgather", "ReduceScatter"]
 
 
+def test_place_gives_parallelizes_placed_fusion_without_a_process_group():
+    """What ``overlap dump`` compiles for a module (examples/llama_block.py's
+    ``fusion``): the block placed by torch's plan over 2 ranks, no communicator; its
+    program has the communications the run above finds, its q weight split by rows."""
+    from examples.llama_block import HIDDEN, PLAN, TOKENS, Block
+    from overlap import compile_program
+    from overlap.train.parallelize import place
+    from sharding import Shard
+    from sharding.layout import layout_of
+
+    torch.manual_seed(0)
+    block = Block()
+    captured = place(block, [torch.zeros(TOKENS, HIDDEN)], 2, PLAN, outputs=["sequence"])
+    program = compile_program(captured.fd, 2).host
+    assert [c.op_name for c in program.communications] == [
+        "Allgather", "ReduceScatter", "Allgather", "ReduceScatter"
+    ]  # fmt: skip
+    q = captured.fd.fusion.inputs[captured.parameter_names.index("attention.q.weight")]
+    assert layout_of(q).placements == (Shard(0),), layout_of(q)
+
+
 def test_two_placements_asked_for_one_tensor_are_refused():
     from torch.distributed.tensor import Shard as TorchShard
     from torch.distributed.tensor.parallel import RowwiseParallel

@@ -66,3 +66,28 @@ def test_scalar_operands_and_attributes_print_as_literals():
     assert "= where(T1, 2.5, T0)" in text
     assert "= gelu(T3, approximate='tanh')" in text
     assert "= slice(T0, starts=[1], stops=[7], steps=[2])" in text
+
+
+def test_the_legend_names_every_code_the_printer_writes():
+    """``fusion.printer.LEGEND`` (the demo prints it, docs/guide.md carries it) explains
+    each iteration and parallel type, the axis grammar, dtypes and meshes: a code the
+    printer may write and the legend does not name fails here."""
+    import re
+
+    from fusion.ir import IterType, ParallelType
+    from fusion.printer import LEGEND
+
+    for iter_type in IterType:
+        assert re.search(rf"\b{iter_type.value} (iterated|reduced|broadcast)\b", LEGEND), iter_type
+    for parallel_type in ParallelType:
+        assert re.search(rf"\b{parallel_type.value}\b", LEGEND), parallel_type
+    assert "DIDx|Stream" in LEGEND and "@M0" in LEGEND and "rDIDx" in LEGEND
+    # its examples read as the printer writes them: an axis, and a tensor with its dtype
+    (axis,) = re.findall(r"an axis such as (\S+) reads", LEGEND, re.I)
+    assert re.fullmatch(r"[irb](S|DID[xyz](\|Stream)?|Stream)\d+\{\w+\}", axis), axis
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([512, 4], DataType.bfloat16)
+        x.axis(0).parallelize(ParallelType.DIDx)
+        fd.add_output(fd.ops.neg(x))
+    assert str(x.axes[0]) == axis and f"{x.name}_{x.dtype.short}[" in str(fd)
+    assert re.search(r"T\d+_bf16\[\.\.\.\] is tensor T\d+, of dtype bf16", LEGEND)

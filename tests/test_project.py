@@ -77,6 +77,24 @@ def test_demo_runs_and_passes_its_own_checks(tmp_path):
     trace = json.loads((tmp_path / "trace.json").read_text())
     assert {e["pid"] for e in trace["traceEvents"]} == {0, 1}
     assert out.rstrip().endswith("demo: PASS")
+    # the IR's notation explained before the first host program
+    flat = " ".join(out.split())
+    first_program = flat.index("host program, sequential")
+    assert 0 <= flat.find("How to read it: T3_bf16[...] is tensor T3") < first_program, out
+    assert 0 <= flat.find("In a host program: kN launches kernel N") < first_program, out
+    # the CPU predictions said not comparable, beside them (before the measured times)
+    note = flat.find("not comparable with the times measured below")
+    assert flat.index("reason:") < note < flat.index("== timings"), out
+    # one timing source: the table's overlapped time is the charted run's (the trace's)
+    (table,) = re.findall(r"overlapped\s+([0-9.]+) ms\s+matches", out)
+    ends = [e["ts"] + e["dur"] for e in trace["traceEvents"] if e.get("ph") == "X"]
+    assert f"{max(ends) / 1e3:.3f}" == table, (table, max(ends))
+    # the share hidden tied to the speedup, on the rank the table's time comes from
+    tied = re.search(r"On rank \d \(the slowest overlapped run\), \d+% of the overlapped "
+                     r"run's [0-9.]+ ms of communication ran beside a matmul, .* against "
+                     r"([0-9.]+) ms overlapped \(sequential / overlapped = [0-9.]+ on this "
+                     r"rank\)", flat)  # fmt: skip
+    assert tied and f"{float(table):.2f}" == tied.group(1), out
 
 
 @pytest.mark.parametrize("example", sorted(p.name for p in (ROOT / "examples").glob("*.py")))

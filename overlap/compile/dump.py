@@ -2,36 +2,54 @@
 
     python -m overlap dump --device h200 --world 8 script.py [--kernels] [--passes] [--cuda-graph]
 
-The script defines ``fusion(world_size)`` returning its ``FusionDefinition`` (see
-``launch/script.py``). The fusion is compiled for the named device's figures
-(``overlap.plan.figures.NAMED_FIGURES``: h200, h100, b200, cpu) by ``compile_program``
-directly: no process group, no GPU needed. It prints the planner's choices with their
-reasons, then each distinct rank program once (with the ranks that run it); ``--passes``
-prints the fusion or program after every pass, ``--kernels`` lowers compute to
-generated kernels as a GPU run would, ``--cuda-graph`` plans for runs replayed from a
-CUDA graph (``MultiDeviceExecutor(cuda_graph=True)``: the host's cost does not count).
+The script defines ``fusion(world_size)`` returning its ``FusionDefinition`` (``SCRIPT``
+says what a script is; ``docs/guide.md``, "Scripts", says more). The fusion is compiled
+for the named device's figures (``overlap.plan.figures.NAMED_FIGURES``: h200, h100, b200,
+cpu) by ``compile_program`` directly: no process group, no GPU needed. It prints the
+planner's choices with their reasons, then each distinct rank program once (with the
+ranks that run it); ``--passes`` prints the fusion or program after every pass,
+``--kernels`` lowers compute to generated kernels as a GPU run would, ``--cuda-graph``
+plans for runs replayed from a CUDA graph (``MultiDeviceExecutor(cuda_graph=True)``: the
+host's cost does not count).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import sys
+import traceback
 from pathlib import Path
 from types import ModuleType
 from typing import TextIO
 
+from fusion import Fusion, FusionDefinition
 from overlap.compile.pipeline import compile_program
 from overlap.plan.figures import NAMED_FIGURES
 
+# The script contract, in one sentence: every error about a script ends with it.
+SCRIPT = (
+    "A script is a Python file that defines main(communicator), what every rank runs "
+    "(overlap run), and fusion(world_size), which returns the FusionDefinition it runs "
+    "(overlap dump); see docs/guide.md, section 'Scripts'."
+)
+# What each use of a script calls, with the arguments it is called with.
+CALLS = {"main": ("main(communicator)", (None,)), "fusion": ("fusion(world_size)", (1,))}
+
 
 class ScriptError(ValueError):
-    """A user script that cannot be used: missing, or without what is asked of it."""
+    """A user script that cannot be used: missing, without what is asked of it, or raising
+    while it loads; the message ends with ``SCRIPT``."""
+
+    def __init__(self, problem: str) -> None:
+        super().__init__(f"{problem}\n{SCRIPT}")
 
 
 def load_script(path: str, need: str = "main") -> ModuleType:
-    """Import the script at ``path`` as a module; ``ScriptError`` if it is missing or has
-    no callable ``need``."""
+    """Import the script at ``path`` as a module; ``ScriptError`` if it is missing, raises
+    on import, or has no ``need`` (``main`` or ``fusion``) taking the arguments it is
+    called with."""
     file = Path(path)
     if not file.is_file():
         raise ScriptError(f"{path}: no such script")
@@ -41,10 +59,33 @@ def load_script(path: str, need: str = "main") -> ModuleType:
         raise ScriptError(f"{path}: not a Python script")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # pickled functions of the script resolve through it
-    spec.loader.exec_module(module)
-    if not callable(getattr(module, need, None)):
-        raise ScriptError(f"{path} defines no {need}(): see launch/script.py for what it needs")
+    try:
+        spec.loader.exec_module(module)
+    except Exception as error:
+        trace = _script_traceback(error, file)
+        raise ScriptError(f"{path} raised while loading:\n{trace}") from None
+    call, arguments = CALLS[need]
+    function = getattr(module, need, None)
+    if not callable(function):
+        raise ScriptError(f"{path} defines no {call}")
+    try:
+        inspect.signature(function).bind(*arguments)
+    except TypeError:
+        raise ScriptError(f"{path}'s {need}() cannot be called as {call}") from None
+    except ValueError:  # a callable without a signature (a builtin): let the call tell
+        pass
     return module
+
+
+def _script_traceback(error: BaseException, file: Path) -> str:
+    """The traceback of ``error`` from its first frame in ``file`` on: the script's
+    code and what it called, without the importer's frames above it."""
+    tb = error.__traceback__
+    script = str(file.resolve())
+    while tb is not None and str(Path(tb.tb_frame.f_code.co_filename).resolve()) != script:
+        tb = tb.tb_next
+    lines = traceback.format_exception(type(error), error, tb or error.__traceback__)
+    return "".join(lines).rstrip()
 
 
 def dump(
@@ -54,14 +95,24 @@ def dump(
     kernels: bool = False,
     passes: bool = False,
     cuda_graph: bool = False,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> None:
-    """Print what ``script``'s ``fusion(world)`` compiles to on ``device`` (see above)."""
+    """Print what ``script``'s ``fusion(world)`` compiles to on ``device`` (see above), to
+    ``out`` (default: ``sys.stdout`` at the call, wherever it points then)."""
+    out = out or sys.stdout
     if device not in NAMED_FIGURES:
         raise ScriptError(f"--device {device!r}: one of {sorted(NAMED_FIGURES)}")
     figures = NAMED_FIGURES[device]
     module = load_script(script, need="fusion")
-    compiled = compile_program(module.fusion(world), world, None, figures, schedule=kernels,
+    try:
+        built = module.fusion(world)
+    except Exception as error:
+        raise ScriptError(f"{script}: fusion({world}) raised:\n"
+                          f"{_script_traceback(error, Path(script))}") from None  # fmt: skip
+    if not isinstance(built, FusionDefinition | Fusion):
+        raise ScriptError(f"{script}: fusion({world}) returned {type(built).__name__}, "
+                          "not a FusionDefinition")  # fmt: skip
+    compiled = compile_program(built, world, None, figures, schedule=kernels,
                                replayed=cuda_graph, dump=out if passes else None)  # fmt: skip
     out.write(f"=== overlap plan on {figures.name}, {world} ranks ===\n")
     out.write(f"{compiled.explain_overlap()}\n\n")
@@ -81,6 +132,13 @@ def count(text: str) -> int:
     return value
 
 
+DESCRIPTION = (
+    "Print what a script's fusion(world_size) compiles to for a device's figures: the "
+    "overlap planner's choices with their reasons, then each distinct rank program, "
+    "without running anything (no GPU needed)."
+)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The dump command's arguments (shared with the ``overlap`` command line)."""
     parser.add_argument("--world", type=count, default=2, help="ranks to plan for (default 2)")
@@ -90,13 +148,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passes", action="store_true", help="print after every pass")
     parser.add_argument("--cuda-graph", action="store_true",
                         help="plan for runs replayed from a CUDA graph (no host cost)")  # fmt: skip
-    parser.add_argument("script")
+    parser.add_argument("script", help="a Python file defining fusion(world_size)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m overlap", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    add_arguments(commands.add_parser("dump", help="print a script's programs, without running"))
+    """``python -m overlap dump ...``; 2 (and one message, no traceback) for a script
+    that cannot be used."""
+    parser = argparse.ArgumentParser(
+        prog="python -m overlap",
+        description="Print the programs a script compiles to (the overlap command, installed "
+        "with the package, also runs the demo and scripts).",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_arguments(commands.add_parser("dump", help="print a script's programs, without running",
+                                      description=DESCRIPTION, epilog=SCRIPT))  # fmt: skip
     args = parser.parse_args(argv)
     try:
         dump(args.script, args.world, args.device, args.kernels, args.passes, args.cuda_graph)

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from fusion import ops
-from fusion.capture import Boundary, capture
+from fusion.capture import Boundary, Captured, capture
 from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
@@ -157,10 +157,50 @@ def parallelize(
     DTensors unless ``dtensors`` is False (None: where torch.distributed is initialized);
     the other options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``,
     ...)."""
+    captured = place(module, example_inputs, communicator.world_size, plan, inputs, outputs)
+    fusion = captured.fd.fusion
+    if dtensors is None:
+        dtensors = dist.is_available() and dist.is_initialized()
+    if dtensors:
+        for name, tensor in zip(captured.parameter_names, fusion.inputs, strict=False):
+            differs = torch_split_differs(layout_of(tensor), [int(e) for e in tensor.shape])
+            if differs and name not in captured.buffers:
+                raise ValueError(f"parallelize: parameter {name}: {differs} (or pass "
+                                 "dtensors=False for plain pieces)")  # fmt: skip
+    buffers = [i for i, n in enumerate(captured.parameter_names) if n in captured.buffers]
+    trainable_options.setdefault("frozen", buffers)  # buffers get no gradient
+    model = TrainableFusion(captured.fd, communicator, **trainable_options)
+    # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
+    # stepping the pieces would change under the module it came from
+    rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
+    if communicator.world_size > 1:  # every rank cuts its pieces from its own module
+        check_same_on_every_rank(captured.parameter_names, state[: len(captured.parameter_names)],
+                                 communicator.input_check_exchange, "parallelize")  # fmt: skip
+    pieces = [local_piece(value, tensor, rank).to(device).clone()
+              for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
+    torch_mesh = None
+    if dtensors:
+        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+        torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
+    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
+
+
+def place(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    world_size: int,
+    plan: Mapping[str, Any],
+    inputs: Sequence[str] = (),
+    outputs: Sequence[str] = (),
+) -> Captured:
+    """``module`` captured and its fusion's tensors placed over ``world_size`` ranks by
+    ``plan``, as ``parallelize`` places them (no process group needed: what ``overlap
+    dump`` compiles for a module)."""
     styles = {name: _read_style(name, style) for name, style in plan.items()}
     captured = capture(module, example_inputs)
     fusion = captured.fd.fusion
-    mesh = DeviceMesh(communicator.world_size)
+    mesh = DeviceMesh(world_size)
     owners = {name.rsplit(".", 1)[0] if "." in name else "" for name in captured.parameter_names}
     unknown = sorted(
         name for name, style in styles.items()
@@ -207,31 +247,7 @@ def parallelize(
         placed.setdefault(tensor, (Replicate(), "the default"))
     for tensor, (placement, _) in placed.items():
         shard(tensor, mesh, [as_placement(placement, tensor.ndim)])
-    if dtensors is None:
-        dtensors = dist.is_available() and dist.is_initialized()
-    if dtensors:
-        for name, tensor in zip(captured.parameter_names, fusion.inputs, strict=False):
-            differs = torch_split_differs(layout_of(tensor), [int(e) for e in tensor.shape])
-            if differs and name not in captured.buffers:
-                raise ValueError(f"parallelize: parameter {name}: {differs} (or pass "
-                                 "dtensors=False for plain pieces)")  # fmt: skip
-    buffers = [i for i, n in enumerate(captured.parameter_names) if n in captured.buffers]
-    trainable_options.setdefault("frozen", buffers)  # buffers get no gradient
-    model = TrainableFusion(captured.fd, communicator, **trainable_options)
-    # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
-    # stepping the pieces would change under the module it came from
-    rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
-    if communicator.world_size > 1:  # every rank cuts its pieces from its own module
-        check_same_on_every_rank(captured.parameter_names, state[: len(captured.parameter_names)],
-                                 communicator.input_check_exchange, "parallelize")  # fmt: skip
-    pieces = [local_piece(value, tensor, rank).to(device).clone()
-              for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
-    torch_mesh = None
-    if dtensors:
-        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-        torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
-    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
+    return captured
 
 
 @dataclass(frozen=True)
