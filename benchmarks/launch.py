@@ -132,7 +132,8 @@ def main() -> None:
     if args.rank_job:
         _torchrun_job(args.rank_job, sizes, args.rounds, args.iterations)
         return
-    from launch.local import default_nproc, free_port
+    from launch.env import free_port
+    from launch.local import default_nproc
     from launch.ray_pool import RayPool
 
     world = 2 if args.smoke else default_nproc()

@@ -96,7 +96,7 @@ def _run(args) -> int:
     if args.launcher == "torchrun":
         import subprocess
 
-        from launch.local import free_port
+        from launch.env import free_port
 
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                    str(nproc), "--master-port", str(free_port()), "-m", "launch.entry",

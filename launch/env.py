@@ -10,6 +10,7 @@ NCCL on GPUs (each process on the GPU of its local rank), gloo on CPUs.
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +71,13 @@ def rank_environment() -> RankEnvironment:
     )  # fmt: skip
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: on every interface), for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
 def device_for(local_rank: int, backend: str | None = None) -> torch.device:
     """The device of a process: the GPU of its local rank with NCCL, else the CPU."""
     if (backend or ("nccl" if torch.cuda.is_available() else "gloo")) != "nccl":
@@ -97,8 +105,6 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
         raise LaunchError(f"backend {backend!r}: 'nccl' (GPUs) or 'gloo' (CPUs)")
     device = device_for(env.local_rank, backend)
     if env.launcher == "none" and not dist.is_initialized():
-        from launch.local import free_port
-
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     else:  # a launched rank: an uncaught exception aborts its communicators and exits

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import pickle
 import queue
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,7 +23,7 @@ import torch
 import torch.multiprocessing as mp
 
 from fusion.portable import portable, restored
-from launch.env import LaunchError
+from launch.env import LaunchError, free_port
 from launch.failfast import FAILURES_ENV, first_failure
 
 
@@ -41,12 +40,6 @@ class RankFailure(LaunchError):
             f"rank {self.rank} failed first ({len(failures)} rank(s) failed: "
             f"{sorted(failures)})\n{text}"
         )
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def default_nproc() -> int:
