@@ -3,8 +3,9 @@ alone; and the process group and ``Communicator`` for it.
 
 torchrun is detected with ``torch.distributed.is_torchelastic_launched()`` (Ray Train and
 others set ``RANK`` too, so ``RANK`` alone proves nothing); its ``LOCAL_RANK`` comes from
-the environment. The local launcher marks its processes with ``OVERLAP_LAUNCHER=local``.
-NCCL on GPUs (each process on the GPU of its local rank), gloo on CPUs.
+the environment. The local launcher runs on torchelastic too, and marks its processes
+with ``OVERLAP_LAUNCHER=local``. NCCL on GPUs (each process on the GPU of its local
+rank), gloo on CPUs.
 """
 
 from __future__ import annotations
@@ -35,16 +36,16 @@ class RankEnvironment:
     world_size: int
     master_addr: str
     master_port: int
-    run_id: str = ""  # TORCHELASTIC_RUN_ID under torchrun
-    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchrun
+    run_id: str = ""  # TORCHELASTIC_RUN_ID under torchelastic (torchrun, local)
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchelastic
 
 
 def launcher() -> str:
     """``"torchrun"``, ``"local"`` (``overlap run --launcher local``) or ``"none"``."""
-    if dist.is_torchelastic_launched():
-        return "torchrun"
     if os.environ.get("OVERLAP_LAUNCHER") == "local":
         return "local"
+    if dist.is_torchelastic_launched():
+        return "torchrun"
     return "none"
 
 

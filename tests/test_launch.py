@@ -135,6 +135,40 @@ def test_run_function_names_the_rank_that_died_not_the_peer_it_broke():
     assert [r.float()[0, 0].item() for r in results] == [0.5, 1.5]
 
 
+def _fail_on_the_first_attempt(communicator):
+    """Rank 1 raises in the first attempt; every rank returns the attempt it ran in."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and communicator.rank == 1:
+        raise RuntimeError("rank 1 fails in the first attempt")
+    return attempt
+
+
+def _rank_1_sleeps(communicator):
+    if communicator.rank == 1:
+        time.sleep(120)
+    return communicator.rank
+
+
+def test_run_function_restarts_every_rank_up_to_max_restarts_and_stops_at_its_time_limit():
+    import signal
+
+    from launch.local import RankFailure, RunTimeout, run_function
+
+    with pytest.raises(RankFailure) as failure:
+        run_function(_fail_on_the_first_attempt, nproc=2, timeout_s=60)  # no restarts
+    assert failure.value.rank == 1 and failure.value.exit_codes[1] == 1, str(failure.value)
+    assert "rank 1 fails in the first attempt" in failure.value.failures[1]
+    assert run_function(_fail_on_the_first_attempt, nproc=2, timeout_s=60, max_restarts=1) == [1, 1]
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match=r"ranks \[1\] did not finish within 20 s") as late:
+        run_function(_rank_1_sleeps, nproc=2, timeout_s=20)
+    assert late.value.waiting == [1]  # rank 0 had returned
+    assert time.monotonic() - start < 50
+    # elastic's handlers are gone: this process's own are back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
