@@ -98,16 +98,19 @@ def _run(args) -> int:
     if args.launcher == "local":
         return run_script(args.script, args.args, nproc, args.timeout, args.max_restarts)
     if args.launcher == "torchrun":
+        import os
         import subprocess
 
-        from launch.env import free_port
+        from launch.local import UNSHARED_STORE
 
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(nproc), "--master-port", str(free_port()), "--max-restarts",
-                   str(args.max_restarts), "-m", "launch.entry",
-                   args.script, *args.args]  # fmt: skip
+        # a rendezvous on a free port, whose store the ranks do not share, as the local
+        # launcher's: a shared one breaks restarts (launch.local says how)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "--max-restarts", str(args.max_restarts),
+                   "-m", "launch.entry", args.script, *args.args]  # fmt: skip
+        environment = {**os.environ, UNSHARED_STORE: "1"}
         try:
-            return subprocess.run(command, timeout=args.timeout).returncode
+            return subprocess.run(command, timeout=args.timeout, env=environment).returncode
         except subprocess.TimeoutExpired:
             print(f"overlap run: torchrun still running after {args.timeout} s", file=sys.stderr)
             return 124

@@ -16,12 +16,17 @@ added here, each for a reason:
 - A time limit: elastic waits for its ranks forever. A timer sends this process
   ``SIGUSR1``, added to the signals elastic stops its ranks on; the error names the
   ranks that had not finished (each rank records when it has).
+- Restarts that work: the ranks' store a new one in each attempt. Elastic's c10d
+  rendezvous shares its store with the ranks, where a restarted group finds the last
+  attempt's keys and connects to peers that are gone (pytorch/pytorch#135712): here 3
+  restarts of 3 failed or hung with it shared, none without.
 - A function's results. Elastic returns a function entrypoint's values, but runs it on
   ``torch.multiprocessing``, which reports one failed rank only, the first exit it sees:
   of a rank that died while its peer waited in a barrier, the peer in 2 runs of 4. So
   functions run as ``launch.entry`` ranks too, and their results come back as files.
 
-Call these from the main thread: signal handlers can only be set there.
+Elastic's handlers for the signals it stops on, and its log lines, last only as long
+as the run. Call these from the main thread: signal handlers can only be set there.
 """
 
 from __future__ import annotations
@@ -227,10 +232,8 @@ def _time_limit(timeout_s: float | None, stop: type[BaseException]) -> Iterator[
 
 @contextlib.contextmanager
 def _store_of_its_own_each_attempt() -> Iterator[None]:
-    """The ranks' store (``MASTER_PORT``) a new one in each attempt, as it was before
-    torch 2.5 shared the rendezvous' store with them: in that one a restarted group
-    finds the last attempt's keys, and its ranks connect to peers that are gone
-    (pytorch/pytorch#135712; 3 restarts of 3 failed so here, none failed with this)."""
+    """The ranks' store (``MASTER_PORT``) a new one in each attempt, as before torch 2.5
+    shared the rendezvous' store with them (see the module's text)."""
     saved = os.environ.get(UNSHARED_STORE)
     os.environ[UNSHARED_STORE] = "1"
     try:

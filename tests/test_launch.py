@@ -169,6 +169,35 @@ def test_run_function_restarts_every_rank_up_to_max_restarts_and_stops_at_its_ti
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+_FAILS_ONCE = """
+import os
+import sys
+
+import torch.distributed as dist
+
+
+def main(communicator):
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if attempt == "0" and communicator.rank == 1:
+        raise RuntimeError("rank 1 fails in the first attempt")
+    dist.barrier()  # the restarted ranks reach each other
+    with open(os.path.join(sys.argv[1], f"rank{communicator.rank}"), "w") as done:
+        done.write(attempt)
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "torchrun"])
+def test_overlap_run_max_restarts_starts_every_rank_again(tmp_path, kind):
+    """``--max-restarts 1``: after rank 1 fails, both ranks run again and finish (with
+    the rendezvous' store shared, a restarted group hung or failed: pytorch#135712)."""
+    script = tmp_path / "fails_once.py"
+    script.write_text(_FAILS_ONCE)
+    result = _overlap("run", "--launcher", kind, "--nproc", 2, "--max-restarts", 1,
+                      "--timeout", 90, script, tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["1", "1"]
+
+
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
