@@ -44,6 +44,7 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.timing import Timer, host_ms, slowest  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
     Communicator,
@@ -79,59 +80,6 @@ def build(pattern: str, m: int, k: int, n: int, world: int) -> FusionDefinition:
             shard(b, mesh, [Shard(0)])
             shard(c, mesh, [Shard(0)])  # ... reduce-scattered to row pieces
     return fd
-
-
-class Timer:
-    """Interleaved timing: every round times each variant once (CUDA events or host clock)."""
-
-    def __init__(self, device: torch.device, iterations: int) -> None:
-        self.device = device
-        self.iterations = iterations
-        self.times: dict[str, list[float]] = {}
-
-    def time(self, name: str, function) -> None:
-        if self.device.type == "cuda":
-            begin = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            begin.record()
-            for _ in range(self.iterations):
-                function()
-            end.record()
-            end.synchronize()
-            elapsed = begin.elapsed_time(end)
-        else:
-            import time
-
-            start = time.perf_counter()
-            for _ in range(self.iterations):
-                function()
-            elapsed = (time.perf_counter() - start) * 1e3
-        self.times.setdefault(name, []).append(elapsed / self.iterations)
-
-    def medians(self) -> dict[str, float]:
-        return {name: sorted(t)[len(t) // 2] for name, t in self.times.items()}
-
-
-def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
-    names = sorted(values)
-    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return dict(zip(names, tensor.tolist(), strict=True))
-
-
-def host_cost_ms(executor, local, device) -> float:
-    """The host's time to issue one run (the GPU may still be busy when it returns)."""
-    import time
-
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(5):
-        executor.run(local, check_inputs=False)
-    cost = (time.perf_counter() - start) / 5 * 1e3
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return cost
 
 
 def run_shape(
@@ -196,17 +144,12 @@ def run_shape(
     if symm is not None:
         parts["symm"] = symm
     timer = Timer(device, iterations)
-    warm_ups = list(parts.values()) + [
-        lambda e=e: e.run(local, check_inputs=False) for e in variants.values()
-    ]
-    for function in warm_ups:
+    runs = {name: (lambda e=executor: e.run(local, check_inputs=False))
+            for name, executor in variants.items()}  # fmt: skip
+    for function in [*parts.values(), *runs.values()]:
         function()  # first calls allocate buffers and streams
-    for _ in range(rounds):
-        for name, function in parts.items():
-            timer.time(name, function)
-        for name, executor in variants.items():
-            timer.time(name, lambda e=executor: e.run(local, check_inputs=False))
-    host = host_cost_ms(variants["ours"], local, device)
+    timer.rounds({**parts, **runs}, rounds)
+    host = host_ms(runs["ours"], 5, device)  # the host's time to issue one run
     if timeline_dir:  # every rank runs (the run communicates); rank 0 writes
         timeline = Timeline(device)
         variants["ours"].run(local, timeline=timeline, check_inputs=False)

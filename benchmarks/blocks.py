@@ -73,8 +73,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
+from benchmarks.ag_matmul import torchrun_communicator  # noqa: E402
 from benchmarks.kernels import compiled_alone  # noqa: E402
+from benchmarks.timing import slowest, time_rounds  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
     MultiDeviceExecutor,
@@ -467,11 +468,7 @@ def run_training(communicator, shape, args) -> dict:
     calls = {name: (lambda f=forward, n=name: step(f, n not in models and n != "t_compute"))
              for name, forward in forwards.items()}  # fmt: skip
     calls["t_comm"] = comm["t_comm"]
-    timer = Timer(device, args.iterations)
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            timer.time(name, call)
-    times = slowest(timer.medians(), device)
+    times = slowest(time_rounds(calls, device, args.rounds, args.iterations), device)
     t_comm = 2 * times["t_comm"]
     t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
     return {
@@ -568,11 +565,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
     errors = {name: max(e.get(name, 0.0) for e in worst) for name in errors}
     calls.update(parts_alone(block, local, world))
     calls["t_compute_ours"] = ours_alone(block, shape, kv, world, device)
-    timer = Timer(device, args.iterations)
-    for _ in range(args.rounds):
-        for name, call in calls.items():
-            timer.time(name, call)
-    times = slowest(timer.medians(), device)
+    times = slowest(time_rounds(calls, device, args.rounds, args.iterations), device)
     # the block's compute: the faster of PyTorch's kernels and ours, alone
     times["t_compute"] = min(times["t_compute_eager"], times["t_compute_ours"])
     t_star = max(times["t_compute"], times["t_comm"] + times["t_compute"] / world)

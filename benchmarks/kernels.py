@@ -29,6 +29,7 @@ if "--smoke" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from benchmarks.timing import time_rounds  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from fusion.fp4 import from_fp4, to_fp4  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
@@ -183,39 +184,6 @@ def make_input(shape, dtype, device, generator):
     return torch.randn(shape, generator=generator).to(device, dtype)
 
 
-def time_ms(functions: dict, device, rounds: int, iterations: int) -> dict[str, float]:
-    """Median over interleaved rounds (A B C A B C ...) of the mean over ``iterations``.
-    Each provider runs once untimed before its timed calls in every round, so none pays
-    for the previous provider's state (dirty L2 lines of a large write: measured on H200,
-    the first provider of a round of 40 us kernels read 0.75 of copy where the same
-    kernel later in the round read 0.82). On CPU (smoke runs, in Triton's interpreter:
-    they show the script runs, not how fast) only the timed calls are made."""
-    times: dict[str, list[float]] = {name: [] for name in functions}
-    cuda = device.type == "cuda"
-    for function in functions.values() if cuda else ():
-        function()
-    for _ in range(rounds):
-        for name, function in functions.items():
-            if cuda:
-                function()
-                begin = torch.cuda.Event(enable_timing=True)
-                end = torch.cuda.Event(enable_timing=True)
-                begin.record()
-                for _ in range(iterations):
-                    function()
-                end.record()
-                end.synchronize()
-                times[name].append(begin.elapsed_time(end) / iterations)
-            else:
-                import time
-
-                start = time.perf_counter()
-                for _ in range(iterations):
-                    function()
-                times[name].append((time.perf_counter() - start) * 1e3 / iterations)
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-
-
 def compiled_alone(function, backend="inductor"):
     """``torch.compile`` of ``function`` as a user with this one shape gets it. Dynamo
     caches compiled code by code object, and the eager functions of a table share one
@@ -232,7 +200,7 @@ def copy_gbps(device) -> float:
         return float("nan")
     source = torch.empty(2**30, dtype=torch.uint8, device=device)
     target = torch.empty_like(source)
-    ms = time_ms({"copy": lambda: target.copy_(source)}, device, 5, 10)["copy"]
+    ms = time_rounds({"copy": lambda: target.copy_(source)}, device, 5, 10, settle=True)["copy"]
     return 2 * source.numel() / (ms * 1e6)
 
 
@@ -338,7 +306,7 @@ def main() -> None:
         if not args.smoke:
             compiled = compiled_alone(eager)
             functions["compile"] = lambda f=compiled, i=inputs: f(*i)
-        times = time_ms(functions, device, args.rounds, args.iterations)
+        times = time_rounds(functions, device, args.rounds, args.iterations, settle=True)
         shape = (
             list(shapes[0])
             if dtypes[0] != torch.float4_e2m1fn_x2

@@ -72,6 +72,7 @@ def whole_inputs(tokens: int, hidden: int, ffn: int) -> list[torch.Tensor]:
 def rank_job(communicator, sizes: tuple[int, int, int], rounds: int, iterations: int) -> dict:
     """One rank: build, run, check against the reference, time. Returns its output
     piece (on the CPU), its times and what ran."""
+    from benchmarks.timing import time_rounds
     from fusion.testing import assert_close
     from overlap import MultiDeviceExecutor
 
@@ -84,23 +85,10 @@ def rank_job(communicator, sizes: tuple[int, int, int], rounds: int, iterations:
     piece = piece.clone()
     (expected,) = executor.shard_outputs(fd.execute(whole))
     assert_close(piece, expected, reduction_extent=sizes[2], partial_sums=communicator.world_size)
-    times = []
-    for _ in range(rounds):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iterations):
-                executor.run(local, check_inputs=False)
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / iterations)
-        else:
-            begin = time.perf_counter()
-            for _ in range(iterations):
-                executor.run(local, check_inputs=False)
-            times.append((time.perf_counter() - begin) * 1e3 / iterations)
+    run = {"run": lambda: executor.run(local, check_inputs=False)}
     return {
-        "rank": communicator.rank, "piece": piece.cpu(), "ms": sorted(times)[len(times) // 2],
+        "rank": communicator.rank, "piece": piece.cpu(),
+        "ms": time_rounds(run, device, rounds, iterations)["run"],
         "device": str(device), "kernels": executor.kernel_report(),
         "overlap": [line for line in executor.explain_overlap().splitlines()
                     if not line.startswith(" ")],  # each decision, without its candidates
@@ -132,7 +120,8 @@ def main() -> None:
     if args.rank_job:
         _torchrun_job(args.rank_job, sizes, args.rounds, args.iterations)
         return
-    from launch.local import default_nproc, free_port
+    from launch.env import free_port
+    from launch.local import default_nproc
     from launch.ray_pool import RayPool
 
     world = 2 if args.smoke else default_nproc()

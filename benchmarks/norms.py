@@ -41,9 +41,9 @@ from benchmarks.kernels import (  # noqa: E402
     benchmark_parser,
     compiled_alone,
     copy_gbps,
-    time_ms,
     write_results,
 )
+from benchmarks.timing import time_rounds  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap import MultiDeviceExecutor  # noqa: E402
@@ -379,7 +379,7 @@ def main() -> None:
                 source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
                 target = torch.empty_like(source)
                 functions["copy"] = lambda s=source, t=target: t.copy_(s)
-            times = time_ms(functions, device, args.rounds, args.iterations)
+            times = time_rounds(functions, device, args.rounds, args.iterations, settle=True)
             for provider, ms in times.items():
                 gbps = nbytes / (ms * 1e6)
                 rows.append({"op": op, "M": m, "N": n, "dtype": "bfloat16", "bytes": nbytes,

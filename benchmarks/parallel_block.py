@@ -50,8 +50,9 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.ag_matmul import Timer, slowest, torchrun_communicator  # noqa: E402
+from benchmarks.ag_matmul import torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
+from benchmarks.timing import slowest, time_rounds  # noqa: E402
 from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
 from overlap import parallelize  # noqa: E402
 
@@ -236,13 +237,9 @@ def main() -> None:
         if name in steps:
             rows.append({"variant": name, "max_error": round(worst, 5),
                          "eager_error": round(eager_error, 5)})  # fmt: skip
-    timer = Timer(device, args.iterations)
     for function in steps.values():
         function()  # warm-up (compilations)
-    for _ in range(args.rounds):
-        for name, function in steps.items():
-            timer.time(name, function)
-    times = slowest(timer.medians(), device)
+    times = slowest(time_rounds(steps, device, args.rounds, args.iterations), device)
     for row in rows:
         row.update(tokens=tokens, hidden=hidden, heads=heads, ffn=ffn, world=world,
                    ms=round(times[row["variant"]], 4),

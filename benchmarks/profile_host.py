@@ -23,6 +23,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ag_matmul import build  # noqa: E402
 
+from benchmarks.timing import host_ms  # noqa: E402
 from overlap import (  # noqa: E402
     Communicator,
     MultiDeviceExecutor,
@@ -73,11 +74,7 @@ def main() -> None:
             graph.replay()
             torch.cuda.synchronize()
             same = torch.equal(captured, reference)
-            begin = time.perf_counter()
-            for _ in range(20):
-                graph.replay()
-            replay_host = (time.perf_counter() - begin) / 20 * 1e3
-            torch.cuda.synchronize()
+            replay_host = host_ms(graph.replay, 20, torch.device("cuda", local_rank))
             message = f"graph: replay equal={same}, host {replay_host:.3f} ms per replay"
         except Exception as error:  # report what capture refused
             message = f"graph capture failed: {type(error).__name__}: {str(error)[:300]}"

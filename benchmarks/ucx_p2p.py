@@ -12,7 +12,6 @@ synchronized before it). Figures to ``results/ucx.json`` on GPUs.
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -27,6 +26,7 @@ SMOKE_SIZES = [2**10, 2**20]
 def rank_job(communicator, sizes: list[int], rounds: int) -> list[dict]:
     import torch.distributed as dist
 
+    from benchmarks.timing import Timer
     from overlap import UcxTransport
 
     device, rank = communicator.device, communicator.rank
@@ -49,22 +49,18 @@ def rank_job(communicator, sizes: list[int], rounds: int) -> list[dict]:
             else:
                 transport.recv(buffer, peer=0)
             exact = bool(torch.equal(buffer, sent)) if rank == 1 else True
-            times = {"ucx": [], "torch": []}
-            for _ in range(rounds):
-                for name in times:
-                    synchronize()
-                    start = time.perf_counter()
-                    if name == "ucx":
-                        transport.send(sent, 1) if rank == 0 else transport.recv(buffer, 0)
-                    else:
-                        dist.send(sent, 1) if rank == 0 else dist.recv(buffer, 0)
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    times[name].append(time.perf_counter() - start)
-            median = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+            if rank == 0:
+                transfers = {"ucx": lambda t=sent: transport.send(t, 1),
+                             "torch": lambda t=sent: dist.send(t, 1)}  # fmt: skip
+            else:
+                transfers = {"ucx": lambda b=buffer: transport.recv(b, 0),
+                             "torch": lambda b=buffer: dist.recv(b, 0)}  # fmt: skip
+            timer = Timer(device, on_host=True, before=synchronize)  # one transfer a round
+            timer.rounds(transfers, rounds)
+            median = timer.medians()  # ms
             rows.append({"bytes": size, "exact": exact, "device": str(device),
-                         **{f"{n}_ms": m * 1e3 for n, m in median.items()},
-                         **{f"{n}_gbps": size / m / 1e9 for n, m in median.items()}})  # fmt: skip
+                         **{f"{n}_ms": ms for n, ms in median.items()},
+                         **{f"{n}_gbps": size / ms / 1e6 for n, ms in median.items()}})  # fmt: skip
     finally:
         transport.close()
     return rows

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.fx.node import map_arg
 
 from fusion import ops
 from fusion.definition import FusionDefinition
@@ -96,8 +97,9 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
             elif node.op == "call_function":
                 if node.target in _IGNORED:
                     continue
-                args = _resolve(node.args, values)
-                kwargs = _resolve(dict(node.kwargs), values)
+                # the values of the nodes an argument holds, at any depth (fx's own walk)
+                args = map_arg(node.args, lambda arg: values[arg.name])
+                kwargs = dict(map_arg(node.kwargs, lambda arg: values[arg.name]))
                 translate = _translation(node.target)
                 if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
                     kwargs["fusion"] = fd
@@ -148,16 +150,6 @@ def _check_translations(graph) -> None:
         raise CaptureError(
             f"{len(missing)} ATen op(s) have no translation into the IR yet:\n" + "\n".join(lines)
         )
-
-
-def _resolve(value, values: dict[str, object]):
-    if isinstance(value, torch.fx.Node):
-        return values[value.name]
-    if isinstance(value, (list, tuple)):
-        return type(value)(_resolve(v, values) for v in value)
-    if isinstance(value, dict):
-        return {k: _resolve(v, values) for k, v in value.items()}
-    return value
 
 
 def _translation(target, strict: bool = True) -> Callable | None:

@@ -3,7 +3,8 @@
 torch pickles the common dtypes, but a tensor of fp8, packed fp4 or a wide unsigned type
 pickles into something ``pickle.loads`` cannot rebuild ("UntypedStorage has no attribute
 'dtype'"). ``portable`` wraps such a tensor as its bytes and its dtype; ``restored``
-rebuilds it. Both walk lists, tuples and dicts, so a whole result can go through at once.
+rebuilds it. Both walk lists, tuples and dicts (``torch.utils._pytree``), so a whole
+result can go through at once.
 
 Example::
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 
 # dtypes torch's own pickling rebuilds (2.11 to 2.13)
 _PICKLES = {
@@ -39,32 +41,21 @@ class PortableTensor:
 
 
 def portable(value: object) -> object:
-    """``value`` with every tensor torch cannot unpickle wrapped as a ``PortableTensor``."""
-    if isinstance(value, torch.Tensor):
-        if value.dtype in _PICKLES:
-            return value
-        flat = value.detach().contiguous().reshape(-1, 1)
-        return PortableTensor(
-            flat.view(torch.uint8), str(value.dtype).removeprefix("torch."), tuple(value.shape)
-        )
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [portable(item) for item in value])
-    if isinstance(value, dict):
-        return {key: portable(item) for key, item in value.items()}
-    return value
+    """``value`` with every tensor torch cannot unpickle wrapped as a ``PortableTensor``;
+    lists, tuples (named ones too) and dicts walked by ``torch.utils._pytree``."""
+    return tree_map(_portable_tensor, value)
 
 
-def _rebuilt(value: list | tuple, items: list) -> list | tuple:
-    """A list or tuple of ``value``'s type (a named tuple's fields by position)."""
-    return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+def _portable_tensor(leaf: object) -> object:
+    if not isinstance(leaf, torch.Tensor) or leaf.dtype in _PICKLES:
+        return leaf
+    flat = leaf.detach().contiguous().reshape(-1, 1)
+    return PortableTensor(
+        flat.view(torch.uint8), str(leaf.dtype).removeprefix("torch."), tuple(leaf.shape)
+    )
 
 
 def restored(value: object) -> object:
-    """The inverse of ``portable``: every ``PortableTensor`` becomes its tensor again."""
-    if isinstance(value, PortableTensor):
-        return value.tensor()
-    if isinstance(value, (list, tuple)):
-        return _rebuilt(value, [restored(item) for item in value])
-    if isinstance(value, dict):
-        return {key: restored(item) for key, item in value.items()}
-    return value
+    """The inverse of ``portable``: every ``PortableTensor`` becomes its tensor again
+    (a leaf to pytree: a dataclass it does not know)."""
+    return tree_map(lambda leaf: leaf.tensor() if isinstance(leaf, PortableTensor) else leaf, value)

@@ -61,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
                      help="ray: a running cluster's address (default: start one here)")  # fmt: skip
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before giving up (default: none; Ray 600)")  # fmt: skip
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="local, torchrun: start every rank again this many times after "
+                     "one fails (default 0)")  # fmt: skip
     run.add_argument("script", help="a Python file defining main(communicator)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     add_arguments(commands.add_parser("dump", help="print a script's programs, without running",
@@ -100,26 +103,33 @@ def _version() -> str:
 
 
 def _run(args) -> int:
+    from launch.env import LaunchError
     from launch.local import default_nproc, run_script
     from launch.script import load_script
 
     load_script(args.script)  # a missing script or main() fails here, before any rank starts
     nproc = args.nproc or default_nproc()
     if args.launcher == "local":
-        return run_script(args.script, args.args, nproc, args.timeout)
+        return run_script(args.script, args.args, nproc, args.timeout, args.max_restarts)
     if args.launcher == "torchrun":
+        import os
         import subprocess
 
-        from launch.local import free_port
+        from launch.local import UNSHARED_STORE
 
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                   str(nproc), "--master-port", str(free_port()), "-m", "launch.entry",
-                   args.script, *args.args]  # fmt: skip
+        # a rendezvous on a free port, whose store the ranks do not share, as the local
+        # launcher's: a shared one breaks restarts (launch.local says how)
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   "--nproc-per-node", str(nproc), "--max-restarts", str(args.max_restarts),
+                   "-m", "launch.entry", args.script, *args.args]  # fmt: skip
+        environment = {**os.environ, UNSHARED_STORE: "1"}
         try:
-            return subprocess.run(command, timeout=args.timeout).returncode
+            return subprocess.run(command, timeout=args.timeout, env=environment).returncode
         except subprocess.TimeoutExpired:
             print(f"overlap run: torchrun still running after {args.timeout} s", file=sys.stderr)
             return 124
+    if args.max_restarts:
+        raise LaunchError("--max-restarts: the local launcher and torchrun restart, Ray does not")
     from launch.ray_pool import RayPool
 
     with RayPool(nproc, address=args.address, timeout_s=args.timeout or 600.0) as pool:

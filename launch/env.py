@@ -3,13 +3,15 @@ alone; and the process group and ``Communicator`` for it.
 
 torchrun is detected with ``torch.distributed.is_torchelastic_launched()`` (Ray Train and
 others set ``RANK`` too, so ``RANK`` alone proves nothing); its ``LOCAL_RANK`` comes from
-the environment. The local launcher marks its processes with ``OVERLAP_LAUNCHER=local``.
-NCCL on GPUs (each process on the GPU of its local rank), gloo on CPUs.
+the environment. The local launcher runs on torchelastic too, and marks its processes
+with ``OVERLAP_LAUNCHER=local``. NCCL on GPUs (each process on the GPU of its local
+rank), gloo on CPUs.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +36,16 @@ class RankEnvironment:
     world_size: int
     master_addr: str
     master_port: int
-    run_id: str = ""  # TORCHELASTIC_RUN_ID under torchrun
-    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchrun
+    run_id: str = ""  # TORCHELASTIC_RUN_ID under torchelastic (torchrun, local)
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchelastic
 
 
 def launcher() -> str:
     """``"torchrun"``, ``"local"`` (``overlap run --launcher local``) or ``"none"``."""
-    if dist.is_torchelastic_launched():
-        return "torchrun"
     if os.environ.get("OVERLAP_LAUNCHER") == "local":
         return "local"
+    if dist.is_torchelastic_launched():
+        return "torchrun"
     return "none"
 
 
@@ -68,6 +70,13 @@ def rank_environment() -> RankEnvironment:
         os.environ.get("TORCHELASTIC_RUN_ID", ""),
         int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
     )  # fmt: skip
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (``""``: on every interface), for a rendezvous."""
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
 
 
 def device_for(local_rank: int, backend: str | None = None) -> torch.device:
@@ -97,8 +106,6 @@ def init(backend: str | None = None, timeout_s: float = 300.0) -> Communicator:
         raise LaunchError(f"backend {backend!r}: 'nccl' (GPUs) or 'gloo' (CPUs)")
     device = device_for(env.local_rank, backend)
     if env.launcher == "none" and not dist.is_initialized():
-        from launch.local import free_port
-
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     else:  # a launched rank: an uncaught exception aborts its communicators and exits

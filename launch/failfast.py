@@ -18,6 +18,7 @@ whose work is done without the interpreter's teardown. Example::
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -53,20 +54,22 @@ def _within(target, timeout_s: float, name: str) -> bool:
 
 
 def fail(exit_code: int = 1, error: BaseException | None = None) -> None:
-    """Print the current (or given) exception's traceback naming this rank, abort the
-    process groups, and exit with ``exit_code`` at once (no interpreter teardown that
-    could wait on a peer). Never returns."""
+    """Print the current (or given) exception's traceback naming this rank, record it
+    where torchelastic reads a rank's error (``TORCHELASTIC_ERROR_FILE``: under torchrun
+    and the local launcher), abort the process groups, and exit with ``exit_code`` at once
+    (no interpreter teardown that could wait on a peer). Never returns."""
     rank = os.environ.get("RANK", "?")
     # the process's own stderr: torch's excepthook (set by init_process_group around
     # ours) points sys.stderr at a buffer it prints only after we return, and we do not
     stderr = sys.__stderr__ or sys.stderr
     try:
-        _record_failure(rank)
         if error is None:
+            error = sys.exc_info()[1]
             text = traceback.format_exc()
         else:
             text = "".join(traceback.format_exception(error))
         stderr.write(f"[overlap] rank {rank} failed:\n{text}")
+        _record_failure(text, error)
         stderr.write(
             f"[overlap] rank {rank}: aborting its communicators and exiting with {exit_code}; "
             "the launcher stops the other ranks\n"
@@ -111,29 +114,32 @@ def finish(exit_code: int = 0, timeout_s: float = ABORT_WAIT_S) -> None:
         os._exit(exit_code)
 
 
-# A launcher that wants to know which rank failed first names a folder here; a failing
-# rank writes the time it failed into it (a rank that dies writes nothing).
-FAILURES_ENV = "OVERLAP_FAILURES"
+# torchelastic (torchrun, and the local launcher on it) names a file for each rank's
+# error (its ``record`` format); a failing rank writes its traceback there, and the time
+# it failed to the microsecond: elastic's own ``timestamp`` is in whole seconds, too
+# coarse to tell a rank that failed from its peers, whose collectives broke just after.
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 
 
-def _record_failure(rank: str) -> None:
-    folder = os.environ.get(FAILURES_ENV)
-    if folder:
-        with open(os.path.join(folder, f"rank{rank}"), "w") as record:
-            record.write(repr(time.time()))
+def _record_failure(text: str, error: BaseException | None) -> None:
+    path = os.environ.get(ERROR_FILE_ENV)
+    if not path:
+        return
+    now = time.time()
+    said = "" if error is None else f"{type(error).__name__}: {error}"
+    extra = {"py_callstack": text, "timestamp": str(int(now)), "failed_at": repr(now)}
+    with open(path, "w") as record:
+        json.dump({"message": {"message": said, "extraInfo": extra}}, record)
 
 
-def first_failure(folder: str, failed: list[int]) -> int:
-    """Of ``failed`` ranks, the one that caused the others: one that died (it recorded
-    nothing: its peers' collectives then broke), else the one that failed earliest."""
-    times = {}
-    for rank in failed:
-        path = os.path.join(folder, f"rank{rank}")
-        if not os.path.exists(path):
-            return rank
-        with open(path) as record:
-            times[rank] = float(record.read())
-    return min(failed, key=times.__getitem__)
+def recorded_failure(error_file_data: dict) -> tuple[float, str] | None:
+    """What a rank's error record (``ProcessFailure.error_file_data``) says: when the rank
+    failed, to the microsecond, and its traceback; None for a record ``fail`` did not write."""
+    message = error_file_data.get("message")
+    extra = message.get("extraInfo", {}) if isinstance(message, dict) else {}
+    if "failed_at" not in extra:
+        return None
+    return float(extra["failed_at"]), extra["py_callstack"]
 
 
 def _hook(kind, value, tb) -> None:

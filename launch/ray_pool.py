@@ -23,13 +23,12 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import socket
 import time
 from collections.abc import Callable, Sequence
 
 import torch
 
-from launch.env import LaunchError
+from launch.env import LaunchError, free_port
 
 
 class PoolError(LaunchError):
@@ -83,9 +82,7 @@ class _Rank:
     def address(self) -> tuple[str, str, int]:
         """This node's IP, id and a free port on it (rank 0's are the rendezvous)."""
         ray = _ray()
-        with socket.socket() as sock:
-            sock.bind(("", 0))
-            port = sock.getsockname()[1]
+        port = free_port("")  # every interface: the other nodes' ranks connect to it
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
 
     def setup(self, master: str, port: int, local_rank: int, timeout_s: float) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch.multiprocessing as mp
 
 from fusion.portable import portable, restored
-from launch.local import free_port
+from launch.env import free_port
 
 
 class RankError(Exception):

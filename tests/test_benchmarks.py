@@ -351,3 +351,26 @@ def test_norms_sweep_variants_of_the_h200_split_are_kernels(name, n):
     if not params.cluster and params.rewiden and params.parts in CLUSTER_SIZES:
         # a cluster with column sums: the launch counts its grid
         assert variants["split,cluster"]["k0"].programs == 0, variants["split,cluster"]
+
+
+def test_the_timing_helper_interleaves_rounds_of_calls_back_to_back_in_ms():
+    """``benchmarks.timing``: every round times each callable once, as ``iterations``
+    calls in a row (``settle``'s untimed calls are for GPUs only); ``before`` runs
+    untimed before each batch; figures are ms per call, the upper middle of the rounds."""
+    import time
+
+    import torch
+
+    from benchmarks.timing import Timer, median, time_rounds
+
+    cpu = torch.device("cpu")
+    calls = []
+    times = time_rounds({"a": lambda: calls.append("a"), "b": lambda: calls.append("b")}, cpu,
+                        rounds=3, iterations=2, settle=True)  # fmt: skip
+    assert calls == ["a", "a", "b", "b"] * 3 and sorted(times) == ["a", "b"]
+    seen = []
+    timer = Timer(cpu, before=lambda: seen.append("barrier"), on_host=True)
+    timer.rounds({"sleep": lambda: (seen.append("sleep"), time.sleep(0.02))}, 3)
+    assert seen == ["barrier", "sleep"] * 3
+    assert 20 <= timer.medians()["sleep"] < 200  # ms per call
+    assert median([3.0, 1.0, 2.0, 4.0]) == 3.0  # of an even count, a value measured

@@ -16,8 +16,7 @@ import torch
 from fusion import to_fp4
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
-from launch.env import LaunchError, launcher, rank_environment
-from launch.local import free_port
+from launch.env import LaunchError, free_port, launcher, rank_environment
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = (64, 32, 128)  # tokens, hidden, ffn
@@ -134,6 +133,69 @@ def test_run_function_names_the_rank_that_died_not_the_peer_it_broke():
     results = run_function(_fp8_result, nproc=2, timeout_s=60)
     assert [r.dtype for r in results] == [torch.float8_e4m3fn] * 2
     assert [r.float()[0, 0].item() for r in results] == [0.5, 1.5]
+
+
+def _fail_on_the_first_attempt(communicator):
+    """Rank 1 raises in the first attempt; every rank returns the attempt it ran in."""
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if attempt == 0 and communicator.rank == 1:
+        raise RuntimeError("rank 1 fails in the first attempt")
+    return attempt
+
+
+def _rank_1_sleeps(communicator):
+    if communicator.rank == 1:
+        time.sleep(120)
+    return communicator.rank
+
+
+def test_run_function_restarts_every_rank_up_to_max_restarts_and_stops_at_its_time_limit():
+    import signal
+
+    from launch.local import RankFailure, RunTimeout, run_function
+
+    with pytest.raises(RankFailure) as failure:
+        run_function(_fail_on_the_first_attempt, nproc=2, timeout_s=60)  # no restarts
+    assert failure.value.rank == 1 and failure.value.exit_codes[1] == 1, str(failure.value)
+    assert "rank 1 fails in the first attempt" in failure.value.failures[1]
+    assert run_function(_fail_on_the_first_attempt, nproc=2, timeout_s=60, max_restarts=1) == [1, 1]
+    start = time.monotonic()
+    with pytest.raises(RunTimeout, match=r"ranks \[1\] did not finish within 20 s") as late:
+        run_function(_rank_1_sleeps, nproc=2, timeout_s=20)
+    assert late.value.waiting == [1]  # rank 0 had returned
+    assert time.monotonic() - start < 50
+    # elastic's handlers are gone: this process's own are back
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+_FAILS_ONCE = """
+import os
+import sys
+
+import torch.distributed as dist
+
+
+def main(communicator):
+    attempt = os.environ["TORCHELASTIC_RESTART_COUNT"]
+    if attempt == "0" and communicator.rank == 1:
+        raise RuntimeError("rank 1 fails in the first attempt")
+    dist.barrier()  # the restarted ranks reach each other
+    with open(os.path.join(sys.argv[1], f"rank{communicator.rank}"), "w") as done:
+        done.write(attempt)
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "torchrun"])
+def test_overlap_run_max_restarts_starts_every_rank_again(tmp_path, kind):
+    """``--max-restarts 1``: after rank 1 fails, both ranks run again and finish (with
+    the rendezvous' store shared, a restarted group hung or failed: pytorch#135712)."""
+    script = tmp_path / "fails_once.py"
+    script.write_text(_FAILS_ONCE)
+    result = _overlap("run", "--launcher", kind, "--nproc", 2, "--max-restarts", 1,
+                      "--timeout", 90, script, tmp_path, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["1", "1"]
 
 
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):

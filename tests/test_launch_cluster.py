@@ -32,7 +32,7 @@ print("matches the reference on", sys.argv[1])
 
 
 def test_a_pool_joins_an_existing_cluster_by_its_address(tmp_path):
-    from launch.local import free_port
+    from launch.env import free_port
 
     ray_cli = shutil.which("ray", path=str(Path(sys.executable).parent)) or shutil.which("ray")
     assert ray_cli, "the ray command comes with the ray package"

@@ -1,0 +1,138 @@
+"""How the benchmarks time: interleaved rounds, each the mean of calls back to back, the
+median of the rounds; across ranks, the slowest rank's.
+
+    times = time_rounds({"ours": run_ours, "eager": run_eager}, device, rounds=7,
+                        iterations=10)          # ms per call, each the median of 7 rounds
+    times = slowest(times, device)              # collective: every rank calls it
+
+A round times each callable once (A B C A B C ...: a drift of clocks or temperature
+falls on all alike), as ``iterations`` calls in a row: on a GPU between two CUDA events
+on the current stream, on a CPU (and with ``on_host``) by ``time.perf_counter``, the
+device synchronized before and after. ``host_ms`` is the other clock the benchmarks
+read: how long the host takes to issue calls, the device left to catch up.
+
+Not ``triton.testing.do_bench``: it times one callable's repetitions in a row, clears
+the L2 cache before each, and picks their count from a first estimate. Each benchmark
+here compares its variants interleaved, times calls back to back (as a program issues
+them; ``settle`` below is the one untimed call kernels.py needs), and on many ranks
+every rank must make the same calls: a count estimated on each rank alone would leave
+some rank waiting in a collective its peers never post.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def median(values: list[float]) -> float:
+    """The middle value (the upper one of an even count: one that was measured)."""
+    return sorted(values)[len(values) // 2]
+
+
+class Timer:
+    """Times named callables a round at a time; ``medians()`` gives each one's median
+    over its rounds, in ms per call.
+
+    ``settle`` (GPU only): one untimed call before each timed batch, so no callable pays
+    for the state the previous one left (dirty L2 lines of a large write: measured on
+    H200, the first of a round of 40 us kernels read 0.75 of copy where the same kernel
+    later in the round read 0.82). ``on_host``: time by the host's clock, the device
+    synchronized before and after (work the CUDA events of one stream do not see, a UCX
+    transfer); ``before``: called untimed before each timed batch (a barrier of the ranks).
+    """
+
+    def __init__(
+        self,
+        device: torch.device,
+        iterations: int = 1,
+        settle: bool = False,
+        on_host: bool = False,
+        before: Callable[[], object] | None = None,
+    ) -> None:
+        self.device = device
+        self.iterations = iterations
+        self.settle = settle and device.type == "cuda"
+        self.events = device.type == "cuda" and not on_host
+        self.before = before
+        self.times: dict[str, list[float]] = {}
+
+    def time(self, name: str, function: Callable[[], object]) -> None:
+        """One round of ``function``: ``iterations`` calls in a row, their mean kept."""
+        if self.settle:
+            function()
+        if self.before is not None:
+            self.before()
+        if self.events:
+            begin = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(self.iterations):
+                function()
+            end.record()
+            end.synchronize()
+            elapsed_ms = begin.elapsed_time(end)
+        else:
+            _synchronize(self.device)
+            start = time.perf_counter()
+            for _ in range(self.iterations):
+                function()
+            _synchronize(self.device)
+            elapsed_ms = (time.perf_counter() - start) * 1e3
+        self.times.setdefault(name, []).append(elapsed_ms / self.iterations)
+
+    def rounds(self, functions: dict[str, Callable[[], object]], count: int) -> None:
+        """``count`` rounds, each timing every one of ``functions`` in turn."""
+        for _ in range(count):
+            for name, function in functions.items():
+                self.time(name, function)
+
+    def medians(self) -> dict[str, float]:
+        """Each callable's median over its rounds, ms per call."""
+        return {name: median(times) for name, times in self.times.items()}
+
+
+def time_rounds(
+    functions: dict[str, Callable[[], object]],
+    device: torch.device,
+    rounds: int,
+    iterations: int,
+    settle: bool = False,
+) -> dict[str, float]:
+    """Each of ``functions``' median ms per call over ``rounds`` interleaved rounds of
+    ``iterations`` calls. With ``settle``, on a GPU each runs once before the rounds
+    too, and once untimed before each of its batches (``Timer``)."""
+    timer = Timer(device, iterations, settle)
+    for function in functions.values() if timer.settle else ():
+        function()
+    timer.rounds(functions, rounds)
+    return timer.medians()
+
+
+def host_ms(function: Callable[[], object], calls: int, device: torch.device) -> float:
+    """The host's time to issue one call (ms, the mean of ``calls`` in a row): the
+    device synchronized before, and after the clock stops (it may still be busy)."""
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        function()
+    elapsed_ms = (time.perf_counter() - start) * 1e3
+    _synchronize(device)
+    return elapsed_ms / calls
+
+
+def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value's largest over the ranks (a MAX all-reduce in float64: call on every
+    rank, with the same names)."""
+    names = sorted(values)
+    tensor = torch.tensor([values[n] for n in names], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return dict(zip(names, tensor.tolist(), strict=True))
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
