@@ -124,7 +124,7 @@ NOT_A_FUSION = ": fusion(2) returned int, not a FusionDefinition"
 @pytest.mark.parametrize(
     ("source", "problem"),
     [(None, ": no such script"),
-     ("def main(communicator):\n    pass\n", " defines no fusion(world_size)"),
+     ("def main(communicator):\n    pass\n", " defines no fusion() (it needs fusion(world_size))"),
      ("def fusion():\n    pass\n", "'s fusion() cannot be called as fusion(world_size)"),
      ("def fusion(world_size):\n    return 3\n", NOT_A_FUSION)],
     ids=["missing", "no fusion", "fusion without its argument", "not a fusion"],

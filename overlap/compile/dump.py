@@ -67,7 +67,7 @@ def load_script(path: str, need: str = "main") -> ModuleType:
     call, arguments = CALLS[need]
     function = getattr(module, need, None)
     if not callable(function):
-        raise ScriptError(f"{path} defines no {call}")
+        raise ScriptError(f"{path} defines no {need}() (it needs {call})")
     try:
         inspect.signature(function).bind(*arguments)
     except TypeError:
