@@ -198,6 +198,35 @@ def test_overlap_run_max_restarts_starts_every_rank_again(tmp_path, kind):
     assert [(tmp_path / f"rank{rank}").read_text() for rank in range(2)] == ["1", "1"]
 
 
+_AT_EXIT = """
+import atexit
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(communicator):
+    dist.all_reduce(torch.ones(1000))  # a collective whose tensors gloo releases late
+    path = os.path.join(sys.argv[1], f"rank{communicator.rank}")
+    atexit.register(lambda: open(path, "w").write("exit handler ran"))
+"""
+
+
+@pytest.mark.parametrize("kind", ["local", "torchrun"])
+def test_a_finished_rank_runs_its_exit_handlers_and_exits_zero(tmp_path, kind):
+    """A launched script's ``main`` returns: every rank runs its ``atexit`` handlers and
+    exits 0 (without the interpreter's teardown, where gloo's late release of a
+    collective's tensors aborted a finished rank now and then)."""
+    script = tmp_path / "at_exit.py"
+    script.write_text(_AT_EXIT)
+    result = _overlap("run", "--launcher", kind, "--nproc", 2, script, tmp_path, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ran = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
+    assert ran == ["exit handler ran"] * 2
+
+
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):
     empty = tmp_path / "empty.py"
     empty.write_text("x = 1\n")
