@@ -173,9 +173,14 @@ def test_the_public_names_of_overlap_load_from_where_they_live():
         "    assert value.__name__ == name, (name, value)\n"
         "from overlap import MultiDeviceExecutor, parallelize\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = _python(code)
     assert result.returncode == 0, result.stderr
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    """``code`` run by a fresh interpreter in the repository (nothing imported yet)."""
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
 
 
 @pytest.mark.parametrize("layer", LAYERS)
@@ -228,6 +233,5 @@ def test_importing_the_framework_leaves_triton_unimported():
         "import fusion, sharding, schedulers.registry, overlap.runtime.executor\n"
         "assert 'triton' not in sys.modules, sorted(m for m in sys.modules if 'triton' in m)\n"
     )
-    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                            text=True, timeout=120)  # fmt: skip
+    result = _python(code)
     assert result.returncode == 0, result.stderr
