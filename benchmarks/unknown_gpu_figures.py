@@ -88,7 +88,7 @@ def main() -> None:
     start = time.perf_counter()
     executor = MultiDeviceExecutor(fd)
     record["executor_build_s"] = round(time.perf_counter() - start, 4)
-    assert executor.hardware == figures, (executor.hardware, figures)
+    assert executor.figures == figures, (executor.figures, figures)
     generator = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     inputs = [torch.randn(ROWS, CONTRACTION, generator=generator),
               torch.randn(CONTRACTION, COLUMNS, generator=generator)]  # fmt: skip

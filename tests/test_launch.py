@@ -202,29 +202,53 @@ _AT_EXIT = """
 import atexit
 import os
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+LOG = None
+
 
 def main(communicator):
-    dist.all_reduce(torch.ones(1000))  # a collective whose tensors gloo releases late
+    global LOG
+    dist.all_reduce(torch.ones(1000))
     path = os.path.join(sys.argv[1], f"rank{communicator.rank}")
-    atexit.register(lambda: open(path, "w").write("exit handler ran"))
+    atexit.register(lambda: open(path + ".atexit", "w").write("ran"))
+    LOG = open(path + ".log", "w")  # never closed: flushed at exit
+    LOG.write("written")
+
+    def later():
+        time.sleep(0.5)
+        open(path + ".thread", "w").write("ran")
+
+    threading.Thread(target=later).start()  # not a daemon: joined at exit
 """
 
 
 @pytest.mark.parametrize("kind", ["local", "torchrun"])
-def test_a_finished_rank_runs_its_exit_handlers_and_exits_zero(tmp_path, kind):
-    """A launched script's ``main`` returns: every rank runs its ``atexit`` handlers and
-    exits 0 (without the interpreter's teardown, where gloo's late release of a
-    collective's tensors aborted a finished rank now and then)."""
+def test_a_finished_rank_exits_zero_with_its_pending_work_done(tmp_path, kind):
+    """A launched script's ``main`` returns: every rank exits 0 as a Python program does,
+    its exit handlers run, its threads joined, its open files flushed."""
     script = tmp_path / "at_exit.py"
     script.write_text(_AT_EXIT)
     result = _overlap("run", "--launcher", kind, "--nproc", 2, script, tmp_path, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
-    ran = [(tmp_path / f"rank{rank}").read_text() for rank in range(2)]
-    assert ran == ["exit handler ran"] * 2
+    for rank in range(2):
+        done = {end: (tmp_path / f"rank{rank}.{end}").read_text() for end in ("atexit", "thread")}
+        assert done == {"atexit": "ran", "thread": "ran"}
+        assert (tmp_path / f"rank{rank}.log").read_text() == "written"
+
+
+def test_a_script_that_exits_zero_while_loading_ends_its_ranks_cleanly(tmp_path):
+    """``run_script`` on a script that ends (``sys.exit(0)``) before any ``main``: every
+    rank exits 0, though none joined a process group."""
+    from launch.local import run_script
+
+    script = tmp_path / "skips.py"
+    script.write_text("import sys\nsys.exit(0)\n")
+    assert run_script(str(script), [], nproc=2, timeout_s=60) == 0
 
 
 def test_run_refuses_a_script_without_main_before_starting_ranks(tmp_path):

@@ -896,6 +896,81 @@ def test_params_for_a_kernel_the_program_does_not_have_are_refused():
             MultiDeviceExecutor(fd, kernels="auto", kernel_params={"k9": params})
 
 
+def _matmul_then_pointwise() -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([8, 16])
+        w = fd.define_tensor([16, 24])
+        fd.add_output(fd.ops.exp(fd.ops.matmul(x, w)))
+    return fd
+
+
+def _pipelined_mlp():
+    """The demo's tensor-parallel MLP pipelined in 2 chunks: its matmuls in chunk loops,
+    its GELU a generated kernel between them."""
+    from launch.demo import build_tp_mlp
+    from overlap import OverlapOptions, compile_program
+
+    fd = build_tp_mlp(16, 8, 32, 2)
+    options = OverlapOptions(num_chunks=2, transport="collective")
+    return fd, lambda schedule: compile_program(
+        fd, 2, options, schedule=schedule, kernel_params={} if schedule else {"k1": "auto"}
+    )
+
+
+def test_the_kernels_an_evaluating_program_names_are_those_it_would_generate():
+    """Where compute is evaluated, ``kernel_params`` are checked against the names the
+    scheduled lowering gives its generated kernels: each name and scheduler the same, a
+    matmul's kernel (cuBLAS) counted among the names as it is there, in loops too."""
+    from overlap import compile_program
+
+    fd = _matmul_then_pointwise()
+    generated = compile_program(fd, schedule=True).host.generated_kernels()
+    assert [(n, k.scheduler.name) for n, k in generated.items()] == [("k1", "pointwise")]
+    evaluated = compile_program(fd, kernel_params={"k1": "auto"})
+    assert "[reference]" in str(evaluated.host)
+    assert {n: s.name for n, s in evaluated.generated.items()} == {"k1": "pointwise"}
+    _, compile_for = _pipelined_mlp()
+    scheduled, evaluating = compile_for(True), compile_for(False)
+    names = {n: k.scheduler.name for n, k in scheduled.host.generated_kernels().items()}
+    assert "FOR i in range(2)" in str(scheduled.host) and names
+    assert {n: s.name for n, s in evaluating.generated.items()} == names
+
+
+def test_params_for_the_kernel_after_a_matmul_reach_it(rng):
+    fd = _matmul_then_pointwise()
+    params = PointwiseParams(vector_width=4, unroll=1, num_warps=2)
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k1": params})
+    inputs = [torch.randn(8, 16, generator=rng), torch.randn(16, 24, generator=rng)]
+    assert_close(executor.run(inputs)[0], fd.execute(inputs)[0], reduction_extent=16)
+    assert executor.kernel_report().startswith(f"k1 [pointwise] {params}")
+    with pytest.raises(ValueError, match="no generated kernel 'k0' \\(generated: \\['k1'\\]"):
+        MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+
+
+def test_params_given_with_a_compiled_program_are_checked_or_refused():
+    """A ``CompiledProgram`` handed to the executor with ``kernel_params``: checked
+    against the names it checked at compile time; refused with ``kernels="reference"``
+    (nothing generated) and where it cannot tell (evaluating, compiled without them):
+    never silently unused."""
+    from overlap import compile_program
+
+    fd = _matmul_then_pointwise()
+    params = {"k1": PointwiseParams(vector_width=4, unroll=1, num_warps=2)}
+    with pytest.raises(ValueError, match="no generated kernel 'k1' \\(generated: none"):
+        MultiDeviceExecutor(compile_program(fd, kernel_params=params), kernels="reference",
+                            kernel_params=params)  # fmt: skip
+    if torch.cuda.is_available():
+        return  # "auto" generates on CUDA: an evaluating program is refused as such
+    executor = MultiDeviceExecutor(compile_program(fd, kernel_params=params), kernels="auto",
+                                   kernel_params=params)  # fmt: skip
+    assert "[reference]" in str(executor.program)
+    with pytest.raises(ValueError, match="no generated kernel 'k0'"):
+        MultiDeviceExecutor(compile_program(fd, kernel_params=params), kernels="auto",
+                            kernel_params={"k0": params["k1"]})  # fmt: skip
+    with pytest.raises(ValueError, match="compiled without kernel_params"):
+        MultiDeviceExecutor(compile_program(fd), kernels="auto", kernel_params=params)
+
+
 def test_generated_kernels_on_cpu_need_the_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with FusionDefinition() as fd:

@@ -175,6 +175,16 @@ def test_chunks_that_do_not_divide_the_rows_still_cover_every_row(chunks):
     assert torch.equal(out, x)
 
 
+def test_a_stream_axis_marked_without_a_count_runs_in_the_default_chunks():
+    """``parallelize(ParallelType.Stream)`` with no count: two chunks."""
+    from overlap.compile.apply_plan import stream_axes
+
+    fd = _sets([True], chunks=None)
+    (copy,) = fd.fusion.outputs
+    assert str(stream_axes(fd.fusion)) == f"{copy.name}: axis 0 in 2 chunks (marked)"
+    assert "FOR i in range(2)" in str(lower_to_host_program(fd.fusion))
+
+
 def test_the_users_fusion_keeps_its_stream_axes_and_is_not_changed_by_lowering():
     fd = _sets([True])
     before = str(fd)

@@ -161,7 +161,7 @@ class _Lowering:
             groups.append([expr])
         kernels = []
         for group in groups:
-            pieces = None if _is_contraction(group[0]) else self._scheduled(group)
+            pieces = self._scheduled(group)
             if not self.schedule or pieces is None:
                 kernels.append(self._kernel(group, aliases))
                 continue
@@ -170,9 +170,13 @@ class _Lowering:
         return kernels
 
     def _scheduled(self, group: list[Expr]) -> list[KernelGroup] | None:
-        """The kernels a scheduled lowering makes of ``group`` (None: not asked), each
-        generated one named in ``self.generated`` as that lowering names it."""
+        """The kernels a scheduled lowering makes of ``group`` (None: not asked, or a
+        contraction, a kernel of its own), each generated one named in
+        ``self.generated`` as that lowering names it (every kernel takes a name)."""
         if self.generated is None:
+            return None
+        if _is_contraction(group[0]):
+            self.scheduled_kernels += 1
             return None
         pieces = split_into_kernels(group, self.fusion)
         for piece in pieces:

@@ -90,7 +90,7 @@ def compile_for_device(
                 f"on {device.type}, but the program was compiled with "
                 f"schedule={compiled.schedule}: compile it as this rank runs it"
             )
-        check_kernel_params(kernel_params, compiled.generated)
+        _check_compiled_params(compiled, kernels, kernel_params)
     else:
         replayed = cuda_graph and device.type == "cuda"
         # kernels="reference" generates nothing: params named for generated kernels are
@@ -107,6 +107,25 @@ def compile_for_device(
         name = compiled.host.fusion.name or "the fusion"
         raise copy_engine_refused(f"{name} is planned with it and this rank runs on {device}")
     return compiled
+
+
+def _check_compiled_params(
+    compiled: CompiledProgram, kernels: str, kernel_params: Mapping[str, object]
+) -> None:
+    """``kernel_params`` given with a ``CompiledProgram``: checked against the kernels it
+    generates (or, evaluating, was checked to name at compile time); ``kernels=
+    "reference"`` generates none. A program that evaluates and was compiled without them
+    cannot tell its would-be kernels' names: refused, never ignored."""
+    if kernels == "reference" or not kernel_params:
+        check_kernel_params(kernel_params, {})
+        return
+    if not compiled.schedule and not compiled.generated:
+        raise ValueError(
+            f"kernel_params {sorted(kernel_params)}: this CompiledProgram evaluates compute "
+            "and was compiled without kernel_params, so it cannot check their names: give "
+            "them to compile_program(..., kernel_params=...)"
+        )
+    check_kernel_params(kernel_params, compiled.generated)
 
 
 def _generates(kernels: str, device: torch.device) -> bool:
