@@ -20,7 +20,6 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -63,15 +62,6 @@ class StreamAxes:
     def chunks(self, tensor: TensorView) -> int:
         """How many chunks ``tensor``'s stream axis is cut into."""
         return self._axes[tensor].chunks
-
-    def __contains__(self, tensor: object) -> bool:
-        return tensor in self._axes
-
-    def __iter__(self) -> Iterator[TensorView]:
-        return iter(self._axes)
-
-    def __len__(self) -> int:
-        return len(self._axes)
 
     def __str__(self) -> str:
         if not self._axes:

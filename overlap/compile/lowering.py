@@ -385,9 +385,7 @@ def lower_to_host_program(
     ``schedule``: compute that a scheduler takes becomes generated Triton kernels (the
     rest, and everything when False, runs through the reference evaluator).
     """
-    plan = plan or OverlapPlan()
-    streams = streams if streams is not None else stream_axes(fusion, plan)
-    return _Lowering(fusion, plan, streams, schedule).lower()
+    return lower_naming_kernels(fusion, plan, schedule, streams, name_generated=False)[0]
 
 
 def lower_naming_kernels(
@@ -395,12 +393,14 @@ def lower_naming_kernels(
     plan: OverlapPlan | None = None,
     schedule: bool = False,
     streams: StreamAxes | None = None,
+    name_generated: bool = True,
 ) -> tuple[HostProgram, dict[str, object]]:
     """``lower_to_host_program``'s program, and the generated kernels' schedulers by
-    name: the program's own, or where it evaluates compute, those the same lowering
-    would generate with ``schedule`` (so that names given for the generated kernels
-    are checked on a machine that evaluates; it costs the schedulers' analysis)."""
+    name: the program's own, or where it evaluates compute and ``name_generated``, those
+    the same lowering would generate with ``schedule`` (so that names given for the
+    generated kernels are checked on a machine that evaluates; it costs the schedulers'
+    analysis)."""
     plan = plan or OverlapPlan()
     streams = streams if streams is not None else stream_axes(fusion, plan)
-    lowering = _Lowering(fusion, plan, streams, schedule, name_generated=True)
-    return lowering.lower(), dict(lowering.generated)
+    lowering = _Lowering(fusion, plan, streams, schedule, name_generated)
+    return lowering.lower(), dict(lowering.generated or {})

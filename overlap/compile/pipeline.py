@@ -46,7 +46,7 @@ from overlap.compile.apply_plan import StreamAxes, stream_axes
 from overlap.compile.deallocate import insert_deallocations
 from overlap.compile.gather import drop_dead_exprs, gather_pointwise
 from overlap.compile.kernel_params import check_kernel_params
-from overlap.compile.lowering import lower_naming_kernels, lower_to_host_program
+from overlap.compile.lowering import lower_naming_kernels
 from overlap.compile.recompute import recompute_widened_inputs
 from overlap.diag.timeline import Span
 from overlap.ir import HostProgram
@@ -155,12 +155,9 @@ def _apply(state: _Compilation) -> None:
 
 
 def _lower(state: _Compilation) -> None:
-    if state.schedule or state.kernel_params:
-        state.host, state.generated = lower_naming_kernels(
-            state.fusion, state.plan, state.schedule, state.streams
-        )
-    else:
-        state.host = lower_to_host_program(state.fusion, state.plan, False, state.streams)
+    state.host, state.generated = lower_naming_kernels(
+        state.fusion, state.plan, state.schedule, state.streams, bool(state.kernel_params)
+    )
 
 
 def _check_kernel_params(state: _Compilation) -> None:

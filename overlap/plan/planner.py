@@ -26,6 +26,7 @@ communication's transport and order from the plan.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -148,8 +149,11 @@ class OverlapPlan:
 
     def pipeline(self, communication: Communication) -> Candidate | None:
         """The candidate chosen for ``communication`` when it is pipelined, else None."""
-        chosen = {d.communication: d.chosen for d in self.decisions if d.overlapped}
-        return chosen.get(communication)
+        return self._pipelines.get(communication)
+
+    @functools.cached_property
+    def _pipelines(self) -> dict[Communication, Candidate]:
+        return {d.communication: d.chosen for d in self.decisions if d.overlapped}
 
     def __str__(self) -> str:
         if not self.decisions:

@@ -78,6 +78,10 @@ def compile_for_device(
         raise ShardingError("a fusion placed on device meshes needs a Communicator")
     world = communicator.world_size if communicator else 1
     kernel_params = dict(kernel_params or {})
+    # kernels="reference" generates nothing: params named for generated kernels are
+    # refused; "auto" off CUDA checks them against the kernels it would generate
+    if kernels == "reference":
+        check_kernel_params(kernel_params, {})
     if isinstance(fusion, CompiledProgram):
         compiled = fusion
         if options is not None or figures is not None:
@@ -93,10 +97,6 @@ def compile_for_device(
         _check_compiled_params(compiled, kernels, kernel_params)
     else:
         replayed = cuda_graph and device.type == "cuda"
-        # kernels="reference" generates nothing: params named for generated kernels are
-        # refused; "auto" off CUDA checks them against the kernels it would generate
-        if kernels == "reference":
-            check_kernel_params(kernel_params, {})
         compiled = compile_program(fusion, world, options, figures, schedule=generated,
                                    replayed=replayed, kernel_params=kernel_params)  # fmt: skip
     if compiled.world_size > world:
@@ -113,11 +113,10 @@ def _check_compiled_params(
     compiled: CompiledProgram, kernels: str, kernel_params: Mapping[str, object]
 ) -> None:
     """``kernel_params`` given with a ``CompiledProgram``: checked against the kernels it
-    generates (or, evaluating, was checked to name at compile time); ``kernels=
-    "reference"`` generates none. A program that evaluates and was compiled without them
-    cannot tell its would-be kernels' names: refused, never ignored."""
-    if kernels == "reference" or not kernel_params:
-        check_kernel_params(kernel_params, {})
+    generates (or, evaluating, was checked to name at compile time). A program that
+    evaluates and was compiled without them cannot tell its would-be kernels' names:
+    refused, never ignored."""
+    if not kernel_params:
         return
     if not compiled.schedule and not compiled.generated:
         raise ValueError(

@@ -178,7 +178,7 @@ class MultiDeviceExecutor:
     ) -> list[torch.Tensor | None]:
         """This rank's pieces of whole inputs (see ``pieces.shard_inputs``; collective
         with ``check``)."""
-        return pieces.shard_inputs(self.fusion, full_inputs, self.communicator, check)
+        return pieces.shard_inputs(self.fusion.inputs, full_inputs, self.communicator, check)
 
     def shard_outputs(self, full_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """This rank's pieces of whole outputs: what ``run`` should return here."""

@@ -36,9 +36,6 @@ class GraphReplays:
     def __init__(self) -> None:
         self._graphs: dict[Hashable, tuple] = {}
 
-    def __len__(self) -> int:
-        return len(self._graphs)
-
     def replay(
         self, key: Hashable, program: RankProgram, local_inputs: Sequence[torch.Tensor | None]
     ) -> list[torch.Tensor | None]:

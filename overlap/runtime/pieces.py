@@ -5,7 +5,7 @@ every piece through host memory (``all_gather_object``).
 
 Example (on every rank)::
 
-    outputs = executor.run(shard_inputs(executor.fusion, full, communicator))
+    outputs = executor.run(shard_inputs(executor.fusion.inputs, full, communicator))
     whole = gather_outputs(executor.fusion, outputs, communicator, device)
 """
 
@@ -30,21 +30,23 @@ def rank_pieces(
 
 
 def shard_inputs(
-    fusion: Fusion,
+    tensors: Sequence[TensorView],
     full_inputs: Sequence[torch.Tensor],
     communicator: Communicator | None,
     check: bool = True,
+    names: Sequence[str] | None = None,
+    step: str = "shard_inputs",
 ) -> list[torch.Tensor | None]:
-    """This rank's pieces of the whole inputs of ``fusion``. With several ranks,
-    ``check`` makes sure every rank was given the same whole inputs (collective: one
-    exchange of their fingerprints; ``InputError`` on every rank otherwise), since a rank
-    cuts its piece from what it is given."""
+    """This rank's pieces of the whole values of ``tensors`` (a fusion's inputs). With
+    several ranks, ``check`` makes sure every rank was given the same whole values
+    (collective: one exchange of their fingerprints; ``InputError`` on every rank naming
+    ``step`` and the first of ``names`` that differs), since a rank cuts its piece from
+    what it is given."""
     rank = communicator.rank if communicator is not None else 0
     if check and communicator is not None and communicator.world_size > 1:
-        names = [f"input {i} ({t.name})" for i, t in enumerate(fusion.inputs)]
-        exchange = communicator.input_check_exchange
-        check_same_on_every_rank(names, full_inputs, exchange, "shard_inputs")
-    return rank_pieces(fusion.inputs, full_inputs, rank)
+        names = names or [f"input {i} ({t.name})" for i, t in enumerate(tensors)]
+        check_same_on_every_rank(names, full_inputs, communicator.input_check_exchange, step)
+    return rank_pieces(tensors, full_inputs, rank)
 
 
 def gather_outputs(

@@ -36,10 +36,6 @@ class RankPrograms:
         self._copy_engine = Transport.COPY_ENGINE in compiled.host.transports()
 
     @property
-    def symmetric(self) -> SymmetricBuffers | None:
-        return self.setup.symmetric
-
-    @property
     def parity(self) -> int:
         """Which half of the symmetric buffers this run uses (0 without them)."""
         return self.setup.symmetric.parity if self.setup.symmetric is not None else 0
@@ -63,9 +59,6 @@ class RankPrograms:
         if key not in self._built:
             self._built[key] = self._build(bindings)
         return self._built[key]
-
-    def __iter__(self):
-        return iter(self._built.values())
 
     def _build(self, bindings: Bindings) -> RankProgram:
         sharded = self.compiled.sharded

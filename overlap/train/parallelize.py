@@ -61,6 +61,7 @@ from fusion.capture import Boundary, Captured, capture
 from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
+from overlap.runtime.pieces import shard_inputs
 from overlap.train.trainable import TrainableFusion
 from schedulers.runtime import contiguous_strides
 from sharding import DeviceMesh, Replicate, Shard, shard
@@ -131,12 +132,10 @@ class ParallelModule(torch.nn.Module):
     def input_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's pieces of whole inputs of ``forward`` (collective with several ranks:
         every rank must be given the same whole inputs, see ``shard_inputs``)."""
-        communicator = self.model.communicator
-        rank, tensors = communicator.rank, self.model.fusion.inputs[len(self.names) :]
-        if communicator.world_size > 1:
-            check_same_on_every_rank([f"input {i}" for i in range(len(whole))], whole,
-                                     communicator.input_check_exchange, "input_pieces")  # fmt: skip
-        return [local_piece(v, t, rank) for v, t in zip(whole, tensors, strict=True)]
+        tensors = self.model.fusion.inputs[len(self.names) :]
+        names = [f"input {i}" for i in range(len(whole))]
+        return shard_inputs(tensors, whole, self.model.communicator, names=names,
+                            step="input_pieces")  # fmt: skip
 
     def output_pieces(self, *whole: torch.Tensor) -> list[torch.Tensor | None]:
         """This rank's pieces of whole outputs of ``forward``."""

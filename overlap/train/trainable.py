@@ -45,13 +45,13 @@ from fusion.definition import FusionDefinition
 from fusion.ir import Fusion, TensorView
 from overlap.comm.communicator import Communicator
 from overlap.runtime.executor import MultiDeviceExecutor
+from overlap.runtime.pieces import rank_pieces
 from overlap.train.backward import (
     SAVE_POLICIES,
     placed_backward,
     placed_forward_with_saved,
     saved_by_policy,
 )
-from sharding.pieces import local_piece
 
 
 class TrainableFusion:
@@ -101,10 +101,7 @@ class TrainableFusion:
     def shard_outputs(self, full_outputs: Sequence[torch.Tensor]) -> list[torch.Tensor | None]:
         """This rank's pieces of whole outputs of the fusion (not of what it saves)."""
         outputs = self.forward_executor.fusion.outputs[: len(self.fusion.outputs)]
-        return [
-            local_piece(value, tensor, self.communicator.rank)
-            for value, tensor in zip(full_outputs, outputs, strict=True)
-        ]
+        return rank_pieces(outputs, full_outputs, self.communicator.rank)
 
     def explain_backward(self, wrt: Sequence[int] | None = None) -> str:
         """The save rule, then which intermediates the gradients (of the inputs at
