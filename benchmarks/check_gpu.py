@@ -35,6 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_backward_multidevice as backward  # noqa: E402
+import test_graphs as graphs  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
 import test_parallelize as parallel  # noqa: E402
 import test_pipelined as pipelined  # noqa: E402
@@ -97,6 +98,7 @@ def checks(world: int, cuda: bool):
         for placement in ("replicate", "sequence"):
             name = f"parallelize: vocabulary-parallel head ({placement})"
             yield name, parallel.vocabulary_parallel, (9, placement, k)
+    yield "graph replays: moved inputs, overwritten outputs", graphs.check_replays_on_every_rank, ()
     # parallelized modules with the default kernels (generated on CUDA)
     yield "parallelize: Llama block, torch's plan", parallel.llama_block_by_torch_plan, (9,)
     yield "parallelize: sdpa heads", parallel.parallel_torch_attention, (2 * world + 1,)

@@ -182,7 +182,7 @@ def trained_from_cuda_graphs(communicator, kernels: str = "generated") -> list[s
     backward makes that backward raise. CUDA only (``benchmarks/check_gpu.py``)."""
     fd = BLOCKS["swiglu_uneven"](communicator.world_size)
     graphed = TrainableFusion(fd, communicator, cuda_graph=True, kernels=kernels)
-    plain = TrainableFusion(fd, communicator, kernels=kernels)
+    plain = TrainableFusion(fd, communicator, cuda_graph=False, kernels=kernels)
     generator = torch.Generator().manual_seed(43)
     full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
     weights = [w.to(communicator.device).requires_grad_() for w in plain.shard_inputs(full)[1:]]
@@ -210,6 +210,7 @@ def trained_from_cuda_graphs(communicator, kernels: str = "generated") -> list[s
     leaves = [x_piece.to(communicator.device).requires_grad_(), *weights]
     (first,) = graphed(*leaves)
     graphed(*leaves)
+    seed = torch.ones(first.shape, dtype=first.dtype, device=first.device)  # first unread
     with pytest.raises(RuntimeError, match="another forward ran before this one's backward"):
-        first.sum().backward()
+        first.backward(seed)
     return [*done, "refused"]

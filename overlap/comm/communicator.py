@@ -107,6 +107,7 @@ class Communicator:
         self._check_group = dist.new_group(
             backend="gloo", timeout=datetime.timedelta(seconds=input_check_timeout_s)
         )
+        self.host_exchanges = 0  # host all-gathers so far (a run should cost none)
 
     @classmethod
     def initialize(
@@ -175,6 +176,7 @@ class Communicator:
     def all_gather_object(self, value: object) -> list[object]:
         """``value`` from every rank of the world, in rank order."""
         gathered: list[object] = [None] * self.world_size
+        self.host_exchanges += 1
         dist.all_gather_object(gathered, value, group=self._host_group)
         return gathered
 
@@ -182,5 +184,6 @@ class Communicator:
         """``value`` from every rank, in rank order, on the input-check group: raises
         (``RuntimeError``) when some rank has not come within ``input_check_timeout_s``."""
         gathered: list[object] = [None] * self.world_size
+        self.host_exchanges += 1
         dist.all_gather_object(gathered, value, group=self._check_group)
         return gathered

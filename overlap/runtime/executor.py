@@ -26,7 +26,6 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from fusion.definition import FusionDefinition
-from fusion.errors import InputError
 from fusion.ir import Fusion, TensorView
 from overlap.comm.communicator import Communicator
 from overlap.compile.pipeline import CompiledProgram
@@ -39,7 +38,7 @@ from overlap.runtime.autograd import refusing_backward, without_grad
 from overlap.runtime.build import compile_for_device, is_sharded, planning_figures, rank_device
 from overlap.runtime.dtensors import as_dtensors, local_pieces
 from overlap.runtime.graphs import GraphReplays
-from overlap.runtime.inputs import InputCheck, LocalBinding, addresses, check_mode
+from overlap.runtime.inputs import InputCheck, LocalBinding, check_mode
 from overlap.runtime.rank_program import RankSetup, rank_shape
 from overlap.runtime.rank_programs import RankPrograms
 from overlap.runtime.streams import StreamPool
@@ -65,14 +64,16 @@ class MultiDeviceExecutor:
     ``"warp_specialized"``; no fallback: a strategy that cannot run raises);
     ``kernel_report()`` says what each kernel got.
 
-    ``cuda_graph=True`` (CUDA only) captures a run in a CUDA graph the first time it
-    sees a set of input buffers and replays it after that, so the host no longer
-    issues the program step by step. The outputs are then the graph's own buffers:
-    the next run with the same inputs overwrites them (clone what you keep). Every
-    rank must use the same setting. It is not the default: a graph holds its
-    intermediates' memory for as long as it is kept (one per set of extents and input
-    buffers), its outputs are overwritten, and since the ranks must capture together
-    every rank's input buffers are exchanged at every run.
+    ``cuda_graph`` (default: on CUDA) replays the program from CUDA graphs
+    (``overlap.runtime.graphs``): keyed by the extents (never by buffer addresses, so a
+    call whose inputs' shapes did not change runs no host collective), captured at the
+    second call at new extents on every rank at once, replayed after that. A replay's
+    outputs are the graph's own memory: the next run overwrites them, and reading one
+    then raises a clear error (clone what you keep, or ``run(..., keep_outputs=True)``).
+    Parameters, weights kept where they are and other graphs' outputs are read in place;
+    other inputs are copied into the graph's buffers. ``cuda_graph=False`` runs every
+    call on the lean path (the host issues each step), as runs with a timeline and runs
+    on CPU do. Every rank must use the same setting.
     """
 
     def __init__(
@@ -81,7 +82,7 @@ class MultiDeviceExecutor:
         communicator: Communicator | None = None,
         options: OverlapOptions | None = None,
         figures: HardwareFigures | None = None,
-        cuda_graph: bool = False,
+        cuda_graph: bool | None = None,
         kernels: str = "auto",
         kernel_params: Mapping[str, object] | None = None,
     ) -> None:
@@ -89,11 +90,11 @@ class MultiDeviceExecutor:
         self.rank = communicator.rank if communicator else 0
         self.device = rank_device(communicator)
         self.sharded = is_sharded(fusion)
-        self.cuda_graph = cuda_graph
+        self.cuda_graph = self.device.type == "cuda" if cuda_graph is None else cuda_graph
         figures = planning_figures(fusion, self.device, communicator, figures)  # collective
         try:
             self.compiled = compile_for_device(
-                fusion, self.device, communicator, options, figures, kernels, cuda_graph,
+                fusion, self.device, communicator, options, figures, kernels, self.cuda_graph,
                 kernel_params,
             )  # fmt: skip
             failure = None
@@ -113,7 +114,8 @@ class MultiDeviceExecutor:
         setup = RankSetup(self.rank, communicator, self.device, StreamPool(self.device), None,
                           dict(kernel_params or {}), current_hardware(self.device))  # fmt: skip
         self._programs = RankPrograms(self.compiled, setup)
-        self._graphs = GraphReplays()
+        self.graphs = GraphReplays()
+        self.replays = self.cuda_graph and self.device.type == "cuda"  # graphs serve runs
         self._inputs = None
         if self.sharded:
             self._inputs = InputCheck(self.fusion, communicator, self.fingerprint,
@@ -199,47 +201,45 @@ class MultiDeviceExecutor:
         local_inputs: Sequence[torch.Tensor | None],
         timeline: Timeline | None = None,
         check_inputs: bool | str = "changes",
+        keep_outputs: bool = False,
     ) -> list[torch.Tensor | None]:
         """Run the program on this rank; returns this rank's output pieces (None off-mesh).
 
         An input may be a DTensor placed as the fusion places that input (checked, then
         its local piece is used; ``overlap.runtime.dtensors``); outputs on a mesh such
         inputs came on are then DTensors too. With a ``timeline``, every kernel and
-        communication is recorded per stream. ``check_inputs`` says when the ranks
-        exchange their inputs' shapes so that a bad input fails everywhere before any
-        collective: ``"changes"`` (default), ``"always"`` (or True) or ``"never"`` (or
-        False), as ``overlap.runtime.inputs.check_mode`` says; with ``cuda_graph=True``,
-        ``"changes"`` exchanges at every run (the graphs are keyed by every rank's input
-        buffers). Every rank must use the same setting.
+        communication is recorded per stream (on the lean path; every rank must pass one
+        alike). ``check_inputs`` says when the ranks exchange their inputs' shapes so that
+        a bad input fails everywhere before any collective: ``"changes"`` (default),
+        ``"always"`` (or True) or ``"never"`` (or False), as
+        ``overlap.runtime.inputs.check_mode`` says. Every rank must use the same setting.
+        ``keep_outputs``: outputs replayed from a graph are copied out of its memory, so
+        that later runs leave them be.
         """
         local_inputs, torch_meshes = local_pieces(self.fusion, local_inputs)
-        replay = self.cuda_graph and timeline is None and self.device.type == "cuda"
-        bindings, every_buffers = self._bind(local_inputs, check_mode(check_inputs), replay)
+        bindings = self._bind(local_inputs, check_mode(check_inputs))
         self._programs.next_run()
         rank_program = self._programs.get(bindings)
-        if replay:  # no autograd graph: its gradients would be one rank's
-            key = (self._programs.key(bindings), tuple(every_buffers), self._programs.parity)
-            outputs = without_grad(self._graphs.replay, key, rank_program, local_inputs)
-        else:
+        outputs = None
+        if self.replays and timeline is None:
+            # no autograd graph: its gradients would be one rank's
+            key = (self._programs.key(bindings), self._programs.parity)
+            outputs = without_grad(self.graphs.run, key, rank_program, local_inputs)
+            if outputs is not None and keep_outputs:
+                outputs = [o if o is None or any(o is i for i in local_inputs) else o.clone()
+                           for o in outputs]  # fmt: skip
+        if outputs is None:
             outputs = without_grad(rank_program.run, local_inputs, timeline)
         return as_dtensors(refusing_backward(outputs, local_inputs), self.fusion, torch_meshes)
 
-    def _bind(self, local_inputs, mode: str, replay: bool) -> tuple:
-        """The run's extents, and every rank's input buffers where a graph replays (its
-        key: every rank captures at the same run, so the key is every rank's buffers)."""
-        buffers = addresses(local_inputs) if replay else None
+    def graph_memory(self) -> dict[tuple, int]:
+        """Bytes each CUDA graph kept holds, by its key (extents, copy-engine half)."""
+        return self.graphs.memory()
+
+    def _bind(self, local_inputs, mode: str):
+        """The run's extents (checked with every rank where sharded)."""
         if not self.sharded:
             if mode == "never" and self._local.bindings is not None:
-                return self._local.bindings, [buffers]
-            return self._local(local_inputs), [buffers]
-        if self.cuda_graph and mode == "changes":  # every rank alike, timeline or not
-            mode = "always"
-        bindings, every_buffers = self._inputs.bindings(local_inputs, mode, buffers)
-        if buffers is not None and buffers != every_buffers[self.rank]:
-            raise InputError(
-                "cuda_graph=True and check_inputs='never': this rank's inputs are not in "
-                "the buffers of the last checked run. A new graph must be captured on "
-                "every rank at once, which only the input check can arrange: run with "
-                "check_inputs='changes' when the inputs move"
-            )
-        return bindings, every_buffers
+                return self._local.bindings
+            return self._local(local_inputs)
+        return self._inputs.bindings(local_inputs, mode)

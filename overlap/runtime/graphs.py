@@ -1,27 +1,58 @@
-"""CUDA-graph replay of a rank program: captured once per key, replayed after.
+"""CUDA-graph replay of rank programs: the default run path on CUDA.
 
-A key is what every rank computes alike (the program's extents and every rank's input
-buffers, learnt in the input check), so that every rank captures at the same run: NCCL
-requires a captured collective to be captured on every rank of its group. A capture
-runs the program once to warm up (communication handles, allocations), then once under
-``torch.cuda.graph`` with garbage collection off (freeing an unreachable executor's
-symmetric memory during a capture would be a CUDA call the capture forbids). At most
-``MOST_GRAPHS`` graphs are kept: inputs that keep moving drop the oldest.
+A graph is keyed by what every rank computes alike, never by buffer addresses: the rank
+program's extents and the half of the copy-engine buffers the run uses (``key``). The
+ranks run the same calls in step (the input check sees to it), so every rank reaches a
+key's first, second, ... call at the same run, and NCCL's rule that a captured
+collective be captured on every rank of its group holds without asking anyone: no call
+whose extents did not change runs a host collective.
 
-A replay's outputs are the graph's own buffers, overwritten by the next replay: their
-autograd version is bumped at each replay, so a backward that saved them before refuses
-to read the new values.
+At a key's first call the program runs on the lean path (``RankProgram.run``: the warm-up
+that creates communication handles, compiles kernels, allocates buffers). At its second
+the graph is captured (on its own pool, with garbage collection off: freeing an
+unreachable executor's symmetric memory during a capture would be a CUDA call the
+capture forbids) and replayed; every later call replays it.
+
+Inputs: at the capture each input position is read in place or copied.
+- In place: a tensor at the same address at the key's first and second calls
+  (parameters, weights and buffers kept where they are), or a graph's output (the
+  previous layer's, the forward's saved values read by the backward).
+  A replay reads it where it is when the address and strides are the captured ones.
+- Copied: any other input goes into a buffer of the graph's own, all in one batched copy
+  on the stream; skipped where the input is that buffer.
+An in-place input that moved later (a parameter replaced, a weight swapped) cannot be
+read where the graph reads, and a graph captured again on one rank alone would break
+the ranks' agreement: that call runs on the lean path instead (correct, slower; counted
+in ``fallbacks`` and logged once).
+
+Outputs are the graph's memory, handed out without copies as new tensors over it. The
+next replay of any graph of the same executor overwrites that memory, so the outputs of
+the replay before become unreadable: reading one raises a clear error naming what to do
+(``expire``; copy what you keep, or ``run(..., keep_outputs=True)``). Where this torch
+cannot make a tensor unreadable (a build without CUDA), their autograd version is bumped,
+so a backward that saved them refuses to read the new values.
+
+Memory: the graphs of one executor share one pool (they run one after another on the
+same stream, and the outputs of all but the last replay are unreadable, so one graph's
+intermediates may reuse another's); at most ``MOST_GRAPHS`` graphs are kept, the least
+recently used dropped (its outputs made unreadable); ``memory()`` says what each holds.
+Graphs are destroyed at exit before the process groups they captured collectives on.
 
 Example::
 
     graphs = GraphReplays()
-    outputs = graphs.replay(key, rank_program, local_inputs)
+    outputs = graphs.run(key, rank_program, local_inputs)  # None: run the lean path
 """
 
 from __future__ import annotations
 
+import atexit
 import gc
-from collections.abc import Hashable, Sequence
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,39 +60,257 @@ from overlap.runtime.rank_program import RankProgram
 
 MOST_GRAPHS = 8
 
+log = logging.getLogger("overlap.graphs")
 
-class GraphReplays:
-    """The graphs one executor captured, by key, oldest first."""
-
-    def __init__(self) -> None:
-        self._graphs: dict[Hashable, tuple] = {}
-
-    def replay(
-        self, key: Hashable, program: RankProgram, local_inputs: Sequence[torch.Tensor | None]
-    ) -> list[torch.Tensor | None]:
-        """Run ``program`` by replaying its graph for ``key`` (captured now if new, which
-        must then happen on every rank at this run)."""
-        if key not in self._graphs:
-            self._graphs[key] = _capture(program, local_inputs)
-            if len(self._graphs) > MOST_GRAPHS:
-                self._graphs.pop(next(iter(self._graphs)))
-        graph, outputs, owned = self._graphs[key]
-        graph.replay()
-        torch.autograd.graph.increment_version(owned)
-        return list(outputs)
+# Addresses of graph outputs (every executor's): an input found here is read in place.
+_GRAPH_OUTPUTS: dict[int, int] = {}
+_EVERY: weakref.WeakSet[GraphReplays] = weakref.WeakSet()
+_AT_EXIT = []  # registered once, at the first capture: after the communicator's teardown
 
 
-def _capture(program: RankProgram, local_inputs: Sequence[torch.Tensor | None]) -> tuple:
-    """``(graph, outputs, owned)``: ``owned`` the outputs in the graph's own buffers (an
-    input passed through is the caller's)."""
-    program.run(local_inputs, None)  # warm up: handles, allocations
+def _release_all() -> None:
+    for graphs in list(_EVERY):
+        graphs.release()
+
+
+def _expire_message(where: str) -> str:
+    return (
+        f"this output of a run replayed from a CUDA graph ({where}) was overwritten by a "
+        "later replay of the same program: a replay's outputs are the graph's own memory. "
+        "Copy (clone) an output you keep before the next run, or run with "
+        "keep_outputs=True"
+    )
+
+
+_set_unreadable = getattr(torch._C, "_set_storage_access_error_msg", None)
+
+
+def expire(tensors: Sequence[torch.Tensor], where: str) -> None:
+    """Make ``tensors`` (outputs of an earlier replay) raise a clear error when read; where
+    this torch cannot, bump their autograd version (a backward that saved them raises)."""
+    if _set_unreadable is None:
+        torch.autograd.graph.increment_version(list(tensors))
+        return
+    for tensor in tensors:
+        _set_unreadable(tensor, _expire_message(where))
+
+
+@dataclass(frozen=True)
+class _Output:
+    """How a replay hands out one output: an input passed through (its position), or a
+    view of the graph's memory (``storage`` address and bytes, and the tensor's place)."""
+
+    input_position: int | None
+    storage: tuple[int, int] | None = None
+    offset: int = 0
+    size: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    dtype: torch.dtype | None = None
+
+
+def _describe_output(output, staged: list) -> _Output | None:
+    if output is None:
+        return None
+    for position, value in enumerate(staged):
+        if output is value:
+            return _Output(position)
+    storage = output.untyped_storage()
+    return _Output(None, (storage.data_ptr(), storage.nbytes()), output.storage_offset(),
+                   tuple(output.shape), tuple(output.stride()), output.dtype)  # fmt: skip
+
+
+class Graph:
+    """One captured graph: how it reads each input, the buffers it owns, its outputs."""
+
+    def __init__(self, program: RankProgram, local_inputs: Sequence, first: Sequence,
+                 pool, capture: Callable) -> None:  # fmt: skip
+        device = program.setup.device
+        self.device = device
+        # per position: the address and strides read in place, or a buffer of its own
+        self.in_place: list[tuple[int, tuple[int, ...]] | None] = []
+        self.buffers: list[torch.Tensor | None] = []
+        staged = []
+        for value, before in zip(local_inputs, first, strict=True):
+            if value is None or _stays(value, before):
+                self.in_place.append(None if value is None else _address(value))
+                self.buffers.append(None)
+                staged.append(value)
+            else:
+                buffer = torch.empty(value.shape, dtype=value.dtype, device=device)
+                self.in_place.append(None)
+                self.buffers.append(buffer)
+                staged.append(buffer)
+        self.copied = [p for p, b in enumerate(self.buffers) if b is not None]
+        self.stage(local_inputs)
+        before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
+        self.graph, captured = capture(program, staged, pool)
+        self.memory = (torch.cuda.memory_reserved(device) - before if device.type == "cuda"
+                       else 0) + sum(b.nbytes for b in self.buffers if b is not None)  # fmt: skip
+        self.captured = captured  # held: the graph writes there
+        self.outputs = [_describe_output(o, staged) for o in captured]
+        addresses = [o.storage[0] for o in self.outputs if o is not None and o.storage]
+        for address in addresses:
+            _GRAPH_OUTPUTS[address] = _GRAPH_OUTPUTS.get(address, 0) + 1
+        # forgotten when released, or when the graph is dropped with its executor
+        self._forget = weakref.finalize(self, _forget, addresses)
+
+    def reads(self, local_inputs: Sequence) -> bool:
+        """Whether every in-place input is where the graph reads it."""
+        for value, place in zip(local_inputs, self.in_place, strict=True):
+            if place is not None and _address(value) != place:
+                return False
+        return True
+
+    def _copy(self, values: list) -> None:
+        targets = [self.buffers[p] for p in self.copied]
+        pairs = [(t, v) for t, v in zip(targets, values, strict=True) if t is not v]
+        if pairs:
+            torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
+
+    def stage(self, local_inputs: Sequence) -> None:
+        """Copy the inputs that move into the graph's buffers (one batched copy)."""
+        self._copy([local_inputs[p] for p in self.copied])
+
+    def replay(self, local_inputs: Sequence) -> list:
+        """Replay (the inputs staged), and hand out the outputs: new tensors over the
+        graph's memory, or the inputs passed through."""
+        self.graph.replay()
+        outputs = []
+        for output, captured in zip(self.outputs, self.captured, strict=True):
+            if output is None:
+                outputs.append(None)
+            elif output.input_position is not None:
+                outputs.append(local_inputs[output.input_position])
+            else:
+                outputs.append(_over(output, captured))
+        return outputs
+
+    def release(self) -> None:
+        self._forget()
+        self.outputs, self.captured, self.buffers, self.graph = [], [], [], None
+
+
+def _forget(addresses: list[int]) -> None:
+    for address in addresses:
+        _GRAPH_OUTPUTS[address] -= 1
+        if not _GRAPH_OUTPUTS[address]:
+            del _GRAPH_OUTPUTS[address]
+
+
+def _over(output: _Output, captured: torch.Tensor) -> torch.Tensor:
+    """A new tensor (with a storage object of its own) over ``captured``'s memory."""
+    if _set_unreadable is None:  # no way to make it unreadable: hand out the captured one
+        return captured
+    address, nbytes = output.storage
+    storage = torch._C._construct_storage_from_data_pointer(address, captured.device, nbytes)
+    tensor = torch.empty(0, dtype=output.dtype, device=captured.device)
+    return tensor.set_(storage, output.offset, output.size, output.stride)
+
+
+def _address(value: torch.Tensor) -> tuple[int, tuple[int, ...]]:
+    return value.data_ptr(), tuple(value.stride())
+
+
+def _stays(value: torch.Tensor, first: tuple | None) -> bool:
+    """Whether an input is read in place (see the module): a graph's output, or at the
+    address (and strides) it had at the key's first call."""
+    return value.data_ptr() in _GRAPH_OUTPUTS or first == _address(value)
+
+
+def capture_cuda_graph(program: RankProgram, staged: list, pool) -> tuple:
+    """``(graph, outputs)``: ``program`` captured reading ``staged``, on ``pool``."""
     graph = torch.cuda.CUDAGraph()
     gc.collect()
     gc.disable()
     try:
-        with torch.cuda.graph(graph):
-            outputs = program.run(local_inputs, None)
+        with torch.cuda.graph(graph, pool=pool):
+            outputs = program.run(staged, None)
     finally:
         gc.enable()
-    owned = [o for o in outputs if o is not None and all(o is not i for i in local_inputs)]
-    return graph, outputs, owned
+    return graph, outputs
+
+
+class GraphReplays:
+    """The graphs one executor captured, by key, least recently used first (see the
+    module). ``capture`` makes a graph (``capture_cuda_graph``; tests give another)."""
+
+    def __init__(self, capture: Callable = capture_cuda_graph, most: int = MOST_GRAPHS) -> None:
+        self._capture = capture
+        self.most = most
+        self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
+        self._first: dict[Hashable, list] = {}  # a key's first call's inputs (addresses)
+        self._handed: list = []  # weak references to the last replay's outputs
+        self._pool = None
+        self.captures = 0
+        self.replays = 0
+        self.fallbacks = 0  # calls run on the lean path because an in-place input moved
+        _EVERY.add(self)
+
+    def run(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> list | None:
+        """The outputs of ``program`` on ``local_inputs`` from the graph for ``key``
+        (captured now at the key's second call, which is the same run on every rank), or
+        None where this call runs on the lean path: the key's first call, or an in-place
+        input that moved."""
+        graph = self._graphs.get(key)
+        if graph is None:
+            if key not in self._first:
+                self._first[key] = [_address(v) if isinstance(v, torch.Tensor) else None
+                                    for v in local_inputs]  # fmt: skip
+                while len(self._first) > self.most:  # extents that keep changing
+                    self._first.pop(next(iter(self._first)))
+                return None
+            graph = self._capture_for(key, program, local_inputs)  # inputs staged
+        elif graph.reads(local_inputs):
+            graph.stage(local_inputs)  # before the last outputs expire: one may be an input
+        else:
+            self.fallbacks += 1
+            if self.fallbacks == 1:
+                log.warning(
+                    "an input read in place by a CUDA graph (a parameter or weight that "
+                    "stayed where it was at its first calls, or a graph's output) moved: this call and any other "
+                    "such run without the graph. Keep such inputs where they are (update "
+                    "weights in place)"
+                )
+            return None
+        self._graphs.move_to_end(key)
+        self._expire_handed()
+        outputs = graph.replay(local_inputs)
+        self.replays += 1
+        self._handed = [weakref.ref(o) for o in outputs
+                        if o is not None and not any(o is i for i in local_inputs)]  # fmt: skip
+        return outputs
+
+    def _capture_for(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> Graph:
+        if not _AT_EXIT:
+            _AT_EXIT.append(atexit.register(_release_all))
+        if self._pool is None and torch.cuda.is_available():
+            self._pool = torch.cuda.graph_pool_handle()
+        first = self._first.pop(key)
+        graph = Graph(program, local_inputs, first, self._pool, self._capture)
+        self.captures += 1
+        self._graphs[key] = graph
+        while len(self._graphs) > self.most:
+            _, oldest = self._graphs.popitem(last=False)
+            self._expire_handed()
+            oldest.release()
+        return graph
+
+    def _expire_handed(self) -> None:
+        handed = [t for t in (ref() for ref in self._handed) if t is not None]
+        if handed:
+            expire(handed, "its memory is reused by the next replay")
+        self._handed = []
+
+    def memory(self) -> dict[Hashable, int]:
+        """Bytes each kept graph holds (its pool's growth at capture, and its input
+        buffers), by key."""
+        return {key: graph.memory for key, graph in self._graphs.items()}
+
+    def release(self) -> None:
+        """Drop every graph (their outputs made unreadable): before the process groups
+        they captured collectives on are destroyed."""
+        self._expire_handed()
+        for graph in self._graphs.values():
+            graph.release()
+        self._graphs.clear()
+        self._first.clear()

@@ -74,11 +74,10 @@ def check_mode(check_inputs: bool | str) -> str:
 @dataclass(frozen=True)
 class _Agreed:
     """What the ranks agreed on at the last exchange: this rank's description, the
-    extents, every rank's input buffers (for CUDA graphs) and the run it happened at."""
+    extents and the run it happened at."""
 
     description: list
     bindings: Bindings
-    buffers: list
     run: int
 
 
@@ -101,15 +100,12 @@ class InputCheck:
         self._agreed: _Agreed | None = None
         self.changes_seen_everywhere = changes_seen_everywhere(fusion)
 
-    def bindings(
-        self, local_inputs: Sequence[torch.Tensor | None], mode: str, buffers: tuple | None
-    ) -> tuple[Bindings, list]:
-        """The extents for this run and every rank's input buffers (``buffers``: this
-        rank's, when a CUDA graph replays: they are then part of the description)."""
+    def bindings(self, local_inputs: Sequence[torch.Tensor | None], mode: str) -> Bindings:
+        """The extents for this run (a host exchange only where ``mode`` asks for one)."""
         self.run_count += 1
         agreed = self._agreed
         if mode == "never" and agreed is not None:
-            return agreed.bindings, agreed.buffers
+            return agreed.bindings
         try:
             described = describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
         except InputError as error:
@@ -118,16 +114,16 @@ class InputCheck:
             mode = "always"
         changed_alone = mode == "changes" and agreed is not None
         if changed_alone:
-            if (described, buffers) == (agreed.description, agreed.buffers[self.rank]):
-                return agreed.bindings, agreed.buffers
+            if described == agreed.description:
+                return agreed.bindings
             if isinstance(described, str):
                 raise InputError(f"rank {self.rank}: {described}")
             check_own_inputs(self.fusion, self.rank, described)
-        everyone = self._exchange((self.fingerprint, self.run_count, described, buffers),
+        everyone = self._exchange((self.fingerprint, self.run_count, described),
                                   changed_alone, described)  # fmt: skip
         bindings = self._check(everyone)
-        self._agreed = _Agreed(described, bindings, [b for *_, b in everyone], self.run_count)
-        return bindings, self._agreed.buffers
+        self._agreed = _Agreed(described, bindings, self.run_count)
+        return bindings
 
     @property
     def rank(self) -> int:
@@ -156,7 +152,7 @@ class InputCheck:
         timeout = self.communicator.input_check_timeout_s
         return (
             f"rank {self.rank}: its inputs changed at run {self.run_count} of this fusion "
-            f"({'; '.join(changes) or 'their buffers moved'}; as agreed at run {agreed.run}), "
+            f"({'; '.join(changes)}; as agreed at run {agreed.run}), "
             f"and not every rank came to check its inputs within {timeout:g} s ({error}). "
             "The other ranks' inputs did not change, so they went on into the program's "
             "collectives, which this rank will not post with these inputs: this job cannot "
@@ -171,17 +167,17 @@ class InputCheck:
         if any(fingerprint != self.fingerprint for fingerprint, *_ in everyone):
             # the ranks run different programs (rank 0 one executor, rank 1 another)
             self.communicator.agree(None, "run", self.posting_order())
-        runs = [run for _, run, _, _ in everyone]
+        runs = [run for _, run, _ in everyone]
         if len(set(runs)) > 1:
             raise InputError(
                 f"the ranks are at different runs of this fusion ({_by_rank(runs)}): a rank "
                 "ran it without its peers (check_inputs='never' with inputs that changed, or "
                 "a run skipped on some ranks). Every rank must run it the same times"
             )
-        for rank, (_, _, description, _) in enumerate(everyone):
+        for rank, (_, _, description) in enumerate(everyone):
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")
-        return check_local_inputs(self.fusion, [description for _, _, description, _ in everyone])
+        return check_local_inputs(self.fusion, [description for _, _, description in everyone])
 
 
 def _said(entry: tuple | None) -> str:
@@ -216,10 +212,6 @@ class LocalBinding:
             check_devices(local_inputs, self.device)
             self.bindings, self.signature = bindings, signature  # only once both passed
         return self.bindings
-
-
-def addresses(local_inputs: Sequence[torch.Tensor | None]) -> tuple[int, ...]:
-    return tuple(t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in local_inputs)
 
 
 def describe_inputs(

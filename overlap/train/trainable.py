@@ -16,14 +16,14 @@ it is saved or recomputed. Every rank must call it and
 its backward alike (SPMD), with the same inputs requiring gradients (else the ranks
 build different programs and every rank raises ``ProgramMismatch``).
 
-Under ``cuda_graph=True`` (CUDA only) the forward and the backward replay CUDA graphs,
-keyed by the buffers they read: weights (leaves that require a gradient, updated in
-place by optimizers) and what the forward saved are read where they are; every other
-input (data, activations, output gradients: new every step) is copied into a buffer of
-the fusion's own, so one capture per program suffices. What the user gets (outputs,
-gradients) is copied out of the graphs' buffers, and a second forward before the first
-one's backward makes that backward raise (the saved buffers were overwritten) instead
-of reading the new values.
+On CUDA the forward and the backward replay CUDA graphs by default (``cuda_graph``, as
+``MultiDeviceExecutor`` says): weights (leaves that require a gradient, updated in place
+by optimizers) and what the forward saved (the forward graph's outputs) are read where
+they are; data, activations and output gradients are copied into the graphs' buffers.
+The outputs are the forward graph's memory (the next forward overwrites them, and
+reading one after it raises); the gradients are copied out of the backward graph's, for
+autograd to accumulate. A second forward before the first one's backward makes that
+backward raise (the saved values were overwritten) instead of reading the new values.
 
 Example (on every rank)::
 
@@ -87,9 +87,7 @@ class TrainableFusion:
         forward = placed_forward_with_saved(self.fusion, self.saved) if self.saved else self.fusion
         self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
-        graphs = executor_options.get("cuda_graph", False) and communicator.device.type == "cuda"
-        self._staging: dict[int, _Staging] | None = {} if graphs else None
-        self._forwards = 0  # forwards replayed from a graph
+        self._forwards = 0  # forwards run so far
 
     def __call__(self, *local_inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
         return list(_Apply.apply(self, *local_inputs))
@@ -129,59 +127,31 @@ class TrainableFusion:
             )
         return self._backward_executors[wrt]
 
-    def _run(
-        self, executor: MultiDeviceExecutor, inputs: list, kept: int, stay: range = range(0)
-    ) -> list:
-        """``executor.run``; replaying CUDA graphs, from staged inputs (but weights and
-        the positions in ``stay``), the first ``kept`` outputs copied out of the graph's
-        buffers."""
-        if self._staging is None:
-            return executor.run(inputs)
-        if executor is self.forward_executor:
-            self._forwards += 1
-        staging = self._staging.setdefault(id(executor), _Staging())
-        outputs = executor.run(staging.stage(inputs, stay))
-        return [o if o is None or i >= kept else o.clone() for i, o in enumerate(outputs)]
+    def _forward(self, inputs: list) -> tuple[list, bool]:
+        """The forward's outputs, and whether a graph's memory holds them."""
+        self._forwards += 1
+        replays = self.forward_executor.graphs.replays
+        outputs = self.forward_executor.run(inputs)
+        return outputs, self.forward_executor.graphs.replays > replays
 
-    def _check_saved(self, forward: int) -> None:
-        if self._staging is not None and self.saved and forward != self._forwards:
+    def _check_saved(self, forward: int, replayed: bool) -> None:
+        if replayed and self.saved and forward != self._forwards:
             raise RuntimeError(
-                "TrainableFusion(cuda_graph=True): another forward ran before this one's "
-                "backward and overwrote the CUDA graph's buffers holding what this forward "
-                "saved for it. Run each backward before the next forward (accumulate "
-                "gradients micro-batch by micro-batch), or save nothing (saved='nothing'), "
-                "or run without cuda_graph"
+                "TrainableFusion: another forward ran before this one's backward and "
+                "overwrote the CUDA graph's memory holding what this forward saved for it. "
+                "Run each backward before the next forward (accumulate gradients "
+                "micro-batch by micro-batch), or save nothing (saved='nothing'), or run "
+                "with cuda_graph=False"
             )
-
-
-class _Staging:
-    """Buffers that stay, for the inputs that are new every call."""
-
-    def __init__(self) -> None:
-        self.buffers: dict[int, torch.Tensor] = {}
-
-    def stage(self, inputs: list, stay: range) -> list:
-        staged = []
-        for position, tensor in enumerate(inputs):
-            weight = tensor is not None and tensor.is_leaf and tensor.requires_grad
-            if tensor is None or weight or position in stay:
-                staged.append(tensor)
-                continue
-            buffer = self.buffers.get(position)
-            if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
-                buffer = self.buffers[position] = torch.empty_like(tensor)
-            buffer.copy_(tensor)
-            staged.append(buffer)
-        return staged
 
 
 class _Apply(torch.autograd.Function):
     @staticmethod
     def forward(ctx, model: TrainableFusion, *local_inputs):
         count = len(model.fusion.outputs)
-        everything = model._run(model.forward_executor, list(local_inputs), kept=count)
+        everything, replayed = model._forward(list(local_inputs))
         outputs, saved = everything[:count], everything[count:]
-        ctx.model, ctx.forward = model, model._forwards
+        ctx.model, ctx.forward = model, (model._forwards, replayed)
         ctx.counts = (len(local_inputs), len(saved))
         # saved for backward: an in-place change in between, or a second backward, raises
         ctx.save_for_backward(*local_inputs, *saved)
@@ -191,7 +161,7 @@ class _Apply(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *output_grads):
         count, _ = ctx.counts
-        ctx.model._check_saved(ctx.forward)
+        ctx.model._check_saved(*ctx.forward)
         held = ctx.saved_tensors
         inputs, saved = held[:count], held[count:]
         wrt = tuple(i for i, needed in enumerate(ctx.needs_input_grad[1:]) if needed)
@@ -204,8 +174,8 @@ class _Apply(torch.autograd.Function):
             for grad, like in zip(output_grads, ctx.outputs, strict=True)
         ]
         executor = ctx.model.backward_executor(wrt)
-        kept = range(len(inputs), len(inputs) + len(saved))  # the forward graph's buffers
-        local_grads = ctx.model._run(executor, [*inputs, *saved, *seeds], len(wrt), kept)
+        # copied out of a graph's memory: autograd accumulates them
+        local_grads = executor.run([*inputs, *saved, *seeds], keep_outputs=True)
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad

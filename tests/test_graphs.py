@@ -1,0 +1,244 @@
+"""Graph replay as the default run path (``overlap.runtime.graphs``), its logic on CPU.
+
+CUDA graphs need a GPU; here a stand-in graph replays the rank program on the inputs it
+was captured with, writing into the outputs it was captured with, which is what a CUDA
+graph does with addresses. What is checked is what the run path decides around it:
+a key's first call runs lean, its second captures, later ones replay; inputs that move
+are copied into the graph's buffers and never make a rank capture again; inputs read
+in place that moved run lean; outputs of a replay are marked when the next overwrites
+them; keys are extents, so an unchanged call runs no host collective (on 2 and 4 ranks,
+every rank's outputs checked). On GPUs ``benchmarks/check_gpu.py`` checks the same with
+real graphs, and that a read of an overwritten output raises.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fusion import FusionDefinition
+from overlap import Communicator, MultiDeviceExecutor
+from overlap.runtime.graphs import GraphReplays
+from sharding import DeviceMesh, Replicate, Shard, shard
+
+
+class _Replayed:
+    """A stand-in for a CUDA graph: replays ``program`` on the captured inputs, writing
+    into the captured outputs."""
+
+    def __init__(self, program, staged: list, outputs: list) -> None:
+        self.program, self.staged, self.outputs = program, staged, outputs
+
+    def replay(self) -> None:
+        for mine, new in zip(self.outputs, self.program.run(self.staged, None), strict=True):
+            if mine is not None and mine is not new:
+                mine.copy_(new)
+
+
+def capture_on_cpu(program, staged: list, pool) -> tuple:
+    outputs = program.run(staged, None)
+    return _Replayed(program, staged, outputs), outputs
+
+
+def _linear(rows: int = 4) -> FusionDefinition:
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 8])
+        w = fd.define_tensor([6, 8])
+        fd.add_output(fd.ops.relu(fd.ops.linear(x, w)))
+    return fd
+
+
+def _replaying(executor: MultiDeviceExecutor, most: int = 8) -> MultiDeviceExecutor:
+    executor.replays = True
+    executor.graphs = GraphReplays(capture_on_cpu, most)
+    return executor
+
+
+def _expected(fd: FusionDefinition, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return fd.execute([x, w])[0]
+
+
+def test_a_key_runs_lean_first_then_captures_then_replays_copying_inputs_that_move():
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    w = torch.randn(6, 8)
+    seen = []
+    for call in range(5):
+        x = torch.randn(4, 8) + call  # a new tensor every call
+        (y,) = executor.run([x, w])
+        torch.testing.assert_close(y, _expected(fd, x, w))
+        seen.append((executor.graphs.captures, executor.graphs.replays))
+        del y
+    assert seen == [(0, 0), (1, 1), (1, 2), (1, 3), (1, 4)]
+    assert executor.graphs.fallbacks == 0
+    (graph,) = executor.graphs._graphs.values()
+    assert graph.copied == [0]  # x copied into the graph's buffer, w read in place
+
+
+def test_a_parameter_is_read_in_place_and_one_that_moved_runs_lean_without_a_capture():
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x = torch.randn(4, 8)
+    w = torch.nn.Parameter(torch.randn(6, 8))
+    for _ in range(3):
+        (y,) = executor.run([x, w.detach().requires_grad_()])  # a new leaf every call
+        torch.testing.assert_close(y, _expected(fd, x, w.detach()))
+    # each call's leaf is a new tensor over w's memory: read in place, never copied
+    (graph,) = executor.graphs._graphs.values()
+    assert graph.copied == [] and executor.graphs.fallbacks == 0
+    with torch.no_grad():
+        w.mul_(2)  # updated in place, as optimizers do: the graph reads the new values
+    (y,) = executor.run([x, w])
+    torch.testing.assert_close(y, _expected(fd, x, w.detach()))
+    moved = torch.nn.Parameter(torch.randn(6, 8))  # replaced: the graph cannot read it
+    (y,) = executor.run([x, moved])
+    torch.testing.assert_close(y, _expected(fd, x, moved.detach()))
+    assert executor.graphs.fallbacks == 1 and executor.graphs.captures == 1
+
+
+def test_outputs_of_a_replay_are_marked_overwritten_by_the_next_and_kept_ones_are_not():
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    executor.run([x, w])
+    (first,) = executor.run([x, w])  # captured and replayed: the graph's memory
+    (kept,) = executor.run([x + 1, w], keep_outputs=True)
+    version = first._version
+    assert kept is not first
+    (y,) = executor.run([x, w])
+    # on CPU torch cannot make a tensor unreadable: its version is bumped instead (a
+    # backward that saved it raises); CUDA builds raise on any read (check_gpu.py)
+    assert first._version > version
+    torch.testing.assert_close(kept, _expected(fd, x + 1, w))
+    torch.testing.assert_close(y, _expected(fd, x, w))
+
+
+def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound():
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd), most=2)
+    w = torch.randn(6, 8)
+    for rows in (4, 4, 5, 5, 4, 6, 6, 4):
+        x = torch.randn(rows, 8)
+        (y,) = executor.run([x, w])
+        torch.testing.assert_close(y, _expected(fd, x, w))
+    graphs = executor.graphs
+    # 4 and 5 captured; 4 used again, so 6's capture drops 5; 4 replays from its graph
+    assert graphs.captures == 3
+    assert [key[0] for key in graphs.memory()] == [(("rows", 6),), (("rows", 4),)]
+
+
+# ---------------------------------------------------------------------------
+# On several ranks: no host collective on an unchanged call
+
+
+def _sharded(world: int) -> FusionDefinition:
+    """x [rows, 8 * world] with its columns split, times w [6, 8 * world] (the same):
+    partial sums all-reduced, so every replay runs a collective."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor(["rows", 8 * world])
+        w = fd.define_tensor([6, 8 * world])
+        y = fd.ops.linear(x, w)
+        fd.add_output(y)
+    mesh = DeviceMesh(world)
+    shard(x, mesh, [Shard(1)])
+    shard(w, mesh, [Shard(1)])
+    shard(y, mesh, [Replicate()])
+    return fd
+
+
+def replays_with_moving_inputs(communicator: Communicator, rows: list[int]) -> dict:
+    world = communicator.world_size
+    fd = _sharded(world)
+    executor = _replaying(MultiDeviceExecutor(fd, communicator))
+    generator = torch.Generator().manual_seed(0)
+    w = torch.randn(6, 8 * world, generator=generator)
+    exchanges, right = [], True
+    for count in rows:
+        x = torch.randn(count, 8 * world, generator=generator)  # moves every call
+        before = communicator.host_exchanges
+        local = executor.shard_inputs([x, w], check=False)
+        (y,) = executor.run(local)
+        right &= torch.allclose(y, fd.execute([x, w])[0], atol=1e-5)
+        exchanges.append(communicator.host_exchanges - before)
+    graphs = executor.graphs
+    return {"exchanges": exchanges, "right": right, "captures": graphs.captures,
+            "replays": graphs.replays, "fallbacks": graphs.fallbacks}  # fmt: skip
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_an_unchanged_call_exchanges_nothing_and_a_moved_input_is_copied(rank_pools, world):
+    results = rank_pools(world).run(replays_with_moving_inputs, [4, 4, 4, 4, 5, 5, 5])
+    for rank, result in enumerate(results):
+        assert result == {
+            # the first call checks the inputs and agrees the build (two exchanges);
+            # new extents are checked once more; every other call asks no one
+            "exchanges": [2, 0, 0, 0, 2, 0, 0],
+            "right": True,
+            "captures": 2,  # one per extents, at their second call; never again
+            "replays": 5,
+            "fallbacks": 0,
+        }, (world, rank)
+
+
+def replays_on_every_rank(communicator: Communicator) -> dict:
+    """The default run path on several ranks (real CUDA graphs on GPUs, the stand-in on
+    CPUs; ``benchmarks/check_gpu.py`` runs it on GPUs): new activations every call
+    (copied, never captured again, no host collective), an output overwritten by the next
+    replay (reading it raises where torch can say so: CUDA builds), and a weight moved on
+    the last rank alone (that rank runs the call lean while its peers replay, every
+    rank's output right)."""
+    world, rank = communicator.world_size, communicator.rank
+    device = communicator.device
+    fd = _sharded(world)
+    executor = MultiDeviceExecutor(fd, communicator)
+    if device.type != "cuda":
+        _replaying(executor)
+    generator = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 8 * world, generator=generator)
+    x = torch.randn(4, 8 * world, generator=generator)
+    x_local, w_local = (t.to(device) for t in executor.shard_inputs([x, w], check=False))
+    exchanges, right = [], True
+
+    def check(y, x, w) -> bool:
+        return torch.allclose(y.cpu(), fd.execute([x, w])[0], atol=1e-4, rtol=1e-4)
+
+    for _ in range(4):
+        x = torch.randn(4, 8 * world, generator=generator)
+        x_local = executor.shard_inputs([x, w], check=False)[0].to(device)
+        before = communicator.host_exchanges
+        (y,) = executor.run([x_local, w_local])
+        right &= check(y, x, w)
+        exchanges.append(communicator.host_exchanges - before)
+    (first,) = executor.run([x_local, w_local])
+    executor.run([x_local, w_local])
+    try:
+        first.sum().item()
+        read_after = "read"
+    except RuntimeError as error:
+        read_after = "raised" if "overwritten by a later replay" in str(error) else str(error)
+    moved = w_local.clone() if rank == world - 1 else w_local
+    (y,) = executor.run([x_local, moved])
+    right &= check(y, x, w)
+    (y,) = executor.run([x_local, w_local])
+    right &= check(y, x, w)
+    graphs = executor.graphs
+    return {"exchanges": exchanges, "right": right, "captures": graphs.captures,
+            "fallbacks": graphs.fallbacks, "read_after": read_after}  # fmt: skip
+
+
+def check_replays_on_every_rank(communicator: Communicator) -> None:
+    """``replays_on_every_rank`` with every figure asserted (for ``check_gpu.py``)."""
+    result = replays_on_every_rank(communicator)
+    last = communicator.rank == communicator.world_size - 1
+    assert result == {
+        "exchanges": [2, 0, 0, 0],
+        "right": True,
+        "captures": 1,
+        "fallbacks": 1 if last else 0,
+        "read_after": "raised" if communicator.device.type == "cuda" else "read",
+    }, result
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_rank_replays_and_a_rank_whose_weight_moved_runs_lean(rank_pools, world):
+    rank_pools(world).run(check_replays_on_every_rank)
