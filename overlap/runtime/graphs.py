@@ -267,9 +267,9 @@ class GraphReplays:
             if self.fallbacks == 1:
                 log.warning(
                     "an input read in place by a CUDA graph (a parameter or weight that "
-                    "stayed where it was at its first calls, or a graph's output) moved: this call and any other "
-                    "such run without the graph. Keep such inputs where they are (update "
-                    "weights in place)"
+                    "stayed where it was at its first calls, or a graph's output) moved: "
+                    "this call and any other such run without the graph. Keep such inputs "
+                    "where they are (update weights in place)"
                 )
             return None
         self._graphs.move_to_end(key)
