@@ -18,10 +18,11 @@ Variants, timed side by side (interleaved rounds, each the median of its rounds,
 figure the slowest rank's):
 
 - ``default``: ``MultiDeviceExecutor(fd, communicator)`` and ``run(local)``, nothing set:
-  what a user gets;
+  what a user gets (on GPUs, replayed from CUDA graphs);
 - ``no_check``: the same executor run with ``check_inputs="never"`` (the default must
   cost within 3 % of it: it exchanges nothing on a run whose inputs are as before);
-- ``graph``: the same with ``cuda_graph=True`` (CUDA only);
+- ``lean``: the same with ``cuda_graph=False``, the host issuing every step (CUDA only:
+  on CPUs that is the default);
 - ``forced``: the fastest of the planner's forced choices (each transport, one and two
   chunks a rank), named in the row;
 - ``sequential``: ours with ``OverlapOptions(overlap=False)``;
@@ -40,12 +41,14 @@ from the whole inputs (no bf16 rounding between its steps; cut to the rank's pie
 every element within ``ULPS`` bf16 epsilons of the element's magnitude plus the output's
 root mean square (each implementation rounds its bf16 intermediates at its own places,
 so none is bitwise anyone's reference); each variant's largest error over the output's
-RMS goes in the row (``max_error``). Figures go to ``benchmarks/results/blocks.json``.
+RMS goes in the row (``max_error``). ``host_us``: the host's time to issue one call of
+the default (and of the lean path and eager PyTorch), measured while the GPU is busy
+(``benchmarks.timing.host_ms``). Figures go to ``benchmarks/results/blocks.json``.
 
 Training rows (``mlp_train``, in ``--blocks`` by default): the MLP block's forward and
 backward, from the same leaves and output gradient, as ``TrainableFusion`` gives it by
 default (the matmuls' outputs saved: gate and up), with everything recomputed
-(``saved="nothing"``) and, on GPUs, replayed from CUDA graphs (``cuda_graph=True``),
+(``saved="nothing"``) and, on GPUs, without CUDA graphs (``cuda_graph=False``),
 against PyTorch eager autograd over functional collectives and that under
 torch.compile with async TP. Every rank's gradients are checked against float32 autograd
 of the whole block first (``GRAD_ULPS`` bf16 epsilons). The limit T* counts the
@@ -75,7 +78,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import torchrun_communicator  # noqa: E402
 from benchmarks.kernels import compiled_alone  # noqa: E402
-from benchmarks.timing import slowest, time_rounds  # noqa: E402
+from benchmarks.timing import host_ms, slowest, time_rounds  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
     MultiDeviceExecutor,
@@ -312,6 +315,8 @@ def parts_alone(block: str, local: list[torch.Tensor], world: int) -> dict:
 # -- the check ------------------------------------------------------------------------
 
 ULPS = 4
+HOST_CALLS = 20  # calls issued in a row to time the host
+HOST_BUSY_MS = 200.0  # the device's wait first: longer than any block's 20 calls take to issue
 # Gradients: a bf16 backward rounds every bf16 gradient it passes (casts, each matmul's
 # result) and sums with cancellation; PyTorch eager's come 8 epsilons of the RMS off
 GRAD_ULPS = 16
@@ -405,8 +410,8 @@ def run_training(communicator, shape, args) -> dict:
     exact = torch.autograd.grad(whole_out, wide, seed.float())
     models = {"ours": TrainableFusion(fd, communicator),
               "ours_recompute": TrainableFusion(fd, communicator, saved="nothing")}  # fmt: skip
-    if device.type == "cuda":  # the host's issuing replaced by CUDA-graph replay
-        models["ours_graph"] = TrainableFusion(fd, communicator, cuda_graph=True)
+    if device.type == "cuda":  # the host issuing every step instead of graph replays
+        models["ours_lean"] = TrainableFusion(fd, communicator, cuda_graph=False)
     exact_pieces = models["ours"].shard_inputs(list(exact))
     (seed_piece,) = models["ours"].shard_outputs([seed])
     leaves = [t.clone().requires_grad_() for t in models["ours"].shard_inputs(full)]
@@ -471,12 +476,15 @@ def run_training(communicator, shape, args) -> dict:
     times = slowest(time_rounds(calls, device, args.rounds, args.iterations), device)
     t_comm = 2 * times["t_comm"]
     t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
+    host = issue_times({n: calls[n] for n in ("ours", "ours_lean", "eager") if n in calls},
+                       device)  # fmt: skip
     return {
         "block": "mlp_train", "tokens": tokens, "hidden": hidden, "ffn": ffn, "world": world,
         "t_compute_ms": times["t_compute"], "t_comm_ms": t_comm, "t_star_ms": t_star,
         **{f"{name}_ms": times[name] for name in forwards if name != "t_compute"},
         "default_ms": times["ours"], "default_over_t_star": times["ours"] / t_star,
-        "saved_bytes_per_rank": memory, "max_error": errors, "peers_left_out": failed,
+        "host_us": host, "saved_bytes_per_rank": memory, "max_error": errors,
+        "peers_left_out": failed,
         "checked_every_rank": True,
         "backward_reads": models["ours"].explain_backward(),
     }  # fmt: skip
@@ -489,10 +497,10 @@ def _saved_pieces(model: TrainableFusion, leaves) -> list[torch.Tensor]:
 
 
 def print_training_table(rows: list[dict]) -> None:
-    columns = ["ours", "ours_recompute", "ours_graph", "eager", "compile_async_tp", "t_star"]
+    columns = ["ours", "ours_recompute", "ours_lean", "eager", "compile_async_tp", "t_star"]
     names = " ".join(f"{c[:12]:>12}" for c in columns)
     print(f"\n{'forward+backward':<20} {'tokens,hidden,ffn':<20} {names} {'ours/T*':>8}  "
-          "saved MB a rank (ours, recompute, eager)")  # fmt: skip
+          "host us (ours)  saved MB a rank (ours, recompute, eager)")  # fmt: skip
     for row in rows:
         shape = f"{row['tokens']},{row['hidden']},{row['ffn']}"
         cells = [f"{row[f'{c}_ms']:12.3f}" if row.get(f"{c}_ms") is not None else f"{'-':>12}"
@@ -501,7 +509,8 @@ def print_training_table(rows: list[dict]) -> None:
         megabytes = ", ".join(f"{memory.get(n, 0) / 2**20:.1f}"
                               for n in ("ours", "ours_recompute", "eager"))  # fmt: skip
         print(f"{row['block']:<20} {shape:<20} " + " ".join(cells)
-              + f" {row['default_over_t_star']:8.2f}  {megabytes}")  # fmt: skip
+              + f" {row['default_over_t_star']:8.2f}  {row['host_us']['ours']:14.1f}  "
+              + megabytes)  # fmt: skip
 
 
 # -- the run -------------------------------------------------------------------------
@@ -525,7 +534,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
             "sequential": MultiDeviceExecutor(fd, communicator, OverlapOptions(overlap=False),
                                               figures)}  # fmt: skip
     if cuda:
-        ours["graph"] = MultiDeviceExecutor(fd, communicator, cuda_graph=True)
+        ours["lean"] = MultiDeviceExecutor(fd, communicator, cuda_graph=False)
     transports = ("copy_engine", "collective", "ring") if cuda else ("collective", "ring")
     for transport in transports:
         for per_rank in (1, 2):
@@ -570,6 +579,8 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
     times["t_compute"] = min(times["t_compute_eager"], times["t_compute_ours"])
     t_star = max(times["t_compute"], times["t_comm"] + times["t_compute"] / world)
     forced = min((n for n in times if n.startswith("forced")), key=times.get)
+    host = issue_times({n: calls[n] for n in ("default", "lean", "eager") if n in calls},
+                       device)  # fmt: skip
     timeline = Timeline(device)
     default.run(local, timeline=timeline)
     row = {
@@ -579,7 +590,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         "t_compute_ours_ms": times["t_compute_ours"], "t_comm_ms": times["t_comm"],
         "t_star_ms": t_star,
         "default_ms": times["default"], "no_check_ms": times["no_check"],
-        "graph_ms": times.get("graph"),
+        "lean_ms": times.get("lean"), "host_us": host,
         "forced_best_ms": times[forced], "forced_best": forced,
         "sequential_ms": times["sequential"], "eager_ms": times["eager"],
         "symm_mem_ms": times.get("symm_mem"), "compile_async_tp_ms": times.get("compile_async_tp"),
@@ -594,11 +605,20 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
     return row
 
 
+def issue_times(calls: dict, device: torch.device) -> dict[str, float]:
+    """Each call's host time to issue it (us, the slowest rank's), the device kept busy
+    (every rank calls it, with the same names)."""
+    return {name: ms * 1e3 for name, ms in slowest(
+        {name: host_ms(call, HOST_CALLS, device, busy_ms=HOST_BUSY_MS)
+         for name, call in calls.items()}, device).items()}  # fmt: skip
+
+
 def print_table(rows: list[dict]) -> None:
-    columns = ["default", "no_check", "graph", "forced_best", "sequential", "eager", "symm_mem",
+    columns = ["default", "no_check", "lean", "forced_best", "sequential", "eager", "symm_mem",
                "compile_async_tp", "t_star"]  # fmt: skip
     names = " ".join(f"{c[:12]:>12}" for c in columns)
-    print(f"\n{'block':<10} {'tokens,hidden,ffn':<20} {names} {'default/T*':>10}  best forced")
+    print(f"\n{'block':<10} {'tokens,hidden,ffn':<20} {names} {'default/T*':>10} "
+          f"{'host us':>8}  best forced")  # fmt: skip
     for row in rows:
         shape = f"{row['tokens']},{row['hidden']},{row['ffn'] or '-'}"
         cells = []
@@ -606,7 +626,8 @@ def print_table(rows: list[dict]) -> None:
             value = row.get(f"{column}_ms")
             cells.append(f"{value:12.3f}" if value is not None else f"{'-':>12}")
         print(f"{row['block']:<10} {shape:<20} " + " ".join(cells)
-              + f" {row['default_over_t_star']:10.2f}  {row['forced_best']}")  # fmt: skip
+              + f" {row['default_over_t_star']:10.2f} {row['host_us']['default']:8.1f}  "
+              + row["forced_best"])  # fmt: skip
 
 
 def main() -> None:

@@ -112,10 +112,21 @@ def time_rounds(
     return timer.medians()
 
 
-def host_ms(function: Callable[[], object], calls: int, device: torch.device) -> float:
+# ``torch.cuda._sleep`` counts clock cycles: about 2 GHz on H100 and H200 (a wait that is
+# a little off is still a busy device)
+SLEEP_CYCLES_PER_MS = 2e6
+
+
+def host_ms(
+    function: Callable[[], object], calls: int, device: torch.device, busy_ms: float = 0.0
+) -> float:
     """The host's time to issue one call (ms, the mean of ``calls`` in a row): the
-    device synchronized before, and after the clock stops (it may still be busy)."""
+    device synchronized before, and after the clock stops (it may still be busy).
+    ``busy_ms`` (GPU): the device is first given that long a wait, so that the calls are
+    issued while it is busy (the host never waits for it: its issue time alone)."""
     _synchronize(device)
+    if busy_ms and device.type == "cuda":
+        torch.cuda._sleep(int(busy_ms * SLEEP_CYCLES_PER_MS))
     start = time.perf_counter()
     for _ in range(calls):
         function()
