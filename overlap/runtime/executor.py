@@ -216,7 +216,8 @@ class MultiDeviceExecutor:
         ``keep_outputs``: outputs replayed from a graph are copied out of its memory, so
         that later runs leave them be.
         """
-        local_inputs, torch_meshes = local_pieces(self.fusion, local_inputs)
+        fusion = self.compiled.fusion
+        local_inputs, torch_meshes = local_pieces(fusion, local_inputs)
         bindings = self._bind(local_inputs, check_mode(check_inputs))
         self._programs.next_run()
         rank_program = self._programs.get(bindings)
@@ -230,7 +231,7 @@ class MultiDeviceExecutor:
                            for o in outputs]  # fmt: skip
         if outputs is None:
             outputs = without_grad(rank_program.run, local_inputs, timeline)
-        return as_dtensors(refusing_backward(outputs, local_inputs), self.fusion, torch_meshes)
+        return as_dtensors(refusing_backward(outputs, local_inputs), fusion, torch_meshes)
 
     def graph_memory(self) -> dict[tuple, int]:
         """Bytes each CUDA graph kept holds, by its key (extents, copy-engine half)."""

@@ -148,6 +148,9 @@ class Graph:
                        else 0) + sum(b.nbytes for b in self.buffers if b is not None)  # fmt: skip
         self.captured = captured  # held: the graph writes there
         self.outputs = [_describe_output(o, staged) for o in captured]
+        # what a replay checks and hands out, worked out once
+        self.read_at = [(p, place) for p, place in enumerate(self.in_place) if place is not None]
+        self.owned = [i for i, o in enumerate(self.outputs) if o is not None and o.storage]
         addresses = [o.storage[0] for o in self.outputs if o is not None and o.storage]
         for address in addresses:
             _GRAPH_OUTPUTS[address] = _GRAPH_OUTPUTS.get(address, 0) + 1
@@ -156,8 +159,9 @@ class Graph:
 
     def reads(self, local_inputs: Sequence) -> bool:
         """Whether every in-place input is where the graph reads it."""
-        for value, place in zip(local_inputs, self.in_place, strict=True):
-            if place is not None and _address(value) != place:
+        for position, (address, strides) in self.read_at:
+            value = local_inputs[position]
+            if value is None or value.data_ptr() != address or value.stride() != strides:
                 return False
         return True
 
@@ -276,8 +280,7 @@ class GraphReplays:
         self._expire_handed()
         outputs = graph.replay(local_inputs)
         self.replays += 1
-        self._handed = [weakref.ref(o) for o in outputs
-                        if o is not None and not any(o is i for i in local_inputs)]  # fmt: skip
+        self._handed = [weakref.ref(outputs[i]) for i in graph.owned]
         return outputs
 
     def _capture_for(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> Graph:

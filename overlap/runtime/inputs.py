@@ -79,6 +79,7 @@ class _Agreed:
     description: list
     bindings: Bindings
     run: int
+    signature: tuple | None  # this rank's inputs' (shape, dtype, device), told fast
 
 
 class InputCheck:
@@ -106,6 +107,10 @@ class InputCheck:
         agreed = self._agreed
         if mode == "never" and agreed is not None:
             return agreed.bindings
+        signature = _signature(local_inputs)
+        if (mode == "changes" and agreed is not None and self.changes_seen_everywhere
+                and signature is not None and signature == agreed.signature):  # fmt: skip
+            return agreed.bindings  # as described at the agreed run: the verdict is its
         try:
             described = describe_inputs(local_inputs, len(self.fusion.inputs), self.device)
         except InputError as error:
@@ -122,7 +127,7 @@ class InputCheck:
         everyone = self._exchange((self.fingerprint, self.run_count, described),
                                   changed_alone, described)  # fmt: skip
         bindings = self._check(everyone)
-        self._agreed = _Agreed(described, bindings, self.run_count)
+        self._agreed = _Agreed(described, bindings, self.run_count, signature)
         return bindings
 
     @property
@@ -178,6 +183,22 @@ class InputCheck:
             if isinstance(description, str):
                 raise InputError(f"rank {rank}: {description}")
         return check_local_inputs(self.fusion, [description for _, _, description in everyone])
+
+
+def _signature(local_inputs) -> tuple | None:
+    """Each input's (shape, dtype, device) (None for None), or None for what is not a
+    list or tuple of tensors and Nones: equal signatures describe alike."""
+    if not isinstance(local_inputs, (list, tuple)):
+        return None
+    signature = []
+    for value in local_inputs:
+        if value is None:
+            signature.append(None)
+        elif isinstance(value, torch.Tensor):
+            signature.append((value.shape, value.dtype, value.device))
+        else:
+            return None
+    return tuple(signature)
 
 
 def _said(entry: tuple | None) -> str:
