@@ -5,7 +5,7 @@ overlap demo                      the README's main job: a tensor-parallel MLP b
 overlap run [--launcher L] [--nproc N] script.py [args]
                                   run script.py's main(communicator) on N ranks
                                   (L: local, torchrun or ray)
-overlap dump [--world N] [--device D] [--kernels] [--passes] [--cuda-graph] script.py
+overlap dump [--world N] [--device D] [--kernels] [--passes] [--no-cuda-graph] script.py
                                   print what script.py's fusion(world) compiles to on
                                   device D (h200, h100, b200, cpu): the overlap plan and
                                   each distinct rank program, without running anything

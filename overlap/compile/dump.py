@@ -1,6 +1,6 @@
 """``python -m overlap dump``: the program a script's fusion compiles to, without running.
 
-    python -m overlap dump --device h200 --world 8 script.py [--kernels] [--passes] [--cuda-graph]
+    python -m overlap dump --device h200 --world 8 script.py [--kernels] [--passes]
 
 The script defines ``fusion(world_size)`` returning its ``FusionDefinition`` (``SCRIPT``
 says what a script is; ``docs/guide.md``, "Scripts", says more). The fusion is compiled
@@ -8,9 +8,10 @@ for the named device's figures (``overlap.plan.figures.NAMED_FIGURES``: h200, h1
 cpu) by ``compile_program`` directly: no process group, no GPU needed. It prints the
 planner's choices with their reasons, then each distinct rank program once (with the
 ranks that run it); ``--passes`` prints the fusion or program after every pass,
-``--kernels`` lowers compute to generated kernels as a GPU run would, ``--cuda-graph``
-plans for runs replayed from a CUDA graph (``MultiDeviceExecutor(cuda_graph=True)``: the
-host's cost does not count).
+``--kernels`` lowers compute to generated kernels as a GPU run would. On a GPU device the
+plan is for runs replayed from CUDA graphs, as runs there are by default (the host's cost
+is a replay's); ``--no-cuda-graph`` plans for runs the host issues step by step
+(``cuda_graph=False``), as on ``--device cpu``.
 """
 
 from __future__ import annotations
@@ -94,11 +95,13 @@ def dump(
     device: str,
     kernels: bool = False,
     passes: bool = False,
-    cuda_graph: bool = False,
+    cuda_graph: bool | None = None,
     out: TextIO | None = None,
 ) -> None:
     """Print what ``script``'s ``fusion(world)`` compiles to on ``device`` (see above), to
-    ``out`` (default: ``sys.stdout`` at the call, wherever it points then)."""
+    ``out`` (default: ``sys.stdout`` at the call, wherever it points then); planned for
+    runs replayed from CUDA graphs where ``cuda_graph`` (default: on a GPU, as runs
+    there are by default)."""
     out = out or sys.stdout
     if device not in NAMED_FIGURES:
         raise ScriptError(f"--device {device!r}: one of {sorted(NAMED_FIGURES)}")
@@ -112,6 +115,8 @@ def dump(
     if not isinstance(built, FusionDefinition | Fusion):
         raise ScriptError(f"{script}: fusion({world}) returned {type(built).__name__}, "
                           "not a FusionDefinition")  # fmt: skip
+    if cuda_graph is None:
+        cuda_graph = device != "cpu"
     compiled = compile_program(built, world, None, figures, schedule=kernels,
                                replayed=cuda_graph, dump=out if passes else None)  # fmt: skip
     out.write(f"=== overlap plan on {figures.name}, {world} ranks ===\n")
@@ -146,8 +151,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="whose figures the planner uses (default h200)")  # fmt: skip
     parser.add_argument("--kernels", action="store_true", help="lower to generated kernels")
     parser.add_argument("--passes", action="store_true", help="print after every pass")
-    parser.add_argument("--cuda-graph", action="store_true",
-                        help="plan for runs replayed from a CUDA graph (no host cost)")  # fmt: skip
+    parser.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                        help="plan for runs replayed from CUDA graphs (the default on a GPU "
+                        "device); --no-cuda-graph: for runs the host issues step by step "
+                        "(cuda_graph=False, and CPUs)")  # fmt: skip
     parser.add_argument("script", help="a Python file defining fusion(world_size)")
 
 
