@@ -98,7 +98,9 @@ def checks(world: int, cuda: bool):
         for placement in ("replicate", "sequence"):
             name = f"parallelize: vocabulary-parallel head ({placement})"
             yield name, parallel.vocabulary_parallel, (9, placement, k)
-    yield "graph replays: moved inputs, overwritten outputs", graphs.check_replays_on_every_rank, ()
+    for pattern in ("allreduce", "copy_engine") if cuda else ("allreduce",):
+        name = f"graph replays ({pattern}): moved inputs, overwritten outputs"
+        yield name, graphs.check_replays_on_every_rank, (pattern,)
     # parallelized modules with the default kernels (generated on CUDA)
     yield "parallelize: Llama block, torch's plan", parallel.llama_block_by_torch_plan, (9,)
     yield "parallelize: sdpa heads", parallel.parallel_torch_attention, (2 * world + 1,)

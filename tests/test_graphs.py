@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_pipelined import _ag_linear
 
 from fusion import FusionDefinition
-from overlap import Communicator, MultiDeviceExecutor
+from overlap import Communicator, MultiDeviceExecutor, OverlapOptions
 from overlap.runtime.graphs import GraphReplays
 from sharding import DeviceMesh, Replicate, Shard, shard
 
@@ -180,30 +181,39 @@ def test_an_unchanged_call_exchanges_nothing_and_a_moved_input_is_copied(rank_po
         }, (world, rank)
 
 
-def replays_on_every_rank(communicator: Communicator) -> dict:
+def replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce") -> dict:
     """The default run path on several ranks (real CUDA graphs on GPUs, the stand-in on
     CPUs; ``benchmarks/check_gpu.py`` runs it on GPUs): new activations every call
     (copied, never captured again, no host collective), an output overwritten by the next
     replay (reading it raises where torch can say so: CUDA builds), and a weight moved on
     the last rank alone (that rank runs the call lean while its peers replay, every
-    rank's output right)."""
+    rank's output right). ``pattern``: ``"allreduce"`` (a row-parallel linear, its partial
+    sums all-reduced) or ``"copy_engine"`` (an all-gather pipelined into a linear over the
+    copy engines, CUDA only: symmetric memory, two graphs for the buffers' two halves)."""
     world, rank = communicator.world_size, communicator.rank
     device = communicator.device
-    fd = _sharded(world)
-    executor = MultiDeviceExecutor(fd, communicator)
+    if pattern == "allreduce":
+        fd, options = _sharded(world), None
+        x_shape, w_shape = (4, 8 * world), (6, 8 * world)
+    else:
+        fd = _ag_linear(world, 4 * world, bias=False)
+        options = OverlapOptions(overlap=True, num_chunks=world, transport="copy_engine")
+        x_shape, w_shape = (4 * world, 12), (4 * world, 12)
+    executor = MultiDeviceExecutor(fd, communicator, options)
     if device.type != "cuda":
         _replaying(executor)
     generator = torch.Generator().manual_seed(3)
-    w = torch.randn(6, 8 * world, generator=generator)
-    x = torch.randn(4, 8 * world, generator=generator)
+    w = torch.randn(w_shape, generator=generator)
+    x = torch.randn(x_shape, generator=generator)
     x_local, w_local = (t.to(device) for t in executor.shard_inputs([x, w], check=False))
     exchanges, right = [], True
 
     def check(y, x, w) -> bool:
-        return torch.allclose(y.cpu(), fd.execute([x, w])[0], atol=1e-4, rtol=1e-4)
+        expected = executor.shard_outputs(fd.execute([x, w]))[0]
+        return torch.allclose(y.cpu(), expected, atol=1e-4, rtol=1e-4)
 
-    for _ in range(4):
-        x = torch.randn(4, 8 * world, generator=generator)
+    for _ in range(5):
+        x = torch.randn(x_shape, generator=generator)
         x_local = executor.shard_inputs([x, w], check=False)[0].to(device)
         before = communicator.host_exchanges
         (y,) = executor.run([x_local, w_local])
@@ -217,24 +227,26 @@ def replays_on_every_rank(communicator: Communicator) -> dict:
     except RuntimeError as error:
         read_after = "raised" if "overwritten by a later replay" in str(error) else str(error)
     moved = w_local.clone() if rank == world - 1 else w_local
-    (y,) = executor.run([x_local, moved])
-    right &= check(y, x, w)
-    (y,) = executor.run([x_local, w_local])
-    right &= check(y, x, w)
+    for weight in (moved, w_local, moved):  # both halves of the copy-engine buffers
+        (y,) = executor.run([x_local, weight])
+        right &= check(y, x, w)
     graphs = executor.graphs
     return {"exchanges": exchanges, "right": right, "captures": graphs.captures,
             "fallbacks": graphs.fallbacks, "read_after": read_after}  # fmt: skip
 
 
-def check_replays_on_every_rank(communicator: Communicator) -> None:
-    """``replays_on_every_rank`` with every figure asserted (for ``check_gpu.py``)."""
-    result = replays_on_every_rank(communicator)
+def check_replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce") -> None:
+    """``replays_on_every_rank`` with every figure asserted (for ``check_gpu.py``): the
+    first call checks the inputs with every rank (and the copy engine's buffers are made
+    then), no later one exchanges anything; one graph per half of the buffers."""
+    result = replays_on_every_rank(communicator, pattern)
     last = communicator.rank == communicator.world_size - 1
+    assert result["exchanges"][0] > 0 and result["exchanges"][1:] == [0, 0, 0, 0], result
     assert result == {
-        "exchanges": [2, 0, 0, 0],
+        "exchanges": result["exchanges"],
         "right": True,
-        "captures": 1,
-        "fallbacks": 1 if last else 0,
+        "captures": 1 if pattern == "allreduce" else 2,
+        "fallbacks": 2 if last else 0,
         "read_after": "raised" if communicator.device.type == "cuda" else "read",
     }, result
 
