@@ -51,6 +51,7 @@ from overlap.compile.recompute import recompute_widened_inputs
 from overlap.diag.timeline import Span
 from overlap.ir import HostProgram
 from overlap.plan import roof
+from overlap.plan.cost_model import describe_host
 from overlap.plan.figures import CPU_FIGURES, HardwareFigures
 from overlap.plan.planner import OverlapOptions, OverlapPlan, plan_overlap
 from sharding.errors import ShardingError
@@ -78,6 +79,7 @@ class CompiledProgram:
     sharded: bool
     schedule: bool  # compute lowered to generated kernels where a scheduler takes it
     generated: Mapping[str, object]
+    replayed: bool = False  # planned for runs replayed from a CUDA graph
 
     def explain(self) -> str:
         """Which rule placed each tensor (see ``sharding.explain``)."""
@@ -86,12 +88,14 @@ class CompiledProgram:
         return explain(self.fusion, self.placements)
 
     def explain_overlap(self, spans: list[Span] | None = None) -> str:
-        """The planner's choices, with reasons and predicted times; with a run's
-        ``spans`` (one rank's timeline), what each pattern measured against its limit,
-        and loudly where a planned overlap did not happen (``overlap.plan.roof``)."""
+        """The planner's choices, with reasons and predicted times (device and host), and
+        the host's predicted time a call of the whole program; with a run's ``spans``
+        (one rank's timeline), what each pattern measured against its limit, and loudly
+        where a planned overlap did not happen (``overlap.plan.roof``)."""
+        host = describe_host(self.figures, self.host, self.world_size, self.replayed)
         if spans is None:
-            return str(self.plan)
-        return f"{self.plan}\n{roof.report(roof.measure(self.plan, self.host, spans))}"
+            return f"{self.plan}\n{host}"
+        return f"{self.plan}\n{host}\n{roof.report(roof.measure(self.plan, self.host, spans))}"
 
     def rank_programs(self) -> list[tuple[list[int], str]]:
         """The program as each rank sees it (the instructions on its meshes), with the
@@ -217,5 +221,5 @@ def compile_program(
             last_shown = shown
     return CompiledProgram(
         state.fusion, state.placements, state.plan, state.streams, state.host, world_size,
-        state.figures, state.sharded, schedule, state.generated,
+        state.figures, state.sharded, schedule, state.generated, replayed,
     )  # fmt: skip

@@ -1,18 +1,22 @@
 """The planner's cost model: the predicted time of one pattern, sequential or pipelined.
 
 Two engines, one for compute and one for transfers, chunk by chunk; the matmul's wave
-quantization over the SMs; the host's cost of issuing a program step by step (unless a
-CUDA graph replays it). ``predict`` is the slowest rank's time, the device's or the
-host's, whichever is longer.
+quantization over the SMs; the host's cost of issuing a program step by step, each step
+priced by its kind (``overlap.plan.host_steps``, ``HostFigures``), or of replaying it
+from a CUDA graph. ``estimate`` gives both the device's and the host's time; ``predict``
+the slowest rank's time, the device's or the host's, whichever is longer.
 """
 
 from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from overlap.ir import Transport
+from overlap.ir import HostProgram, Transport
 from overlap.plan.figures import HardwareFigures
+from overlap.plan.host_steps import HostStep, issued_steps, pattern_steps, step_counts
 
 
 class Pattern(enum.StrEnum):
@@ -54,29 +58,29 @@ def _pipeline_ms(compute: list[float], transfer: list[float], gather: bool) -> f
     return max(compute_end, transfer_end)
 
 
-# The host issues a host program step by step (about one launch each); a pipeline of C
-# chunks takes about FIXED + PER_CHUNK * C steps, a sequential run SEQUENTIAL_STEPS. When
-# the GPU work is shorter than that, the host is the limit.
-SEQUENTIAL_STEPS = 6
-PIPELINE_FIXED_STEPS = 8
-PIPELINE_STEPS_PER_CHUNK = 12
+@dataclass(frozen=True)
+class Estimate:
+    """A candidate's predicted time on the slowest rank: the device's, and the host's to
+    issue it (``host_steps`` steps, unless a CUDA graph replays it); the run takes the
+    longer of the two."""
 
+    device_ms: float
+    host_ms: float
+    host_steps: int
 
-GRAPH_REPLAY_MS = 0.015  # the host's cost of replaying a captured CUDA graph
+    @property
+    def predicted_ms(self) -> float:
+        return max(self.device_ms, self.host_ms)
 
 
 def host_ms(
-    figures: HardwareFigures, transport: Transport | None, chunks: int, replayed: bool = False
+    figures: HardwareFigures, steps: Mapping[HostStep, int], inputs: int, replayed: bool = False
 ) -> float:
-    """The host's time to issue one run of a candidate (a graph replay when ``replayed``)."""
-    if replayed:
-        return GRAPH_REPLAY_MS
-    steps = (
-        SEQUENTIAL_STEPS
-        if transport is None
-        else PIPELINE_FIXED_STEPS + PIPELINE_STEPS_PER_CHUNK * chunks
-    )
-    return steps * figures.launch_us / 1e3
+    """The host's time (ms) to issue a call of ``steps`` step by step (the call's fixed
+    cost included), or with ``replayed`` to replay it from a CUDA graph, ``inputs`` of
+    its inputs copied into the graph's buffers."""
+    host = figures.host
+    return (host.replay_us(inputs) if replayed else host.issue_us(steps)) / 1e3
 
 
 def check_figures(figures: HardwareFigures, transport: Transport | None) -> None:
@@ -102,6 +106,38 @@ def check_figures(figures: HardwareFigures, transport: Transport | None) -> None
         )
 
 
+def estimate(
+    pattern: Pattern,
+    figures: HardwareFigures,
+    shape: tuple[int, int, int],
+    parts: int,
+    bits: int,
+    transport: Transport | None,
+    chunks: int,
+    replayed: bool = False,
+    matmuls: int = 1,
+    inputs: int = 2,
+) -> Estimate:
+    """The device's and the host's time (ms) of one pattern on the slowest rank.
+
+    ``transport`` None: sequential; else a pipeline of ``chunks`` chunks. The host issues
+    the steps the pattern's lowering gives a rank (``host_steps.pattern_steps``: an
+    all-gather's pipeline runs its ``matmuls`` matmuls chunk by chunk) plus a call's
+    fixed cost, as a call that runs the pattern alone would; ``replayed``: it replays a
+    CUDA graph instead, copying ``inputs`` inputs in. The pattern and transport may be
+    given by name. Figures with a divisor of 0 raise ``ValueError`` (``check_figures``)."""
+    pattern = Pattern(pattern)
+    transport = None if transport is None else Transport(transport)
+    check_figures(figures, transport)
+    gather = pattern is Pattern.ALLGATHER_MATMUL
+    steps = pattern_steps(gather, transport, chunks, matmuls, figures.host.streams)
+    return Estimate(
+        _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
+        host_ms(figures, steps, inputs, replayed),
+        steps.total(),
+    )
+
+
 def predict(
     pattern: Pattern,
     figures: HardwareFigures,
@@ -111,18 +147,13 @@ def predict(
     transport: Transport | None,
     chunks: int,
     replayed: bool = False,
+    matmuls: int = 1,
+    inputs: int = 2,
 ) -> float:
     """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
-    host's time to issue the run if that is longer (``replayed``: from a CUDA graph).
-    The pattern and transport may be given by name. Figures with a divisor of 0 raise
-    ``ValueError`` (``check_figures``)."""
-    pattern = Pattern(pattern)
-    transport = None if transport is None else Transport(transport)
-    check_figures(figures, transport)
-    return max(
-        _device_ms(pattern, figures, shape, parts, bits, transport, chunks),
-        host_ms(figures, transport, chunks, replayed),
-    )
+    host's time to issue the run if that is longer (``estimate``)."""
+    return estimate(pattern, figures, shape, parts, bits, transport, chunks, replayed,
+                    matmuls, inputs).predicted_ms  # fmt: skip
 
 
 def _device_ms(
@@ -189,3 +220,27 @@ def _device_ms(
     transfer = [_transfer_ms(b * (parts - 1), gbps * (parts - 1), figures.launch_us)
                 for b in chunk_bytes]  # fmt: skip
     return _pipeline_ms(compute, transfer, gather=pattern is Pattern.ALLGATHER_MATMUL)
+
+
+def describe_host(
+    figures: HardwareFigures, program: HostProgram, world_size: int, replayed: bool
+) -> str:
+    """The host's predicted time a call of ``program`` on its slowest rank: issued step
+    by step (its steps by kind), and replayed from a CUDA graph where ``replayed``
+    (``host 0.312 ms a call step by step, rank 0 (34 steps: ...)``)."""
+    streams = figures.host.streams
+    counted = [step_counts(issued_steps(program, rank, streams)) for rank in range(world_size)]
+    rank = max(range(world_size), key=lambda r: figures.host.issue_us(counted[r]))
+    counts = counted[rank]
+    kinds = ", ".join(f"{count} {kind}" for kind, count in counts.most_common())
+    inputs = len(program.fusion.inputs)
+    lines = [
+        f"host: {host_ms(figures, counts, inputs):.3f} ms a call step by step, rank {rank} "
+        f"({counts.total()} steps: {kinds})"
+    ]
+    if replayed:
+        lines.append(f"  replayed from a CUDA graph (as planned): "
+                     f"{host_ms(figures, counts, inputs, replayed=True):.3f} ms a call, "
+                     f"{inputs} inputs copied in")  # fmt: skip
+    lines.append(f"  host figures: {figures.host.source}")
+    return "\n".join(lines)

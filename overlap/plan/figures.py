@@ -2,24 +2,99 @@
 
 ``HardwareFigures`` is the device's own description (``schedulers.hardware``: SMs,
 memory bandwidth, the one every heuristic reads) plus what overlapping adds: matmul
-rate, link and copy-engine bandwidths, launch cost, how much NCCL slows a matmul down.
+rate, link and copy-engine bandwidths, launch cost, how much NCCL slows a matmul down,
+and the host's cost of issuing a program (``HostFigures``: per kind of step, per call,
+per CUDA-graph replay; measured by ``benchmarks/host_figures.py``).
 
 Recorded here: the H200's, measured by ``overlap.comm.measure.measure_hardware_figures``
 (``RECORDED_FIGURES``: the H100 and H200; ``NAMED_FIGURES`` for ``overlap dump --device``).
-Any other CUDA device has its links measured at an executor's first build
-(``overlap.comm.measure.device_figures``) and kept on disk (``read_link_figures``,
-``write_link_figures``: ``schedulers.device_cache``); ``measured_figures`` builds its
-figures from its profile and those links.
+Any other CUDA device has its links and its host's speed measured at an executor's first
+build (``overlap.comm.measure.device_figures``) and kept on disk (``read_link_figures``,
+``write_link_figures``, ``read_host_probe``, ``write_host_probe``:
+``schedulers.device_cache``); ``measured_figures`` builds its figures from its profile,
+those links, and the H200's host figures scaled by the host's speed against the H200
+host's (``HostFigures.scaled``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from overlap.plan.host_steps import HostStep
 from schedulers.device_cache import read_cached, write_cached
 from schedulers.hardware import B200, H100, H200, INTERPRETER, HardwareProfile
+
+
+@dataclass(frozen=True)
+class HostFigures:
+    """The host's cost of issuing a run, in microseconds: each step of a rank program by
+    its kind (``step_us``, every ``HostStep``), a call's fixed cost around its steps
+    (``run_us``: the executor's binding of the inputs, the program's entry and exit),
+    and for a run replayed from a CUDA graph, the replay's fixed cost and each input
+    copied into the graph's own buffers. ``streams``: the device's rank programs issue
+    stream steps (CUDA; on CPUs none). ``source`` says where the figures come from.
+    ``probe_us``: the host probe's time (``overlap.comm.measure.host_probe_us``) on the
+    host they were measured on, so that another host's can be scaled from them (0: not
+    measured)."""
+
+    step_us: Mapping[HostStep, float] = field(hash=False)  # a plain dict: asdict, JSON
+    run_us: float
+    graph_replay_us: float
+    graph_input_copy_us: float
+    streams: bool
+    source: str
+    probe_us: float = 0.0
+
+    def __post_init__(self) -> None:
+        missing = [str(kind) for kind in HostStep if kind not in self.step_us]
+        if missing:
+            raise ValueError(f"host figures without a cost for {', '.join(missing)}")
+        costs = {kind: float(self.step_us[kind]) for kind in HostStep}
+        object.__setattr__(self, "step_us", costs)
+
+    @classmethod
+    def fallback(cls, launch_us: float, streams: bool = True) -> HostFigures:
+        """The host model from before any host cost was measured, kept where none is:
+        every step ``launch_us``, nothing per call, 15 us a graph replay."""
+        return cls(
+            step_us=dict.fromkeys(HostStep, launch_us),
+            run_us=0.0,
+            graph_replay_us=15.0,
+            graph_input_copy_us=0.0,
+            streams=streams,
+            source=f"FALLBACK, not measured: {launch_us:g} us a step",
+        )
+
+    def issue_us(self, counts: Mapping[HostStep, int]) -> float:
+        """The host's time to issue a call of ``counts`` steps of each kind, step by step."""
+        return self.run_us + sum(self.step_us[kind] * count for kind, count in counts.items())
+
+    def replay_us(self, inputs: int) -> float:
+        """The host's time of a call replayed from a CUDA graph, ``inputs`` of its inputs
+        copied into the graph's buffers."""
+        return self.graph_replay_us + inputs * self.graph_input_copy_us
+
+    def scaled(self, factor: float, source: str) -> HostFigures:
+        """Every cost times ``factor`` (another host, ``factor`` times slower)."""
+        return replace(
+            self,
+            step_us={kind: us * factor for kind, us in self.step_us.items()},
+            run_us=self.run_us * factor,
+            graph_replay_us=self.graph_replay_us * factor,
+            graph_input_copy_us=self.graph_input_copy_us * factor,
+            source=source,
+            probe_us=self.probe_us * factor,
+        )
+
+    def __str__(self) -> str:
+        lines = [f"host figures ({self.source}), us:"]
+        lines.extend(f"  {kind}: {us:.2f}" for kind, us in self.step_us.items())
+        lines.append(f"  a call: {self.run_us:.2f}; a graph replay: {self.graph_replay_us:.2f}"
+                     f" + {self.graph_input_copy_us:.2f} an input copied")  # fmt: skip
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True)
@@ -34,7 +109,7 @@ class HardwareFigures:
     collective_gbps: float  # NCCL/gloo all-gather bandwidth, bytes received per rank per s
     p2p_gbps: float  # send/recv between neighbours
     copy_engine_gbps: float  # copy-engine pulls from a peer's symmetric buffer (0: none)
-    launch_us: float  # host cost of one launched op or collective
+    launch_us: float  # a launched op's or collective's fixed cost on the device's side
     collective_slowdown: float  # matmul time factor while NCCL kernels run beside it
     tile_rows: int = 128
     tile_cols: int = 256
@@ -42,6 +117,12 @@ class HardwareFigures:
     # copy-engine pulls from every peer at once, bytes received a second (0: unmeasured);
     # recorded beside the one-peer figure: the pipelines pull one peer at a time
     copy_engine_all_peers_gbps: float = 0.0
+    # the host's cost of issuing a run; None: ``HostFigures.fallback(launch_us)``
+    host: HostFigures | None = None
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            object.__setattr__(self, "host", HostFigures.fallback(self.launch_us))
 
     @property
     def memory_gbps(self) -> float:
@@ -57,6 +138,11 @@ class HardwareFigures:
         return self.copy_engine_gbps > 0
 
 
+# The H200 host's cost of issuing a run: NOT MEASURED YET, the model's constant launch
+# cost per step kept as the fallback until a GPU run of
+#     torchrun --nproc-per-node 2 benchmarks/host_figures.py
+# prints the figures to record here (benchmarks/results/host_figures.json).
+H200_HOST = HostFigures.fallback(launch_us=14.2)
 # Measured on 2x H200 (NVLink) by measure_hardware_figures, bf16, in the run recorded
 # in benchmarks/results/ag_matmul.json.
 H200_FIGURES = HardwareFigures(
@@ -69,6 +155,41 @@ H200_FIGURES = HardwareFigures(
     launch_us=14.2,
     collective_slowdown=1.37,
     ranks=2,
+    host=H200_HOST,
+)
+# Two gloo processes on the 2-core CPU host the tests run on (shared, loaded: the
+# communication steps, which wait for the peer, varied up to 2x between runs), measured
+# by `torchrun --nproc-per-node 2 benchmarks/host_figures.py --cpu`
+# (benchmarks/results/host_figures_cpu.json). No streams, copy engine or generated
+# kernels there: those keep the fallback.
+CPU_HOST = HostFigures(
+    step_us={
+        HostStep.ALLOCATE: 7.55,
+        HostStep.DEALLOCATE: 0.76,
+        HostStep.CHUNK_VIEW: 4.34,
+        HostStep.STREAM_SWITCH: 50.0,
+        HostStep.STREAM_WAIT: 50.0,
+        HostStep.GENERATED_KERNEL: 50.0,
+        HostStep.LIBRARY_KERNEL: 41.95,
+        HostStep.EVALUATED_KERNEL: 48.11,
+        HostStep.POST: 129.90,
+        HostStep.WAIT: 513.86,
+        HostStep.POST_CHUNK_COLLECTIVE: 72.60,
+        HostStep.WAIT_CHUNK_COLLECTIVE: 81.04,
+        HostStep.POST_CHUNK_RING: 756.45,
+        HostStep.WAIT_CHUNK_RING: 737.26,
+        HostStep.POST_CHUNK_COPY_ENGINE: 50.0,
+        HostStep.WAIT_CHUNK_COPY_ENGINE: 50.0,
+        HostStep.STAGE_FOR_PEERS: 50.0,
+        HostStep.COMBINE_STAGED: 50.0,
+        HostStep.LOOP_END: 68.26,
+    },
+    run_us=148.59,
+    graph_replay_us=15.0,
+    graph_input_copy_us=0.0,
+    streams=False,
+    source="measured on 2x CPU (gloo) by benchmarks/host_figures.py",
+    probe_us=15.38,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(
@@ -80,6 +201,7 @@ CPU_FIGURES = HardwareFigures(
     copy_engine_gbps=0.0,
     launch_us=50.0,
     collective_slowdown=1.3,
+    host=CPU_HOST,
 )
 # ``overlap dump --device NAME``: links measured on H200s, the named device's own profile
 NAMED_FIGURES = {
@@ -133,13 +255,44 @@ def write_link_figures(device_name: str, ranks: int, hosts: int, links: LinkFigu
     write_cached("links", _link_key(device_name, ranks, hosts), figures)
 
 
+def _host_key(device_name: str, host_name: str) -> dict[str, object]:
+    return {"device": device_name, "host": host_name, "torch": torch.__version__}
+
+
+def read_host_probe(device_name: str, host_name: str) -> float | None:
+    """The host probe's time (us, ``overlap.comm.measure.host_probe_us``) kept for
+    ``device_name`` on the host named ``host_name`` (this torch version), or None."""
+    kept = read_cached("host", _host_key(device_name, host_name), positive=("probe_us",))
+    return None if kept is None else kept["probe_us"]
+
+
+def write_host_probe(device_name: str, host_name: str, probe_us: float) -> None:
+    """Keep the host probe's time for the runs after (``schedulers.device_cache``)."""
+    write_cached("host", _host_key(device_name, host_name), {"probe_us": probe_us})
+
+
+def host_figures_for(probe_us: float) -> HostFigures:
+    """The host figures of a host whose probe took ``probe_us``: the H200's, scaled by
+    how much slower this host issues the probe than the H200's did (the H200's as they
+    are where either probe is missing)."""
+    reference = H200_FIGURES.host
+    if not (probe_us > 0 and reference.probe_us > 0):
+        return reference
+    factor = probe_us / reference.probe_us
+    return reference.scaled(
+        factor, f"the H200's, scaled by this host's probe: {probe_us:.1f} us, x{factor:.2f}"
+    )
+
+
 def measured_figures(
-    profile: HardwareProfile, ranks: int, links: LinkFigures | None
+    profile: HardwareProfile, ranks: int, links: LinkFigures | None, probe_us: float = 0.0
 ) -> HardwareFigures:
     """The figures of a device kind with none recorded: its profile (copy bandwidth
     measured, ``schedulers.hardware``), the ``links`` measured between its ``ranks`` (None
-    for one rank: nothing to move, and no link a cost could be read from), and the H200's
-    matmul rate, launch cost and NCCL slowdown (unmeasured, named so).
+    for one rank: nothing to move, and no link a cost could be read from), the host
+    figures scaled by the slowest rank's host probe, ``probe_us`` (``host_figures_for``;
+    0: the H200's), and the H200's matmul rate, launch cost and NCCL slowdown
+    (unmeasured, named so).
 
     A send/receive between neighbours is priced at the all-gather's rate."""
     links = links or LinkFigures(collective_gbps=0.0, copy_engine_gbps=0.0)
@@ -152,4 +305,5 @@ def measured_figures(
         copy_engine_gbps=links.copy_engine_gbps,
         copy_engine_all_peers_gbps=0.0,
         ranks=ranks,
+        host=host_figures_for(probe_us),
     )

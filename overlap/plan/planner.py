@@ -12,12 +12,15 @@ It finds the two patterns that pay most, in a resharded fusion:
 
 For each it predicts, from a cost model fed by hardware figures (the device's own
 description, ``schedulers.hardware``, plus what overlapping adds: matmul rate, link and
-copy-engine bandwidth, launch overhead, how much NCCL's kernels slow a matmul down), the
-time of every candidate — no overlap, or ``C`` chunks (a multiple of the team size)
-moved by a ``Transport`` in its ``ChunkOrder`` (local chunk first for copy-engine
-all-gathers, last for reduce-scatters) — and picks the fastest. It chooses no overlap
-when no candidate beats the sequential run by at least 3 %. Every choice prints with its
-reason and the candidates' predictions; ``OverlapOptions`` overrides any part of it.
+copy-engine bandwidth, launch overhead, how much NCCL's kernels slow a matmul down, the
+host's cost of each kind of step), the time of every candidate — no overlap, or ``C``
+chunks (a multiple of the team size) moved by a ``Transport`` in its ``ChunkOrder``
+(local chunk first for copy-engine all-gathers, last for reduce-scatters) — as the
+longer of the device's time and the host's to issue it (the steps its lowering will
+have, or a CUDA graph's replay), and picks the fastest. It chooses no overlap when no
+candidate beats the sequential run by at least 3 %. Every choice prints with its reason
+and the candidates' predictions, device and host; ``OverlapOptions`` overrides any part
+of it.
 
 ``plan_overlap`` only decides: it returns an ``OverlapPlan`` and changes nothing.
 ``overlap.compile.apply_plan`` marks the chosen rows as ``Stream`` axes, and lowering reads each
@@ -27,13 +30,14 @@ communication's transport and order from the plan.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import Fusion, TensorView
 from overlap.ir import ChunkOrder, Transport
-from overlap.plan.cost_model import Pattern, predict
+from overlap.plan.cost_model import Estimate, Pattern, estimate
 from overlap.plan.figures import HardwareFigures
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
@@ -77,15 +81,40 @@ class OverlapOptions:
 
 @dataclass(frozen=True)
 class Candidate:
+    """One way to run a pattern, with its predicted time: the longer of the device's
+    and the host's (``device_ms``, ``host_ms``: issuing ``host_steps`` steps, or
+    replaying a CUDA graph); NaN where the cost model could not price it."""
+
     transport: Transport | None  # None: no overlap
     num_chunks: int
     order: ChunkOrder | None  # None: no overlap
     predicted_ms: float
+    device_ms: float = float("nan")
+    host_ms: float = float("nan")
+    host_steps: int = 0
+
+    @classmethod
+    def priced(
+        cls, transport: Transport | None, num_chunks: int, order: ChunkOrder | None,
+        estimated: Estimate,
+    ) -> Candidate:  # fmt: skip
+        """A candidate with the cost model's ``estimated`` times."""
+        return cls(transport, num_chunks, order, estimated.predicted_ms, estimated.device_ms,
+                   estimated.host_ms, estimated.host_steps)  # fmt: skip
 
     def describe(self) -> str:
         if self.transport is None:
             return "sequential (no overlap)"
         return f"{self.num_chunks} chunks, {self.transport}, {self.order} order"
+
+    def times(self) -> str:
+        """Its device and host times, the host's steps (``device 0.41, host 0.07 ms,
+        5 steps``; a host-bound candidate says so)."""
+        if math.isnan(self.predicted_ms):
+            return "not priced"
+        bound = ", host-bound" if self.host_ms > self.device_ms else ""
+        return (f"device {self.device_ms:.3f}, host {self.host_ms:.3f} ms, "
+                f"{self.host_steps} steps{bound}")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -125,7 +154,8 @@ class OverlapDecision:
         ]
         for candidate in sorted(self.candidates, key=lambda c: c.predicted_ms):
             mark = "*" if candidate == self.chosen else " "
-            lines.append(f"  {mark} {candidate.predicted_ms:8.3f} ms  {candidate.describe()}")
+            lines.append(f"  {mark} {candidate.predicted_ms:8.3f} ms  {candidate.describe()}  "
+                         f"({candidate.times()})")  # fmt: skip
         return "\n".join(lines)
 
 
@@ -223,8 +253,15 @@ def find_patterns(fusion: Fusion) -> list[tuple[Pattern, Communication, Expr, in
 
 
 def _candidates(
-    pattern: Pattern, figures: HardwareFigures, shape, parts: int, bits: int, options, replayed
-) -> list[Candidate]:
+    pattern: Pattern, figures: HardwareFigures, shape, parts: int, bits: int, options, replayed,
+    matmuls: int, inputs: int,
+) -> list[Candidate]:  # fmt: skip
+    def priced(transport: Transport | None, chunks: int) -> Candidate:
+        estimated = estimate(pattern, figures, shape, parts, bits, transport, chunks, replayed,
+                             matmuls, inputs)  # fmt: skip
+        order = None if transport is None else _ORDERS[(pattern, transport)]
+        return Candidate.priced(transport, chunks, order, estimated)
+
     transports = [options.transport] if options.transport else list(Transport)
     if not figures.has_copy_engine and options.transport is None:
         transports.remove(Transport.COPY_ENGINE)
@@ -233,19 +270,14 @@ def _candidates(
     # Fixing a chunk count or a transport asks for a pipeline: no sequential candidate.
     wants_pipeline = options.num_chunks is not None or options.transport is not None
     if options.overlap is False or (options.overlap is None and not wants_pipeline):
-        candidates.append(
-            Candidate(
-                None, 1, None, predict(pattern, figures, shape, parts, bits, None, 1, replayed)
-            )
-        )
+        candidates.append(priced(None, 1))
     if options.overlap is False:
         return candidates
     for transport in transports:
         for chunks in chunk_counts:
             if transport is Transport.RING and chunks != parts and options.num_chunks is None:
                 continue  # the model's ring moves one whole piece a step; more when forced
-            time_ms = predict(pattern, figures, shape, parts, bits, transport, chunks, replayed)
-            candidates.append(Candidate(transport, chunks, _ORDERS[(pattern, transport)], time_ms))
+            candidates.append(priced(transport, chunks))
     return candidates
 
 
@@ -258,8 +290,8 @@ def plan_overlap(
     """Decide the overlap of every pattern found in ``fusion``; changes nothing
     (``overlap.compile.apply_plan.stream_axes`` reads the plan).
 
-    ``replayed``: runs replay a CUDA graph, so the host's cost of issuing a long
-    pipeline does not count.
+    ``replayed``: runs replay a CUDA graph, so the host pays a replay and the copies of
+    the inputs into the graph's buffers instead of issuing each step.
     """
     options = options or OverlapOptions()
     if options.transport is Transport.COPY_ENGINE and not figures.has_copy_engine:
@@ -270,7 +302,7 @@ def plan_overlap(
         if parts < 2:
             continue
         decision = _decide(pattern, comm, contraction, row, chunked, parts, figures, options,
-                           replayed)  # fmt: skip
+                           replayed, len(fusion.inputs))  # fmt: skip
         if decision is not None:
             decisions.append(decision)
     return OverlapPlan(tuple(decisions))
@@ -288,7 +320,7 @@ def _local_matmul_shape(pattern, comm, contraction, row, chunked) -> tuple[int, 
     return out_shapes[0][row], operand_shape[-1], sum(shape[-1] for shape in out_shapes)
 
 
-def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, replayed):
+def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, replayed, inputs):
     shape = _local_matmul_shape(pattern, comm, contraction, row, chunked)
     if shape is None:
         if not (options.num_chunks and options.transport and options.overlap is not False):
@@ -301,7 +333,9 @@ def _decide(pattern, comm, contraction, row, chunked, parts, figures, options, r
         return OverlapDecision(pattern, comm, contraction, row, (0, 0, 0), parts, chosen,
                                reason, (chosen,), chunked)  # fmt: skip
     bits = comm.output.dtype.bits
-    candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed)
+    matmuls = 1 + sum(isinstance(expr, (MatmulOp, LinearOp)) for expr, _ in chunked)
+    candidates = _candidates(pattern, figures, shape, parts, bits, options, replayed, matmuls,
+                             inputs)  # fmt: skip
     best = min(candidates, key=lambda c: c.predicted_ms)
     sequential = next((c for c in candidates if c.transport is None), None)
     if sequential is None:
