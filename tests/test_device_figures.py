@@ -29,6 +29,7 @@ from sharding import DeviceMesh, Shard, shard, shard_fusion
 MADE_UP = "NVIDIA Made-Up GPU"
 MEASURED_MEMORY_GBPS = 1234.5
 MEASURED_LINKS = LinkFigures(collective_gbps=90.0, copy_engine_gbps=45.0)
+MEASURED_PROBE_US = 30.0  # the host probe of the made-up GPU's host
 GPU = torch.device("cuda", 0)
 
 
@@ -55,14 +56,16 @@ class Counted:
 
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch, tmp_path):
-    """A made-up GPU (its name settable: ``gpu.name``) whose copy and links measure as
-    ``MEASURED_*``; the cache in ``tmp_path``. Yields the two fake measurements."""
+    """A made-up GPU (its name settable: ``gpu.name``) whose copy, links and host probe
+    measure as ``MEASURED_*``; the cache in ``tmp_path``. Yields the fake measurements."""
     state = types.SimpleNamespace(name=MADE_UP, copy=Counted(MEASURED_MEMORY_GBPS),
-                                  links=Counted(MEASURED_LINKS))  # fmt: skip
+                                  links=Counted(MEASURED_LINKS),
+                                  probe=Counted(MEASURED_PROBE_US))  # fmt: skip
     monkeypatch.setenv(device_cache.CACHE_DIR_ENV, str(tmp_path))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _properties(state.name))
     monkeypatch.setattr(hardware, "measure_copy_gbps", state.copy)
     monkeypatch.setattr(measure, "measure_links", state.links)
+    monkeypatch.setattr(measure, "host_probe_us", state.probe)
     return state
 
 

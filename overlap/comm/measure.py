@@ -5,8 +5,11 @@ H200 (``overlap.plan.figures.RECORDED_FIGURES``), the CPU's off CUDA, and for an
 GPU figures measured at its first build and kept on disk for the runs after: its copy
 bandwidth (``schedulers.hardware``, one device's), the all-gather bandwidth between the
 ranks and whether (and how fast) a rank pulls from a peer's symmetric buffer
-(``measure_links``, under a second). ``measure_hardware_figures`` measures all of the
-figures, as the recorded ones were (``benchmarks/ag_matmul.py``, ``benchmarks/blocks.py``).
+(``measure_links``, under a second), and how fast its host issues work (``host_probe_us``,
+a few ms: the recorded host figures are scaled by it). ``measure_hardware_figures``
+measures all of the figures, as the recorded ones were (``benchmarks/ag_matmul.py``,
+``benchmarks/blocks.py``); the host's cost of each kind of step is measured on the
+rank programs themselves by ``benchmarks/host_figures.py``.
 
 Links are measured together: every rank says whether it has them kept for this team (its
 device, rank and host count, torch version), and all measure if any has not; every rank
@@ -20,6 +23,7 @@ Example (on every rank of a placed fusion's team, at the same point)::
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import replace
 
 import torch
@@ -29,14 +33,18 @@ from overlap.plan.figures import (
     CPU_FIGURES,
     HardwareFigures,
     LinkFigures,
+    host_figures_for,
     measured_figures,
+    read_host_probe,
     read_link_figures,
     recorded_figures,
+    write_host_probe,
     write_link_figures,
 )
 from schedulers.hardware import current_hardware, measure_copy_gbps, median_ms
 
 LINK_PIECE_BYTES = 16 * 2**20  # each rank's piece of the first-use all-gather and pulls
+HOST_PROBE_CALLS, HOST_PROBE_ROUNDS = 40, 3  # a few ms on a GPU's host
 
 
 def device_figures(device: torch.device, communicator=None) -> HardwareFigures:
@@ -51,7 +59,7 @@ def device_figures(device: torch.device, communicator=None) -> HardwareFigures:
     profile = current_hardware(device)
     ranks = communicator.world_size if communicator is not None else 1
     if ranks == 1:
-        return recorded_figures(profile) or measured_figures(profile, 1, None)
+        return recorded_figures(profile) or measured_figures(profile, 1, None, kept_probe(device))
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     said = communicator.all_gather_object(
         (profile.name, profile.memory_gbps, socket.gethostname(), uuid)
@@ -66,6 +74,7 @@ def device_figures(device: torch.device, communicator=None) -> HardwareFigures:
             "figures=HardwareFigures(...) to the executor"
         )
     hosts = [host for _, _, host, _ in said]
+    probe_us = max(communicator.all_gather_object(kept_probe(device)))  # the slowest host's
     profile = replace(profile, memory_gbps=min(memory for _, memory, _, _ in said))
     kept = communicator.all_gather_object(read_link_figures(profile.name, ranks, len(set(hosts))))
     if any(links is None for links in kept):
@@ -76,7 +85,53 @@ def device_figures(device: torch.device, communicator=None) -> HardwareFigures:
             min(links.collective_gbps for links in kept),
             min(links.copy_engine_gbps for links in kept),
         )
-    return measured_figures(profile, ranks, links)
+    return measured_figures(profile, ranks, links, probe_us)
+
+
+def kept_probe(device: torch.device) -> float:
+    """This host's probe time for ``device``'s kind (``host_probe_us``): kept on disk
+    from an earlier run, or measured now and kept."""
+    name, host = current_hardware(device).name, socket.gethostname()
+    probe_us = read_host_probe(name, host)
+    if probe_us is None:
+        probe_us = host_probe_us(device)
+        write_host_probe(name, host, probe_us)
+    return probe_us
+
+
+def host_probe_us(device: torch.device) -> float:
+    """How long this host takes to issue one round of small work on ``device`` (us): a
+    small allocation, a view, a pointwise launch and a small matmul, and on CUDA a
+    stream switch there and back and a stream wait; the median of a few rounds of
+    calls, the device synchronized before each (a few ms). What the recorded host
+    figures were measured beside (``HostFigures.probe_us``), so that another host's can
+    be scaled from them."""
+    x = torch.ones(64, 64, device=device)
+    cuda = device.type == "cuda"
+    side = torch.cuda.Stream(device) if cuda else None
+
+    def issue() -> None:
+        torch.empty(256, device=device)
+        y = x.narrow(0, 0, 32)
+        y.add_(1.0)
+        torch.mm(x, x)
+        if cuda:
+            current = torch.cuda.current_stream(device)
+            torch.cuda.set_stream(side)
+            torch.cuda.set_stream(current)
+            current.wait_stream(side)
+
+    rounds = []
+    for _ in range(HOST_PROBE_ROUNDS + 1):  # the first warms up, untimed
+        if cuda:
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        for _ in range(HOST_PROBE_CALLS):
+            issue()
+        rounds.append((time.perf_counter() - start) / HOST_PROBE_CALLS * 1e6)
+    if cuda:
+        torch.cuda.synchronize(device)
+    return sorted(rounds[1:])[len(rounds[1:]) // 2]
 
 
 def measure_links(communicator, hosts: list[str], uuids: list[str]) -> LinkFigures:
@@ -167,8 +222,9 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
 
     Takes about a second: a large matmul alone and beside an NCCL all-gather, an
     all-gather, a send/receive around the ring, copy-engine pulls from peers'
-    symmetric buffers (one peer, then every peer at once), a local copy, and the host
-    cost of a small launch. Every rank gets the slowest rank's figures.
+    symmetric buffers (one peer, then every peer at once), a local copy, the host
+    cost of a small launch, and the host probe (the recorded host figures scaled by
+    it: ``host_figures_for``). Every rank gets the slowest rank's figures.
     """
     device = communicator.device
     if device.type != "cuda":
@@ -206,6 +262,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         p2p_gbps = piece.numel() * piece.element_size() / (median_ms(exchange) * 1e6)
     memory = measure_copy_gbps(device)
     launch_ms = median_ms(lambda: [piece[:1].add_(0) for _ in range(100)]) / 100
+    probe_us = host_probe_us(device)
     copy_gbps, all_peers = pull_gbps(communicator, piece)
     figures = torch.tensor(
         [
@@ -217,6 +274,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
             p2p_gbps,
             launch_ms * 1e3,
             max(beside_ms, matmul_ms) / matmul_ms,
+            probe_us,
         ],
         device=device,
         dtype=torch.float64,
@@ -226,7 +284,7 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
     slowest[rates] *= -1  # rates: take the minimum through a MAX all-reduce
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     slowest[rates] *= -1
-    rate, gbps, copy_gbps, memory, all_peers, p2p, launch_us, slowdown = slowest.tolist()
+    rate, gbps, copy_gbps, memory, all_peers, p2p, launch_us, slowdown, probe_us = slowest.tolist()
     profile = current_hardware(device)
     return HardwareFigures(
         name=f"{profile.name} x{world} (measured)",
@@ -239,4 +297,5 @@ def measure_hardware_figures(communicator, dtype: torch.dtype = torch.bfloat16) 
         launch_us=launch_us,
         collective_slowdown=min(slowdown, 2.0),
         ranks=world,
+        host=host_figures_for(probe_us),
     )
