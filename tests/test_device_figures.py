@@ -19,6 +19,7 @@ from fusion import FusionDefinition
 from overlap import compile_program
 from overlap.comm import measure
 from overlap.comm.measure import device_figures
+from overlap.plan import figures as figures_module
 from overlap.plan.cost_model import predict
 from overlap.plan.figures import H200_FIGURES, LinkFigures, measured_figures, recorded_figures
 from overlap.plan.planner import plan_overlap
@@ -262,6 +263,53 @@ def test_the_planner_plans_with_a_made_up_gpus_measured_figures(gpu):
     assert "copy_engine" in transports  # the copy-engine path was found, and priced
     assert all(candidate.predicted_ms > 0 for candidate in decision.candidates)
     assert MADE_UP in decision.reason
+
+
+@pytest.fixture
+def h200_host_probe(monkeypatch: pytest.MonkeyPatch):
+    """The H200's host figures as if measured beside a host probe of 10 us."""
+    host = dataclasses.replace(H200_FIGURES.host, probe_us=10.0, run_us=20.0)
+    probed = dataclasses.replace(H200_FIGURES, host=host)
+    monkeypatch.setattr(figures_module, "H200_FIGURES", probed)
+    return host
+
+
+def test_a_made_up_gpus_host_figures_are_the_h200s_scaled_by_its_probe_kept(
+    gpu, tmp_path, h200_host_probe
+):
+    """Its host probe took 3 times the H200 host's: every host cost is 3 times the H200's.
+    The probe is kept on disk for this device and host, and read back, not measured."""
+    for communicator in (None, FakeCommunicator()):
+        host = device_figures(GPU, communicator).host
+        factor = MEASURED_PROBE_US / h200_host_probe.probe_us
+        for kind, us in h200_host_probe.step_us.items():
+            assert host.step_us[kind] == pytest.approx(us * factor), kind
+        assert host.run_us == pytest.approx(h200_host_probe.run_us * factor)
+        assert host.graph_replay_us == pytest.approx(h200_host_probe.graph_replay_us * factor)
+        assert host.probe_us == pytest.approx(MEASURED_PROBE_US)
+        assert "scaled by this host's probe" in host.source
+    assert gpu.probe.calls == 1
+    (kept,) = _cache_files(tmp_path, "host")
+    assert json.loads(kept.read_text())["figures"] == {"probe_us": MEASURED_PROBE_US}
+
+
+def test_the_ranks_plan_with_the_slowest_hosts_figures(gpu, h200_host_probe):
+    def slower_host(value):
+        return 2 * value if isinstance(value, float) else value
+
+    host = device_figures(GPU, FakeCommunicator(slower_host)).host
+    assert host.probe_us == pytest.approx(2 * MEASURED_PROBE_US)
+    assert host.run_us == pytest.approx(h200_host_probe.run_us * 2 * MEASURED_PROBE_US / 10.0)
+
+
+def test_without_a_probe_beside_the_h200s_host_figures_they_are_used_as_they_are(gpu):
+    """The H200's host figures not measured beside a probe (the fallback): a made-up GPU's
+    host cannot be scaled from them, and plans with them as they are."""
+    unprobed = dataclasses.replace(H200_FIGURES.host, probe_us=0.0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(figures_module, "H200_FIGURES",
+                      dataclasses.replace(H200_FIGURES, host=unprobed))  # fmt: skip
+        assert device_figures(GPU, FakeCommunicator()).host == unprobed
 
 
 # --- the cost model's guard -----------------------------------------------------------
