@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,36 @@ def test_ag_matmul_benchmark_smoke_run(tmp_path, world):
         if world == 2:
             assert fields["bitwise"] == "True", row  # bitwise equal to sequential
     assert sorted(p.suffix for p in tmp_path.iterdir()) == [".json"] * 4 + [".png"] * 4
+
+
+def test_host_figures_benchmark_measures_every_kind_a_cpu_rank_issues(tmp_path):
+    """``benchmarks/host_figures.py --cpu`` on 2 gloo ranks: the host model's steps are the
+    rank programs' (the script stops otherwise), every kind a CPU rank issues gets a
+    cost, a call its fixed cost, and the figures to record print as ``HostFigures``."""
+    from overlap.plan.host_steps import HostStep
+
+    out = tmp_path / "host.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "2", str(ROOT / "benchmarks" / "host_figures.py"), "--cpu",
+        "--runs", "10", "--out", str(out),
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {row["kind"]: row for row in json.loads(out.read_text())["rows"]}
+    on_cpu = set(HostStep) - {
+        HostStep.STREAM_SWITCH, HostStep.STREAM_WAIT, HostStep.GENERATED_KERNEL,
+        HostStep.POST_CHUNK_COPY_ENGINE, HostStep.WAIT_CHUNK_COPY_ENGINE,
+        HostStep.STAGE_FOR_PEERS, HostStep.COMBINE_STAGED,
+    }  # fmt: skip
+    assert set(rows) == {*on_cpu, "fixed_us", "host probe"}, sorted(rows)
+    assert all(rows[kind]["us"] >= 0 and rows[kind]["steps"] > 0 for kind in on_cpu)
+    assert "HostFigures(\n    step_us={" in result.stdout
+    assert re.search(r"HostStep.STAGE_FOR_PEERS: [\d.]+,  # not run here: the fallback",
+                     result.stdout), result.stdout  # fmt: skip
 
 
 def test_blocks_benchmark_smoke_run(tmp_path):

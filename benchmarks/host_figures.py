@@ -1,0 +1,347 @@
+"""The host's cost of each kind of step a rank program issues, of a call around its steps,
+and of a CUDA graph's replay: the figures the planner's host model reads
+(``overlap.plan.figures.HostFigures``).
+
+    torchrun --nproc-per-node 2 benchmarks/host_figures.py         # GPUs (NCCL)
+    torchrun --nproc-per-node 2 benchmarks/host_figures.py --cpu   # CPU processes (gloo)
+
+Small programs of each shape the planner prices (all-gather + matmul and matmul +
+reduce-scatter, sequential and pipelined by each transport; a small tensor-parallel MLP
+with generated kernels and, on CUDA, with the evaluator's) are built as an executor
+builds them and run ``--runs`` times on every rank, each step timed by the host's clock
+(every rank starting each batch of runs together; on CUDA the GPU kept busy by a
+sleeping kernel queued before each batch, so that no step waits for it). The host model
+names each step's kind (``overlap.plan.host_steps.issued_steps``); the script stops if
+its steps are not the rank program's. A kind's cost is the mean over its steps of each
+one's trimmed mean (less the timer's own cost); a call's fixed cost, an executor run's
+host time less its steps' (the median over the programs); on CUDA, a
+replay's cost is a run of an executor with ``cuda_graph=True`` on the inputs it
+captured, and an input's copy the extra of a run whose inputs moved, per input. Every
+figure is the slowest rank's.
+
+Prints a table and the ``HostFigures`` to record in ``overlap/plan/figures.py`` (kinds
+this device did not run keep the fallback, marked so), and writes
+``benchmarks/results/host_figures.json`` (``host_figures_cpu.json`` with ``--cpu``;
+``--out``): device, date, commit, command, one object per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.ag_matmul import build  # noqa: E402
+from benchmarks.kernels import commit_id  # noqa: E402
+from launch.demo import build_tp_mlp  # noqa: E402
+from overlap import Communicator, MultiDeviceExecutor, OverlapOptions  # noqa: E402
+from overlap.comm.measure import host_probe_us  # noqa: E402
+from overlap.plan.figures import CPU_FIGURES, H200_FIGURES, HostFigures  # noqa: E402
+from overlap.plan.host_steps import HostStep, issued_steps  # noqa: E402
+from overlap.runtime.rank_program import RankSetup  # noqa: E402
+from overlap.runtime.rank_programs import RankPrograms  # noqa: E402
+from overlap.runtime.streams import StreamPool  # noqa: E402
+from schedulers.hardware import current_hardware  # noqa: E402
+
+BATCH = 10  # runs between two synchronizations
+SLEEP_MARGIN = 2.0  # the GPU sleeps this many times a batch's expected host time
+
+
+def cases(world: int, cuda: bool) -> list[tuple[str, Callable, OverlapOptions, str]]:
+    """``(name, build the fusion, options, kernels)``: every kind of step, on this device."""
+    transports = [("collective", 2 * world), ("ring", world)]
+    if cuda:
+        transports.append(("copy_engine", 2 * world))
+    found = []
+    for pattern in ("ag_matmul", "matmul_rs"):
+
+        def fusion(pattern=pattern):
+            return build(pattern, 32 * world, 64, 64, world)
+
+        found.append((f"{pattern} sequential", fusion, OverlapOptions(overlap=False), "auto"))
+        for transport, chunks in transports:
+            options = OverlapOptions(transport=transport, num_chunks=chunks)
+            found.append((f"{pattern} {transport} x{chunks}", fusion, options, "auto"))
+
+    def mlp():
+        return build_tp_mlp(32 * world, 64, 64 * world, world)
+
+    found.append(("tp_mlp sequential", mlp, OverlapOptions(overlap=False), "auto"))
+    if cuda:  # elsewhere "auto" evaluates already
+        found.append(("tp_mlp evaluated", mlp, OverlapOptions(overlap=False), "reference"))
+    return found
+
+
+class Busy:
+    """Keeps the GPU busy while the host issues a batch (a sleeping kernel queued first,
+    as long as ``SLEEP_MARGIN`` times the last batch's host time); nothing on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.cycles_per_ms = 0.0
+        self.last_ms = 1.0
+        if self.cuda:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            torch.cuda._sleep(10_000_000)
+            end.record()
+            end.synchronize()
+            self.cycles_per_ms = 10_000_000 / begin.elapsed_time(end)
+
+    def batch(self, run: Callable[[], object], calls: int) -> float:
+        """The host's time (ms) a call of ``calls`` calls of ``run`` in a row, every rank
+        starting together (collective)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        if self.cuda:
+            torch.cuda._sleep(int(self.cycles_per_ms * self.last_ms * SLEEP_MARGIN))
+        start = time.perf_counter()
+        for _ in range(calls):
+            run()
+        elapsed_ms = (time.perf_counter() - start) * 1e3
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.last_ms = elapsed_ms
+        return elapsed_ms / calls
+
+
+def trimmed_mean(values: list[float]) -> float:
+    """The mean of ``values`` without the highest and lowest tenth (a collection pause,
+    a rank descheduled): unlike medians, the means of the steps add up to a run's."""
+    ordered = sorted(values)
+    cut = len(ordered) // 10
+    kept = ordered[cut : len(ordered) - cut]
+    return sum(kept) / len(kept)
+
+
+def timer_overhead_us() -> float:
+    """What timing a step costs by itself (a step that does nothing, timed), us."""
+    durations: list[float] = []
+
+    def nothing() -> None:
+        return None
+
+    step = _timed(nothing, durations)
+    for _ in range(20_000):
+        step()
+    return statistics.median(durations) * 1e6
+
+
+def _timed(step: Callable[[], object], durations: list[float]) -> Callable[[], None]:
+    def timed() -> None:
+        start = time.perf_counter()
+        step()
+        durations.append(time.perf_counter() - start)
+
+    return timed
+
+
+def measure_case(communicator, case, runs: int, busy: Busy, overhead_us: float) -> dict:
+    """One program's steps by kind (each step's trimmed mean, us), a call's host time on
+    the lean path, and on CUDA a replay's and a moved input's."""
+    name, fusion, options, kernels = case
+    device, rank = communicator.device, communicator.rank
+    cuda = device.type == "cuda"
+    fd = fusion()
+    executor = MultiDeviceExecutor(fd, communicator, options, cuda_graph=False, kernels=kernels)
+    generator = torch.Generator(device=device).manual_seed(rank)
+    local = [torch.randn(executor.local_shape(t), generator=generator, device=device,
+                         dtype=torch.bfloat16) for t in executor.fusion.inputs]  # fmt: skip
+    setup = RankSetup(rank, communicator, device, StreamPool(device), None, {},
+                      current_hardware(device))  # fmt: skip
+    programs = RankPrograms(executor.compiled, setup)
+    programs.next_run()
+    program = programs.get({})
+    kinds = [step.kind for step in issued_steps(executor.compiled.host, rank, streams=cuda)]
+    if len(kinds) != len(program.steps):
+        raise SystemExit(
+            f"{name}: the host model counts {len(kinds)} steps on rank {rank}, the rank "
+            f"program has {len(program.steps)}: overlap.plan.host_steps no longer follows "
+            "overlap.runtime.rank_program"
+        )
+    durations: list[list[float]] = [[] for _ in program.steps]
+    program.steps = [_timed(step, times) for step, times in zip(program.steps, durations,
+                                                                 strict=True)]  # fmt: skip
+
+    def run_program() -> None:
+        programs.next_run()
+        program.run(local, None)
+
+    for _ in range(2):  # warm: kernels compiled, buffers cached
+        executor.run(local)
+        run_program()
+    for times in durations:
+        times.clear()
+    program_calls, executor_calls = [], []
+    for _ in range(runs // BATCH):  # interleaved: a drift falls on both alike
+        program_calls.append(busy.batch(run_program, BATCH))
+        executor_calls.append(busy.batch(lambda: executor.run(local), BATCH))
+    if any(len(times) != runs // BATCH * BATCH for times in durations):
+        raise SystemExit(f"{name}: the rank program ran steps other than its list of steps")
+    means = [max(0.0, trimmed_mean(times) * 1e6 - overhead_us) for times in durations]
+    by_kind: dict[str, list[float]] = {}
+    for kind, us in zip(kinds, means, strict=True):
+        by_kind.setdefault(kind, []).append(us)
+    call_us = trimmed_mean(executor_calls) * 1e3
+    row = {"case": name, "steps": len(kinds), "steps_us": sum(means), "call_us": call_us,
+           "program_us": trimmed_mean(program_calls) * 1e3 - len(kinds) * overhead_us,
+           "fixed_us": call_us - sum(means), "by_kind": by_kind}  # fmt: skip
+    if cuda:
+        row.update(_replay(fd, communicator, options, kernels, local, runs, busy))
+    return row
+
+
+def _replay(fd, communicator, options, kernels, local, runs: int, busy: Busy) -> dict:
+    """A call's host time replayed from a CUDA graph on its captured inputs, and the
+    extra per input of a call whose inputs moved (two sets of inputs, alternated)."""
+    replayed = MultiDeviceExecutor(fd, communicator, options, cuda_graph=True, kernels=kernels)
+    moved = [value.clone() for value in local]
+    for inputs in (local, moved, local, moved):  # captured, warm
+        replayed.run(inputs)
+    sets = [local, moved]
+
+    def alternating() -> None:
+        sets.reverse()
+        replayed.run(sets[0])
+
+    same, alternated = [], []
+    for _ in range(runs // BATCH):
+        same.append(busy.batch(lambda: replayed.run(local), BATCH))
+        alternated.append(busy.batch(alternating, BATCH))
+    same_us, moved_us = trimmed_mean(same) * 1e3, trimmed_mean(alternated) * 1e3
+    return {"replay_us": same_us, "input_copy_us": max(0.0, moved_us - same_us) / len(local)}
+
+
+def summarize(rows_by_rank: list[list[dict]]) -> dict:
+    """Each kind's cost (the mean of its steps' costs, the slowest rank's), a call's
+    fixed cost, a replay's and an input copy's (the median over the cases, the slowest
+    rank's)."""
+    kinds: dict[str, dict] = {}
+    for kind in HostStep:
+        per_rank = []
+        steps, names = 0, []
+        for rows in rows_by_rank:
+            values = [us for row in rows for us in row["by_kind"].get(kind, [])]
+            if values:
+                per_rank.append(sum(values) / len(values))
+                steps = len(values)
+                names = [row["case"] for row in rows if kind in row["by_kind"]]
+        if per_rank:
+            kinds[kind] = {"us": max(per_rank), "steps": steps, "cases": names}
+    calls = {}
+    for field in ("fixed_us", "replay_us", "input_copy_us"):
+        per_rank = [statistics.median([row[field] for row in rows]) for rows in rows_by_rank
+                    if all(field in row for row in rows)]  # fmt: skip
+        if per_rank:
+            calls[field] = max(per_rank)
+    return {"kinds": kinds, "calls": calls}
+
+
+def record_text(summary: dict, fallback: HostFigures, cuda: bool, probe_us: float,
+                where: str) -> str:  # fmt: skip
+    """The ``HostFigures`` to record, as Python."""
+    lines = ["HostFigures(", "    step_us={"]
+    for kind in HostStep:
+        measured = summary["kinds"].get(kind)
+        value = measured["us"] if measured else fallback.step_us[kind]
+        note = "" if measured else "  # not run here: the fallback"
+        lines.append(f"        HostStep.{kind.name}: {value:.2f},{note}")
+    calls = summary["calls"]
+    replay = calls.get("replay_us", fallback.graph_replay_us)
+    copy = calls.get("input_copy_us", fallback.graph_input_copy_us)
+    replay_note = "" if "replay_us" in calls else "  # no CUDA graphs here: the fallback"
+    lines += [
+        "    },",
+        f"    run_us={calls['fixed_us']:.2f},",
+        f"    graph_replay_us={replay:.2f},{replay_note}",
+        f"    graph_input_copy_us={copy:.2f},{replay_note}",
+        f"    streams={cuda},",
+        f'    source="{where}",',
+        f"    probe_us={probe_us:.2f},",
+        ")",
+    ]
+    return "\n".join(lines)
+
+
+def print_table(summary: dict, rows_by_rank: list[list[dict]], probe_us: float) -> None:
+    print(f"{'kind':<26} {'us':>8} {'steps':>6}  cases")
+    for kind, measured in summary["kinds"].items():
+        print(f"{kind:<26} {measured['us']:8.2f} {measured['steps']:6d}  "
+              f"{', '.join(measured['cases'])}")  # fmt: skip
+    for field, value in summary["calls"].items():
+        print(f"{field:<26} {value:8.2f}")
+    print(f"{'host probe':<26} {probe_us:8.2f}")
+    print(f"\n{'case (rank 0)':<28} {'steps':>6} {'steps_us':>9} {'call_us':>9} {'fixed_us':>9}"
+          f" {'replay_us':>9}")  # fmt: skip
+    for row in rows_by_rank[0]:
+        print(f"{row['case']:<28} {row['steps']:6d} {row['steps_us']:9.1f} {row['call_us']:9.1f}"
+              f" {row['fixed_us']:9.1f} {row.get('replay_us', float('nan')):9.1f}")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="CPU processes, gloo")
+    parser.add_argument("--runs", type=int, default=50, help="timed runs of each program")
+    parser.add_argument("--out", help="the JSON written (default benchmarks/results/...)")
+    args = parser.parse_args()
+    if args.cpu:
+        dist.init_process_group("gloo")
+        communicator = Communicator("cpu")
+    else:
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(local_rank)
+        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+        communicator = Communicator()
+    device, world = communicator.device, communicator.world_size
+    cuda = device.type == "cuda"
+    busy = Busy(device)
+    overhead_us = timer_overhead_us()
+    rows = [measure_case(communicator, case, args.runs, busy, overhead_us)
+            for case in cases(world, cuda)]  # fmt: skip
+    probe_us = max(communicator.all_gather_object(host_probe_us(device)))
+    rows_by_rank = communicator.all_gather_object(rows)
+    if communicator.rank == 0:
+        summary = summarize(rows_by_rank)
+        name = torch.cuda.get_device_name() if cuda else "CPU (gloo)"
+        commit, date = commit_id(), datetime.date.today().isoformat()
+        where = f"measured on {world}x {name} by benchmarks/host_figures.py at {commit}, {date}"
+        print_table(summary, rows_by_rank, probe_us)
+        fallback = (H200_FIGURES if cuda else CPU_FIGURES).host
+        print("\nto record in overlap/plan/figures.py:")
+        print(record_text(summary, fallback, cuda, probe_us, where))
+        out = Path(args.out or ROOT / "benchmarks" / "results" /
+                   ("host_figures.json" if cuda else "host_figures_cpu.json"))  # fmt: skip
+        result = {
+            "device": f"{world}x {name}",
+            "date": date,
+            "commit": commit,
+            "command": " ".join(["torchrun --nproc-per-node", str(world), *sys.argv]),
+            "torch": torch.__version__,
+            "rows": [{"kind": kind, **measured} for kind, measured in summary["kinds"].items()]
+            + [{"kind": field, "us": value} for field, value in summary["calls"].items()]
+            + [{"kind": "host probe", "us": probe_us}],
+            "cases": [{key: value for key, value in row.items() if key != "by_kind"}
+                      for row in rows_by_rank[0]],
+        }  # fmt: skip
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        print(f"wrote {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
