@@ -13,14 +13,16 @@ builds them and run ``--runs`` times on every rank, each step timed by the host'
 sleeping kernel queued before each batch, so that no step waits for it). The host model
 names each step's kind (``overlap.plan.host_steps.issued_steps``); the script stops if
 its steps are not the rank program's. A kind's cost is the mean over its steps of each
-one's trimmed mean (less the timer's own cost); a call's fixed cost, an executor run's
-host time less its steps' (the median over the programs); on CUDA, a
+one's trimmed mean (less the timer's own cost); a call's fixed cost, the executor's
+around the rank program's run and the run's around its steps (the median over the
+programs); on CUDA, a
 replay's cost is a run of an executor with ``cuda_graph=True`` on the inputs it
 captured, and an input's copy the extra of a run whose inputs moved, per input. Every
 figure is the slowest rank's.
 
 Prints a table and the ``HostFigures`` to record in ``overlap/plan/figures.py`` (kinds
-this device did not run keep the fallback, marked so), and writes
+this device did not run keep the fallback, marked so; on CPUs so do the communication
+steps and the steps after a loop, which wait for gloo's transfers there), and writes
 ``benchmarks/results/host_figures.json`` (``host_figures_cpu.json`` with ``--cpu``;
 ``--out``): device, date, commit, command, one object per row.
 """
@@ -36,6 +38,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -50,7 +53,7 @@ from overlap import Communicator, MultiDeviceExecutor, OverlapOptions  # noqa: E
 from overlap.comm.measure import host_probe_us  # noqa: E402
 from overlap.plan.figures import CPU_FIGURES, H200_FIGURES, HostFigures  # noqa: E402
 from overlap.plan.host_steps import HostStep, issued_steps  # noqa: E402
-from overlap.runtime.rank_program import RankSetup  # noqa: E402
+from overlap.runtime.rank_program import RankProgram, RankSetup  # noqa: E402
 from overlap.runtime.rank_programs import RankPrograms  # noqa: E402
 from overlap.runtime.streams import StreamPool  # noqa: E402
 from schedulers.hardware import current_hardware  # noqa: E402
@@ -59,6 +62,17 @@ from schedulers.hardware import current_hardware  # noqa: E402
 # sleeping kernel never fill CUDA's queue (the host would then wait for the GPU)
 BATCH = 5
 SLEEP_MARGIN = 2.0  # the GPU sleeps this many times a batch's expected host time
+
+
+# On CPUs gloo moves the data on the host: posting and waiting for a communication, and
+# the steps after a loop (its put-off waits, its sends drained), last as long as the
+# transfer and the peer take, which the device model already prices. Their measured
+# times are shown, not recorded.
+WAITING_ON_CPUS = {
+    HostStep.POST, HostStep.WAIT, HostStep.POST_CHUNK_COLLECTIVE,
+    HostStep.WAIT_CHUNK_COLLECTIVE, HostStep.POST_CHUNK_RING, HostStep.WAIT_CHUNK_RING,
+    HostStep.LOOP_END,
+}  # fmt: skip
 
 
 def cases(world: int, cuda: bool) -> list[tuple[str, Callable, OverlapOptions, str]]:
@@ -129,17 +143,21 @@ def trimmed_mean(values: list[float]) -> float:
     return sum(kept) / len(kept)
 
 
-def timer_overhead_us() -> float:
-    """What timing a step costs by itself (a step that does nothing, timed), us."""
+def timer_costs_us() -> tuple[float, float]:
+    """What timing a step costs by itself, us: what a timed step that does nothing
+    measures, and what it takes in all (its call and the record included)."""
     durations: list[float] = []
 
     def nothing() -> None:
         return None
 
     step = _timed(nothing, durations)
-    for _ in range(20_000):
+    calls = 20_000
+    start = time.perf_counter()
+    for _ in range(calls):
         step()
-    return statistics.median(durations) * 1e6
+    whole_us = (time.perf_counter() - start) / calls * 1e6
+    return statistics.median(durations) * 1e6, whole_us
 
 
 def _timed(step: Callable[[], object], durations: list[float]) -> Callable[[], None]:
@@ -151,9 +169,14 @@ def _timed(step: Callable[[], object], durations: list[float]) -> Callable[[], N
     return timed
 
 
-def measure_case(communicator, case, runs: int, busy: Busy, overhead_us: float) -> dict:
+def measure_case(communicator, case, runs: int, busy: Busy, timer_us: tuple[float, float]) -> dict:
     """One program's steps by kind (each step's trimmed mean, us), a call's host time on
-    the lean path, and on CUDA a replay's and a moved input's."""
+    the lean path and its fixed part, and on CUDA a replay's and a moved input's.
+
+    The fixed part is the executor's own (a call less its rank program's run in it) and
+    the rank program's (a run less its steps in it): each a difference of times taken in
+    one call, which waited alike for the peers."""
+    measured_us, wrapped_us = timer_us
     name, fusion, options, kernels = case
     device, rank = communicator.device, communicator.rank
     cuda = device.type == "cuda"
@@ -178,29 +201,53 @@ def measure_case(communicator, case, runs: int, busy: Busy, overhead_us: float) 
     program.steps = [_timed(step, times) for step, times in zip(program.steps, durations,
                                                                  strict=True)]  # fmt: skip
 
+    totals: list[float] = []
+
     def run_program() -> None:
         programs.next_run()
+        start = time.perf_counter()
         program.run(local, None)
+        totals.append(time.perf_counter() - start)
 
     for _ in range(2):  # warm: kernels compiled, buffers cached
         executor.run(local)
         run_program()
-    for times in durations:
+    for times in (*durations, totals):
         times.clear()
-    program_calls, executor_calls = [], []
+    calls, runs_in_calls = [], []
+
+    def run_executor() -> None:
+        start = time.perf_counter()
+        executor.run(local)
+        calls.append(time.perf_counter() - start)
+
+    def timed_run(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return run(self, *args, **kwargs)
+        finally:
+            runs_in_calls.append(time.perf_counter() - start)
+
+    run = RankProgram.run
+    executor_calls = []
     for _ in range(runs // BATCH):  # interleaved: a drift falls on both alike
-        program_calls.append(busy.batch(run_program, BATCH))
-        executor_calls.append(busy.batch(lambda: executor.run(local), BATCH))
+        busy.batch(run_program, BATCH)
+        with mock.patch.object(RankProgram, "run", timed_run):  # the executor's own
+            executor_calls.append(busy.batch(run_executor, BATCH))
     if any(len(times) != runs // BATCH * BATCH for times in durations):
         raise SystemExit(f"{name}: the rank program ran steps other than its list of steps")
-    means = [max(0.0, trimmed_mean(times) * 1e6 - overhead_us) for times in durations]
+    means = [max(0.0, trimmed_mean(times) * 1e6 - measured_us) for times in durations]
     by_kind: dict[str, list[float]] = {}
     for kind, us in zip(kinds, means, strict=True):
         by_kind.setdefault(kind, []).append(us)
+    steps = len(kinds)
+    own = [total - sum(times[run] for times in durations) for run, total in enumerate(totals)]
+    own_us = trimmed_mean(own) * 1e6 - steps * (wrapped_us - measured_us)
+    around = [call - inner for call, inner in zip(calls, runs_in_calls, strict=True)]
     call_us = trimmed_mean(executor_calls) * 1e3
-    row = {"case": name, "steps": len(kinds), "steps_us": sum(means), "call_us": call_us,
-           "program_us": trimmed_mean(program_calls) * 1e3 - len(kinds) * overhead_us,
-           "fixed_us": call_us - sum(means), "by_kind": by_kind}  # fmt: skip
+    row = {"case": name, "steps": steps, "steps_us": sum(means), "call_us": call_us,
+           "executor_us": trimmed_mean(around) * 1e6, "program_us": own_us,
+           "fixed_us": trimmed_mean(around) * 1e6 + own_us, "by_kind": by_kind}  # fmt: skip
     if cuda and kernels == "auto":  # the evaluator's programs are not captured
         row.update(_replay(fd, communicator, options, kernels, local, runs, busy))
     return row
@@ -260,6 +307,8 @@ def record_text(summary: dict, fallback: HostFigures, cuda: bool, probe_us: floa
         measured = summary["kinds"].get(kind)
         value = measured["us"] if measured else fallback.step_us[kind]
         note = "" if measured else "  # not run here: the fallback"
+        if measured and not cuda and kind in WAITING_ON_CPUS:
+            value, note = fallback.step_us[kind], "  # on CPUs, the transfer's: the fallback"
         lines.append(f"        HostStep.{kind.name}: {value:.2f},{note}")
     calls = summary["calls"]
     replay = calls.get("replay_us", fallback.graph_replay_us)
@@ -287,10 +336,11 @@ def print_table(summary: dict, rows_by_rank: list[list[dict]], probe_us: float) 
         print(f"{field:<26} {value:8.2f}")
     print(f"{'host probe':<26} {probe_us:8.2f}")
     print(f"\n{'case (rank 0)':<28} {'steps':>6} {'steps_us':>9} {'call_us':>9} {'fixed_us':>9}"
-          f" {'replay_us':>9}")  # fmt: skip
+          f" {'executor':>9} {'program':>9} {'replay_us':>9}")  # fmt: skip
     for row in rows_by_rank[0]:
         print(f"{row['case']:<28} {row['steps']:6d} {row['steps_us']:9.1f} {row['call_us']:9.1f}"
-              f" {row['fixed_us']:9.1f} {row.get('replay_us', float('nan')):9.1f}")  # fmt: skip
+              f" {row['fixed_us']:9.1f} {row['executor_us']:9.1f} {row['program_us']:9.1f}"
+              f" {row.get('replay_us', float('nan')):9.1f}")  # fmt: skip
 
 
 def main() -> None:
@@ -310,8 +360,8 @@ def main() -> None:
     device, world = communicator.device, communicator.world_size
     cuda = device.type == "cuda"
     busy = Busy(device)
-    overhead_us = timer_overhead_us()
-    rows = [measure_case(communicator, case, args.runs, busy, overhead_us)
+    timer_us = timer_costs_us()
+    rows = [measure_case(communicator, case, args.runs, busy, timer_us)
             for case in cases(world, cuda)]  # fmt: skip
     probe_us = max(communicator.all_gather_object(host_probe_us(device)))
     rows_by_rank = communicator.all_gather_object(rows)

@@ -158,38 +158,38 @@ H200_FIGURES = HardwareFigures(
     host=H200_HOST,
 )
 # Two gloo processes on the 2-core CPU host the tests run on (shared, loaded: the
-# communication steps, which wait for the peer, varied up to 2x between runs), measured
+# communication steps, which wait for the peer, varied 2-4x between runs), measured
 # by `torchrun --nproc-per-node 2 benchmarks/host_figures.py --cpu`
 # (benchmarks/results/host_figures_cpu.json). No streams, copy engine or generated
 # kernels there: those keep the fallback.
 CPU_HOST = HostFigures(
     step_us={
-        HostStep.ALLOCATE: 7.55,
-        HostStep.DEALLOCATE: 0.76,
-        HostStep.CHUNK_VIEW: 4.34,
-        HostStep.STREAM_SWITCH: 50.0,
-        HostStep.STREAM_WAIT: 50.0,
-        HostStep.GENERATED_KERNEL: 50.0,
-        HostStep.LIBRARY_KERNEL: 41.95,
-        HostStep.EVALUATED_KERNEL: 48.11,
-        HostStep.POST: 129.90,
-        HostStep.WAIT: 513.86,
-        HostStep.POST_CHUNK_COLLECTIVE: 72.60,
-        HostStep.WAIT_CHUNK_COLLECTIVE: 81.04,
-        HostStep.POST_CHUNK_RING: 756.45,
-        HostStep.WAIT_CHUNK_RING: 737.26,
-        HostStep.POST_CHUNK_COPY_ENGINE: 50.0,
-        HostStep.WAIT_CHUNK_COPY_ENGINE: 50.0,
-        HostStep.STAGE_FOR_PEERS: 50.0,
-        HostStep.COMBINE_STAGED: 50.0,
-        HostStep.LOOP_END: 68.26,
+        HostStep.ALLOCATE: 9.16,
+        HostStep.DEALLOCATE: 1.13,
+        HostStep.CHUNK_VIEW: 4.77,
+        HostStep.STREAM_SWITCH: 50.0,  # not run on CPUs: the fallback
+        HostStep.STREAM_WAIT: 50.0,  # not run on CPUs: the fallback
+        HostStep.GENERATED_KERNEL: 50.0,  # not run on CPUs: the fallback
+        HostStep.LIBRARY_KERNEL: 49.37,
+        HostStep.EVALUATED_KERNEL: 85.12,
+        HostStep.POST: 315.64,
+        HostStep.WAIT: 1201.30,
+        HostStep.POST_CHUNK_COLLECTIVE: 89.55,
+        HostStep.WAIT_CHUNK_COLLECTIVE: 49.23,
+        HostStep.POST_CHUNK_RING: 142.16,
+        HostStep.WAIT_CHUNK_RING: 301.44,
+        HostStep.POST_CHUNK_COPY_ENGINE: 50.0,  # not run on CPUs: the fallback
+        HostStep.WAIT_CHUNK_COPY_ENGINE: 50.0,  # not run on CPUs: the fallback
+        HostStep.STAGE_FOR_PEERS: 50.0,  # not run on CPUs: the fallback
+        HostStep.COMBINE_STAGED: 50.0,  # not run on CPUs: the fallback
+        HostStep.LOOP_END: 48.00,
     },
-    run_us=148.59,
-    graph_replay_us=15.0,
-    graph_input_copy_us=0.0,
+    run_us=491.05,
+    graph_replay_us=15.0,  # no CUDA graphs on CPUs: the fallback
+    graph_input_copy_us=0.0,  # no CUDA graphs on CPUs: the fallback
     streams=False,
-    source="measured on 2x CPU (gloo) by benchmarks/host_figures.py",
-    probe_us=15.38,
+    source="measured on 2x CPU (gloo) by benchmarks/host_figures.py at e2fe1e2, 2026-11-28",
+    probe_us=17.94,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(
