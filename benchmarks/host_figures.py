@@ -371,7 +371,8 @@ def main() -> None:
         commit, date = commit_id(), datetime.date.today().isoformat()
         where = f"measured on {world}x {name} by benchmarks/host_figures.py at {commit}, {date}"
         print_table(summary, rows_by_rank, probe_us)
-        fallback = (H200_FIGURES if cuda else CPU_FIGURES).host
+        launch_us = (H200_FIGURES if cuda else CPU_FIGURES).launch_us
+        fallback = HostFigures.fallback(launch_us, streams=cuda)
         print("\nto record in overlap/plan/figures.py:")
         print(record_text(summary, fallback, cuda, probe_us, where))
         out = Path(args.out or ROOT / "benchmarks" / "results" /
