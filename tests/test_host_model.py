@@ -31,13 +31,16 @@ from schedulers.hardware import current_hardware
 from sharding import DeviceMesh, Shard, shard, shard_fusion
 
 
-def _gathered_into(matmuls: int, world: int, rows: int = 16) -> FusionDefinition:
-    """Rows split over ``world`` ranks, gathered, read by ``matmuls`` column-parallel
-    linears (Q, K, V, say)."""
+def _gathered_into(
+    matmuls: int, world: int, rows: int = 16, width: int = 8, columns: int = 4,
+    dtype: str = "float32",
+) -> FusionDefinition:  # fmt: skip
+    """``rows`` rows a rank of ``width``, gathered, read by ``matmuls`` column-parallel
+    linears (Q, K, V, say) of ``columns`` columns a rank."""
     mesh = DeviceMesh(world)
     with FusionDefinition(f"ag_{matmuls}_linears") as fd:
-        x = fd.define_tensor([rows * world, 8])
-        weights = [fd.define_tensor([4 * world, 8]) for _ in range(matmuls)]
+        x = fd.define_tensor([rows * world, width], dtype)
+        weights = [fd.define_tensor([columns * world, width], dtype) for _ in range(matmuls)]
         outputs = [fd.ops.linear(x, w) for w in weights]
         for output in outputs:
             fd.add_output(output)
@@ -226,22 +229,16 @@ def test_a_candidates_host_time_prices_each_kind_of_step_and_a_replay_its_inputs
         assert issued.predicted_ms == max(issued.device_ms, issued.host_ms)
 
 
-def test_host_figures_must_price_every_kind():
+def test_host_figures_price_every_kind_and_print_each():
+    text = str(DISTINCT_HOST)
+    assert text.startswith("host figures (made up for a test), us:")
+    for kind, us in DISTINCT_HOST.step_us.items():
+        assert f"\n  {kind}: {us:.2f}" in text
+    assert "a call: 23.00; a graph replay: 31.00 + 4.50 an input copied" in text
     costs = dict(DISTINCT_HOST.step_us)
     del costs[HostStep.LOOP_END]
     with pytest.raises(ValueError, match="without a cost for loop end"):
         HostFigures(costs, 0.0, 0.0, 0.0, True, "incomplete")
-
-
-def _ag_matmul(m: int, k: int, n: int, world: int = 2):
-    mesh = DeviceMesh(world)
-    with FusionDefinition("ag_matmul") as fd:
-        a = fd.define_tensor([m, k], "bf16")
-        b = fd.define_tensor([k, n * world], "bf16")
-        fd.add_output(fd.ops.matmul(a, b))
-    shard(a, mesh, [Shard(0)])
-    shard(b, mesh, [Shard(1)])
-    return shard_fusion(fd.fusion)[0]
 
 
 def test_a_pipeline_the_host_cannot_issue_in_time_loses_to_sequential_unless_replayed():
@@ -251,8 +248,9 @@ def test_a_pipeline_the_host_cannot_issue_in_time_loses_to_sequential_unless_rep
     host issues no step, and the pipeline wins."""
     slow_host = HostFigures.fallback(launch_us=40.0)
     figures = dataclasses.replace(H200_FIGURES, host=slow_host)
-    fusion = _ag_matmul(4096, 8192, 4096)
+    fusion = shard_fusion(_gathered_into(1, 2, 2048, 8192, 2048, "bf16").fusion)[0]
     (decision,) = plan_overlap(fusion, figures)
+    assert decision.shape == (4096, 8192, 2048)
     sequential = next(c for c in decision.candidates if c.transport is None)
     assert decision.chosen == sequential
     device_faster = [c for c in decision.candidates if c.device_ms < sequential.device_ms]

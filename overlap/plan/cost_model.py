@@ -138,22 +138,10 @@ def estimate(
     )
 
 
-def predict(
-    pattern: Pattern,
-    figures: HardwareFigures,
-    shape: tuple[int, int, int],
-    parts: int,
-    bits: int,
-    transport: Transport | None,
-    chunks: int,
-    replayed: bool = False,
-    matmuls: int = 1,
-    inputs: int = 2,
-) -> float:
-    """Predicted time (ms) of one pattern on the slowest rank: the device's time, or the
-    host's time to issue the run if that is longer (``estimate``)."""
-    return estimate(pattern, figures, shape, parts, bits, transport, chunks, replayed,
-                    matmuls, inputs).predicted_ms  # fmt: skip
+def predict(*args: object, **kwargs: object) -> float:
+    """Predicted time (ms) of one pattern on the slowest rank, ``estimate``'s arguments:
+    the device's time, or the host's time to issue the run if that is longer."""
+    return estimate(*args, **kwargs).predicted_ms
 
 
 def _device_ms(
