@@ -15,10 +15,9 @@ names each step's kind (``overlap.plan.host_steps.issued_steps``); the script st
 its steps are not the rank program's. A kind's cost is the mean over its steps of each
 one's trimmed mean (less the timer's own cost); a call's fixed cost, the executor's
 around the rank program's run and the run's around its steps (the median over the
-programs); on CUDA, a
-replay's cost is a run of an executor with ``cuda_graph=True`` on the inputs it
-captured, and an input's copy the extra of a run whose inputs moved, per input. Every
-figure is the slowest rank's.
+programs); on CUDA, a replay's cost is a call replayed from a graph that reads its inputs
+in place, and an input's copy the extra of one that copies every input in, per input.
+Every figure is the slowest rank's.
 
 Prints a table and the ``HostFigures`` to record in ``overlap/plan/figures.py`` (kinds
 this device did not run keep the fallback, marked so; on CPUs so do the communication
@@ -254,24 +253,22 @@ def measure_case(communicator, case, runs: int, busy: Busy, timer_us: tuple[floa
 
 
 def _replay(fd, communicator, options, kernels, local, runs: int, busy: Busy) -> dict:
-    """A call's host time replayed from a CUDA graph on its captured inputs, and the
-    extra per input of a call whose inputs moved (two sets of inputs, alternated)."""
-    replayed = MultiDeviceExecutor(fd, communicator, options, cuda_graph=True, kernels=kernels)
+    """A call's host time replayed from a CUDA graph that reads every input in place
+    (at the same address at the key's first two calls), and the extra per input of one
+    that copies every input in (captured from inputs that moved between those calls)."""
     moved = [value.clone() for value in local]
-    for inputs in (local, moved, local, moved):  # captured, warm
-        replayed.run(inputs)
-    sets = [local, moved]
-
-    def alternating() -> None:
-        sets.reverse()
-        replayed.run(sets[0])
-
-    same, alternated = [], []
+    in_place = MultiDeviceExecutor(fd, communicator, options, cuda_graph=True, kernels=kernels)
+    copied = MultiDeviceExecutor(fd, communicator, options, cuda_graph=True, kernels=kernels)
+    for inputs in (local, local, local):  # lean, captured, replayed
+        in_place.run(inputs)
+    for inputs in (local, moved, local):
+        copied.run(inputs)
+    read_in_place, copied_in = [], []
     for _ in range(runs // BATCH):
-        same.append(busy.batch(lambda: replayed.run(local), BATCH))
-        alternated.append(busy.batch(alternating, BATCH))
-    same_us, moved_us = trimmed_mean(same) * 1e3, trimmed_mean(alternated) * 1e3
-    return {"replay_us": same_us, "input_copy_us": max(0.0, moved_us - same_us) / len(local)}
+        read_in_place.append(busy.batch(lambda: in_place.run(local), BATCH))
+        copied_in.append(busy.batch(lambda: copied.run(local), BATCH))
+    replay_us, copy_us = trimmed_mean(read_in_place) * 1e3, trimmed_mean(copied_in) * 1e3
+    return {"replay_us": replay_us, "input_copy_us": max(0.0, copy_us - replay_us) / len(local)}
 
 
 def summarize(rows_by_rank: list[list[dict]]) -> dict:
