@@ -166,19 +166,19 @@ H200_FIGURES = HardwareFigures(
 CPU_HOST = HostFigures(
     step_us={
         **dict.fromkeys(HostStep, 50.0),  # the fallback, today's launch cost a step
-        HostStep.ALLOCATE: 9.34,
-        HostStep.DEALLOCATE: 1.27,
-        HostStep.CHUNK_VIEW: 5.44,
-        HostStep.LIBRARY_KERNEL: 51.05,
-        HostStep.EVALUATED_KERNEL: 75.02,
+        HostStep.ALLOCATE: 7.10,
+        HostStep.DEALLOCATE: 0.81,
+        HostStep.CHUNK_VIEW: 4.06,
+        HostStep.LIBRARY_KERNEL: 39.42,
+        HostStep.EVALUATED_KERNEL: 49.06,
     },
-    run_us=69.39,
+    run_us=32.03,
     graph_replay_us=15.0,  # no CUDA graphs on CPUs: the fallback
     graph_input_copy_us=0.0,
     streams=False,
-    source="measured on 2x CPU (gloo) by benchmarks/host_figures.py at ddf92c9, 2026-11-28; "
+    source="measured on 2x CPU (gloo) by benchmarks/host_figures.py at 41ed22d, 2026-11-28; "
     "communication steps and loop ends: FALLBACK, 50 us a step",
-    probe_us=22.58,
+    probe_us=15.17,
 )
 # Processes on one CPU host talking through gloo: chunking rarely pays.
 CPU_FIGURES = HardwareFigures(
