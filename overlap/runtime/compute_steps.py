@@ -68,71 +68,94 @@ class ComputeSteps:
 
         if for_empty is None and not aliases:
             return self._bound(kernel, launch, unannounced)
+        return self._chunk(kernel, launch, aliases, for_empty, unannounced)
+
+    def _chunk(self, kernel: LaunchKernel, launch, aliases: dict, for_empty, unannounced: bool):
+        """A kernel in a chunk loop (or writing into another tensor's chunk): its shapes
+        are its chunk's, the same at every run of this program (its inputs are checked
+        at each run), so its first launch binds them (``Launcher.bind``) and says
+        which targets it writes in place. A chunk that turns out empty runs
+        ``for_empty`` (the evaluator) instead; a chunk view that is not contiguous is
+        written through a buffer of its own, copied in after the launch."""
+        program, plan = self.program, kernel.analysis
+        device = program.ctx.device
+        sources = [aliases.get(t, t) for t in plan.inputs]
+        # each output's value: a chunk view to write into, or a value of its own
+        destinations = [(tensor, aliases.get(tensor, tensor), tensor in aliases)
+                        for tensor in plan.outputs]  # fmt: skip
+        bound: list = []  # the launch bound at the first run, and how each target is held
+
+        def bind(inputs: list) -> None:
+            if for_empty is not None and any(value.numel() == 0 for value in inputs):
+                bound.append(None)
+                return
+            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
+            held = []  # None: written in place; else a buffer's shape, strides and dtype
+            for tensor, key, into_chunk in destinations:
+                destination = program.values.get(key) if into_chunk else None
+                shape = self._logical_shape_of(tensor, destination)
+                shapes[tensor] = shape
+                if destination is not None and destination.is_contiguous():
+                    held.append(None)
+                else:
+                    storage = tuple(storage_shape(tensor, shape))
+                    held.append((storage, contiguous_strides(storage), storage_dtype(tensor)))
+            bound.append((launch.bind(shapes), held, allocator(device)))
 
         def run() -> None:
             nonlocal unannounced
-            inputs = [program.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
-            if for_empty is not None and any(value.numel() == 0 for value in inputs):
+            values = program.values
+            inputs = [values[key].contiguous() for key in sources]
+            if not bound:
+                bind(inputs)
+            if bound[0] is None:
                 for compute in for_empty:
                     compute()
                 return
-            targets = []
-            for tensor in plan.outputs:
-                destination = program.values.get(aliases[tensor]) if tensor in aliases else None
-                if destination is None or not destination.is_contiguous():
-                    shape = storage_shape(tensor, self._logical_shape_of(tensor, destination))
-                    targets.append(torch.empty(shape, dtype=storage_dtype(tensor), device=device))
-                else:
-                    targets.append(destination)
-            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
-            shapes.update(
-                {t: logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
-            )
+            launched, held, allocate = bound[0]
+            targets = [values[key] if buffer is None else allocate(*buffer)
+                       for (_, key, _), buffer in zip(destinations, held, strict=True)]  # fmt: skip
             if unannounced:
                 unannounced = False
-                self._announced(kernel, lambda: launch(inputs, targets, shapes))
+                self._announced(kernel, lambda: launched(inputs, targets))
             else:
-                launch(inputs, targets, shapes)
-            for tensor, target in zip(plan.outputs, targets, strict=True):
-                key = aliases.get(tensor, tensor)
-                destination = program.values.get(key) if tensor in aliases else None
-                if destination is not None and destination is not target:
+                launched(inputs, targets)
+            for (_, key, into_chunk), target, buffer in zip(destinations, targets, held,
+                                                            strict=True):  # fmt: skip
+                if buffer is None:
+                    continue
+                destination = values.get(key) if into_chunk else None
+                if destination is not None:
                     destination.copy_(target)
                 else:
-                    program.values[key] = target
+                    values[key] = target
 
         return run
 
     def _bound(self, kernel: LaunchKernel, launch, unannounced: bool) -> object:
         """A kernel outside loops, reading and writing values of its own: every run has
-        this program's shapes, so its launch is bound to them (``Launcher.bind``) and
-        its targets' shapes known, once. An input of another shape or dtype (inputs
-        changed under ``check_inputs="never"``) raises rather than be read as this one's
-        (in a sharded run the other ranks then stop at their next collective's timeout:
-        the input check is what fails every rank at once)."""
+        this program's shapes (the rank program checks its inputs at each run), so its
+        launch is bound to them (``Launcher.bind``) and its targets' shapes known, once."""
         program, plan = self.program, kernel.analysis
         shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
-        expected = [(torch.Size(storage_shape(t, shapes[t])), storage_dtype(t))
-                    for t in plan.inputs]  # fmt: skip
         held = []  # each target's shape, strides and dtype
         for tensor in plan.outputs:
             shape = tuple(storage_shape(tensor, shapes[tensor]))
             held.append((shape, contiguous_strides(shape), storage_dtype(tensor)))
         bound, allocate = launch.bind(shapes), allocator(program.ctx.device)
+        inputs_of, outputs_of = plan.inputs, plan.outputs
 
         def run() -> None:
             nonlocal unannounced
             values = program.values
-            inputs = [values[t].contiguous() for t in plan.inputs]
-            if [(value.shape, value.dtype) for value in inputs] != expected:
-                _refuse_changed(kernel, inputs, expected)
+            inputs = [values[t].contiguous() for t in inputs_of]
             targets = [allocate(*target) for target in held]
             if unannounced:
                 unannounced = False
                 self._announced(kernel, lambda: bound(inputs, targets))
             else:
                 bound(inputs, targets)
-            values.update(zip(plan.outputs, targets, strict=True))
+            values.update(zip(outputs_of, targets, strict=True))
 
         return run
 
@@ -286,18 +309,6 @@ class ComputeSteps:
                     destination.copy_(result)
 
         return attend
-
-
-def _refuse_changed(kernel: LaunchKernel, inputs: list, expected: list) -> None:
-    """Raises for the first of a bound kernel's ``inputs`` not of the ``expected`` shape
-    and dtype."""
-    for tensor, value, (shape, dtype) in zip(kernel.analysis.inputs, inputs, expected, strict=True):
-        if value.shape != shape or value.dtype != dtype:
-            raise RuntimeError(
-                f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where this "
-                f"run's program has {list(shape)} {dtype}; inputs that change need "
-                "check_inputs='changes' (the default) or 'always'"
-            )
 
 
 def _partial_extreme(expr: Expr) -> bool:
