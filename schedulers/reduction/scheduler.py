@@ -12,12 +12,14 @@ from fusion.exprs import Expr
 from fusion.ir import TensorView
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
+    BoundLaunch,
     KernelSource,
     Launcher,
     LocalShape,
     Scheduler,
     Shapes,
     check_strategy,
+    launch_nothing,
 )
 from schedulers.cache import AlignedVariants, forms_used
 from schedulers.codegen import COMPILE_OPTIONS, memory_type, pointer_types
@@ -139,6 +141,12 @@ class ReductionLauncher(Launcher):
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
     ) -> None:
+        self.bind(shapes)(inputs, targets)
+
+    def bind(self, shapes: Shapes) -> BoundLaunch:
+        """The launch for these shapes: its grids, runtime arguments and kernel forms
+        worked out once; a launch passes the tensors (as bytes or TMA descriptors) and,
+        for an outer reduction, a new row of partial results."""
         plan, params = self.plan, self.params
         rank = plan.space.ndim
         kept_shape = iter(shapes[plan.outputs[0]])
@@ -150,7 +158,7 @@ class ReductionLauncher(Launcher):
         kept_count = math.prod(shape[a] for a in plan.kept)
         reduced_count = math.prod(shape[a] for a in plan.reduced)
         if kept_count == 0:
-            return
+            return launch_nothing
         strides = []
         for tensor in plan.inputs:
             mapping = plan.mappings[tensor]
@@ -161,11 +169,14 @@ class ReductionLauncher(Launcher):
                     strides.append(math.prod(own[dim + 1 :]))
                 else:
                     strides.append(0)
-        pointers = [as_bytes(t) for t in inputs]
-        outputs = [as_bytes(t) for t in targets]
         box = [params.block_rows, params.block_reduce]
-        for i in self.described:
-            pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
+        described = self.described
+
+        def pointers_of(inputs: list[torch.Tensor]) -> list:
+            pointers = [as_bytes(t) for t in inputs]
+            for i in described:
+                pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
+            return pointers
 
         def bind(variants: AlignedVariants, split: int) -> tuple[BoundKernel, list[int]]:
             values = [kept_count, reduced_count, split, *shape, *strides]
@@ -174,22 +185,31 @@ class ReductionLauncher(Launcher):
         if plan.layout == "inner":
             grid = (cdiv(kept_count, params.block_rows),)
             kernel, arguments = bind(self.main, 1)
-            kernel(grid, *pointers, *outputs, *arguments)
-            return
+
+            def launch_inner(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+                kernel(grid, *pointers_of(inputs), *[as_bytes(t) for t in targets], *arguments)
+
+            return launch_inner
         tiles = cdiv(kept_count, params.block_reduce)
         most = max(1, cdiv(reduced_count, params.block_rows))
         split = min(most, max(1, params.waves * self.sm_count // tiles))
         # Deterministic: every part writes its row of partial results (no fill needed);
         # atomics add into one zeroed row, and the float32 sum is the result.
         allocate = torch.empty if params.deterministic else torch.zeros
-        partial = allocate(
-            (split if params.deterministic else 1, kept_count),
-            dtype=plan.accumulator.torch_dtype, device=inputs[0].device,
-        )  # fmt: skip
-        kernel, arguments = bind(self.main, split)
-        kernel((tiles, split), partial, *pointers, *arguments)
-        kernel, arguments = bind(self.combine, split if params.deterministic else 1)
-        kernel((cdiv(kept_count, self.combine_columns),), partial, *pointers, *outputs, *arguments)
+        partial_shape = (split if params.deterministic else 1, kept_count)
+        main, main_arguments = bind(self.main, split)
+        combine, combine_arguments = bind(self.combine, split if params.deterministic else 1)
+        combine_grid = (cdiv(kept_count, self.combine_columns),)
+
+        def launch_outer(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+            pointers = pointers_of(inputs)
+            partial = allocate(partial_shape, dtype=plan.accumulator.torch_dtype,
+                               device=inputs[0].device)  # fmt: skip
+            main((tiles, split), partial, *pointers, *main_arguments)
+            combine(combine_grid, partial, *pointers, *[as_bytes(t) for t in targets],
+                    *combine_arguments)  # fmt: skip
+
+        return launch_outer
 
     def forms(self) -> list[str]:
         return forms_used([self.main, self.combine])
