@@ -370,9 +370,10 @@ class PointwiseLauncher(Launcher):
         else:
             grid = (cdiv(numel, params.block),)
 
+        launch_kernel = kernel.with_scalars(*arguments)
+
         def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-            kernel(grid, *[as_bytes(t) for t in inputs], *[as_bytes(t) for t in targets],
-                   *arguments)  # fmt: skip
+            launch_kernel(grid, *[as_bytes(t) for t in inputs], *[as_bytes(t) for t in targets])
 
         return launch
 

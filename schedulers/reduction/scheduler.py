@@ -35,7 +35,7 @@ from schedulers.reduction.codegen import (
 )
 from schedulers.reduction.heuristics import ReductionParams, tiled_params
 from schedulers.reduction.tma import tma_params
-from schedulers.runtime import BoundKernel, as_bytes, cdiv
+from schedulers.runtime import as_bytes, cdiv
 from schedulers.tma_tensors import tma_descriptor
 
 
@@ -178,16 +178,19 @@ class ReductionLauncher(Launcher):
                 pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
             return pointers
 
-        def bind(variants: AlignedVariants, split: int) -> tuple[BoundKernel, list[int]]:
+        def bind(variants: AlignedVariants, split: int):
+            """The kernel of ``variants`` for this shape, its runtime arguments bound."""
             values = [kept_count, reduced_count, split, *shape, *strides]
-            return variants.bind(dict(zip(self.names, values, strict=True)), self.known)
+            kernel, arguments = variants.bind(dict(zip(self.names, values, strict=True)),
+                                              self.known)  # fmt: skip
+            return kernel.with_scalars(*arguments)
 
         if plan.layout == "inner":
             grid = (cdiv(kept_count, params.block_rows),)
-            kernel, arguments = bind(self.main, 1)
+            kernel = bind(self.main, 1)
 
             def launch_inner(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
-                kernel(grid, *pointers_of(inputs), *[as_bytes(t) for t in targets], *arguments)
+                kernel(grid, *pointers_of(inputs), *[as_bytes(t) for t in targets])
 
             return launch_inner
         tiles = cdiv(kept_count, params.block_reduce)
@@ -197,17 +200,16 @@ class ReductionLauncher(Launcher):
         # atomics add into one zeroed row, and the float32 sum is the result.
         allocate = torch.empty if params.deterministic else torch.zeros
         partial_shape = (split if params.deterministic else 1, kept_count)
-        main, main_arguments = bind(self.main, split)
-        combine, combine_arguments = bind(self.combine, split if params.deterministic else 1)
+        main = bind(self.main, split)
+        combine = bind(self.combine, split if params.deterministic else 1)
         combine_grid = (cdiv(kept_count, self.combine_columns),)
 
         def launch_outer(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
             pointers = pointers_of(inputs)
             partial = allocate(partial_shape, dtype=plan.accumulator.torch_dtype,
                                device=inputs[0].device)  # fmt: skip
-            main((tiles, split), partial, *pointers, *main_arguments)
-            combine(combine_grid, partial, *pointers, *[as_bytes(t) for t in targets],
-                    *combine_arguments)  # fmt: skip
+            main((tiles, split), partial, *pointers)
+            combine(combine_grid, partial, *pointers, *[as_bytes(t) for t in targets])
 
         return launch_outer
 
