@@ -16,6 +16,9 @@ received buffer is the output: no copies.
 
 A max or min of floats travels as ordered integer keys so that NaN propagates as it
 does on one device (the backends' own float MAX/MIN drop NaN).
+
+Size: the nine kinds of communication, each prepared once and posted at every run,
+share their padding, wire types, keys and buffers here.
 """
 
 from __future__ import annotations

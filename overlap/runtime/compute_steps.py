@@ -15,8 +15,15 @@ import torch
 
 from fusion.exprs import AttentionGradOp, AttentionOp, Expr, IotaOp, LinearOp, MatmulOp, ReductionOp
 from fusion.ir import TensorView
-from fusion.reference import attention_grads, attention_value, evaluate_expr
-from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, unpacked
+from fusion.reference import attention_grads, attention_value, expr_evaluator
+from fusion.storage import (
+    is_packed,
+    logical_shape,
+    packed,
+    storage_dtype,
+    storage_shape,
+    unpacked,
+)
 from overlap.comm.communications import identity
 from overlap.diag import progress
 from overlap.ir import LaunchKernel
@@ -266,10 +273,16 @@ class ComputeSteps:
 
             return contract
 
+        run = expr_evaluator(expr)
+        # The reference evaluator holds fp4 unpacked, one code per byte.
+        sources = [(t, aliases.get(t, t), is_packed(t)) for t in expr.inputs]
+        results = [(out, key, into_chunk, is_packed(out)) for out, key, into_chunk in outputs]
+        chunked = [(out, key) for out, key, into_chunk in outputs if into_chunk]
+
         def evaluate() -> None:
-            # The reference evaluator holds fp4 unpacked, one code per byte.
-            local = {t: unpacked(t, read(t)) for t in expr.inputs}
-            destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
+            held = values.values
+            local = {t: unpacked(t, held[key]) if packs else held[key] for t, key, packs in sources}
+            destinations = {out: held.get(key) for out, key in chunked}
 
             def shape_of(tensor: TensorView) -> list[int]:
                 if tensor in local:
@@ -279,13 +292,13 @@ class ComputeSteps:
                     return logical_shape(tensor, destination)
                 return self.program.local_shape(tensor)
 
-            evaluate_expr(expr, local, shape_of)
-            for out, key, into_chunk in outputs:
-                result = packed(out, local[out])
+            run(local, shape_of)
+            for out, key, into_chunk, packs in results:
+                result = packed(out, local[out]) if packs else local[out]
                 if into_chunk and destinations[out] is not None:
                     destinations[out].copy_(result)
                 else:
-                    values.values[key] = result
+                    held[key] = result
 
         return evaluate
 

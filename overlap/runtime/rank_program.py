@@ -117,14 +117,9 @@ class RankProgram:
         )
         plain = all(held and not packs for _, held, packs in self.fusion_inputs)
         self.plain_inputs = [t for t, _, _ in self.fusion_inputs] if plain else None
-        plain = all(held and not packs for _, held, packs in self.fusion_outputs)
-        self.plain_outputs = [t for t, _, _ in self.fusion_outputs] if plain else None
         # each held input's shape and dtype in this program (None: not held here)
-        self.input_types = [
-            (torch.Size(storage_shape(t, self.local_shape(t))), t.dtype.torch_dtype)
-            if held else None
-            for t, held, _ in self.fusion_inputs
-        ]  # fmt: skip
+        self.input_types = [(torch.Size(storage_shape(t, self.local_shape(t))), t.dtype.torch_dtype)
+                            if held else None for t, held, _ in self.fusion_inputs]  # fmt: skip
 
     def holds(self, mesh: DeviceMesh | None) -> bool:
         """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
@@ -163,36 +158,28 @@ class RankProgram:
                                                     strict=True):  # fmt: skip
                 if held:  # fp4 stays packed, two values per byte, between kernels
                     values[tensor] = value.view(torch.uint8) if packs else value
-        if timeline is None:
-            for step in self.steps:
-                step()
-        else:
-            for step in self.steps:
-                step()
-                if self.deferred:
-                    self._poll_deferred()
+        polls = timeline is not None  # a timeline's spans end when the host sees them done
+        for step in self.steps:
+            step()
+            if polls and self.deferred:
+                self._poll_deferred()
         self.values = {}
-        if self.plain_outputs:  # every output held, none packed: the common case
-            return [values[tensor].contiguous() for tensor in self.plain_outputs]
-        outputs: list[torch.Tensor | None] = []
-        for tensor, held, packs in self.fusion_outputs:
-            if not held:
-                outputs.append(None)
-                continue
-            value = values[tensor].contiguous()
-            outputs.append(value.view(torch.float4_e2m1fn_x2) if packs else value)
-        return outputs
+        return [
+            None if not held
+            else values[tensor].contiguous().view(torch.float4_e2m1fn_x2) if packs
+            else values[tensor].contiguous()
+            for tensor, held, packs in self.fusion_outputs
+        ]  # fmt: skip
 
     def _refuse_changed(self, local_inputs) -> None:
         """Raises for the first input not of this program's shape and dtype."""
-        for position, (value, expected) in enumerate(zip(local_inputs, self.input_types,
-                                                         strict=True)):  # fmt: skip
+        for tensor, value, expected in zip(self.fusion.inputs, local_inputs, self.input_types,
+                                           strict=True):  # fmt: skip
             if expected is not None and (value.shape, value.dtype) != expected:
-                shape, dtype = expected
                 raise RuntimeError(
-                    f"input {position} ({self.fusion.inputs[position]}) is {list(value.shape)} "
-                    f"{value.dtype} where this run's program has {list(shape)} {dtype}; inputs "
-                    "that change need check_inputs='changes' (the default) or 'always'"
+                    f"input {tensor} is {list(value.shape)} {value.dtype} where this run's "
+                    f"program has {list(expected[0])} {expected[1]}; inputs that change need "
+                    "check_inputs='changes' (the default) or 'always'"
                 )
 
     def _lane(self, loop, kind: str) -> str:
