@@ -262,12 +262,14 @@ class ComputeSteps:
             return self._attention(expr, read, outputs)
         if isinstance(expr, (MatmulOp, LinearOp)):
             ((_, key, into_chunk),) = outputs
+            operands, contraction = [aliases.get(t, t) for t in expr.inputs], _contraction(expr)
 
             def contract() -> None:
-                destination = values.values.get(key) if into_chunk else None
-                result = _contract(expr, read, destination)
+                held = values.values
+                destination = held.get(key) if into_chunk else None
+                result = contraction([held[t] for t in operands], destination)
                 if destination is None:
-                    values.values[key] = result
+                    held[key] = result
                 elif result.data_ptr() != destination.data_ptr():
                     destination.copy_(result)
 
@@ -332,16 +334,28 @@ def _partial_extreme(expr: Expr) -> bool:
     return layout is not None and layout.is_partial
 
 
-def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
-    """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
+def _contraction(expr: Expr):
+    """``contract(operands, out)``: ``expr`` (a matmul or linear) through cuBLAS, natively
+    in its dtype (fp32 accumulation), into ``out`` where that is a contiguous matrix
+    (and the operands are matrices), else into a new tensor."""
     if isinstance(expr, MatmulOp):
-        a, b = (read(t) for t in expr.inputs)
-        if out is not None and out.is_contiguous() and a.dim() == 2 and b.dim() == 2:
-            return torch.mm(a, b, out=out)
-        return torch.matmul(a, b)
-    x, weight, *bias = (read(t) for t in expr.inputs)
-    if out is not None and out.is_contiguous() and x.dim() == 2:
-        if bias:
-            return torch.addmm(bias[0], x, weight.t(), out=out)
-        return torch.mm(x, weight.t(), out=out)
-    return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
+        matrices = all(t.ndim == 2 for t in expr.inputs)
+
+        def matmul(operands: list, out: torch.Tensor | None) -> torch.Tensor:
+            a, b = operands
+            if matrices and out is not None and out.is_contiguous():
+                return torch.mm(a, b, out=out)
+            return torch.matmul(a, b)
+
+        return matmul
+    matrix = expr.inputs[0].ndim == 2
+
+    def linear(operands: list, out: torch.Tensor | None) -> torch.Tensor:
+        x, weight, *bias = operands
+        if matrix and out is not None and out.is_contiguous():
+            if bias:
+                return torch.addmm(bias[0], x, weight.t(), out=out)
+            return torch.mm(x, weight.t(), out=out)
+        return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
+
+    return linear
