@@ -35,7 +35,7 @@ from schedulers.reduction.codegen import (
 )
 from schedulers.reduction.heuristics import ReductionParams, tiled_params
 from schedulers.reduction.tma import tma_params
-from schedulers.runtime import as_bytes, cdiv
+from schedulers.runtime import allocator, as_bytes, cdiv, contiguous_strides
 from schedulers.tma_tensors import tma_descriptor
 
 
@@ -198,16 +198,18 @@ class ReductionLauncher(Launcher):
         split = min(most, max(1, params.waves * self.sm_count // tiles))
         # Deterministic: every part writes its row of partial results (no fill needed);
         # atomics add into one zeroed row, and the float32 sum is the result.
-        allocate = torch.empty if params.deterministic else torch.zeros
         partial_shape = (split if params.deterministic else 1, kept_count)
+        partial_strides, zeroed = contiguous_strides(partial_shape), not params.deterministic
         main = bind(self.main, split)
         combine = bind(self.combine, split if params.deterministic else 1)
         combine_grid = (cdiv(kept_count, self.combine_columns),)
 
         def launch_outer(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
             pointers = pointers_of(inputs)
-            partial = allocate(partial_shape, dtype=plan.accumulator.torch_dtype,
-                               device=inputs[0].device)  # fmt: skip
+            partial = allocator(inputs[0].device)(partial_shape, partial_strides,
+                                                  plan.accumulator.torch_dtype)  # fmt: skip
+            if zeroed:
+                partial.zero_()
             main((tiles, split), partial, *pointers)
             combine(combine_grid, partial, *pointers, *[as_bytes(t) for t in targets])
 
