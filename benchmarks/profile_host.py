@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import datetime
 import io
-import json
 import os
 import pstats
 import statistics
@@ -54,7 +52,6 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import blocks  # noqa: E402
-from benchmarks.kernels import commit_id  # noqa: E402
 from benchmarks.timing import slowest  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from launch.demo import build_tp_mlp  # noqa: E402
@@ -227,25 +224,6 @@ def print_table(rows: list[dict]) -> None:
               + f" {row['ours_over_torch']:10.2f}")  # fmt: skip
 
 
-def write_results(path: str, rows: list[dict], communicator) -> None:
-    cuda = communicator.device.type == "cuda"
-    result = {
-        "device": f"{communicator.world_size}x "
-        + (torch.cuda.get_device_name() if cuda else "cpu (gloo)"),
-        "date": datetime.date.today().isoformat(),
-        "commit": commit_id(),
-        "command": " ".join(
-            ["torchrun --nproc-per-node", str(communicator.world_size), *sys.argv]
-        ),  # fmt: skip
-        "torch": torch.__version__,
-        "calls_a_sample": CALLS,
-        "rows": rows,
-    }
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {path}")
-
-
 def communicator_for(device: str) -> Communicator:
     if device == "cpu":
         dist.init_process_group("gloo")
@@ -286,8 +264,13 @@ def main() -> None:
         print_table(rows)
         suffix = "_cpu" if small else ""
         out = args.out or str(ROOT / "benchmarks" / "results" / f"profile_host{suffix}.json")
-        write_results(out, rows, communicator)
+        blocks.write_results(out, rows, communicator)
     dist.barrier()
+    if not small:
+        # Tearing down symmetric memory at exit has hung torch 2.11 (benchmarks/ag_matmul.py):
+        # the results are written, so leave without it.
+        sys.stdout.flush()
+        os._exit(0)
     dist.destroy_process_group()
 
 
