@@ -105,12 +105,23 @@ def evaluate_expr(expr: Expr, values: Values, shape_of: ShapeOf) -> None:
     ``shape_of`` gives the concrete shape of a tensor where it is evaluated; an expr
     class without its own evaluator is evaluated as its nearest base class.
     """
+    expr_evaluator(expr)(values, shape_of)
+
+
+def expr_evaluator(expr: Expr) -> Callable[[Values, ShapeOf], None]:
+    """``evaluate(values, shape_of)``: ``evaluate_expr(expr, values, shape_of)`` with
+    ``expr``'s evaluator found once, for a caller that evaluates it again and again."""
     evaluator = next(_EVALUATORS[cls] for cls in type(expr).__mro__ if cls in _EVALUATORS)
-    results = evaluator(expr, values, shape_of)
-    if isinstance(results, torch.Tensor):
-        results = (results,)
-    for tv, result in zip(expr.outputs, results, strict=True):
-        values[tv] = result
+    outputs = expr.outputs
+
+    def evaluate(values: Values, shape_of: ShapeOf) -> None:
+        results = evaluator(expr, values, shape_of)
+        if isinstance(results, torch.Tensor):
+            results = (results,)
+        for tv, result in zip(outputs, results, strict=True):
+            values[tv] = result
+
+    return evaluate
 
 
 # ---------------------------------------------------------------------------

@@ -96,6 +96,10 @@ class Launcher(ABC):
         (``schedulers.cache.AlignedVariants``); none for kernels with one form."""
 
 
+def launch_nothing(*_) -> None:
+    """The bound launch of kernels over no element (``Launcher.bind``): nothing runs."""
+
+
 class Scheduler(Protocol[PlanT, ParamsT]):
     """A scheduler: ``name`` (as host programs print it), the ``strategies`` a user
     may force by name (``kernel_params={"k0": "tma"}``; empty when it has one way to

@@ -31,12 +31,14 @@ from schedulers.analysis import (
     unit_stride_group,
 )
 from schedulers.base import (
+    BoundLaunch,
     KernelSource,
     Launcher,
     LocalShape,
     Scheduler,
     Shapes,
     check_strategy,
+    launch_nothing,
 )
 from schedulers.cache import ALIGN_ELEMENTS, AlignedVariants, forms_used
 from schedulers.codegen import (
@@ -344,18 +346,22 @@ class PointwiseLauncher(Launcher):
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
     ) -> None:
+        self.bind(shapes)(inputs, targets)
+
+    def bind(self, shapes: Shapes) -> BoundLaunch:
+        """The launch for these shapes: its grid, runtime arguments and kernel form
+        worked out once; a launch passes the tensors (fp8 and fp4 as bytes)."""
         plan, params = self.plan, self.params
         shape = shapes[plan.outputs[0]]
         numel = math.prod(shape)
         if numel == 0:
-            return
+            return launch_nothing
         sizes = group_sizes(plan.collapsed, shape)
         strides = [
             stride
             for tensor in plan.inputs
             for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
         ]
-        pointers = [as_bytes(t) for t in (*inputs, *targets)]
         runtime = dict(zip(self.names, [numel, *sizes, *strides], strict=True))
         kernel, arguments = self.variants.bind(runtime, self.known)
         if plan.tiled and params.block_columns > 0:
@@ -363,7 +369,13 @@ class PointwiseLauncher(Launcher):
             grid = (cdiv(sizes[0], block_rows) * cdiv(sizes[1], params.block_columns),)
         else:
             grid = (cdiv(numel, params.block),)
-        kernel(grid, *pointers, *arguments)
+
+        launch_kernel = kernel.with_scalars(*arguments)
+
+        def launch(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+            launch_kernel(grid, *[as_bytes(t) for t in inputs], *[as_bytes(t) for t in targets])
+
+        return launch
 
     def forms(self) -> list[str]:
         return forms_used([self.variants])

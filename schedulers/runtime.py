@@ -150,7 +150,22 @@ class BoundKernel:
             )
 
     def __call__(self, grid: tuple, *arguments) -> None:
-        key, passed = self._key(arguments)
+        self._launch(grid, arguments, (), ())
+
+    def with_scalars(self, *scalars) -> Callable[..., None]:
+        """``launch(grid, *tensors)``: ``self(grid, *tensors, *scalars)``, with what the
+        trailing ``scalars`` add to the compiled kernel's key (``specialization``)
+        worked out once: a launch bound to its shapes passes the same ones every time."""
+        try:
+            keys = tuple(specialization(scalar) for scalar in scalars)
+        except TypeError:  # a scalar of a type not keyed here: keyed at each launch
+            return lambda grid, *tensors: self(grid, *tensors, *scalars)
+        return lambda grid, *tensors: self._launch(grid, tensors, scalars, keys)
+
+    def _launch(self, grid: tuple, arguments: tuple, scalars: tuple, keys: tuple) -> None:
+        """Launches with ``arguments`` then ``scalars``, whose keys are ``keys``."""
+        key, passed = self._key(arguments, scalars, keys)
+        arguments = (*arguments, *scalars)
         found = self.compiled.get(key) if key is not None else None
         if self.cluster > 1:
             if grid[0] % self.cluster or any(extent != 1 for extent in grid[1:]):
@@ -225,13 +240,14 @@ class BoundKernel:
         _, function, *_ = utils.load_binary(compiled.name, compiled.kernel, shared, device)
         return launch, function, head, descriptors
 
-    def _key(self, arguments: tuple) -> tuple[tuple | None, list | tuple]:
-        """The compiled kernel's key for these arguments (its device first; None where
-        the launch keeps to the JITFunction's path), and the arguments its compiled
-        launcher is given: a CUDA tensor as its address, which the launcher would
-        otherwise ask the tensor and then the driver for (2.6 us of an H200 host's time
-        a launch of 10 tensors); anything else as it is (a CPU tensor: the launcher
-        refuses it)."""
+    def _key(self, arguments: tuple, scalars: tuple = (),
+             keys: tuple = ()) -> tuple[tuple | None, list | tuple]:  # fmt: skip
+        """The compiled kernel's key for ``arguments`` then ``scalars`` (whose keys are
+        ``keys``; its device first; None where the launch keeps to the JITFunction's
+        path), and the arguments its compiled launcher is given: a CUDA tensor as its
+        address, which the launcher would otherwise ask the tensor and then the driver
+        for (2.6 us of an H200 host's time a launch of 10 tensors); anything else as it
+        is (a CPU tensor: the launcher refuses it)."""
         knobs = self.knobs
         runtime = knobs.runtime
         enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
@@ -239,7 +255,7 @@ class BoundKernel:
         # function has no ``calls``
         if self.tail is None or (self.cluster == 1 and (self.kernel.pre_run_hooks
                 or getattr(enter, "calls", True) or getattr(leave, "calls", True))):  # fmt: skip
-            return None, arguments
+            return None, (*arguments, *scalars)
         # Triton compiles anew when its options change: so does the key
         key = [self.driver.active.get_current_device(), runtime.debug,
                knobs.compilation.instrumentation_mode]  # fmt: skip
@@ -254,8 +270,8 @@ class BoundKernel:
                     key.append(specialization(argument))
                     passed.append(argument)
         except TypeError:  # an argument of a type not keyed here
-            return None, arguments
-        return tuple(key), passed
+            return None, (*arguments, *scalars)
+        return (*key, *keys), [*passed, *scalars]
 
 
 def _direct(compiled, metadata) -> tuple:

@@ -195,6 +195,31 @@ def test_parallel_block_benchmark_smoke_run():
     assert variants == ["ours", "ours_save_everything", "torch_tp"], result.stdout
 
 
+def test_profile_host_benchmark_smoke_run(tmp_path):
+    """``benchmarks/profile_host.py --device cpu`` on 2 gloo ranks: every variant's output
+    checked on every rank first (a wrong one fails the run), one row a case with every
+    variant's host time, written with the command that made it."""
+    out = tmp_path / "profile_host.json"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        "--nproc-per-node", "2", str(ROOT / "benchmarks" / "profile_host.py"),
+        "--device", "cpu", "--samples", "1", "--out", str(out),
+    ]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert record["device"] == "2x cpu (gloo)" and "--device cpu" in record["command"]
+    rows = record["rows"]
+    assert [row["case"] for row in rows] == ["sp_mlp", "mlp_block", "attention_block"]
+    for row in rows:
+        assert row["checked_every_rank"], row
+        for variant in ("ours", "ours_no_check", "ours_sequential", "ours_pipelined", "torch"):
+            assert 0 < row[f"{variant}_min_us"] <= row[f"{variant}_us"], row
+
+
 def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     """``benchmarks/check_gpu.py`` on 2 CPU ranks (kernels in the interpreter): every
     check passes on every rank, and the JSON holds each rank's verdict."""

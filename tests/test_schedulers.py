@@ -437,6 +437,30 @@ def test_a_bound_kernel_launches_its_compiled_kernel_after_the_first_launch(monk
     assert not kernel.compiled_kernel.run.wrapped
 
 
+def test_a_launch_with_its_scalars_bound_is_the_launch_with_them_passed(monkeypatch):
+    """``with_scalars``: launches as passing the scalars would, sharing compiled kernels
+    with such launches (the same specialization), a scalar of another class compiled
+    anew, one of a type not keyed here always through the JITFunction."""
+    keywords = {"WIDE": 8, "BLOCK": 64, "num_warps": 4}
+    bound, kernel = _bound(monkeypatch, _two_constants, keywords)
+    held = torch.zeros(64)
+    x, y = held[:16], held[16:32]
+    launch = bound.with_scalars(16)
+    launch((3,), x, y)
+    assert kernel.jitted == [((3,), (x, y, 16), keywords)] and not kernel.direct
+    launch((5, 2), x, y)
+    assert kernel.direct == [(5, 2, 1, 77, "f", 0, 1, None, None, "m", None, None, None, x, y,
+                              16, 64, 8)]  # fmt: skip
+    bound((5,), x, y, 32)  # as 16 is: the same compiled kernel
+    assert len(kernel.jitted) == 1 and kernel.direct[-1][13:] == (x, y, 32, 64, 8)
+    bound.with_scalars(17)((5,), x, y)  # not a multiple of 16: compiled anew
+    assert len(kernel.jitted) == 2 and len(kernel.direct) == 2
+    floating = bound.with_scalars(1.5)
+    floating((5,), x, y)
+    floating((5,), x, y)
+    assert len(kernel.jitted) == 4 and kernel.jitted[-1] == ((5,), (x, y, 1.5), keywords)
+
+
 def test_a_bound_kernel_with_scratch_memory_launches_through_tritons_wrapper(monkeypatch):
     """A compiled kernel that takes scratch memory is launched through the launcher's
     Python wrapper, which allocates it."""

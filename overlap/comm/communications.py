@@ -6,12 +6,19 @@ matched to ranks by mesh coordinate, not by rank number, so a mesh may list its
 ranks in any order. fp8 and bool travel as bytes (no backend reduces them, and
 gloo cannot move them); fp4 is already held as one byte per value.
 
-``start`` posts the transfer (asynchronously) and returns a ``Pending`` whose
-``wait`` finishes it and returns this rank's output (None on ranks that take
-part but do not keep a result, like the root of a scatter outside the mesh).
+``prepare`` works out once how this rank posts a communication (its team, group,
+split sizes, buffers' shapes); the ``post`` it returns posts the transfer
+(asynchronously) and returns a ``Pending`` whose ``wait`` finishes it and returns this
+rank's output (None on ranks that take part but do not keep a result, like the root
+of a scatter outside the mesh). Where the pieces lie in memory as a collective moves
+them (even, in rank order, along the leading axis), the input is sent as it is and the
+received buffer is the output: no copies.
 
 A max or min of floats travels as ordered integer keys so that NaN propagates as it
 does on one device (the backends' own float MAX/MIN drop NaN).
+
+Size: the nine kinds of communication, each prepared once and posted at every run,
+share their padding, wire types, keys and buffers here.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ import torch.distributed as dist
 
 from fusion.ir import TensorView
 from overlap.comm.communicator import Communicator
+from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import Communication, CommunicationKind
 from sharding.layout import split_range, split_sizes
 from sharding.mesh import DeviceMesh
@@ -45,10 +53,6 @@ class RankContext:
     local_shape: Callable[[TensorView], list[int]]
     storage_dtype: Callable[[TensorView], torch.dtype]
     device: torch.device
-
-    def empty(self, tensor: TensorView, shape: list[int] | None = None) -> torch.Tensor:
-        shape = self.local_shape(tensor) if shape is None else shape
-        return torch.empty(shape, dtype=_wire_dtype(self.storage_dtype(tensor)), device=self.device)
 
 
 @dataclass
@@ -97,14 +101,42 @@ def _members(mesh: DeviceMesh, team: tuple[int, ...], axis: int) -> list[tuple[i
     return [(rank, mesh.coords(rank)[axis]) for rank in sorted(team)]
 
 
-def start(comm: Communication, value: torch.Tensor | None, ctx: RankContext) -> Pending:
-    """Post ``comm`` on this rank; ``value`` is this rank's input (None if it has none)."""
+def _as_laid_out(whole: list[int], dim: int, sizes: list[int], members) -> bool:
+    """Whether the pieces of ``whole`` along ``dim`` lie in its memory as a collective
+    moves them: equal, in group order (coordinates in rank order), and along the leading
+    axis (or after axes of one element). Then a collective's whole buffer is the
+    tensor itself: nothing to pad, reorder or copy."""
+    return (
+        len(set(sizes)) == 1
+        and all(coordinate == index for index, (_, coordinate) in enumerate(members))
+        and all(extent == 1 for extent in whole[:dim])
+    )
+
+
+def _allocation(ctx: RankContext, shape) -> Callable[[torch.dtype], torch.Tensor]:
+    """``allocate(dtype)``: a new contiguous buffer of ``shape`` at each call (the caching
+    allocator's, without torch.empty's parsing of its arguments:
+    ``schedulers.runtime.allocator``)."""
+    shape = tuple(shape)
+    strides, allocate = contiguous_strides(shape), allocator(ctx.device)
+    return lambda dtype: allocate(shape, strides, dtype)
+
+
+Post = Callable[[torch.Tensor | None], Pending]
+
+
+def prepare(comm: Communication, ctx: RankContext) -> Post:
+    """How this rank posts ``comm``: ``post(value)`` posts it (asynchronously) for this
+    rank's input ``value`` (None if it has none) and returns its ``Pending``. Its team,
+    process group, members, split sizes and buffers' shapes are worked out here, once;
+    a post moves the data and copies only what the layout needs (uneven pieces, a split
+    axis after others, a mesh whose coordinates are not in rank order)."""
     kind = comm.kind
     if comm.same_mesh:
         mesh, axis = comm.in_layout.mesh, comm.mesh_axis
         team = mesh.team(ctx.rank, axis)
         if len(team) == 1:
-            return Pending(finish=lambda: value.clone())
+            return lambda value: Pending(finish=lambda: value.clone())
         group = ctx.communicator.group(team)
         members = _members(mesh, team, axis)
         handler = {
@@ -113,9 +145,9 @@ def start(comm: Communication, value: torch.Tensor | None, ctx: RankContext) -> 
             CommunicationKind.ReduceScatter: _reduce_scatter,
             CommunicationKind.AllToAll: _all_to_all,
         }[kind]
-        return handler(comm, value, ctx, group, members)
+        return handler(comm, ctx, group, members)
     if kind is CommunicationKind.SendRecv:
-        return _send_recv(comm, value, ctx)
+        return _send_recv(comm, ctx)
     (team,) = comm.teams()
     group = ctx.communicator.group(team)
     handler = {
@@ -124,26 +156,47 @@ def start(comm: Communication, value: torch.Tensor | None, ctx: RankContext) -> 
         CommunicationKind.Gather: _gather,
         CommunicationKind.Reduce: _reduce,
     }[kind]
-    return handler(comm, value, ctx, group, team)
+    return handler(comm, ctx, group, team)
 
 
-def _allgather(comm, value, ctx, group, members) -> Pending:
-    dim = comm.in_dim
-    parts = len(members)
-    extent = ctx.local_shape(comm.output)[dim]  # the gathered axis, whole
-    largest = max(split_sizes(extent, parts))
-    send = _pad(_wire(value), dim, largest).movedim(dim, 0).contiguous()
-    receive = send.new_empty((parts * largest, *send.shape[1:]))
-    work = _all_gather_single(receive, send, group=group, async_op=True)
+def _allgather(comm, ctx, group, members) -> Post:
+    dim, parts = comm.in_dim, len(members)
+    whole = ctx.local_shape(comm.output)  # the gathered axis, whole
+    sizes = split_sizes(whole[dim], parts)
+    largest = max(sizes)
+    rest = [*whole[:dim], *whole[dim + 1 :]]
+    allocate = _allocation(ctx, (parts * largest, *rest))
+    if _as_laid_out(whole, dim, sizes, members):
+        # the pieces go as they are, and the received buffer is the result (after axes of
+        # one element, as its view)
+        piece, shape = (None, None) if dim == 0 else ((largest, *rest), tuple(whole))
 
-    def finish() -> torch.Tensor:
-        chunks = receive.view(parts, largest, *send.shape[1:])
-        by_coordinate = {coord: chunks[i] for i, (_, coord) in enumerate(members)}
-        sizes = split_sizes(extent, parts)
-        whole = torch.cat([by_coordinate[c][: sizes[c]] for c in range(parts)], 0)
-        return _unwire(whole.movedim(0, dim).contiguous(), value.dtype)
+        def gather_in_place(value) -> Pending:
+            send = _wire(value).contiguous()
+            receive = allocate(send.dtype)
+            work = _all_gather_single(receive, send if piece is None else send.view(piece),
+                                      group=group, async_op=True)  # fmt: skip
+            result = receive if shape is None else receive.view(shape)
+            return Pending([work], lambda: _unwire(result, value.dtype))
 
-    return Pending([work], finish)
+        return gather_in_place
+    # the group's pieces (by position) in coordinate order
+    order = [position for _, position in sorted((c, i) for i, (_, c) in enumerate(members))]
+
+    def gather(value) -> Pending:
+        send = _pad(_wire(value), dim, largest).movedim(dim, 0).contiguous()
+        receive = allocate(send.dtype)
+        work = _all_gather_single(receive, send, group=group, async_op=True)
+
+        def finish() -> torch.Tensor:
+            chunks = receive.view(parts, largest, *rest)
+            pieces = [chunks[position][:size] for position, size in zip(order, sizes, strict=True)]
+            whole = torch.cat(pieces, 0)
+            return _unwire(whole.movedim(0, dim).contiguous(), value.dtype)
+
+        return Pending([work], finish)
+
+    return gather
 
 
 # Floats compared as integers: the bits of a float, with all but the sign flipped when
@@ -191,79 +244,117 @@ def reducible(
     return _to_keys(value, op).contiguous(), lambda result: _from_keys(result, dtype)
 
 
-def _allreduce(comm, value, ctx, group, members) -> Pending:
-    wire, read = reducible(value, comm.reduce_op)
-    work = dist.all_reduce(wire, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True)
-    return Pending([work], lambda: read(wire))
+def _allreduce(comm, ctx, group, members) -> Post:
+    op, reduce_op = comm.reduce_op, _REDUCE_OPS[comm.reduce_op]
+
+    def reduce(value) -> Pending:
+        wire, read = reducible(value, op)
+        work = dist.all_reduce(wire, op=reduce_op, group=group, async_op=True)
+        return Pending([work], lambda: read(wire))
+
+    return reduce
 
 
-def _reduce_scatter(comm, value, ctx, group, members) -> Pending:
-    dim = comm.out_dim
-    parts = len(members)
-    extent = value.shape[dim]
+def _reduce_scatter(comm, ctx, group, members) -> Post:
+    dim, parts = comm.out_dim, len(members)
+    whole = ctx.local_shape(comm.inputs[0])  # the scattered axis, whole
+    extent = whole[dim]
     sizes = split_sizes(extent, parts)
     largest = max(sizes)
-    wire, read = reducible(value, comm.reduce_op, in_place=True)  # the pieces are copied
-    chunks = [
-        _pad(_piece(wire, dim, extent, parts, coord), dim, largest).movedim(dim, 0)
-        for _, coord in members
-    ]
-    send = torch.cat(chunks, 0).contiguous()
-    receive = send.new_empty((largest, *send.shape[1:]))
-    work = _reduce_scatter_single(
-        receive, send, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True
-    )
+    rest = [*whole[:dim], *whole[dim + 1 :]]
+    op, reduce_op = comm.reduce_op, _REDUCE_OPS[comm.reduce_op]
     mine = comm.in_layout.mesh.coords(ctx.rank)[comm.mesh_axis]
+    allocate = _allocation(ctx, (largest, *rest))
+    if _as_laid_out(whole, dim, sizes, members):
+        # the partials go as they are (a sum's; a max or min moves their keys), and the
+        # received buffer is the result (after axes of one element, as its view)
+        flat, shape = None, None
+        if dim > 0:
+            flat, shape = (extent, *rest), (*whole[:dim], largest, *whole[dim + 1 :])
 
-    def finish() -> torch.Tensor:
-        return read(receive[: sizes[mine]].movedim(0, dim).contiguous())
+        def scatter_in_place(value) -> Pending:
+            wire, read = reducible(value, op, in_place=True)
+            receive = allocate(wire.dtype)
+            work = _reduce_scatter_single(receive, wire if flat is None else wire.view(flat),
+                                          op=reduce_op, group=group, async_op=True)  # fmt: skip
+            result = receive if shape is None else receive.view(shape)
+            return Pending([work], lambda: read(result))
 
-    return Pending([work], finish)
+        return scatter_in_place
+    coordinates = [coordinate for _, coordinate in members]
+
+    def scatter(value) -> Pending:
+        wire, read = reducible(value, op, in_place=True)  # the pieces are copied
+        chunks = [
+            _pad(_piece(wire, dim, extent, parts, coordinate), dim, largest).movedim(dim, 0)
+            for coordinate in coordinates
+        ]
+        send = torch.cat(chunks, 0)
+        receive = allocate(send.dtype)
+        work = _reduce_scatter_single(receive, send, op=reduce_op, group=group, async_op=True)
+        return Pending([work], lambda: read(receive[: sizes[mine]].movedim(0, dim).contiguous()))
+
+    return scatter
 
 
-def _all_to_all(comm, value, ctx, group, members) -> Pending:
+def _all_to_all(comm, ctx, group, members) -> Post:
     split_in, split_out = comm.in_dim, comm.out_dim
     parts = len(members)
     extent_in = ctx.local_shape(comm.output)[split_in]  # whole after the exchange
-    extent_out = value.shape[split_out]  # whole before it
-    largest_in = max(split_sizes(extent_in, parts))
-    largest_out = max(split_sizes(extent_out, parts))
-    wire = _wire(value)
-    chunks = [
-        _pad(_pad(_piece(wire, split_out, extent_out, parts, coord), split_out, largest_out),
-             split_in, largest_in)
-        for _, coord in members
-    ]  # fmt: skip
-    send = torch.stack(chunks).contiguous()
-    receive = torch.empty_like(send)
-    work = dist.all_to_all_single(receive, send, group=group, async_op=True)
+    extent_out = ctx.local_shape(comm.inputs[0])[split_out]  # whole before it
+    sizes_in = split_sizes(extent_in, parts)
+    largest_in, largest_out = max(sizes_in), max(split_sizes(extent_out, parts))
     mine = comm.in_layout.mesh.coords(ctx.rank)[comm.mesh_axis]
+    own_out = split_sizes(extent_out, parts)[mine]
+    coordinates = [coordinate for _, coordinate in members]
+    order = [position for _, position in sorted((c, i) for i, c in enumerate(coordinates))]
 
-    def finish() -> torch.Tensor:
-        sizes_in = split_sizes(extent_in, parts)
-        own_out = split_sizes(extent_out, parts)[mine]
-        by_coordinate = {coord: receive[i] for i, (_, coord) in enumerate(members)}
-        pieces = [
-            by_coordinate[c].narrow(split_in, 0, sizes_in[c]).narrow(split_out, 0, own_out)
-            for c in range(parts)
-        ]
-        return _unwire(torch.cat(pieces, split_in).contiguous(), value.dtype)
+    def exchange(value) -> Pending:
+        wire = _wire(value)
+        chunks = [
+            _pad(_pad(_piece(wire, split_out, extent_out, parts, coordinate), split_out,
+                      largest_out), split_in, largest_in)
+            for coordinate in coordinates
+        ]  # fmt: skip
+        send = torch.stack(chunks)
+        receive = torch.empty_like(send)
+        work = dist.all_to_all_single(receive, send, group=group, async_op=True)
 
-    return Pending([work], finish)
+        def finish() -> torch.Tensor:
+            pieces = [
+                receive[position].narrow(split_in, 0, size).narrow(split_out, 0, own_out)
+                for position, size in zip(order, sizes_in, strict=True)
+            ]
+            return _unwire(torch.cat(pieces, split_in).contiguous(), value.dtype)
+
+        return Pending([work], finish)
+
+    return exchange
 
 
-def _broadcast(comm, value, ctx, group, team) -> Pending:
-    if ctx.rank == comm.root:
-        buffer = _wire(value).contiguous()
-    else:
-        buffer = ctx.empty(comm.output)
-    work = dist.broadcast(buffer, src=comm.root, group=group, async_op=True)
-    keeps = ctx.rank in comm.out_layout.mesh
+def _broadcast(comm, ctx, group, team) -> Post:
+    root = comm.root
     dtype = ctx.storage_dtype(comm.output)
-    return Pending([work], lambda: _unwire(buffer, dtype).clone() if keeps else None)
+    if ctx.rank == root:
+        keeps = ctx.rank in comm.out_layout.mesh
+
+        def send(value) -> Pending:
+            buffer = _wire(value).contiguous()
+            work = dist.broadcast(buffer, src=root, group=group, async_op=True)
+            return Pending([work], lambda: _unwire(buffer, dtype).clone() if keeps else None)
+
+        return send
+    allocate, wire_dtype = _allocation(ctx, ctx.local_shape(comm.output)), _wire_dtype(dtype)
+
+    def receive(value) -> Pending:
+        buffer = allocate(wire_dtype)
+        work = dist.broadcast(buffer, src=root, group=group, async_op=True)
+        return Pending([work], lambda: _unwire(buffer, dtype))
+
+    return receive
 
 
-def _scatter(comm, value, ctx, group, team) -> Pending:
+def _scatter(comm, ctx, group, team) -> Post:
     dim = comm.out_dim
     out_mesh = comm.out_layout.mesh
     parts = out_mesh.size
@@ -272,69 +363,89 @@ def _scatter(comm, value, ctx, group, team) -> Pending:
     largest = max(sizes)
     padded_shape = ctx.global_shape(comm.output)
     padded_shape[dim] = largest
-    chunks = None
-    if ctx.rank == comm.root:
-        wire = _wire(value)
-        chunks = []
-        for rank in sorted(team):
-            if rank in out_mesh:
-                piece = _piece(wire, dim, extent, parts, out_mesh.coords(rank)[0])
-                chunks.append(_pad(piece, dim, largest).contiguous())
-            else:
-                chunks.append(wire.new_zeros(padded_shape))
-    receive = ctx.empty(comm.output, padded_shape)
-    work = dist.scatter(receive, chunks, src=comm.root, group=group, async_op=True)
     dtype = ctx.storage_dtype(comm.output)
+    allocate, wire_dtype = _allocation(ctx, padded_shape), _wire_dtype(dtype)
+    # the root's pieces, by rank: the coordinate of a rank on the mesh (None: off it)
+    coordinates = [out_mesh.coords(rank)[0] if rank in out_mesh else None
+                   for rank in sorted(team)]  # fmt: skip
+    own = sizes[out_mesh.coords(ctx.rank)[0]] if ctx.rank in out_mesh else None
 
-    def finish() -> torch.Tensor | None:
-        if ctx.rank not in out_mesh:
-            return None
-        own = sizes[out_mesh.coords(ctx.rank)[0]]
-        return _unwire(receive.narrow(dim, 0, own).contiguous(), dtype)
+    def scatter(value) -> Pending:
+        chunks = None
+        if ctx.rank == comm.root:
+            wire = _wire(value)
+            chunks = [
+                wire.new_zeros(padded_shape) if coordinate is None
+                else _pad(_piece(wire, dim, extent, parts, coordinate), dim, largest).contiguous()
+                for coordinate in coordinates
+            ]  # fmt: skip
+        receive = allocate(wire_dtype)
+        work = dist.scatter(receive, chunks, src=comm.root, group=group, async_op=True)
 
-    return Pending([work], finish)
+        def finish() -> torch.Tensor | None:
+            if own is None:
+                return None
+            piece = receive if own == largest else receive.narrow(dim, 0, own).contiguous()
+            return _unwire(piece, dtype)
+
+        return Pending([work], finish)
+
+    return scatter
 
 
-def _gather(comm, value, ctx, group, team) -> Pending:
+def _gather(comm, ctx, group, team) -> Post:
     dim = comm.in_dim
     in_mesh = comm.in_layout.mesh
     parts = in_mesh.size
     whole = ctx.global_shape(comm.output)
-    extent = whole[dim]
-    sizes = split_sizes(extent, parts)
+    sizes = split_sizes(whole[dim], parts)
     padded_shape = list(whole)
     padded_shape[dim] = max(sizes)
-    if ctx.rank in in_mesh:
-        send = _pad(_wire(value), dim, max(sizes)).contiguous()
-    else:
-        send = ctx.empty(comm.output, padded_shape).zero_()
-    receive = [torch.empty_like(send) for _ in team] if ctx.rank == comm.root else None
-    work = dist.gather(send, receive, dst=comm.root, group=group, async_op=True)
     dtype = ctx.storage_dtype(comm.output)
+    inside = ctx.rank in in_mesh
+    allocate, wire_dtype = _allocation(ctx, padded_shape), _wire_dtype(dtype)
+    count = len(team) if ctx.rank == comm.root else 0
+    # the root's received pieces (by position in rank order) in coordinate order
+    positions = {in_mesh.coords(rank)[0]: position
+                 for position, rank in enumerate(sorted(team)) if rank in in_mesh}  # fmt: skip
+    order = [positions[coordinate] for coordinate in range(parts)]
 
-    def finish() -> torch.Tensor | None:
-        if ctx.rank != comm.root:
-            return None
-        by_coordinate = {
-            in_mesh.coords(rank)[0]: chunk
-            for rank, chunk in zip(sorted(team), receive, strict=True)
-            if rank in in_mesh
-        }
-        pieces = [by_coordinate[c].narrow(dim, 0, sizes[c]) for c in range(parts)]
-        return _unwire(torch.cat(pieces, dim).contiguous(), dtype)
+    def gather(value) -> Pending:
+        if inside:
+            send = _pad(_wire(value), dim, padded_shape[dim]).contiguous()
+        else:
+            send = allocate(wire_dtype).zero_()
+        receive = [allocate(wire_dtype) for _ in range(count)] or None
+        work = dist.gather(send, receive, dst=comm.root, group=group, async_op=True)
 
-    return Pending([work], finish)
+        def finish() -> torch.Tensor | None:
+            if receive is None:
+                return None
+            pieces = [receive[position].narrow(dim, 0, size)
+                      for position, size in zip(order, sizes, strict=True)]  # fmt: skip
+            return _unwire(torch.cat(pieces, dim).contiguous(), dtype)
+
+        return Pending([work], finish)
+
+    return gather
 
 
-def _reduce(comm, value, ctx, group, team) -> Pending:
+def _reduce(comm, ctx, group, team) -> Post:
     outside = ctx.rank not in comm.in_layout.mesh
-    if outside:  # the root outside the mesh contributes the identity of the reduction
-        value = identity(ctx.empty(comm.output), comm.reduce_op)
-    wire, read = reducible(value, comm.reduce_op, in_place=outside)
-    work = dist.reduce(
-        wire, dst=comm.root, op=_REDUCE_OPS[comm.reduce_op], group=group, async_op=True
-    )
-    return Pending([work], lambda: read(wire) if ctx.rank == comm.root else None)
+    op, reduce_op, root = comm.reduce_op, _REDUCE_OPS[comm.reduce_op], comm.root
+    keeps = ctx.rank == root
+    # the root outside the mesh contributes the identity of the reduction
+    allocate = _allocation(ctx, ctx.local_shape(comm.output)) if outside else None
+    wire_dtype = _wire_dtype(ctx.storage_dtype(comm.output))
+
+    def reduce(value) -> Pending:
+        if outside:
+            value = identity(allocate(wire_dtype), op)
+        wire, read = reducible(value, op, in_place=outside)
+        work = dist.reduce(wire, dst=root, op=reduce_op, group=group, async_op=True)
+        return Pending([work], lambda: read(wire) if keeps else None)
+
+    return reduce
 
 
 def identity(buffer: torch.Tensor, op: str) -> torch.Tensor:
@@ -350,16 +461,31 @@ def identity(buffer: torch.Tensor, op: str) -> torch.Tensor:
     return buffer.fill_(info.min if op == "max" else info.max)
 
 
-def _send_recv(comm, value, ctx) -> Pending:
-    works = []
-    result = None
+def _send_recv(comm, ctx) -> Post:
     dtype = ctx.storage_dtype(comm.output)
+    # this rank's part of each pair: keep its own value, send it, or receive another's
+    parts = []
     for source, destination in comm.pairs:
         if source == destination == ctx.rank:
-            result = value.clone()
+            parts.append(("keep", None))
         elif ctx.rank == source:
-            works.append(dist.isend(_wire(value).contiguous(), dst=destination))
+            parts.append(("send", destination))
         elif ctx.rank == destination:
-            result = ctx.empty(comm.output)
-            works.append(dist.irecv(result, src=source))
-    return Pending(works, lambda: None if result is None else _unwire(result, dtype))
+            parts.append(("receive", source))
+    receiving = any(part == "receive" for part, _ in parts)
+    allocate = _allocation(ctx, ctx.local_shape(comm.output)) if receiving else None
+    wire_dtype = _wire_dtype(dtype)
+
+    def exchange(value) -> Pending:
+        works, result = [], None
+        for part, peer in parts:
+            if part == "keep":
+                result = value.clone()
+            elif part == "send":
+                works.append(dist.isend(_wire(value).contiguous(), dst=peer))
+            else:
+                result = allocate(wire_dtype)
+                works.append(dist.irecv(result, src=peer))
+        return Pending(works, lambda: None if result is None else _unwire(result, dtype))
+
+    return exchange

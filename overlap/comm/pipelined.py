@@ -41,9 +41,10 @@ from dataclasses import dataclass, replace
 import torch
 import torch.distributed as dist
 
-from overlap.comm.communications import Pending, RankContext, start
+from overlap.comm.communications import Pending, Post, RankContext, prepare
 from overlap.comm.partials import COMBINE, PartialCombiner
 from overlap.ir import ChunkScheme, Communicate, Transport
+from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import Communication, CommunicationKind
 from sharding.errors import ShardingError
 from sharding.layout import split_range
@@ -127,6 +128,7 @@ class PipelinedComms:
         self.ctx = ctx
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
         self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
+        self.allocate = allocator(ctx.device)
         self.outstanding: list[object] = []  # sends nobody waits for yet
         self.combiners: dict[Communicate, PartialCombiner] = {}
         # where the peers' partials land, by communication, chunk and sender: a loop's,
@@ -195,9 +197,21 @@ class PipelinedComms:
         return self._reduce_chunk(communicate, where, transport)
 
     def _whole_collective(self, comm: Communication) -> ChunkTransfer:
+        """The whole collective on a chunk, prepared (``communications.prepare``) at its
+        first run for the chunk's shapes, which every run of the program repeats."""
+        prepared: dict[tuple, Post] = {}
+
         def transfer(source, target) -> Pending:
-            chunk_ctx = replace(self.ctx, local_shape=lambda tensor: list(target.shape))
-            pending = start(comm, source, chunk_ctx)
+            shapes = (target.shape if source is None else source.shape, target.shape)
+            post = prepared.get(shapes)
+            if post is None:
+                moving = comm.inputs[0]
+
+                def chunk_shape(tensor) -> list[int]:
+                    return list(shapes[0] if tensor is moving else shapes[1])
+
+                post = prepared[shapes] = prepare(comm, replace(self.ctx, local_shape=chunk_shape))
+            pending = post(source)
             finish = pending.finish
             pending.finish = lambda: target.copy_(finish())
             return pending
@@ -268,25 +282,27 @@ class PipelinedComms:
             if coordinate != where.mine
             and scheme.chunk(iteration, coordinate) // scheme.per_owner == where.mine
         }
-        shapes = {c: self._inbox_shape(communicate, scheme, chunk) for c, chunk in senders.items()}
+        # each peer's partial: where it lands (its inbox's key and shape), who sends it
+        incoming = [
+            ((communicate, chunk, coordinate), self._inbox_shape(communicate, scheme, chunk),
+             where.rank_at(coordinate))
+            for coordinate, chunk in senders.items()
+        ]  # fmt: skip
+        chunks = set(senders.values())
+        owner = where.rank_at(where.owner)
         combine = (
             self._owner_combine(communicate, scheme, iteration, where) if where.owned else None
         )
 
         def deliver(source, target) -> Pending:
-            outgoing = None if where.owned else _contiguous(source.movedim(dim, 0))
-            inbox = {
-                coordinate: self._inbox((communicate, chunk, coordinate), shapes[coordinate])
-                for coordinate, chunk in senders.items()
-            }
-            ops = [
-                dist.P2POp(dist.irecv, inbox[coordinate], where.rank_at(coordinate), group)
-                for coordinate in senders
-            ]
-            if outgoing is not None:
-                ops.append(dist.P2POp(dist.isend, outgoing, where.rank_at(where.owner), group))
+            ops = [dist.P2POp(dist.irecv, self._inbox(key, shape), peer, group)
+                   for key, shape, peer in incoming]  # fmt: skip
+            outgoing = None
+            if not where.owned:
+                outgoing = _contiguous(source if dim == 0 else source.movedim(dim, 0))
+                ops.append(dist.P2POp(dist.isend, outgoing, owner, group))
             batch = _Batch(dist.batch_isend_irecv(ops) if ops else [], self.ctx.device)
-            for chunk in set(senders.values()):
+            for chunk in chunks:
                 self.arrivals.setdefault((communicate, chunk), []).append(batch)
             if combine is not None:
                 return combine(source, target)
@@ -294,21 +310,24 @@ class PipelinedComms:
 
         return deliver
 
-    def _inbox_shape(self, communicate, scheme, chunk: int) -> list[int]:
-        """The shape of a peer's partial of ``chunk`` as it lands (the split axis first)."""
+    def _inbox_shape(self, communicate, scheme, chunk: int) -> tuple:
+        """How a peer's partial of ``chunk`` lands (the split axis first): its shape,
+        strides and dtype, as ``_inbox`` allocates it."""
         comm = communicate.communication
         dim = comm.split_dim
         whole = self.ctx.local_shape(comm.inputs[0])
         _, size = chunk_rows(whole[dim], scheme, chunk, split=False)
-        return [size, *whole[:dim], *whole[dim + 1 :]]
+        shape = (size, *whole[:dim], *whole[dim + 1 :])
+        return shape, contiguous_strides(shape), self.ctx.storage_dtype(comm.inputs[0])
 
-    def _inbox(self, key: tuple[Communicate, int, int], shape: list[int]) -> torch.Tensor:
+    def _inbox(self, key: tuple[Communicate, int, int], shape: tuple) -> torch.Tensor:
         """Where the partial of a chunk from a peer lands in this run (``key``:
-        communication, chunk, the peer's coordinate), allocated at its first use."""
-        if key not in self.inboxes:
-            dtype = self.ctx.storage_dtype(key[0].communication.inputs[0])
-            self.inboxes[key] = torch.empty(shape, dtype=dtype, device=self.ctx.device)
-        return self.inboxes[key]
+        communication, chunk, the peer's coordinate; ``shape``: ``_inbox_shape``'s),
+        allocated at its first use."""
+        inbox = self.inboxes.get(key)
+        if inbox is None:
+            inbox = self.inboxes[key] = self.allocate(*shape)
+        return inbox
 
     def _owner_combine(self, communicate, scheme, iteration, where):
         """At the owner's own iteration of a chunk: wait for every peer's partial of it,
@@ -329,14 +348,14 @@ class PipelinedComms:
             )
         shape = self._inbox_shape(communicate, scheme, chunk)
         peers = [(communicate, chunk, c) if c != where.mine else None for c in range(where.parts)]
-        combiner = self.combiner(communicate, math.prod(shape))
+        combiner = self.combiner(communicate, math.prod(shape[0]))
 
         def combine(source, target) -> Pending:
-            own = source.movedim(dim, 0)
+            own = source if dim == 0 else source.movedim(dim, 0)
             partials = [own if key is None else self._inbox(key, shape) for key in peers]
+            rows = target if dim == 0 else target.movedim(dim, 0)
             return Pending(
-                self.arrivals.pop((communicate, chunk), []),
-                lambda: combiner(partials, target.movedim(dim, 0)),
+                self.arrivals.pop((communicate, chunk), []), lambda: combiner(partials, rows)
             )
 
         return combine

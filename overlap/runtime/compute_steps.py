@@ -15,8 +15,15 @@ import torch
 
 from fusion.exprs import AttentionGradOp, AttentionOp, Expr, IotaOp, LinearOp, MatmulOp, ReductionOp
 from fusion.ir import TensorView
-from fusion.reference import attention_grads, attention_value, evaluate_expr
-from fusion.storage import logical_shape, packed, storage_dtype, storage_shape, unpacked
+from fusion.reference import attention_grads, attention_value, expr_evaluator
+from fusion.storage import (
+    is_packed,
+    logical_shape,
+    packed,
+    storage_dtype,
+    storage_shape,
+    unpacked,
+)
 from overlap.comm.communications import identity
 from overlap.diag import progress
 from overlap.ir import LaunchKernel
@@ -68,71 +75,94 @@ class ComputeSteps:
 
         if for_empty is None and not aliases:
             return self._bound(kernel, launch, unannounced)
+        return self._chunk(kernel, launch, aliases, for_empty, unannounced)
+
+    def _chunk(self, kernel: LaunchKernel, launch, aliases: dict, for_empty, unannounced: bool):
+        """A kernel in a chunk loop (or writing into another tensor's chunk): its shapes
+        are its chunk's, the same at every run of this program (its inputs are checked
+        at each run), so its first launch binds them (``Launcher.bind``) and says
+        which targets it writes in place. A chunk that turns out empty runs
+        ``for_empty`` (the evaluator) instead; a chunk view that is not contiguous is
+        written through a buffer of its own, copied in after the launch."""
+        program, plan = self.program, kernel.analysis
+        device = program.ctx.device
+        sources = [aliases.get(t, t) for t in plan.inputs]
+        # each output's value: a chunk view to write into, or a value of its own
+        destinations = [(tensor, aliases.get(tensor, tensor), tensor in aliases)
+                        for tensor in plan.outputs]  # fmt: skip
+        bound: list = []  # the launch bound at the first run, and how each target is held
+
+        def bind(inputs: list) -> None:
+            if for_empty is not None and any(value.numel() == 0 for value in inputs):
+                bound.append(None)
+                return
+            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
+            held = []  # None: written in place; else a buffer's shape, strides and dtype
+            for tensor, key, into_chunk in destinations:
+                destination = program.values.get(key) if into_chunk else None
+                shape = self._logical_shape_of(tensor, destination)
+                shapes[tensor] = shape
+                if destination is not None and destination.is_contiguous():
+                    held.append(None)
+                else:
+                    storage = tuple(storage_shape(tensor, shape))
+                    held.append((storage, contiguous_strides(storage), storage_dtype(tensor)))
+            bound.append((launch.bind(shapes), held, allocator(device)))
 
         def run() -> None:
             nonlocal unannounced
-            inputs = [program.values[aliases.get(t, t)].contiguous() for t in plan.inputs]
-            if for_empty is not None and any(value.numel() == 0 for value in inputs):
+            values = program.values
+            inputs = [values[key].contiguous() for key in sources]
+            if not bound:
+                bind(inputs)
+            if bound[0] is None:
                 for compute in for_empty:
                     compute()
                 return
-            targets = []
-            for tensor in plan.outputs:
-                destination = program.values.get(aliases[tensor]) if tensor in aliases else None
-                if destination is None or not destination.is_contiguous():
-                    shape = storage_shape(tensor, self._logical_shape_of(tensor, destination))
-                    targets.append(torch.empty(shape, dtype=storage_dtype(tensor), device=device))
-                else:
-                    targets.append(destination)
-            shapes = {t: logical_shape(t, v) for t, v in zip(plan.inputs, inputs, strict=True)}
-            shapes.update(
-                {t: logical_shape(t, v) for t, v in zip(plan.outputs, targets, strict=True)}
-            )
+            launched, held, allocate = bound[0]
+            targets = [values[key] if buffer is None else allocate(*buffer)
+                       for (_, key, _), buffer in zip(destinations, held, strict=True)]  # fmt: skip
             if unannounced:
                 unannounced = False
-                self._announced(kernel, lambda: launch(inputs, targets, shapes))
+                self._announced(kernel, lambda: launched(inputs, targets))
             else:
-                launch(inputs, targets, shapes)
-            for tensor, target in zip(plan.outputs, targets, strict=True):
-                key = aliases.get(tensor, tensor)
-                destination = program.values.get(key) if tensor in aliases else None
-                if destination is not None and destination is not target:
+                launched(inputs, targets)
+            for (_, key, into_chunk), target, buffer in zip(destinations, targets, held,
+                                                            strict=True):  # fmt: skip
+                if buffer is None:
+                    continue
+                destination = values.get(key) if into_chunk else None
+                if destination is not None:
                     destination.copy_(target)
                 else:
-                    program.values[key] = target
+                    values[key] = target
 
         return run
 
     def _bound(self, kernel: LaunchKernel, launch, unannounced: bool) -> object:
         """A kernel outside loops, reading and writing values of its own: every run has
-        this program's shapes, so its launch is bound to them (``Launcher.bind``) and
-        its targets' shapes known, once. An input of another shape or dtype (inputs
-        changed under ``check_inputs="never"``) raises rather than be read as this one's
-        (in a sharded run the other ranks then stop at their next collective's timeout:
-        the input check is what fails every rank at once)."""
+        this program's shapes (the rank program checks its inputs at each run), so its
+        launch is bound to them (``Launcher.bind``) and its targets' shapes known, once."""
         program, plan = self.program, kernel.analysis
         shapes = {t: program.local_shape(t) for t in [*plan.inputs, *plan.outputs]}
-        expected = [(torch.Size(storage_shape(t, shapes[t])), storage_dtype(t))
-                    for t in plan.inputs]  # fmt: skip
         held = []  # each target's shape, strides and dtype
         for tensor in plan.outputs:
             shape = tuple(storage_shape(tensor, shapes[tensor]))
             held.append((shape, contiguous_strides(shape), storage_dtype(tensor)))
         bound, allocate = launch.bind(shapes), allocator(program.ctx.device)
+        inputs_of, outputs_of = plan.inputs, plan.outputs
 
         def run() -> None:
             nonlocal unannounced
             values = program.values
-            inputs = [values[t].contiguous() for t in plan.inputs]
-            if [(value.shape, value.dtype) for value in inputs] != expected:
-                _refuse_changed(kernel, inputs, expected)
+            inputs = [values[t].contiguous() for t in inputs_of]
             targets = [allocate(*target) for target in held]
             if unannounced:
                 unannounced = False
                 self._announced(kernel, lambda: bound(inputs, targets))
             else:
                 bound(inputs, targets)
-            values.update(zip(plan.outputs, targets, strict=True))
+            values.update(zip(outputs_of, targets, strict=True))
 
         return run
 
@@ -232,21 +262,29 @@ class ComputeSteps:
             return self._attention(expr, read, outputs)
         if isinstance(expr, (MatmulOp, LinearOp)):
             ((_, key, into_chunk),) = outputs
+            operands, contraction = [aliases.get(t, t) for t in expr.inputs], _contraction(expr)
 
             def contract() -> None:
-                destination = values.values.get(key) if into_chunk else None
-                result = _contract(expr, read, destination)
+                held = values.values
+                destination = held.get(key) if into_chunk else None
+                result = contraction([held[t] for t in operands], destination)
                 if destination is None:
-                    values.values[key] = result
+                    held[key] = result
                 elif result.data_ptr() != destination.data_ptr():
                     destination.copy_(result)
 
             return contract
 
+        run = expr_evaluator(expr)
+        # The reference evaluator holds fp4 unpacked, one code per byte.
+        sources = [(t, aliases.get(t, t), is_packed(t)) for t in expr.inputs]
+        results = [(out, key, into_chunk, is_packed(out)) for out, key, into_chunk in outputs]
+        chunked = [(out, key) for out, key, into_chunk in outputs if into_chunk]
+
         def evaluate() -> None:
-            # The reference evaluator holds fp4 unpacked, one code per byte.
-            local = {t: unpacked(t, read(t)) for t in expr.inputs}
-            destinations = {out: values.values.get(key) for out, key, chunk in outputs if chunk}
+            held = values.values
+            local = {t: unpacked(t, held[key]) if packs else held[key] for t, key, packs in sources}
+            destinations = {out: held.get(key) for out, key in chunked}
 
             def shape_of(tensor: TensorView) -> list[int]:
                 if tensor in local:
@@ -256,13 +294,13 @@ class ComputeSteps:
                     return logical_shape(tensor, destination)
                 return self.program.local_shape(tensor)
 
-            evaluate_expr(expr, local, shape_of)
-            for out, key, into_chunk in outputs:
-                result = packed(out, local[out])
+            run(local, shape_of)
+            for out, key, into_chunk, packs in results:
+                result = packed(out, local[out]) if packs else local[out]
                 if into_chunk and destinations[out] is not None:
                     destinations[out].copy_(result)
                 else:
-                    values.values[key] = result
+                    held[key] = result
 
         return evaluate
 
@@ -288,18 +326,6 @@ class ComputeSteps:
         return attend
 
 
-def _refuse_changed(kernel: LaunchKernel, inputs: list, expected: list) -> None:
-    """Raises for the first of a bound kernel's ``inputs`` not of the ``expected`` shape
-    and dtype."""
-    for tensor, value, (shape, dtype) in zip(kernel.analysis.inputs, inputs, expected, strict=True):
-        if value.shape != shape or value.dtype != dtype:
-            raise RuntimeError(
-                f"{kernel.name}: {tensor} is {list(value.shape)} {value.dtype} where this "
-                f"run's program has {list(shape)} {dtype}; inputs that change need "
-                "check_inputs='changes' (the default) or 'always'"
-            )
-
-
 def _partial_extreme(expr: Expr) -> bool:
     """A max or min over an axis split across ranks (its result a partial max/min)."""
     if not isinstance(expr, ReductionOp) or expr.op_name not in ("max", "min"):
@@ -308,16 +334,28 @@ def _partial_extreme(expr: Expr) -> bool:
     return layout is not None and layout.is_partial
 
 
-def _contract(expr: Expr, read, out: torch.Tensor | None) -> torch.Tensor:
-    """A matmul or linear through cuBLAS (natively in its dtype, fp32 accumulation)."""
+def _contraction(expr: Expr):
+    """``contract(operands, out)``: ``expr`` (a matmul or linear) through cuBLAS, natively
+    in its dtype (fp32 accumulation), into ``out`` where that is a contiguous matrix
+    (and the operands are matrices), else into a new tensor."""
     if isinstance(expr, MatmulOp):
-        a, b = (read(t) for t in expr.inputs)
-        if out is not None and out.is_contiguous() and a.dim() == 2 and b.dim() == 2:
-            return torch.mm(a, b, out=out)
-        return torch.matmul(a, b)
-    x, weight, *bias = (read(t) for t in expr.inputs)
-    if out is not None and out.is_contiguous() and x.dim() == 2:
-        if bias:
-            return torch.addmm(bias[0], x, weight.t(), out=out)
-        return torch.mm(x, weight.t(), out=out)
-    return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
+        matrices = all(t.ndim == 2 for t in expr.inputs)
+
+        def matmul(operands: list, out: torch.Tensor | None) -> torch.Tensor:
+            a, b = operands
+            if matrices and out is not None and out.is_contiguous():
+                return torch.mm(a, b, out=out)
+            return torch.matmul(a, b)
+
+        return matmul
+    matrix = expr.inputs[0].ndim == 2
+
+    def linear(operands: list, out: torch.Tensor | None) -> torch.Tensor:
+        x, weight, *bias = operands
+        if matrix and out is not None and out.is_contiguous():
+            if bias:
+                return torch.addmm(bias[0], x, weight.t(), out=out)
+            return torch.mm(x, weight.t(), out=out)
+        return torch.nn.functional.linear(x, weight, bias[0] if bias else None)
+
+    return linear

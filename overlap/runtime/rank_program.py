@@ -20,7 +20,7 @@ from fusion.binding import Bindings, resolve
 from fusion.fp4 import unpack_fp4
 from fusion.ir import TensorView
 from fusion.storage import is_packed, packed, storage_dtype, storage_shape
-from overlap.comm.communications import Pending, RankContext, start
+from overlap.comm.communications import Pending, RankContext, prepare
 from overlap.comm.pipelined import PipelinedComms, chunk_rows, place
 from overlap.comm.symmetric import SymmetricBuffers
 from overlap.compile.pipeline import CompiledProgram
@@ -44,6 +44,7 @@ from overlap.ir import (
 from overlap.runtime.compute_steps import ComputeSteps
 from overlap.runtime.streams import StreamPool
 from schedulers.hardware import HardwareProfile
+from schedulers.runtime import allocator, contiguous_strides
 from sharding.errors import ShardingError
 from sharding.layout import Shard, layout_of, local_shape
 from sharding.mesh import DeviceMesh
@@ -116,6 +117,9 @@ class RankProgram:
         )
         plain = all(held and not packs for _, held, packs in self.fusion_inputs)
         self.plain_inputs = [t for t, _, _ in self.fusion_inputs] if plain else None
+        # each held input's shape and dtype in this program (None: not held here)
+        self.input_types = [(torch.Size(storage_shape(t, self.local_shape(t))), t.dtype.torch_dtype)
+                            if held else None for t, held, _ in self.fusion_inputs]  # fmt: skip
 
     def holds(self, mesh: DeviceMesh | None) -> bool:
         """Whether this rank runs what is placed on ``mesh`` (None: everywhere)."""
@@ -135,9 +139,17 @@ class RankProgram:
     # -- running ---------------------------------------------------------------
 
     def run(self, local_inputs, timeline: Timeline | None) -> list[torch.Tensor | None]:
+        """Run the steps on this rank's ``local_inputs`` (None where it holds none),
+        recording them on ``timeline``; returns this rank's outputs (None where it
+        holds none). The inputs must have this program's shapes and dtypes (what the
+        executor's input check sees to): a run whose inputs changed unchecked
+        (``check_inputs="never"``) raises rather than be read as this program's."""
         self.deferred = []  # none left behind by a run that raised
         self.pipelined.new_run()
         self.timeline = recorder(timeline, self.streams.cuda)
+        for value, expected in zip(local_inputs, self.input_types, strict=True):
+            if expected is not None and (value.shape, value.dtype) != expected:
+                self._refuse_changed(local_inputs)
         if self.plain_inputs:  # every input held, none packed: the common case
             self.values = values = dict(zip(self.plain_inputs, local_inputs, strict=True))
         else:
@@ -146,19 +158,29 @@ class RankProgram:
                                                     strict=True):  # fmt: skip
                 if held:  # fp4 stays packed, two values per byte, between kernels
                     values[tensor] = value.view(torch.uint8) if packs else value
+        polls = timeline is not None  # a timeline's spans end when the host sees them done
         for step in self.steps:
             step()
-            if self.deferred and timeline is not None:
+            if polls and self.deferred:
                 self._poll_deferred()
-        outputs: list[torch.Tensor | None] = []
-        for tensor, held, packs in self.fusion_outputs:
-            if not held:
-                outputs.append(None)
-                continue
-            value = values[tensor].contiguous()
-            outputs.append(value.view(torch.float4_e2m1fn_x2) if packs else value)
         self.values = {}
-        return outputs
+        return [
+            None if not held
+            else values[tensor].contiguous().view(torch.float4_e2m1fn_x2) if packs
+            else values[tensor].contiguous()
+            for tensor, held, packs in self.fusion_outputs
+        ]  # fmt: skip
+
+    def _refuse_changed(self, local_inputs) -> None:
+        """Raises for the first input not of this program's shape and dtype."""
+        for tensor, value, expected in zip(self.fusion.inputs, local_inputs, self.input_types,
+                                           strict=True):  # fmt: skip
+            if expected is not None and (value.shape, value.dtype) != expected:
+                raise RuntimeError(
+                    f"input {tensor} is {list(value.shape)} {value.dtype} where this run's "
+                    f"program has {list(expected[0])} {expected[1]}; inputs that change need "
+                    "check_inputs='changes' (the default) or 'always'"
+                )
 
     def _lane(self, loop, kind: str) -> str:
         return f"stream {loop[1] % self.streams.count} {kind}" if loop else f"main {kind}"
@@ -221,11 +243,12 @@ class RankProgram:
         tensor = instruction.tensor
         if not self.holds(tensor.mesh):
             return None
-        shape = storage_shape(tensor, self.local_shape(tensor))
-        dtype, device = storage_dtype(tensor), self.ctx.device
+        shape = tuple(storage_shape(tensor, self.local_shape(tensor)))
+        strides, dtype = contiguous_strides(shape), storage_dtype(tensor)
+        empty = allocator(self.ctx.device)
 
         def allocate() -> None:
-            self.values[tensor] = torch.empty(shape, dtype=dtype, device=device)
+            self.values[tensor] = empty(shape, strides, dtype)
 
         return allocate
 
@@ -333,17 +356,20 @@ class RankProgram:
 
         elif is_packed(comm.output):
             # Collectives move fp4 unpacked (one value per byte), then pack it again.
+            posted = prepare(comm, self.ctx)
+
             def post() -> Pending:
                 value = self.values.get(source)
-                pending = start(comm, None if value is None else unpack_fp4(value), self.ctx)
+                pending = posted(None if value is None else unpack_fp4(value))
                 finish = pending.finish
                 pending.finish = lambda: packed(comm.output, finish())
                 return pending
 
         else:
+            posted = prepare(comm, self.ctx)
 
             def post() -> Pending:
-                return start(comm, self.values.get(source), self.ctx)
+                return posted(self.values.get(source))
 
         key = (instruction, loop[1] if loop else None)
         detail, chunk = f"{comm.op_name} {comm.output.name}", key[1]

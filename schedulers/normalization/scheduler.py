@@ -20,6 +20,7 @@ from schedulers.base import (
     Scheduler,
     Shapes,
     check_strategy,
+    launch_nothing,
 )
 from schedulers.cache import KERNEL_CACHE
 from schedulers.codegen import COMPILE_OPTIONS, memory_type, pointer_types
@@ -325,7 +326,7 @@ class NormalizationLauncher(Launcher):
         columns = math.prod(shape[plan.rank - plan.reduced :])
         rows = math.prod(shape[: plan.rank - plan.reduced])
         if rows == 0:
-            return _launch_nothing
+            return launch_nothing
         if columns == 0:
             raise ValueError(
                 "a normalization over rows of 0 columns: generated kernels do not run "
@@ -389,7 +390,7 @@ class NormalizationLauncher(Launcher):
         """Adds ``count`` partial rows (of at most ``most``) of each column sum into its
         target: ``combine(partials, targets, count, most)``."""
         if self.combine is None:
-            return _launch_nothing
+            return launch_nothing
         bound: dict[tuple, tuple] = {}  # by (most, dependent): the kernel and its grid
 
         def combine(partials: list, targets: list, count: int, most: int) -> None:
@@ -499,10 +500,6 @@ def partial_rows(device: torch.device, sums: int, count: int, columns: int,
 
 
 PARTIALS_ALIGN = 32  # floats: 128 bytes
-
-
-def _launch_nothing(*_) -> None:
-    """A launch over no rows."""
 
 
 def _space_shape(plan: NormalizationPlan, shapes: Shapes) -> list[int]:

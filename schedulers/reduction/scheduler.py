@@ -12,12 +12,14 @@ from fusion.exprs import Expr
 from fusion.ir import TensorView
 from schedulers.analysis import NotSchedulable
 from schedulers.base import (
+    BoundLaunch,
     KernelSource,
     Launcher,
     LocalShape,
     Scheduler,
     Shapes,
     check_strategy,
+    launch_nothing,
 )
 from schedulers.cache import AlignedVariants, forms_used
 from schedulers.codegen import COMPILE_OPTIONS, memory_type, pointer_types
@@ -33,7 +35,7 @@ from schedulers.reduction.codegen import (
 )
 from schedulers.reduction.heuristics import ReductionParams, tiled_params
 from schedulers.reduction.tma import tma_params
-from schedulers.runtime import BoundKernel, as_bytes, cdiv
+from schedulers.runtime import allocator, as_bytes, cdiv, contiguous_strides
 from schedulers.tma_tensors import tma_descriptor
 
 
@@ -139,6 +141,12 @@ class ReductionLauncher(Launcher):
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
     ) -> None:
+        self.bind(shapes)(inputs, targets)
+
+    def bind(self, shapes: Shapes) -> BoundLaunch:
+        """The launch for these shapes: its grids, runtime arguments and kernel forms
+        worked out once; a launch passes the tensors (as bytes or TMA descriptors) and,
+        for an outer reduction, a new row of partial results."""
         plan, params = self.plan, self.params
         rank = plan.space.ndim
         kept_shape = iter(shapes[plan.outputs[0]])
@@ -150,7 +158,7 @@ class ReductionLauncher(Launcher):
         kept_count = math.prod(shape[a] for a in plan.kept)
         reduced_count = math.prod(shape[a] for a in plan.reduced)
         if kept_count == 0:
-            return
+            return launch_nothing
         strides = []
         for tensor in plan.inputs:
             mapping = plan.mappings[tensor]
@@ -161,35 +169,51 @@ class ReductionLauncher(Launcher):
                     strides.append(math.prod(own[dim + 1 :]))
                 else:
                     strides.append(0)
-        pointers = [as_bytes(t) for t in inputs]
-        outputs = [as_bytes(t) for t in targets]
         box = [params.block_rows, params.block_reduce]
-        for i in self.described:
-            pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
+        described = self.described
 
-        def bind(variants: AlignedVariants, split: int) -> tuple[BoundKernel, list[int]]:
+        def pointers_of(inputs: list[torch.Tensor]) -> list:
+            pointers = [as_bytes(t) for t in inputs]
+            for i in described:
+                pointers[i] = tma_descriptor(pointers[i], reduced_count, kept_count, box, params)
+            return pointers
+
+        def bind(variants: AlignedVariants, split: int):
+            """The kernel of ``variants`` for this shape, its runtime arguments bound."""
             values = [kept_count, reduced_count, split, *shape, *strides]
-            return variants.bind(dict(zip(self.names, values, strict=True)), self.known)
+            kernel, arguments = variants.bind(dict(zip(self.names, values, strict=True)),
+                                              self.known)  # fmt: skip
+            return kernel.with_scalars(*arguments)
 
         if plan.layout == "inner":
             grid = (cdiv(kept_count, params.block_rows),)
-            kernel, arguments = bind(self.main, 1)
-            kernel(grid, *pointers, *outputs, *arguments)
-            return
+            kernel = bind(self.main, 1)
+
+            def launch_inner(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+                kernel(grid, *pointers_of(inputs), *[as_bytes(t) for t in targets])
+
+            return launch_inner
         tiles = cdiv(kept_count, params.block_reduce)
         most = max(1, cdiv(reduced_count, params.block_rows))
         split = min(most, max(1, params.waves * self.sm_count // tiles))
         # Deterministic: every part writes its row of partial results (no fill needed);
         # atomics add into one zeroed row, and the float32 sum is the result.
-        allocate = torch.empty if params.deterministic else torch.zeros
-        partial = allocate(
-            (split if params.deterministic else 1, kept_count),
-            dtype=plan.accumulator.torch_dtype, device=inputs[0].device,
-        )  # fmt: skip
-        kernel, arguments = bind(self.main, split)
-        kernel((tiles, split), partial, *pointers, *arguments)
-        kernel, arguments = bind(self.combine, split if params.deterministic else 1)
-        kernel((cdiv(kept_count, self.combine_columns),), partial, *pointers, *outputs, *arguments)
+        partial_shape = (split if params.deterministic else 1, kept_count)
+        partial_strides, zeroed = contiguous_strides(partial_shape), not params.deterministic
+        main = bind(self.main, split)
+        combine = bind(self.combine, split if params.deterministic else 1)
+        combine_grid = (cdiv(kept_count, self.combine_columns),)
+
+        def launch_outer(inputs: list[torch.Tensor], targets: list[torch.Tensor]) -> None:
+            pointers = pointers_of(inputs)
+            partial = allocator(inputs[0].device)(partial_shape, partial_strides,
+                                                  plan.accumulator.torch_dtype)  # fmt: skip
+            if zeroed:
+                partial.zero_()
+            main((tiles, split), partial, *pointers)
+            combine(combine_grid, partial, *pointers, *[as_bytes(t) for t in targets])
+
+        return launch_outer
 
     def forms(self) -> list[str]:
         return forms_used([self.main, self.combine])
