@@ -82,9 +82,9 @@ def test_a_parameter_is_read_in_place_and_one_that_moved_runs_lean_without_a_cap
     x = torch.randn(4, 8)
     w = torch.nn.Parameter(torch.randn(6, 8))
     for _ in range(3):
-        (y,) = executor.run([x, w.detach().requires_grad_()])  # a new leaf every call
+        (y,) = executor.run([x, w])
         torch.testing.assert_close(y, _expected(fd, x, w.detach()))
-    # each call's leaf is a new tensor over w's memory: read in place, never copied
+    # the same tensors at the first two calls: read in place, never copied
     (graph,) = executor.graphs._graphs.values()
     assert graph.copied == [] and executor.graphs.fallbacks == 0
     with torch.no_grad():
@@ -95,6 +95,20 @@ def test_a_parameter_is_read_in_place_and_one_that_moved_runs_lean_without_a_cap
     (y,) = executor.run([x, moved])
     torch.testing.assert_close(y, _expected(fd, x, moved.detach()))
     assert executor.graphs.fallbacks == 1 and executor.graphs.captures == 1
+
+
+def test_a_new_tensor_in_the_memory_of_the_last_is_copied_and_a_view_of_the_same_is_not():
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    w = torch.randn(6, 8)
+    memory = torch.randn(4, 8)
+    for _ in range(4):
+        x = memory.clone()  # a new tensor: copied, even where it lands where the last did
+        (y,) = executor.run([x, w[:, :]])  # a view of the same weight, in place
+        torch.testing.assert_close(y, _expected(fd, x, w))
+        del x, y
+    (graph,) = executor.graphs._graphs.values()
+    assert graph.copied == [0] and executor.graphs.fallbacks == 0
 
 
 def test_outputs_of_a_replay_are_marked_overwritten_by_the_next_and_kept_ones_are_not():

@@ -14,9 +14,12 @@ unreachable executor's symmetric memory during a capture would be a CUDA call th
 capture forbids) and replayed; every later call replays it.
 
 Inputs: at the capture each input position is read in place or copied.
-- In place: a tensor at the same address at the key's first and second calls
-  (parameters, weights and buffers kept where they are), or a graph's output (the
-  previous layer's, the forward's saved values read by the backward).
+- In place: the same tensor at the key's first and second calls (or a view of the
+  same tensor, at the same address: a DTensor parameter's local piece), as parameters,
+  weights and buffers are, or a graph's output (the previous layer's, the forward's
+  saved values read by the backward). A new tensor at the same address is not: the
+  caching allocator hands a freed activation's memory to the next one, which moves
+  at the next call that allocates otherwise.
   A replay reads it where it is when the address and strides are the captured ones.
 - Copied: any other input goes into a buffer of the graph's own, all in one batched copy
   on the stream; skipped where the input is that buffer.
@@ -215,10 +218,37 @@ def _address(value: torch.Tensor) -> tuple[int, tuple[int, ...]]:
     return value.data_ptr(), tuple(value.stride())
 
 
-def _stays(value: torch.Tensor, first: tuple | None) -> bool:
-    """Whether an input is read in place (see the module): a graph's output, or at the
-    address (and strides) it had at the key's first call."""
-    return value.data_ptr() in _GRAPH_OUTPUTS or first == _address(value)
+@dataclass(frozen=True)
+class _Seen:
+    """An input at a key's first call: the tensor (weakly: it may be dropped), the tensor
+    it views, and where it lay."""
+
+    tensor: weakref.ref
+    base: weakref.ref | None
+    place: tuple[int, tuple[int, ...]]
+
+    @classmethod
+    def of(cls, value) -> _Seen | None:
+        if not isinstance(value, torch.Tensor):
+            return None
+        base = value._base
+        return cls(weakref.ref(value), None if base is None else weakref.ref(base),
+                   _address(value))  # fmt: skip
+
+    def same(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` is the tensor seen, or a view of the same tensor in the same
+        place (not merely a tensor that took over its memory)."""
+        if self.tensor() is value:
+            return True
+        base = value._base
+        return (base is not None and self.base is not None and self.base() is base
+                and _address(value) == self.place)  # fmt: skip
+
+
+def _stays(value: torch.Tensor, first: _Seen | None) -> bool:
+    """Whether an input is read in place (see the module): a graph's output, or the
+    tensor (or a view of the tensor, in the same place) of the key's first call."""
+    return value.data_ptr() in _GRAPH_OUTPUTS or (first is not None and first.same(value))
 
 
 def capture_cuda_graph(program: RankProgram, staged: list, pool) -> tuple:
@@ -242,7 +272,7 @@ class GraphReplays:
         self._capture = capture
         self.most = most
         self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
-        self._first: dict[Hashable, list] = {}  # a key's first call's inputs (addresses)
+        self._first: dict[Hashable, list] = {}  # a key's first call's inputs
         self._handed: list = []  # weak references to the last replay's outputs
         self._pool = None
         self.captures = 0
@@ -258,8 +288,7 @@ class GraphReplays:
         graph = self._graphs.get(key)
         if graph is None:
             if key not in self._first:
-                self._first[key] = [_address(v) if isinstance(v, torch.Tensor) else None
-                                    for v in local_inputs]  # fmt: skip
+                self._first[key] = [_Seen.of(v) for v in local_inputs]
                 while len(self._first) > self.most:  # extents that keep changing
                     self._first.pop(next(iter(self._first)))
                 return None
@@ -270,8 +299,8 @@ class GraphReplays:
             self.fallbacks += 1
             if self.fallbacks == 1:
                 log.warning(
-                    "an input read in place by a CUDA graph (a parameter or weight that "
-                    "stayed where it was at its first calls, or a graph's output) moved: "
+                    "an input read in place by a CUDA graph (a parameter or weight passed "
+                    "again at its first calls, or a graph's output) moved: "
                     "this call and any other such run without the graph. Keep such inputs "
                     "where they are (update weights in place)"
                 )
