@@ -21,6 +21,7 @@ some rank waiting in a collective its peers never post.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Callable
 
@@ -125,6 +126,10 @@ def host_ms(
     ``busy_ms`` (GPU): the device is first given that long a wait, so that the calls are
     issued while it is busy (the host never waits for it: its issue time alone)."""
     _synchronize(device)
+    # garbage collected now, not during the calls: freeing an unreachable executor's
+    # CUDA memory there waits for the busy device (a 200 ms wait over 20 calls read as
+    # 10 ms a call, blocks.py on 2x H200)
+    gc.collect()
     if busy_ms and device.type == "cuda":
         torch.cuda._sleep(int(busy_ms * SLEEP_CYCLES_PER_MS))
     start = time.perf_counter()
