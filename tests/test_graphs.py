@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_input_checks import _linear as _columns_split_linear
 from test_pipelined import _ag_linear
 
 from fusion import FusionDefinition
 from overlap import Communicator, MultiDeviceExecutor, OverlapOptions
 from overlap.runtime.graphs import GraphReplays
-from sharding import DeviceMesh, Replicate, Shard, shard
 
 
 class _Replayed:
@@ -147,18 +147,9 @@ def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound()
 
 
 def _sharded(world: int) -> FusionDefinition:
-    """x [rows, 8 * world] with its columns split, times w [6, 8 * world] (the same):
-    partial sums all-reduced, so every replay runs a collective."""
-    with FusionDefinition() as fd:
-        x = fd.define_tensor(["rows", 8 * world])
-        w = fd.define_tensor([6, 8 * world])
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    mesh = DeviceMesh(world)
-    shard(x, mesh, [Shard(1)])
-    shard(w, mesh, [Shard(1)])
-    shard(y, mesh, [Replicate()])
-    return fd
+    """A row-parallel linear whose partial sums are all-reduced (every replay runs a
+    collective): x [rows, 6 * world] and w [4, 6 * world], their columns split."""
+    return _columns_split_linear(world, "columns")
 
 
 def replays_with_moving_inputs(communicator: Communicator, rows: list[int]) -> dict:
@@ -166,10 +157,10 @@ def replays_with_moving_inputs(communicator: Communicator, rows: list[int]) -> d
     fd = _sharded(world)
     executor = _replaying(MultiDeviceExecutor(fd, communicator))
     generator = torch.Generator().manual_seed(0)
-    w = torch.randn(6, 8 * world, generator=generator)
+    w = torch.randn(4, 6 * world, generator=generator)
     exchanges, right = [], True
     for count in rows:
-        x = torch.randn(count, 8 * world, generator=generator)  # moves every call
+        x = torch.randn(count, 6 * world, generator=generator)  # moves every call
         before = communicator.host_exchanges
         local = executor.shard_inputs([x, w], check=False)
         (y,) = executor.run(local)
@@ -208,7 +199,7 @@ def replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce"
     device = communicator.device
     if pattern == "allreduce":
         fd, options = _sharded(world), None
-        x_shape, w_shape = (4, 8 * world), (6, 8 * world)
+        x_shape, w_shape = (4, 6 * world), (4, 6 * world)
     else:
         fd = _ag_linear(world, 4 * world, bias=False)
         options = OverlapOptions(overlap=True, num_chunks=world, transport="copy_engine")

@@ -16,6 +16,7 @@ from collections import Counter
 
 import pytest
 import torch
+from test_pipelined import _linear_rs
 
 from fusion import FusionDefinition
 from launch.demo import build_tp_mlp
@@ -52,17 +53,8 @@ def _gathered_into(
 
 def _scattered(world: int, rows: int = 16) -> FusionDefinition:
     """A row-parallel linear: the contraction split, its partial sums reduce-scattered
-    along the rows."""
-    mesh = DeviceMesh(world)
-    with FusionDefinition("linear_rs") as fd:
-        x = fd.define_tensor([rows * world, 8 * world])
-        w = fd.define_tensor([6, 8 * world])
-        y = fd.ops.linear(x, w)
-        fd.add_output(y)
-    shard(x, mesh, [Shard(1)])
-    shard(w, mesh, [Shard(1)])
-    shard(y, mesh, [Shard(0)])
-    return fd
+    along the rows (``rows`` a rank)."""
+    return _linear_rs(world, rows * world)
 
 
 # (build(world), gather, matmuls): one pattern each
