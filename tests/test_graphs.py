@@ -6,8 +6,9 @@ graph does with addresses. What is checked is what the run path decides around i
 a key's first call runs lean, its second captures, later ones replay; inputs that move
 are copied into the graph's buffers and never make a rank capture again; inputs read
 in place that moved run lean; outputs of a replay are marked when the next overwrites
-them; keys are extents, so an unchanged call runs no host collective (on 2 and 4 ranks,
-every rank's outputs checked). On GPUs ``benchmarks/check_gpu.py`` checks the same with
+them; keys are extents, so a replay runs no host collective (a capture is agreed on
+once, and a capture failing on one rank raises on every rank), on 2 and 4 ranks, every
+rank's outputs checked. On GPUs ``benchmarks/check_gpu.py`` checks the same with
 real graphs, and that a read of an overwritten output raises.
 """
 
@@ -128,6 +129,38 @@ def test_outputs_of_a_replay_are_marked_overwritten_by_the_next_and_kept_ones_ar
     torch.testing.assert_close(y, _expected(fd, x, w))
 
 
+def failing_capture(communicator: Communicator) -> str:
+    """A capture that fails on the last rank alone: every rank raises at that call. (The
+    others' capture runs nothing, as a CUDA graph's capture launches nothing: the CPU
+    stand-in would run the program's collectives, which the failing rank never posts.)"""
+    executor = _replaying(MultiDeviceExecutor(_sharded(communicator.world_size), communicator))
+
+    def refuse(program, staged, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    def record(program, staged, pool):
+        return None, [torch.empty(4, 4)]  # y's piece, as a capture hands it out unrun
+
+    failing = communicator.rank == communicator.world_size - 1
+    executor.graphs._capture = refuse if failing else record
+    local = [torch.randn(4, 6), torch.randn(4, 6)]
+    executor.run(local)
+    try:
+        executor.run(local)
+    except Exception as error:
+        return f"{type(error).__name__}: {error}"
+    return "ran"
+
+
+def test_a_capture_that_fails_on_one_rank_raises_on_every_rank(rank_pools):
+    said = rank_pools(2).run(failing_capture)
+    assert said[1].startswith("CaptureError: capturing this rank's program in a CUDA graph "
+                              "failed (RuntimeError: operation not permitted"), said  # fmt: skip
+    assert "cuda_graph=False" in said[1], said
+    assert said[0].startswith("PeerError: capturing the program in a CUDA graph failed on "
+                              "rank 1"), said  # fmt: skip
+
+
 def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound():
     fd = _linear()
     executor = _replaying(MultiDeviceExecutor(fd), most=2)
@@ -143,7 +176,7 @@ def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound()
 
 
 # ---------------------------------------------------------------------------
-# On several ranks: no host collective on an unchanged call
+# On several ranks: no host collective on a replay
 
 
 def _sharded(world: int) -> FusionDefinition:
@@ -177,8 +210,9 @@ def test_an_unchanged_call_exchanges_nothing_and_a_moved_input_is_copied(rank_po
     for rank, result in enumerate(results):
         assert result == {
             # the first call checks the inputs and agrees the build (two exchanges);
-            # new extents are checked once more; every other call asks no one
-            "exchanges": [2, 0, 0, 0, 2, 0, 0],
+            # new extents are checked once more; a capture is agreed on (one); every
+            # other call asks no one
+            "exchanges": [2, 1, 0, 0, 2, 1, 0],
             "right": True,
             "captures": 2,  # one per extents, at their second call; never again
             "replays": 5,
@@ -188,13 +222,14 @@ def test_an_unchanged_call_exchanges_nothing_and_a_moved_input_is_copied(rank_po
 
 def replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce") -> dict:
     """The default run path on several ranks (real CUDA graphs on GPUs, the stand-in on
-    CPUs; ``benchmarks/check_gpu.py`` runs it on GPUs): new activations every call
-    (copied, never captured again, no host collective), an output overwritten by the next
-    replay (reading it raises where torch can say so: CUDA builds), and a weight moved on
-    the last rank alone (that rank runs the call lean while its peers replay, every
-    rank's output right). ``pattern``: ``"allreduce"`` (a row-parallel linear, its partial
-    sums all-reduced) or ``"copy_engine"`` (an all-gather pipelined into a linear over the
-    copy engines, CUDA only: symmetric memory, two graphs for the buffers' two halves)."""
+    CPUs; ``benchmarks/check_gpu.py`` runs it on GPUs): new activations every call (copied,
+    never captured again, no host collective but the capture's agreement), an output
+    overwritten by the next replay (reading it raises where torch can say so: CUDA builds),
+    and a weight moved on the last rank alone (that rank runs the call lean while its peers
+    replay, every rank's output right). ``pattern``: ``"allreduce"`` (a row-parallel linear,
+    its partial sums all-reduced) or ``"copy_engine"`` (an all-gather pipelined into a
+    linear over the copy engines, CUDA only: symmetric memory, two graphs for the buffers'
+    two halves)."""
     world, rank = communicator.world_size, communicator.rank
     device = communicator.device
     if pattern == "allreduce":
@@ -243,10 +278,12 @@ def replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce"
 def check_replays_on_every_rank(communicator: Communicator, pattern: str = "allreduce") -> None:
     """``replays_on_every_rank`` with every figure asserted (for ``check_gpu.py``): the
     first call checks the inputs with every rank (and the copy engine's buffers are made
-    then), no later one exchanges anything; one graph per half of the buffers."""
+    then), each capture is agreed on (one exchange), no other call exchanges anything;
+    one graph per half of the buffers (captured at the third and fourth calls)."""
     result = replays_on_every_rank(communicator, pattern)
     last = communicator.rank == communicator.world_size - 1
-    assert result["exchanges"][0] > 0 and result["exchanges"][1:] == [0, 0, 0, 0], result
+    captured_at = [1, 0, 0, 0] if pattern == "allreduce" else [0, 1, 1, 0]
+    assert result["exchanges"][0] > 0 and result["exchanges"][1:] == captured_at, result
     assert result == {
         "exchanges": result["exchanges"],
         "right": True,

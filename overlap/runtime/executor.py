@@ -66,7 +66,7 @@ class MultiDeviceExecutor:
 
     ``cuda_graph`` (default: on CUDA) replays the program from CUDA graphs
     (``overlap.runtime.graphs``): keyed by the extents (never by buffer addresses, so a
-    call whose inputs' shapes did not change runs no host collective), captured at the
+    replay whose inputs' shapes did not change runs no host collective), captured at the
     second call at new extents on every rank at once, replayed after that. A replay's
     outputs are the graph's own memory: the next run overwrites them, and reading one
     then raises a clear error (clone what you keep, or ``run(..., keep_outputs=True)``).

@@ -4,8 +4,8 @@ A graph is keyed by what every rank computes alike, never by buffer addresses: t
 program's extents and the half of the copy-engine buffers the run uses (``key``). The
 ranks run the same calls in step (the input check sees to it), so every rank reaches a
 key's first, second, ... call at the same run, and NCCL's rule that a captured
-collective be captured on every rank of its group holds without asking anyone: no call
-whose extents did not change runs a host collective.
+collective be captured on every rank of its group holds without asking anyone: no replay
+runs a host collective (a capture runs one, below).
 
 At a key's first call the program runs on the lean path (``RankProgram.run``: the warm-up
 that creates communication handles, compiles kernels, allocates buffers). At its second
@@ -69,6 +69,11 @@ log = logging.getLogger("overlap.graphs")
 _GRAPH_OUTPUTS: dict[int, int] = {}
 _EVERY: weakref.WeakSet[GraphReplays] = weakref.WeakSet()
 _AT_EXIT = []  # registered once, at the first capture: after the communicator's teardown
+
+
+class CaptureError(RuntimeError):
+    """This rank's program could not be captured in a CUDA graph (every rank raises: this
+    one this error, its peers a ``PeerError`` naming it)."""
 
 
 def _release_all() -> None:
@@ -318,7 +323,22 @@ class GraphReplays:
         if self._pool is None and torch.cuda.is_available():
             self._pool = torch.cuda.graph_pool_handle()
         first = self._first.pop(key)
-        graph = Graph(program, local_inputs, first, self._pool, self._capture)
+        graph, failure = None, None
+        try:
+            graph = Graph(program, local_inputs, first, self._pool, self._capture)
+        except Exception as error:  # told to the peers first, then raised
+            said = f"{type(error).__name__}: {error}"
+            failure = CaptureError(
+                f"capturing this rank's program in a CUDA graph failed ({said}); run with "
+                "cuda_graph=False to issue it step by step instead"
+            )
+            failure.__cause__ = error
+        if program.compiled.sharded:
+            # one exchange, once per key: a rank whose capture failed must not leave its
+            # peers replaying collectives it never posts
+            program.setup.communicator.agree(failure, "capturing the program in a CUDA graph")
+        elif failure is not None:
+            raise failure
         self.captures += 1
         self._graphs[key] = graph
         while len(self._graphs) > self.most:
