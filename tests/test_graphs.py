@@ -175,6 +175,29 @@ def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound()
     assert [key[0] for key in graphs.memory()] == [(("rows", 6),), (("rows", 4),)]
 
 
+
+def test_a_call_that_runs_lean_keeps_its_graph_recently_used_as_a_replay_does():
+    """Which graph the bound drops must be every rank's alike: a rank whose weight moved
+    runs a call lean while its peers replay, and if that call did not count as a use it
+    would drop another graph than they do, then capture (and agree on) that key again
+    while they replay it: a host exchange on one rank alone."""
+    fd = _linear()
+    w = torch.randn(6, 8)
+
+    def kept_after(weight_at_the_fourth_call: torch.Tensor) -> list:
+        executor = _replaying(MultiDeviceExecutor(fd), most=2)
+        for call, rows in enumerate((4, 4, 5, 5, 4, 6, 6)):
+            x = torch.randn(rows, 8)
+            weight = weight_at_the_fourth_call if call == 4 else w
+            (y,) = executor.run([x, weight])
+            torch.testing.assert_close(y, _expected(fd, x, weight))
+        return [key[0] for key in executor.graphs.memory()]
+
+    replayed, ran_lean = kept_after(w), kept_after(w.clone())
+    assert replayed == [(("rows", 4),), (("rows", 6),)]
+    assert ran_lean == replayed
+
+
 # ---------------------------------------------------------------------------
 # On several ranks: no host collective on a replay
 

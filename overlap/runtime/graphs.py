@@ -209,6 +209,14 @@ def _forget(addresses: list[int]) -> None:
             del _GRAPH_OUTPUTS[address]
 
 
+def _expire_refs(handed: list) -> None:
+    """Expire the outputs still alive among the weak references ``handed`` (emptied)."""
+    outputs = [t for t in (ref() for ref in handed) if t is not None]
+    if outputs:
+        expire(outputs, "its memory is reused by the next replay, or freed with the graph")
+    handed.clear()
+
+
 def _over(output: _Output, captured: torch.Tensor) -> torch.Tensor:
     """A new tensor (with a storage object of its own) over ``captured``'s memory."""
     if _set_unreadable is None:  # no way to make it unreadable: hand out the captured one
@@ -291,6 +299,11 @@ class GraphReplays:
         None where this call runs on the lean path: the key's first call, or an in-place
         input that moved."""
         graph = self._graphs.get(key)
+        if graph is not None:
+            # used at this call on every rank, replayed or run lean: the eviction order
+            # must be every rank's alike (a rank evicting another graph than its peers
+            # would later capture, and agree on it, while they replay)
+            self._graphs.move_to_end(key)
         if graph is None:
             if key not in self._first:
                 self._first[key] = [_Seen.of(v) for v in local_inputs]
@@ -310,11 +323,10 @@ class GraphReplays:
                     "where they are (update weights in place)"
                 )
             return None
-        self._graphs.move_to_end(key)
         self._expire_handed()
         outputs = graph.replay(local_inputs)
         self.replays += 1
-        self._handed = [weakref.ref(outputs[i]) for i in graph.owned]
+        self._handed[:] = [weakref.ref(outputs[i]) for i in graph.owned]
         return outputs
 
     def _capture_for(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> Graph:
@@ -348,10 +360,7 @@ class GraphReplays:
         return graph
 
     def _expire_handed(self) -> None:
-        handed = [t for t in (ref() for ref in self._handed) if t is not None]
-        if handed:
-            expire(handed, "its memory is reused by the next replay")
-        self._handed = []
+        _expire_refs(self._handed)
 
     def memory(self) -> dict[Hashable, int]:
         """Bytes each kept graph holds (its pool's growth at capture, and its input
