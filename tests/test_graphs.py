@@ -14,6 +14,8 @@ real graphs, and that a read of an overwritten output raises.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_input_checks import _linear as _columns_split_linear
@@ -196,6 +198,21 @@ def test_a_call_that_runs_lean_keeps_its_graph_recently_used_as_a_replay_does():
     replayed, ran_lean = kept_after(w), kept_after(w.clone())
     assert replayed == [(("rows", 4),), (("rows", 6),)]
     assert ran_lean == replayed
+
+
+def test_the_last_outputs_are_marked_when_the_executor_and_its_graphs_are_dropped():
+    """A replay's outputs do not own the graph's memory (CUDA): dropping the executor
+    frees it, so reading the last outputs must raise, not read what comes there next."""
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    executor.run([x, w])
+    (last,) = executor.run([x, w])  # captured and replayed: the graph's memory
+    version = last._version
+    del executor
+    gc.collect()
+    # on CPU the version is bumped (see the test above); CUDA builds raise on any read
+    assert last._version > version
 
 
 # ---------------------------------------------------------------------------

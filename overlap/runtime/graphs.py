@@ -287,6 +287,9 @@ class GraphReplays:
         self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
         self._first: dict[Hashable, list] = {}  # a key's first call's inputs
         self._handed: list = []  # weak references to the last replay's outputs
+        # dropped with this object (its executor collected), the graphs' memory is freed:
+        # the last replay's outputs, which do not own it, must not read what comes there
+        weakref.finalize(self, _expire_refs, self._handed)
         self._pool = None
         self.captures = 0
         self.replays = 0
