@@ -20,9 +20,11 @@ import pytest
 import torch
 from test_input_checks import _linear as _columns_split_linear
 from test_pipelined import _ag_linear
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fusion import FusionDefinition
 from overlap import Communicator, MultiDeviceExecutor, OverlapOptions
+from overlap.runtime import graphs
 from overlap.runtime.graphs import GraphReplays
 
 
@@ -177,7 +179,6 @@ def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound()
     assert [key[0] for key in graphs.memory()] == [(("rows", 6),), (("rows", 4),)]
 
 
-
 def test_a_call_that_runs_lean_keeps_its_graph_recently_used_as_a_replay_does():
     """Which graph the bound drops must be every rank's alike: a rank whose weight moved
     runs a call lean while its peers replay, and if that call did not count as a use it
@@ -213,6 +214,33 @@ def test_the_last_outputs_are_marked_when_the_executor_and_its_graphs_are_droppe
     gc.collect()
     # on CPU the version is bumped (see the test above); CUDA builds raise on any read
     assert last._version > version
+
+
+def test_an_output_that_views_an_input_read_in_place_is_handed_out_as_its_view(monkeypatch):
+    """An output that is a view of an input read in place (a reshaped weight) lies in the
+    input's memory, not the graph's: as on the lean path it is a view of the input,
+    keeping it alive and readable after the next replay. Here outputs are handed out
+    as on CUDA builds (over the graph's memory, marked unreadable by the next replay)."""
+    marked = []
+    monkeypatch.setattr(graphs, "_set_unreadable", lambda tensor, message: marked.append(tensor))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        w = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.relu(x))
+        fd.add_output(fd.ops.reshape(w, [32]))
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x, w = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(3):
+        relu, flat = executor.run([x, w])
+    assert executor.graphs.replays == 2
+    storage = StorageWeakRef(w.untyped_storage())
+    expected = w.reshape(32).clone()
+    del w
+    gc.collect()
+    assert not storage.expired()  # the output holds the input's memory, as a view does
+    executor.run([x, flat.view(4, 8)])  # the next replay (the weight's view is in place)
+    assert not any(t is flat for t in marked) and any(t is relu for t in marked)
+    torch.testing.assert_close(flat, expected)
 
 
 # ---------------------------------------------------------------------------

@@ -105,8 +105,9 @@ def expire(tensors: Sequence[torch.Tensor], where: str) -> None:
 
 @dataclass(frozen=True)
 class _Output:
-    """How a replay hands out one output: an input passed through (its position), or a
-    view of the graph's memory (``storage`` address and bytes, and the tensor's place)."""
+    """How a replay hands out one output: an input passed through (its position; with
+    ``view``, a view of it: bytes from its start, then size, stride, dtype), or a view of
+    the graph's memory (``storage`` address and bytes, and the tensor's place)."""
 
     input_position: int | None
     storage: tuple[int, int] | None = None
@@ -114,17 +115,37 @@ class _Output:
     size: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    view: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype] | None = None
 
 
-def _describe_output(output, staged: list) -> _Output | None:
+def _describe_output(output, staged: list, in_place: list) -> _Output | None:
     if output is None:
         return None
     for position, value in enumerate(staged):
         if output is value:
             return _Output(position)
     storage = output.untyped_storage()
+    for position, place in enumerate(in_place):
+        value = staged[position]
+        if place is not None and value.untyped_storage().data_ptr() == storage.data_ptr():
+            # a view of an input read in place (a reshaped weight): the input's memory,
+            # not the graph's; handed out as a view of the input, as the lean path does
+            # (a tensor over its address would not keep it alive, nor stay readable)
+            view = (output.data_ptr() - value.data_ptr(), tuple(output.shape),
+                    tuple(output.stride()), output.dtype)  # fmt: skip
+            return _Output(position, view=view)
     return _Output(None, (storage.data_ptr(), storage.nbytes()), output.storage_offset(),
                    tuple(output.shape), tuple(output.stride()), output.dtype)  # fmt: skip
+
+
+def _view_of(value: torch.Tensor, view: tuple) -> torch.Tensor:
+    """The view ``view`` (see ``_Output``) of input ``value``, sharing its storage."""
+    start, size, stride, dtype = view
+    storage = value.untyped_storage()
+    offset = (value.data_ptr() + start - storage.data_ptr()) // dtype.itemsize
+    if dtype == value.dtype:  # a view proper: its version and base are the input's
+        return value.as_strided(size, stride, offset)
+    return torch.empty(0, dtype=dtype, device=value.device).set_(storage, offset, size, stride)
 
 
 class Graph:
@@ -155,7 +176,7 @@ class Graph:
         self.memory = (torch.cuda.memory_reserved(device) - before if device.type == "cuda"
                        else 0) + sum(b.nbytes for b in self.buffers if b is not None)  # fmt: skip
         self.captured = captured  # held: the graph writes there
-        self.outputs = [_describe_output(o, staged) for o in captured]
+        self.outputs = [_describe_output(o, staged, self.in_place) for o in captured]
         # what a replay checks and hands out, worked out once
         self.read_at = [(p, place) for p, place in enumerate(self.in_place) if place is not None]
         self.owned = [i for i, o in enumerate(self.outputs) if o is not None and o.storage]
@@ -191,6 +212,8 @@ class Graph:
         for output, captured in zip(self.outputs, self.captured, strict=True):
             if output is None:
                 outputs.append(None)
+            elif output.view is not None:
+                outputs.append(_view_of(local_inputs[output.input_position], output.view))
             elif output.input_position is not None:
                 outputs.append(local_inputs[output.input_position])
             else:
