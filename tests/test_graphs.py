@@ -14,13 +14,17 @@ real graphs, and that a read of an overwritten output raises.
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from test_input_checks import _linear as _columns_split_linear
 from test_pipelined import _ag_linear
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from fusion import FusionDefinition
 from overlap import Communicator, MultiDeviceExecutor, OverlapOptions
+from overlap.runtime import graphs
 from overlap.runtime.graphs import GraphReplays
 
 
@@ -173,6 +177,70 @@ def test_graphs_are_kept_by_extents_least_recently_used_first_within_the_bound()
     # 4 and 5 captured; 4 used again, so 6's capture drops 5; 4 replays from its graph
     assert graphs.captures == 3
     assert [key[0] for key in graphs.memory()] == [(("rows", 6),), (("rows", 4),)]
+
+
+def test_a_call_that_runs_lean_keeps_its_graph_recently_used_as_a_replay_does():
+    """Which graph the bound drops must be every rank's alike: a rank whose weight moved
+    runs a call lean while its peers replay, and if that call did not count as a use it
+    would drop another graph than they do, then capture (and agree on) that key again
+    while they replay it: a host exchange on one rank alone."""
+    fd = _linear()
+    w = torch.randn(6, 8)
+
+    def kept_after(weight_at_the_fourth_call: torch.Tensor) -> list:
+        executor = _replaying(MultiDeviceExecutor(fd), most=2)
+        for call, rows in enumerate((4, 4, 5, 5, 4, 6, 6)):
+            x = torch.randn(rows, 8)
+            weight = weight_at_the_fourth_call if call == 4 else w
+            (y,) = executor.run([x, weight])
+            torch.testing.assert_close(y, _expected(fd, x, weight))
+        return [key[0] for key in executor.graphs.memory()]
+
+    replayed, ran_lean = kept_after(w), kept_after(w.clone())
+    assert replayed == [(("rows", 4),), (("rows", 6),)]
+    assert ran_lean == replayed
+
+
+def test_the_last_outputs_are_marked_when_the_executor_and_its_graphs_are_dropped():
+    """A replay's outputs do not own the graph's memory (CUDA): dropping the executor
+    frees it, so reading the last outputs must raise, not read what comes there next."""
+    fd = _linear()
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    executor.run([x, w])
+    (last,) = executor.run([x, w])  # captured and replayed: the graph's memory
+    version = last._version
+    del executor
+    gc.collect()
+    # on CPU the version is bumped (see the test above); CUDA builds raise on any read
+    assert last._version > version
+
+
+def test_an_output_that_views_an_input_read_in_place_is_handed_out_as_its_view(monkeypatch):
+    """An output that is a view of an input read in place (a reshaped weight) lies in the
+    input's memory, not the graph's: as on the lean path it is a view of the input,
+    keeping it alive and readable after the next replay. Here outputs are handed out
+    as on CUDA builds (over the graph's memory, marked unreadable by the next replay)."""
+    marked = []
+    monkeypatch.setattr(graphs, "_set_unreadable", lambda tensor, message: marked.append(tensor))
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([4, 8])
+        w = fd.define_tensor([4, 8])
+        fd.add_output(fd.ops.relu(x))
+        fd.add_output(fd.ops.reshape(w, [32]))
+    executor = _replaying(MultiDeviceExecutor(fd))
+    x, w = torch.randn(4, 8), torch.randn(4, 8)
+    for _ in range(3):
+        relu, flat = executor.run([x, w])
+    assert executor.graphs.replays == 2
+    storage = StorageWeakRef(w.untyped_storage())
+    expected = w.reshape(32).clone()
+    del w
+    gc.collect()
+    assert not storage.expired()  # the output holds the input's memory, as a view does
+    executor.run([x, flat.view(4, 8)])  # the next replay (the weight's view is in place)
+    assert not any(t is flat for t in marked) and any(t is relu for t in marked)
+    torch.testing.assert_close(flat, expected)
 
 
 # ---------------------------------------------------------------------------

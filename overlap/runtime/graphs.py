@@ -105,8 +105,9 @@ def expire(tensors: Sequence[torch.Tensor], where: str) -> None:
 
 @dataclass(frozen=True)
 class _Output:
-    """How a replay hands out one output: an input passed through (its position), or a
-    view of the graph's memory (``storage`` address and bytes, and the tensor's place)."""
+    """How a replay hands out one output: an input passed through (its position; with
+    ``view``, a view of it: bytes from its start, then size, stride, dtype), or a view of
+    the graph's memory (``storage`` address and bytes, and the tensor's place)."""
 
     input_position: int | None
     storage: tuple[int, int] | None = None
@@ -114,17 +115,37 @@ class _Output:
     size: tuple[int, ...] = ()
     stride: tuple[int, ...] = ()
     dtype: torch.dtype | None = None
+    view: tuple[int, tuple[int, ...], tuple[int, ...], torch.dtype] | None = None
 
 
-def _describe_output(output, staged: list) -> _Output | None:
+def _describe_output(output, staged: list, in_place: list) -> _Output | None:
     if output is None:
         return None
     for position, value in enumerate(staged):
         if output is value:
             return _Output(position)
     storage = output.untyped_storage()
+    for position, place in enumerate(in_place):
+        value = staged[position]
+        if place is not None and value.untyped_storage().data_ptr() == storage.data_ptr():
+            # a view of an input read in place (a reshaped weight): the input's memory,
+            # not the graph's; handed out as a view of the input, as the lean path does
+            # (a tensor over its address would not keep it alive, nor stay readable)
+            view = (output.data_ptr() - value.data_ptr(), tuple(output.shape),
+                    tuple(output.stride()), output.dtype)  # fmt: skip
+            return _Output(position, view=view)
     return _Output(None, (storage.data_ptr(), storage.nbytes()), output.storage_offset(),
                    tuple(output.shape), tuple(output.stride()), output.dtype)  # fmt: skip
+
+
+def _view_of(value: torch.Tensor, view: tuple) -> torch.Tensor:
+    """The view ``view`` (see ``_Output``) of input ``value``, sharing its storage."""
+    start, size, stride, dtype = view
+    storage = value.untyped_storage()
+    offset = (value.data_ptr() + start - storage.data_ptr()) // dtype.itemsize
+    if dtype == value.dtype:  # a view proper: its version and base are the input's
+        return value.as_strided(size, stride, offset)
+    return torch.empty(0, dtype=dtype, device=value.device).set_(storage, offset, size, stride)
 
 
 class Graph:
@@ -155,7 +176,7 @@ class Graph:
         self.memory = (torch.cuda.memory_reserved(device) - before if device.type == "cuda"
                        else 0) + sum(b.nbytes for b in self.buffers if b is not None)  # fmt: skip
         self.captured = captured  # held: the graph writes there
-        self.outputs = [_describe_output(o, staged) for o in captured]
+        self.outputs = [_describe_output(o, staged, self.in_place) for o in captured]
         # what a replay checks and hands out, worked out once
         self.read_at = [(p, place) for p, place in enumerate(self.in_place) if place is not None]
         self.owned = [i for i, o in enumerate(self.outputs) if o is not None and o.storage]
@@ -191,6 +212,8 @@ class Graph:
         for output, captured in zip(self.outputs, self.captured, strict=True):
             if output is None:
                 outputs.append(None)
+            elif output.view is not None:
+                outputs.append(_view_of(local_inputs[output.input_position], output.view))
             elif output.input_position is not None:
                 outputs.append(local_inputs[output.input_position])
             else:
@@ -207,6 +230,14 @@ def _forget(addresses: list[int]) -> None:
         _GRAPH_OUTPUTS[address] -= 1
         if not _GRAPH_OUTPUTS[address]:
             del _GRAPH_OUTPUTS[address]
+
+
+def _expire_refs(handed: list) -> None:
+    """Expire the outputs still alive among the weak references ``handed`` (emptied)."""
+    outputs = [t for t in (ref() for ref in handed) if t is not None]
+    if outputs:
+        expire(outputs, "its memory is reused by the next replay, or freed with the graph")
+    handed.clear()
 
 
 def _over(output: _Output, captured: torch.Tensor) -> torch.Tensor:
@@ -279,6 +310,9 @@ class GraphReplays:
         self._graphs: OrderedDict[Hashable, Graph] = OrderedDict()
         self._first: dict[Hashable, list] = {}  # a key's first call's inputs
         self._handed: list = []  # weak references to the last replay's outputs
+        # dropped with this object (its executor collected), the graphs' memory is freed:
+        # the last replay's outputs, which do not own it, must not read what comes there
+        weakref.finalize(self, _expire_refs, self._handed)
         self._pool = None
         self.captures = 0
         self.replays = 0
@@ -291,6 +325,11 @@ class GraphReplays:
         None where this call runs on the lean path: the key's first call, or an in-place
         input that moved."""
         graph = self._graphs.get(key)
+        if graph is not None:
+            # used at this call on every rank, replayed or run lean: the eviction order
+            # must be every rank's alike (a rank evicting another graph than its peers
+            # would later capture, and agree on it, while they replay)
+            self._graphs.move_to_end(key)
         if graph is None:
             if key not in self._first:
                 self._first[key] = [_Seen.of(v) for v in local_inputs]
@@ -310,11 +349,10 @@ class GraphReplays:
                     "where they are (update weights in place)"
                 )
             return None
-        self._graphs.move_to_end(key)
         self._expire_handed()
         outputs = graph.replay(local_inputs)
         self.replays += 1
-        self._handed = [weakref.ref(outputs[i]) for i in graph.owned]
+        self._handed[:] = [weakref.ref(outputs[i]) for i in graph.owned]
         return outputs
 
     def _capture_for(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> Graph:
@@ -348,10 +386,7 @@ class GraphReplays:
         return graph
 
     def _expire_handed(self) -> None:
-        handed = [t for t in (ref() for ref in self._handed) if t is not None]
-        if handed:
-            expire(handed, "its memory is reused by the next replay")
-        self._handed = []
+        _expire_refs(self._handed)
 
     def memory(self) -> dict[Hashable, int]:
         """Bytes each kept graph holds (its pool's growth at capture, and its input
