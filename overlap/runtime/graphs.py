@@ -31,7 +31,9 @@ in ``fallbacks`` and logged once).
 Outputs are the graph's memory, handed out without copies as new tensors over it. The
 next replay of any graph of the same executor overwrites that memory, so the outputs of
 the replay before become unreadable: reading one raises a clear error naming what to do
-(``expire``; copy what you keep, or ``run(..., keep_outputs=True)``). Where this torch
+(``expire``; copy what you keep, or ``run(..., keep_outputs=True)``). On CUDA only
+the handed-out tensor is marked, not a view taken of it before the next replay: such a
+view shows the next replay's values (copy, never view, what you keep). Where this torch
 cannot make a tensor unreadable (a build without CUDA), their autograd version is bumped,
 so a backward that saved them refuses to read the new values.
 
