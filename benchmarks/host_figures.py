@@ -179,6 +179,8 @@ def measure_case(communicator, case, runs: int, busy: Busy, timer_us: tuple[floa
     name, fusion, options, kernels = case
     device, rank = communicator.device, communicator.rank
     cuda = device.type == "cuda"
+    if rank == 0:  # where a run that never ends stopped (on 2x H200 it printed nothing)
+        print(f"[{name}] measuring", flush=True)
     fd = fusion()
     executor = MultiDeviceExecutor(fd, communicator, options, cuda_graph=False, kernels=kernels)
     generator = torch.Generator(device=device).manual_seed(rank)
