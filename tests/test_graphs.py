@@ -55,7 +55,7 @@ def _linear(rows: int = 4) -> FusionDefinition:
 
 
 def _replaying(executor: MultiDeviceExecutor, most: int = 8) -> MultiDeviceExecutor:
-    executor.replays = True
+    executor.replaying = True
     executor.graphs = GraphReplays(capture_on_cpu, most)
     return executor
 
@@ -116,21 +116,29 @@ def test_a_new_tensor_in_the_memory_of_the_last_is_copied_and_a_view_of_the_same
     assert graph.copied == [0] and executor.graphs.fallbacks == 0
 
 
-def test_outputs_of_a_replay_are_marked_overwritten_by_the_next_and_kept_ones_are_not():
+def test_outputs_of_a_replay_are_marked_overwritten_by_the_next_and_kept_ones_are_not(
+    monkeypatch,
+):
+    """Outputs handed out as on CUDA builds (new tensors over the graph's memory, marked
+    unreadable by the next replay: the marks recorded here). The stand-in's replay
+    writes into the captured outputs, so a version bump would not tell a mark apart."""
+    marked = []
+    monkeypatch.setattr(graphs, "_set_unreadable", lambda tensor, message: marked.append(tensor))
     fd = _linear()
     executor = _replaying(MultiDeviceExecutor(fd))
-    x, w = torch.randn(4, 8), torch.randn(6, 8)
-    executor.run([x, w])
-    (first,) = executor.run([x, w])  # captured and replayed: the graph's memory
+    x, w = torch.randn(4, 8), torch.randn(6, 8)  # x a new tensor at every call: copied
+    executor.run([x.clone(), w])
+    (first,) = executor.run([x.clone(), w])  # captured and replayed: the graph's memory
+    assert marked == [] and executor.graphs.replays == 1
     (kept,) = executor.run([x + 1, w], keep_outputs=True)
-    version = first._version
-    assert kept is not first
-    (y,) = executor.run([x, w])
-    # on CPU torch cannot make a tensor unreadable: its version is bumped instead (a
-    # backward that saved it raises); CUDA builds raise on any read (check_gpu.py)
-    assert first._version > version
+    assert [t is first for t in marked] == [True]  # overwritten by this replay
+    (y,) = executor.run([x.clone(), w])
+    assert not any(t is kept for t in marked) and len(marked) == 1
     torch.testing.assert_close(kept, _expected(fd, x + 1, w))
     torch.testing.assert_close(y, _expected(fd, x, w))
+    executor.run([x + 2, w])
+    assert executor.graphs.replays == 4 and executor.graphs.fallbacks == 0
+    assert marked[-1] is y
 
 
 def failing_capture(communicator: Communicator) -> str:

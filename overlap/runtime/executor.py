@@ -115,7 +115,7 @@ class MultiDeviceExecutor:
                           dict(kernel_params or {}), current_hardware(self.device))  # fmt: skip
         self._programs = RankPrograms(self.compiled, setup)
         self.graphs = GraphReplays()
-        self.replays = self.cuda_graph and self.device.type == "cuda"  # graphs serve runs
+        self.replaying = self.cuda_graph and self.device.type == "cuda"  # graphs serve runs
         self._inputs = None
         if self.sharded:
             self._inputs = InputCheck(self.fusion, communicator, self.fingerprint,
@@ -222,13 +222,11 @@ class MultiDeviceExecutor:
         self._programs.next_run()
         rank_program = self._programs.get(bindings)
         outputs = None
-        if self.replays and timeline is None:
+        if self.replaying and timeline is None:
             # no autograd graph: its gradients would be one rank's
             key = (self._programs.key(bindings), self._programs.parity)
-            outputs = without_grad(self.graphs.run, key, rank_program, local_inputs)
-            if outputs is not None and keep_outputs:
-                outputs = [o if o is None or any(o is i for i in local_inputs) else o.clone()
-                           for o in outputs]  # fmt: skip
+            outputs = without_grad(self.graphs.run, key, rank_program, local_inputs,
+                                   keep_outputs)  # fmt: skip
         if outputs is None:
             outputs = without_grad(rank_program.run, local_inputs, timeline)
         return as_dtensors(refusing_backward(outputs, local_inputs), fusion, torch_meshes)

@@ -156,7 +156,6 @@ class Graph:
     def __init__(self, program: RankProgram, local_inputs: Sequence, first: Sequence,
                  pool, capture: Callable) -> None:  # fmt: skip
         device = program.setup.device
-        self.device = device
         # per position: the address and strides read in place, or a buffer of its own
         self.in_place: list[tuple[int, tuple[int, ...]] | None] = []
         self.buffers: list[torch.Tensor | None] = []
@@ -196,15 +195,13 @@ class Graph:
                 return False
         return True
 
-    def _copy(self, values: list) -> None:
-        targets = [self.buffers[p] for p in self.copied]
-        pairs = [(t, v) for t, v in zip(targets, values, strict=True) if t is not v]
-        if pairs:
-            torch._foreach_copy_([t for t, _ in pairs], [v for _, v in pairs])
-
     def stage(self, local_inputs: Sequence) -> None:
-        """Copy the inputs that move into the graph's buffers (one batched copy)."""
-        self._copy([local_inputs[p] for p in self.copied])
+        """Copy the inputs that move into the graph's buffers (one batched copy; none for
+        an input that is its buffer)."""
+        pairs = [(self.buffers[p], local_inputs[p]) for p in self.copied
+                 if self.buffers[p] is not local_inputs[p]]  # fmt: skip
+        if pairs:
+            torch._foreach_copy_([b for b, _ in pairs], [v for _, v in pairs])
 
     def replay(self, local_inputs: Sequence) -> list:
         """Replay (the inputs staged), and hand out the outputs: new tensors over the
@@ -321,17 +318,18 @@ class GraphReplays:
         self.fallbacks = 0  # calls run on the lean path because an in-place input moved
         _EVERY.add(self)
 
-    def run(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> list | None:
+    def run(
+        self,
+        key: Hashable,
+        program: RankProgram,
+        local_inputs: Sequence,
+        keep_outputs: bool = False,
+    ) -> list | None:
         """The outputs of ``program`` on ``local_inputs`` from the graph for ``key``
-        (captured now at the key's second call, which is the same run on every rank), or
-        None where this call runs on the lean path: the key's first call, or an in-place
-        input that moved."""
+        (captured now at the key's second call, which is the same run on every rank;
+        ``keep_outputs``: those in the graph's memory copied out), or None where this call
+        runs on the lean path: the key's first call, or an in-place input that moved."""
         graph = self._graphs.get(key)
-        if graph is not None:
-            # used at this call on every rank, replayed or run lean: the eviction order
-            # must be every rank's alike (a rank evicting another graph than its peers
-            # would later capture, and agree on it, while they replay)
-            self._graphs.move_to_end(key)
         if graph is None:
             if key not in self._first:
                 self._first[key] = [_Seen.of(v) for v in local_inputs]
@@ -339,22 +337,30 @@ class GraphReplays:
                     self._first.pop(next(iter(self._first)))
                 return None
             graph = self._capture_for(key, program, local_inputs)  # inputs staged
-        elif graph.reads(local_inputs):
-            graph.stage(local_inputs)  # before the last outputs expire: one may be an input
         else:
-            self.fallbacks += 1
-            if self.fallbacks == 1:
-                log.warning(
-                    "an input read in place by a CUDA graph (a parameter or weight passed "
-                    "again at its first calls, or a graph's output) moved: "
-                    "this call and any other such run without the graph. Keep such inputs "
-                    "where they are (update weights in place)"
-                )
-            return None
+            # used at this call on every rank, replayed or run lean: the eviction order
+            # must be every rank's alike (a rank evicting another graph than its peers
+            # would later capture, and agree on it, while they replay)
+            self._graphs.move_to_end(key)
+            if not graph.reads(local_inputs):
+                self.fallbacks += 1
+                if self.fallbacks == 1:
+                    log.warning(
+                        "an input read in place by a CUDA graph (a parameter or weight "
+                        "passed again at its first calls, or a graph's output) moved: this "
+                        "call and any other such run without the graph. Keep such inputs "
+                        "where they are (update weights in place)"
+                    )
+                return None
+            graph.stage(local_inputs)  # before the last outputs expire: one may be an input
         self._expire_handed()
         outputs = graph.replay(local_inputs)
         self.replays += 1
-        self._handed[:] = [weakref.ref(outputs[i]) for i in graph.owned]
+        if keep_outputs:  # copied out: nothing of the graph's memory is handed out
+            for i in graph.owned:
+                outputs[i] = outputs[i].clone()
+        else:
+            self._handed[:] = [weakref.ref(outputs[i]) for i in graph.owned]
         return outputs
 
     def _capture_for(self, key: Hashable, program: RankProgram, local_inputs: Sequence) -> Graph:

@@ -17,8 +17,8 @@ its backward alike (SPMD), with the same inputs requiring gradients (else the ra
 build different programs and every rank raises ``ProgramMismatch``).
 
 On CUDA the forward and the backward replay CUDA graphs by default (``cuda_graph``, as
-``MultiDeviceExecutor`` says): weights (leaves that require a gradient, updated in place
-by optimizers) and what the forward saved (the forward graph's outputs) are read where
+``MultiDeviceExecutor`` says): weights (the same tensors every step, updated in place by
+optimizers) and what the forward saved (the forward graph's outputs) are read where
 they are; data, activations and output gradients are copied into the graphs' buffers.
 The outputs are the forward graph's memory (the next forward overwrites them, and
 reading one after it raises); the gradients are copied out of the backward graph's, for
