@@ -14,22 +14,31 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _torchrun(
+    script: str, world: int, *arguments: str, timeout: int = 240, check: bool = True, **env
+) -> subprocess.CompletedProcess:
+    """``benchmarks/<script> [arguments]`` on ``world`` local ranks under torchrun (one
+    thread each, ``env`` added); with ``check``, fails with the run's output unless it
+    exits 0."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", str(world), str(ROOT / "benchmarks" / script),
+               *arguments]  # fmt: skip
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    result = subprocess.run(
+        command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=environment
+    )
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_ag_matmul_benchmark_smoke_run(tmp_path, world):
     """Every rank's output checked against float64 before timing (the script stops
     otherwise); at 2 ranks every variant is bitwise equal to the sequential run; at
     any size a reduce-scatter's fixed chunk counts give the same bits (``c*_same``)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", str(world),
-        str(ROOT / "benchmarks" / "ag_matmul.py"), "--smoke", "--rounds", "1",
-        "--iterations", "1", "--timeline-dir", str(tmp_path),
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _torchrun("ag_matmul.py", world, "--smoke", "--rounds", "1", "--iterations", "1",
+                       "--timeline-dir", str(tmp_path))  # fmt: skip
     lines = result.stdout.splitlines()
     header = next(line for line in lines if line.startswith("pattern "))
     rows = [line for line in lines if line.startswith(("ag_", "matmul_"))]
@@ -51,16 +60,7 @@ def test_host_figures_benchmark_measures_every_kind_a_cpu_rank_issues(tmp_path):
     from overlap.plan.host_steps import HostStep
 
     out = tmp_path / "host.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2", str(ROOT / "benchmarks" / "host_figures.py"), "--cpu",
-        "--runs", "10", "--out", str(out),
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _torchrun("host_figures.py", 2, "--cpu", "--runs", "10", "--out", str(out))
     rows = {row["kind"]: row for row in json.loads(out.read_text())["rows"]}
     on_cpu = set(HostStep) - {
         HostStep.STREAM_SWITCH, HostStep.STREAM_WAIT, HostStep.GENERATED_KERNEL,
@@ -80,17 +80,7 @@ def test_blocks_benchmark_smoke_run(tmp_path):
     the run), the SwiGLU block gathers once and reduce-scatters once, and each row holds
     the plan with the roof meter of a recorded run."""
     out = tmp_path / "blocks.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2",
-        str(ROOT / "benchmarks" / "blocks.py"), "--smoke", "--rounds", "1",
-        "--iterations", "1", "--out", str(out),
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _torchrun("blocks.py", 2, "--smoke", "--rounds", "1", "--iterations", "1", "--out", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [row["block"] for row in rows] == ["mlp", "attention", "mlp_train"] * 2
     forward = [row for row in rows if row["block"] != "mlp_train"]
@@ -180,17 +170,7 @@ def test_parallel_block_benchmark_smoke_run():
     """``benchmarks/parallel_block.py`` at tiny shapes on 2 gloo ranks: ours and PyTorch's
     tensor parallelism, each variant's output and gradients checked on every rank first
     (a wrong one fails the run)."""
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2",
-        str(ROOT / "benchmarks" / "parallel_block.py"), "--smoke", "--rounds", "1",
-        "--iterations", "1",
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    result = _torchrun("parallel_block.py", 2, "--smoke", "--rounds", "1", "--iterations", "1")
     variants = [line.split()[0] for line in result.stdout.splitlines()[1:]]
     assert variants == ["ours", "ours_save_everything", "torch_tp"], result.stdout
 
@@ -200,16 +180,7 @@ def test_profile_host_benchmark_smoke_run(tmp_path):
     checked on every rank first (a wrong one fails the run), one row a case with every
     variant's host time, written with the command that made it."""
     out = tmp_path / "profile_host.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2", str(ROOT / "benchmarks" / "profile_host.py"),
-        "--device", "cpu", "--samples", "1", "--out", str(out),
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=240, env=environment
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    _torchrun("profile_host.py", 2, "--device", "cpu", "--samples", "1", "--out", str(out))
     record = json.loads(out.read_text())
     assert record["device"] == "2x cpu (gloo)" and "--device cpu" in record["command"]
     rows = record["rows"]
@@ -224,14 +195,8 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     """``benchmarks/check_gpu.py`` on 2 CPU ranks (kernels in the interpreter): every
     check passes on every rank, and the JSON holds each rank's verdict."""
     out = tmp_path / "check.json"
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        "--nproc-per-node", "2",
-        str(ROOT / "benchmarks" / "check_gpu.py"), "--out", str(out),
-    ]  # fmt: skip
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    result = subprocess.run(
-        command, cwd=ROOT, capture_output=True, text=True, timeout=300, env=environment
+    result = _torchrun(
+        "check_gpu.py", 2, "--out", str(out), timeout=300, check=False, TRITON_INTERPRET="1"
     )
     # the first failing check's report first: a failure can leave the ranks a collective
     # apart, and every later check fails for it (the tail alone hid the first once)
