@@ -2,24 +2,25 @@
 
     python benchmarks/faults_gpu.py [--launchers torchrun,local,ray] [--out FILE]
 
-Each case starts a 2-rank job with ``overlap run --launcher L`` running this file's
-``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1 fails, while rank 0
-goes on into its next run and waits in a collective for rank 1 (on NCCL it would wait
-forever): rank 1 either raises (``raise``), dies (``exit``: ``os._exit(3)``), passes a
-bad input (``bad_input``: a piece one row short, which it finds alone and raises at
-once) or an input that changed alone (``changed_alone``: a tensor-parallel MLP whose
-tokens are a symbolic extent every rank holds whole, and rank 1's copy one row short,
-which only an exchange could judge: rank 1 learns after the input-check timeout, set to
-10 s for these jobs with ``OVERLAP_INPUT_CHECK_TIMEOUT_S``, that rank 0 is not coming).
-Every run checks its inputs as the default does (an exchange only when a rank's inputs
-change). The variants put rank 0's wait in a plain NCCL collective issued by the host
-(``collectives``: ``cuda_graph=False``), in a CUDA-graph replay (``cuda_graph``: the
-default options, graphs on GPUs), or in a copy-engine pipeline's symmetric-memory
-barrier (``copy_engine``, replayed from graphs as by default). Measured: the seconds
-from rank 1's failure to the job's end, the exit code, whether the failing rank's
-traceback was shown, and whether the launcher named rank 1 as the cause (torchrun: its
-"Root Cause"; local: ``overlap run: rank 1 exited``; Ray: ``PoolError`` for rank 1). A
-job still running after ``--limit`` seconds is killed and counted as hung.
+Each case starts a 2-rank job (``--nproc N``: N ranks) with ``overlap run --launcher L``
+running this file's ``main``: a tensor-parallel MLP run in a loop. At its 6th run rank 1
+fails, while rank 0 goes on into its next run and waits in a collective for rank 1 (on
+NCCL it would wait forever): rank 1 either raises (``raise``), dies (``exit``:
+``os._exit(3)``), passes a bad input (``bad_input``: a piece one row short, which it
+finds alone and raises at once) or an input that changed alone (``changed_alone``: a
+tensor-parallel MLP whose tokens are a symbolic extent every rank holds whole, and rank
+1's copy one row short, which only an exchange could judge: rank 1 learns after the
+input-check timeout, set to 10 s for these jobs with ``OVERLAP_INPUT_CHECK_TIMEOUT_S``,
+that rank 0 is not coming). Every run checks its inputs as the default does (an exchange
+only when a rank's inputs change). The variants put rank 0's wait in a plain NCCL
+collective issued by the host (``collectives``: ``cuda_graph=False``), in a CUDA-graph
+replay (``cuda_graph``: the default options, graphs on GPUs), or in a copy-engine
+pipeline's symmetric-memory barrier (``copy_engine``, replayed from graphs as by
+default). Measured: the seconds from rank 1's failure to the job's end, the exit code,
+whether the failing rank's traceback was shown, and whether the launcher named rank 1 as
+the cause (torchrun: its "Root Cause"; local: ``overlap run: rank 1 exited``; Ray:
+``PoolError`` for rank 1). A job still running after ``--limit`` seconds is killed and
+counted as hung.
 
 Without GPUs the same runs on gloo processes, only the ``collectives`` variant.
 """
@@ -115,10 +116,10 @@ def tokens_whole_tp_mlp(hidden: int, ffn: int, world: int):
 # -- the driver ----------------------------------------------------------------------
 
 
-def run_case(launcher: str, fault: str, variant: str, limit_s: float) -> dict:
+def run_case(launcher: str, fault: str, variant: str, limit_s: float, nproc: int = 2) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         command = [sys.executable, "-m", "launch.cli", "run", "--launcher", launcher,
-                   "--nproc", "2", __file__, fault, variant, folder]  # fmt: skip
+                   "--nproc", str(nproc), __file__, fault, variant, folder]  # fmt: skip
         path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
         env = {**os.environ, "PYTHONPATH": path, "RAY_USAGE_STATS_ENABLED": "0",
                "PYTHONUNBUFFERED": "1", "OVERLAP_INPUT_CHECK_TIMEOUT_S": "10"}  # fmt: skip
@@ -166,9 +167,10 @@ def main_driver() -> None:
     )
     parser.add_argument("--variants", default=None, help="default: every one this device has")
     parser.add_argument("--limit", type=float, default=120.0, help="seconds before 'hung'")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks a job (rank 1 fails)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "faults_gpu.json"))
     args = parser.parse_args()
-    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc
     variants = args.variants or ("collectives,cuda_graph,copy_engine" if cuda else "collectives")
     rows = []
     print(f"{'launcher':9s} {'fault':6s} {'variant':12s} {'s to end':>8s} {'exit':>5s} "
@@ -178,7 +180,7 @@ def main_driver() -> None:
             for fault in args.faults.split(","):
                 if fault in ("bad_input", "changed_alone") and variant != "collectives":
                     continue
-                row = run_case(launcher, fault, variant, args.limit)
+                row = run_case(launcher, fault, variant, args.limit, args.nproc)
                 rows.append(row)
                 seconds = "HUNG" if row["hung"] else f"{row['seconds_to_end']:.2f}"
                 print(f"{launcher:9s} {fault:6s} {variant:12s} {seconds:>8s} "
@@ -189,7 +191,8 @@ def main_driver() -> None:
     from benchmarks.kernels import commit_id
 
     record = {
-        "device": f"2x {torch.cuda.get_device_name()}" if cuda else "cpu (gloo)",
+        "device": f"{args.nproc}x {torch.cuda.get_device_name()}" if cuda else "cpu (gloo)",
+        "nproc": args.nproc,
         "date": datetime.date.today().isoformat(),
         "commit": commit_id(),
         "command": " ".join(["python", *sys.argv]),

@@ -61,6 +61,10 @@ from schedulers.hardware import current_hardware  # noqa: E402
 # sleeping kernel never fill CUDA's queue (the host would then wait for the GPU)
 BATCH = 5
 SLEEP_MARGIN = 2.0  # the GPU sleeps this many times a batch's expected host time
+# ... and never longer than this: a batch whose host waited for the GPU (a step that
+# synchronizes) took as long as the sleep, and the sleep fed on it doubled every batch,
+# which ran for hours on 2x H200 (nothing printed after minutes)
+SLEEP_MAX_MS = 50.0
 
 
 # On CPUs gloo moves the data on the host: posting and waiting for a communication, and
@@ -107,6 +111,7 @@ class Busy:
         self.cuda = device.type == "cuda"
         self.cycles_per_ms = 0.0
         self.last_ms = 1.0
+        self.waited = 0  # batches whose host outlasted the GPU's sleep (it may have waited)
         if self.cuda:
             begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begin.record()
@@ -121,14 +126,17 @@ class Busy:
         if self.cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        sleep_ms = min(self.last_ms * SLEEP_MARGIN, SLEEP_MAX_MS)
         if self.cuda:
-            torch.cuda._sleep(int(self.cycles_per_ms * self.last_ms * SLEEP_MARGIN))
+            torch.cuda._sleep(int(self.cycles_per_ms * sleep_ms))
         start = time.perf_counter()
         for _ in range(calls):
             run()
         elapsed_ms = (time.perf_counter() - start) * 1e3
         if self.cuda:
             torch.cuda.synchronize()
+            if elapsed_ms >= sleep_ms:
+                self.waited += 1
         self.last_ms = elapsed_ms
         return elapsed_ms / calls
 
@@ -251,6 +259,13 @@ def measure_case(communicator, case, runs: int, busy: Busy, timer_us: tuple[floa
            "fixed_us": trimmed_mean(around) * 1e6 + own_us, "by_kind": by_kind}  # fmt: skip
     if cuda and kernels == "auto":  # the evaluator's programs are not captured
         row.update(_replay(fd, communicator, options, kernels, local, runs, busy))
+    row["gpu_waits"], busy.waited = busy.waited, 0  # batches that outlasted the sleep
+    if rank == 0:
+        print(
+            f"[{name}] {call_us:.1f} us a call, {row['gpu_waits']} batches outlasted "
+            "the GPU's sleep",
+            flush=True,
+        )
     return row
 
 
