@@ -473,7 +473,8 @@ def run_training(communicator, shape, args) -> dict:
     calls = {name: (lambda f=forward, n=name: step(f, n not in models and n != "t_compute"))
              for name, forward in forwards.items()}  # fmt: skip
     calls["t_comm"] = comm["t_comm"]
-    times = slowest(time_rounds(calls, device, args.rounds, args.iterations), device)
+    times = slowest(time_rounds(calls, device, args.rounds, args.iterations,
+                                before=barrier if args.barrier else None), device)  # fmt: skip
     t_comm = 2 * times["t_comm"]
     t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
     host = issue_times({n: calls[n] for n in ("ours", "ours_lean", "eager") if n in calls},
@@ -574,7 +575,16 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
     errors = {name: max(e.get(name, 0.0) for e in worst) for name in errors}
     calls.update(parts_alone(block, local, world))
     calls["t_compute_ours"] = ours_alone(block, shape, kv, world, device)
-    times = slowest(time_rounds(calls, device, args.rounds, args.iterations), device)
+    each_round: dict[str, list[float]] = {}
+    times = slowest(time_rounds(calls, device, args.rounds, args.iterations,
+                                before=barrier if args.barrier else None,
+                                each_round=each_round), device)  # fmt: skip
+    graphs = [None] * world
+    dist.all_gather_object(graphs, {"captures": default.graphs.captures,
+                                    "replays": default.graphs.replays,
+                                    "fallbacks": default.graphs.fallbacks})  # fmt: skip
+    rounds_by_rank = [None] * world
+    dist.all_gather_object(rounds_by_rank, {n: each_round[n] for n in ("default", "no_check")})
     # the block's compute: the faster of PyTorch's kernels and ours, alone
     times["t_compute"] = min(times["t_compute_eager"], times["t_compute_ours"])
     t_star = max(times["t_compute"], times["t_comm"] + times["t_compute"] / world)
@@ -601,8 +611,19 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         "communications": [str(c) for c in default.communications],
         "plan_and_roof_meter_rank": default.explain_overlap(timeline),
         "checked_every_rank": True,
+        "default_graphs_by_rank": graphs,  # the default executor's captures, replays...
+        "rounds_ms_by_rank": rounds_by_rank,  # each round's ms a call, by rank
     }  # fmt: skip
+    if communicator.rank == 0:
+        print(f"[{block}] default graphs by rank: {graphs}", flush=True)
+        print(f"[{block}] default and no_check rounds by rank: {rounds_by_rank}", flush=True)
     return row
+
+
+def barrier() -> None:
+    """Every rank together before a timed batch (a rank's events would otherwise count
+    the time it waits for a peer that was still in the last batch)."""
+    dist.barrier()
 
 
 def issue_times(calls: dict, device: torch.device) -> dict[str, float]:
@@ -637,6 +658,8 @@ def main() -> None:
     parser.add_argument("--shapes", help="tokens,hidden,ffn;... (default: the issue's three)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
+    parser.add_argument("--barrier", action="store_true",
+                        help="every rank together before each timed batch")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "blocks.json"))
     args = parser.parse_args()
     communicator = torchrun_communicator(args.smoke)

@@ -102,14 +102,20 @@ def time_rounds(
     rounds: int,
     iterations: int,
     settle: bool = False,
+    before: Callable[[], object] | None = None,
+    each_round: dict[str, list[float]] | None = None,
 ) -> dict[str, float]:
     """Each of ``functions``' median ms per call over ``rounds`` interleaved rounds of
     ``iterations`` calls. With ``settle``, on a GPU each runs once before the rounds
-    too, and once untimed before each of its batches (``Timer``)."""
-    timer = Timer(device, iterations, settle)
+    too, and once untimed before each of its batches (``Timer``); ``before``: called
+    untimed before each batch (``Timer``); ``each_round``, a dict: filled with every
+    round's time of each function, ms per call."""
+    timer = Timer(device, iterations, settle, before=before)
     for function in functions.values() if timer.settle else ():
         function()
     timer.rounds(functions, rounds)
+    if each_round is not None:
+        each_round.update(timer.times)
     return timer.medians()
 
 
