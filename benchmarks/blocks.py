@@ -15,7 +15,10 @@ API as a user writes them:
   + the residual; K and V are outputs too (column pieces, as a KV cache keeps them).
 
 Variants, timed side by side (interleaved rounds, each the median of its rounds, every
-figure the slowest rank's):
+figure the slowest rank's; the ranks brought together by a barrier before each timed
+batch, as otherwise the first variant of a round counts the time a rank waits in its
+collectives for a peer still finishing the last round: the default, first, read 2-23x
+``no_check`` on the same executor on 4x H200):
 
 - ``default``: ``MultiDeviceExecutor(fd, communicator)`` and ``run(local)``, nothing set:
   what a user gets (on GPUs, replayed from CUDA graphs);
@@ -658,8 +661,10 @@ def main() -> None:
     parser.add_argument("--shapes", help="tokens,hidden,ffn;... (default: the issue's three)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=10)
-    parser.add_argument("--barrier", action="store_true",
-                        help="every rank together before each timed batch")  # fmt: skip
+    parser.add_argument("--no-barrier", dest="barrier", action="store_false",
+                        help="time each batch without first bringing the ranks together "
+                        "(the first collective variant of a round then counts the ranks' "
+                        "drift: 2-23x on 4x H200)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "blocks.json"))
     args = parser.parse_args()
     communicator = torchrun_communicator(args.smoke)

@@ -163,11 +163,11 @@ def gpu_plan(nproc: int, device: str = "h200") -> str:
     """What the planner chooses for the demo at its GPU sizes on ``nproc`` GPUs of the
     recorded ``device`` figures (no GPU needed)."""
     from overlap import compile_program
-    from overlap.plan.figures import NAMED_FIGURES
+    from overlap.plan.figures import named_figures
 
     world = max(nproc, 2)
     compiled = compile_program(build_tp_mlp(*GPU_SIZES, world), world, None,
-                               NAMED_FIGURES[device])  # fmt: skip
+                               named_figures(device, world))  # fmt: skip
     return compiled.explain_overlap()
 
 

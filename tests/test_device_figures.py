@@ -21,10 +21,16 @@ from overlap.comm import measure
 from overlap.comm.measure import device_figures
 from overlap.plan import figures as figures_module
 from overlap.plan.cost_model import predict
-from overlap.plan.figures import H200_FIGURES, LinkFigures, measured_figures, recorded_figures
+from overlap.plan.figures import (
+    H200_FIGURES,
+    H200_X4_FIGURES,
+    LinkFigures,
+    measured_figures,
+    recorded_figures,
+)
 from overlap.plan.planner import plan_overlap
 from schedulers import device_cache, hardware
-from schedulers.hardware import H100, current_hardware
+from schedulers.hardware import H100, H200, current_hardware
 from sharding import DeviceMesh, Shard, shard, shard_fusion
 
 MADE_UP = "NVIDIA Made-Up GPU"
@@ -241,6 +247,24 @@ def test_recorded_gpus_plan_with_their_recorded_figures_unmeasured(gpu):
     assert figures.collective_gbps == H200_FIGURES.collective_gbps
     assert figures.memory_gbps == H100.memory_gbps
     assert gpu.links.calls == 0 and gpu.copy.calls == 0
+
+
+class FourRanks(FakeCommunicator):
+    world_size = 4
+
+    def all_gather_object(self, value: object) -> list[object]:
+        return [value] + [self.peer_says(value)] * 3
+
+
+def test_a_team_of_four_h200s_plans_with_the_figures_measured_at_four_ranks(gpu):
+    gpu.name = H200.name
+    pair = device_figures(GPU, FakeCommunicator())
+    four = device_figures(GPU, FourRanks())
+    assert pair.ranks == 2 and pair.p2p_gbps == H200_FIGURES.p2p_gbps
+    assert four.ranks == 4 and four.p2p_gbps == H200_X4_FIGURES.p2p_gbps
+    assert four.collective_gbps == H200_X4_FIGURES.collective_gbps != pair.collective_gbps
+    assert four.device == current_hardware(GPU)  # this device's profile, as for a pair
+    assert gpu.links.calls == 0
 
 
 def _ag_matmul(world: int = 2):

@@ -26,7 +26,7 @@ from overlap.diag.timeline import (
 )
 from overlap.ir import LaunchKernel, walk
 from overlap.plan.cost_model import predict
-from overlap.plan.figures import CPU_FIGURES, H200_FIGURES
+from overlap.plan.figures import CPU_FIGURES, H200_FIGURES, named_figures
 from overlap.plan.planner import plan_overlap
 from overlap.train.backward import placed_backward
 from sharding import DeviceMesh, Replicate, Shard, shard, shard_fusion
@@ -404,6 +404,17 @@ def test_at_4_and_8_ranks_the_planner_says_its_link_figures_are_from_2(world):
         assert f"link figures measured at 2 ranks, not {world}" in decision.reason
     (decision,) = plan_overlap(_ag_matmul_shape(8192, 8192, 4096, 2), H200_FIGURES)
     assert "link figures measured" not in decision.reason
+
+
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_named_h200_figures_at_4_ranks_are_those_measured_at_4(world):
+    """``overlap dump --world 4`` and the demo's plan read the 4-rank H200 figures; at 8
+    ranks, with none measured there, the 2-rank ones and a reason that says so."""
+    figures = named_figures("h200", world)
+    assert figures.ranks == (4 if world == 4 else 2)
+    (decision,) = plan_overlap(_ag_matmul_shape(8192, 8192, 4096, world), figures)
+    assert ("link figures measured" in decision.reason) == (world == 8)
+    assert figures.name.endswith(" x4") == (world == 4)
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])

@@ -66,7 +66,7 @@ def device_figures(device: torch.device, communicator=None) -> HardwareFigures:
     )
     names = sorted({name for name, _, _, _ in said})
     if all(recorded_figures(replace(profile, name=name)) for name in names):
-        return recorded_figures(profile)
+        return recorded_figures(profile, ranks)
     if len(names) > 1:
         raise RuntimeError(
             f"the ranks run on GPUs of different kinds ({', '.join(names)}), not all of them "

@@ -4,7 +4,7 @@
 
 The script defines ``fusion(world_size)`` returning its ``FusionDefinition`` (``SCRIPT``
 says what a script is; ``docs/guide.md``, "Scripts", says more). The fusion is compiled
-for the named device's figures (``overlap.plan.figures.NAMED_FIGURES``: h200, h100, b200,
+for the named device's figures (``overlap.plan.figures.named_figures``: h200, h100, b200,
 cpu) by ``compile_program`` directly: no process group, no GPU needed. It prints the
 planner's choices with their reasons, then each distinct rank program once (with the
 ranks that run it); ``--passes`` prints the fusion or program after every pass,
@@ -27,7 +27,7 @@ from typing import TextIO
 
 from fusion import Fusion, FusionDefinition
 from overlap.compile.pipeline import compile_program
-from overlap.plan.figures import NAMED_FIGURES
+from overlap.plan.figures import NAMED_FIGURES, named_figures
 
 # The script contract, in one sentence: every error about a script ends with it.
 SCRIPT = (
@@ -105,7 +105,7 @@ def dump(
     out = out or sys.stdout
     if device not in NAMED_FIGURES:
         raise ScriptError(f"--device {device!r}: one of {sorted(NAMED_FIGURES)}")
-    figures = NAMED_FIGURES[device]
+    figures = named_figures(device, world)
     module = load_script(script, need="fusion")
     try:
         built = module.fusion(world)

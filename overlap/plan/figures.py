@@ -192,6 +192,22 @@ CPU_FIGURES = HardwareFigures(
     collective_slowdown=1.3,
     host=CPU_HOST,
 )
+# Measured on 4x H200 (NVLink, one host) by measure_hardware_figures at a731014, bf16,
+# in the run recorded in benchmarks/results/ag_matmul_4gpu.json: a team of four moves
+# more through NCCL's all-gather (each rank receives from three peers at once) and less
+# between ring neighbours, and its matmuls slow more beside NCCL's kernels, than a pair.
+H200_X4_FIGURES = replace(
+    H200_FIGURES,
+    name="H200 (NVLink) x4",
+    matmul_tflops=700.9,
+    collective_gbps=241.8,
+    p2p_gbps=103.0,
+    copy_engine_gbps=337.1,
+    copy_engine_all_peers_gbps=210.7,
+    launch_us=14.4,
+    collective_slowdown=1.66,
+    ranks=4,
+)
 # ``overlap dump --device NAME``: links measured on H200s, the named device's own profile
 NAMED_FIGURES = {
     "h200": H200_FIGURES,
@@ -203,15 +219,30 @@ NAMED_FIGURES = {
 # other CUDA device (the B200 too: its profile is the vendor's, its links unmeasured) has
 # its links measured at first use.
 RECORDED_FIGURES = {H200.name: NAMED_FIGURES["h200"], H100.name: NAMED_FIGURES["h100"]}
+# Figures measured at other team sizes, by kind and ranks (a size not here plans with the
+# kind's figures above, and the planner's reason says at how many ranks they were measured)
+RECORDED_BY_RANKS = {H200.name: {4: H200_X4_FIGURES}}
 
 
-def recorded_figures(profile: HardwareProfile) -> HardwareFigures | None:
-    """The recorded figures of ``profile``'s kind (``RECORDED_FIGURES``), for this very
-    device's profile; None for a kind with none."""
+def recorded_figures(profile: HardwareProfile, ranks: int | None = None) -> HardwareFigures | None:
+    """The recorded figures of ``profile``'s kind (``RECORDED_FIGURES``; those measured at
+    ``ranks`` ranks where recorded, ``RECORDED_BY_RANKS``), for this very device's
+    profile; None for a kind with none."""
     for name, figures in RECORDED_FIGURES.items():
         if profile.name.startswith(name):
+            figures = RECORDED_BY_RANKS.get(name, {}).get(ranks, figures)
             return replace(figures, name=profile.name, device=profile)
     return None
+
+
+def named_figures(device: str, ranks: int | None = None) -> HardwareFigures:
+    """``NAMED_FIGURES[device]``, or the figures measured at ``ranks`` ranks on that kind
+    where recorded (``RECORDED_BY_RANKS``): what a run on ``ranks`` such GPUs plans with."""
+    figures = NAMED_FIGURES[device]
+    by_ranks = RECORDED_BY_RANKS.get(figures.device.name, {})
+    if ranks in by_ranks:
+        return replace(by_ranks[ranks], name=f"{figures.name} x{ranks}", device=figures.device)
+    return figures
 
 
 @dataclass(frozen=True)
