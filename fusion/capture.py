@@ -211,6 +211,13 @@ def _var(x, dims=None, correction=None, keepdim=False, unbiased=None):
     return var
 
 
+def _var_mean(x, dims=None, unbiased=None, keepdim=False, correction=None):
+    """``torch.var_mean``: ``unbiased`` (the ``dim`` overload) or ``correction``."""
+    if correction is None:
+        correction = 0 if unbiased is False else 1
+    return ops.var_mean(x, _dims(x, dims), correction=correction, keepdim=keepdim)
+
+
 def _softmax(x, dim, half_to_float=False):
     dim = dim % x.ndim  # the max a stop-gradient: its gradient cancels exactly
     shifted = ops.sub(x, ops.detach(ops.max(x, [dim], keepdim=True)))
@@ -419,6 +426,7 @@ ATEN: dict[object, Callable] = {
     aten.amax: _reduction("max"),
     aten.amin: _reduction("min"),
     aten.var: _var,
+    aten.var_mean: _var_mean,
     aten.softmax: _softmax,
     aten._softmax: _softmax,
     aten.log_softmax: _log_softmax,

@@ -579,3 +579,41 @@ def test_shard_fusion_takes_a_fusion_definition_as_its_fusion():
     from_definition, _ = shard_fusion(fd)
     from_fusion, _ = shard_fusion(fd.fusion)
     assert str(from_definition) == str(from_fusion) and "iDIDx" in str(from_definition)
+
+
+class _Reductions(torch.nn.Module):
+    """The reductions a vocabulary- or sequence-split softmax or loss chains over its
+    split axis: sums, max, mean, variances, the softmax's denominator against the max
+    (and softmax and log-softmax themselves, whose outputs stay split)."""
+
+    def forward(self, x):
+        var, mean = torch.var_mean(x, 1)
+        denominator = torch.exp(x - x.amax(1, keepdim=True)).sum(1)
+        return (x.sum(1), x.amax(1), x.mean(1), torch.var(x, 1), var, mean, denominator,
+                torch.softmax(x, 1), torch.log_softmax(x, 1))  # fmt: skip
+
+
+@pytest.mark.parametrize("columns", [16, 262144])
+def test_chained_reductions_over_a_split_axis_all_reduce_their_small_results_only(columns):
+    """Captured from PyTorch, each reduction over the split axis combines its pieces'
+    partial results (a max, then the sum of exponentials against it; a mean and a
+    variance from partial sums): every communication an all-reduce of 5 values, none
+    of the input, however wide it is."""
+    from fusion.capture import capture
+
+    x = torch.randn(5, columns, generator=torch.Generator().manual_seed(columns))
+    fusion = capture(_Reductions(), [x]).fd.fusion
+    for ours, torch_s in zip(evaluate(fusion, [x]), _Reductions()(x), strict=True):
+        torch.testing.assert_close(ours, torch_s)  # var_mean's translation among them
+    shard(fusion.inputs[0], DeviceMesh(2), [Shard(1)])
+    sharded, _ = shard_fusion(fusion)
+    moved = []
+    for expr in sharded.exprs:
+        if hasattr(expr, "kind"):
+            kept = [a.extent for a in expr.inputs[0].axes if not a.is_reduction]
+            moved.append((expr.kind.value, kept, expr.inputs[0].dtype.bits // 8))
+    # sum, max, mean, var (2 passes), var_mean (2), the denominator's max and sum, the
+    # softmax's and the log-softmax's max and sum
+    assert len(moved) == 13
+    assert all(kind == "Allreduce" and kept == [5] for kind, kept, _ in moved), moved
+    assert sum(5 * width for _, _, width in moved) == 13 * 5 * 4  # 260 bytes, float32
