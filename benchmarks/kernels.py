@@ -243,14 +243,17 @@ def commit_id() -> str:
     return f"{head}+modified" if status.stdout.strip() else head
 
 
-def write_results(path: str, device, copy: float, rows: list[dict]) -> None:
+def write_results(path: str, device, copy: float, rows: list[dict], world: int = 1) -> None:
     """The figures as ``benchmarks/results/*.json`` hold them: device, date, commit (or
-    ``BENCH_COMMIT`` where the tree has no git), the exact command, copy bandwidth, rows."""
+    ``BENCH_COMMIT`` where the tree has no git), the exact command, copy bandwidth, rows;
+    ``world``: the ranks torchrun ran, one GPU each."""
+    name = torch.cuda.get_device_name(device)
+    launcher = ["torchrun --nproc-per-node", str(world)] if world > 1 else ["python"]
     result = {
-        "device": torch.cuda.get_device_name(device),
+        "device": f"{world}x {name}" if world > 1 else name,
         "date": datetime.date.today().isoformat(),
         "commit": commit_id(),
-        "command": " ".join(["python", *sys.argv]),
+        "command": " ".join([*launcher, *sys.argv]),
         "torch": torch.__version__,
         "copy_gbps": copy,
         "rows": rows,

@@ -263,7 +263,7 @@ def main() -> None:
             print(f"{row['variant']:22s} {row['ms']:9.3f} {row['vs_ours']:7.2f} "
                   f"{row['max_error']:14.4f} {row['host_us']:8.1f}")  # fmt: skip
         if not args.smoke:
-            write_results(args.out, device, 0.0, rows)
+            write_results(args.out, device, 0.0, rows, world)
     # the ranks leave together, as blocks.py's do: a rank tearing its gloo groups down
     # while rank 0 still prints aborted at exit now and then ("terminate called without
     # an active exception", the smoke run under a loaded CPU). On GPUs the teardown stays
