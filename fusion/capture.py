@@ -368,6 +368,12 @@ def _split(x, sizes, dim=0):
     return pieces
 
 
+def _unbind(x, dim=0):
+    """torch's unbind: one piece per index of ``dim``, ``dim`` removed."""
+    dim = dim % x.ndim
+    return [ops.select(x, dim, index) for index in range(x.shape[dim])]
+
+
 def _cat(tensors, dim=0):
     """torch's cat (empty pieces left out; one piece is itself)."""
     tensors = [t for t in tensors if t.shape[dim % t.ndim] != 0]
@@ -455,6 +461,7 @@ ATEN: dict[object, Callable] = {
     aten.slice: _slice,
     aten.split: _split,
     aten.split_with_sizes: _split,
+    aten.unbind: _unbind,
     aten.cat: _cat,
     aten.masked_fill: _masked_fill,
     aten.select: lambda x, dim, index: ops.select(x, dim % x.ndim, index),
