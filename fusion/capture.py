@@ -381,7 +381,7 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     (extent 1), as torch's CPU kernels (the exported graph's)."""
     y, mean, rstd = layer_norm(x, len(normalized_shape), weight, bias, eps)
     kept = [d >= mean.ndim for d in range(x.ndim)]
-    return (y, *(ops.broadcast(ops.cast(s, x.dtype), kept) for s in (mean, rstd)))
+    return (y, *(ops.broadcast(_statistic(s, x), kept) for s in (mean, rstd)))
 
 
 def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
@@ -391,7 +391,12 @@ def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=T
 def _native_group_norm(x, weight, bias, batch, channels, spatial, groups, eps):
     """``(y, mean, rstd)``, the statistics [N, groups] in ``x``'s dtype (torch's CPU)."""
     y, mean, rstd = group_norm(x, groups, weight, bias, eps)
-    return y, ops.cast(mean, x.dtype), ops.cast(rstd, x.dtype)
+    return y, _statistic(mean, x), _statistic(rstd, x)
+
+
+def _statistic(value: TensorView, x: TensorView) -> TensorView:
+    """A norm's float32 statistic in ``x``'s dtype, as torch's CPU kernels hand it out."""
+    return value if value.dtype == x.dtype else ops.cast(value, x.dtype)
 
 
 def _to(x, dtype=None, *_, **kwargs):

@@ -275,7 +275,7 @@ def layer_norm(
     dims = list(range(x.ndim - normalized_dims, x.ndim))
     y, mean, rstd = _normalized(x, dims, eps)
     y = _affine("layer_norm", y, [d < dims[0] for d in range(x.ndim)], weight, bias)
-    return cast(y, x.dtype) if y.dtype != x.dtype else y, mean, rstd
+    return _in_dtype(y, x.dtype), mean, rstd
 
 
 def group_norm(
@@ -309,7 +309,7 @@ def group_norm(
     y, mean, rstd = _normalized(grouped, list(range(2, grouped.ndim)), eps)
     y = reshape(y, list(x.shape))
     y = _affine("group_norm", y, [d != 1 for d in range(x.ndim)], weight, bias)
-    return cast(y, x.dtype) if y.dtype != x.dtype else y, mean, rstd
+    return _in_dtype(y, x.dtype), mean, rstd
 
 
 def _normalized(
@@ -332,9 +332,13 @@ def _affine(op_name, y, spread, weight, bias) -> TensorView:
         value = _tensor(op_name, role, value)
         if value.ndim != spread.count(False):
             raise DefinitionError(f"{op_name}: {role} {value} does not match {y}'s axes")
-        value = broadcast(cast(value, y.dtype) if value.dtype != y.dtype else value, spread)
+        value = broadcast(_in_dtype(value, y.dtype), spread)
         y = mul(y, value) if role == "weight" else add(y, value)
     return y
+
+
+def _in_dtype(x: TensorView, dtype: DataType) -> TensorView:
+    return x if x.dtype == dtype else cast(x, dtype)
 
 
 def _require_index(op_name: str, indices: TensorView) -> None:

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from test_parallelize import trained_pieces
 
 from fusion import FusionDefinition
 from fusion.autodiff import backward
@@ -22,7 +23,7 @@ from fusion.capture import capture
 from fusion.errors import DefinitionError
 from fusion.nn_ops import group_norm, layer_norm
 from fusion.testing import assert_close
-from overlap import MultiDeviceExecutor, parallelize
+from overlap import MultiDeviceExecutor
 
 KERNELS = ["reference", "generated"]
 DTYPES = [torch.float32, torch.bfloat16]
@@ -202,37 +203,11 @@ GPT2_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
 
 def parallel_gpt2(communicator, kernels: str) -> list[str]:
     """The GPT-2 block's heads and MLP split over the ranks by ``GPT2_PLAN``, the
-    LayerNorms whole: this rank's output and every gradient piece (of each parameter and
-    of the input) against the module's under torch autograd. Returns the names checked."""
-    world = communicator.world_size
-    module = gpt2_block()
-    x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(4))
-    seed = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(5))
-    block = parallelize(module, [x], communicator, GPT2_PLAN, inputs=["replicate"],
-                        outputs=["replicate"], kernels=kernels)  # fmt: skip
-    leaf = x.clone().requires_grad_()
-    whole = module(leaf)
-    names = [name for name, _ in module.named_parameters()]
-    expected = torch.autograd.grad(whole, [*module.parameters(), leaf], seed)
-    (x_piece,) = block.input_pieces(x)
-    x_piece.requires_grad_()
-    y_piece = block(x_piece)
-    rank = communicator.rank
-    (wanted,) = block.output_pieces(whole.detach())
-    # the row-wise projections' partial sums, one a rank, added in another order
-    assert_close(y_piece, wanted, reduction_extent=64, partial_sums=world,
-                 message=f"rank {rank} output")  # fmt: skip
-    (seed_piece,) = block.output_pieces(seed)
-    y_piece.backward(seed_piece)
-    pieces = block.full_state(dict(zip(names, expected[:-1], strict=True)))
-    for name in names:
-        ours = block.pieces[name.replace(".", "__")].grad.to_local()
-        assert_close(ours, pieces[name], reduction_extent=64 * 14, partial_sums=world,
-                     message=f"rank {rank}, gradient of {name}")  # fmt: skip
-    (x_grad,) = block.input_pieces(expected[-1])
-    assert_close(x_piece.grad, x_grad, reduction_extent=64, partial_sums=world,
-                 message=f"rank {rank}, gradient of the input")  # fmt: skip
-    return [*names, "input"]
+    LayerNorms whole, trained one step on [2, 7, 16] (``trained_pieces``: this rank's
+    output and every gradient piece against the module's). Returns the pieces' shapes."""
+    shapes, _ = trained_pieces(communicator, gpt2_block(), GPT2_PLAN, 7, "replicate", 64,
+                               batch=(2,), kernels=kernels)  # fmt: skip
+    return shapes
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
@@ -240,8 +215,19 @@ def test_a_gpt2_block_parallel_over_two_ranks_trains_as_one_device(rank_pools, k
     """Values only: the row-wise linears' biases may still gather weights (being fixed
     elsewhere), so the communications are not asserted here."""
     results = rank_pools(2).run(parallel_gpt2, kernels, timeout=300)
-    names = [name for name, _ in gpt2_block().named_parameters()]
-    assert results == [[*names, "input"]] * 2  # every rank checked every gradient
+    # the heads and the MLP's hidden features halved, the LayerNorms and the row-wise
+    # linears' biases whole
+    halved = {"q", "k", "v", "fc"}
+    shapes = []
+    for name, parameter in gpt2_block().named_parameters():
+        shape = list(parameter.shape)
+        owner, kind = name.split(".")
+        if owner in halved:
+            shape[0] //= 2
+        elif owner in {"o", "proj"} and kind == "weight":
+            shape[1] //= 2
+        shapes.append(f"{name} {shape}")
+    assert results == [shapes] * 2
 
 
 def test_a_group_norm_over_a_symbolic_length_reduces_its_axes_unmerged():
