@@ -36,6 +36,7 @@ from fusion.dtypes import DataType
 from fusion.errors import FusionError
 from fusion.exprs import Expr
 from fusion.ir import TensorView
+from fusion.nn_ops import group_norm, layer_norm
 
 
 class CaptureError(FusionError):
@@ -384,6 +385,33 @@ def _masked_fill(x, mask, value):
     return ops.where(*_aligned(mask, value, x))
 
 
+def _layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5, cudnn_enable=True):
+    return layer_norm(x, len(normalized_shape), weight, bias, eps)[0]
+
+
+def _native_layer_norm(x, normalized_shape, weight, bias, eps):
+    """``(y, mean, rstd)``, the statistics in ``x``'s dtype with the normalized axes kept
+    (extent 1), as torch's CPU kernels (the exported graph's)."""
+    y, mean, rstd = layer_norm(x, len(normalized_shape), weight, bias, eps)
+    kept = [d >= mean.ndim for d in range(x.ndim)]
+    return (y, *(ops.broadcast(_statistic(s, x), kept) for s in (mean, rstd)))
+
+
+def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
+    return group_norm(x, num_groups, weight, bias, eps)[0]
+
+
+def _native_group_norm(x, weight, bias, batch, channels, spatial, groups, eps):
+    """``(y, mean, rstd)``, the statistics [N, groups] in ``x``'s dtype (torch's CPU)."""
+    y, mean, rstd = group_norm(x, groups, weight, bias, eps)
+    return y, _statistic(mean, x), _statistic(rstd, x)
+
+
+def _statistic(value: TensorView, x: TensorView) -> TensorView:
+    """A norm's float32 statistic in ``x``'s dtype, as torch's CPU kernels hand it out."""
+    return value if value.dtype == x.dtype else ops.cast(value, x.dtype)
+
+
 def _to(x, dtype=None, *_, **kwargs):
     dtype = dtype if isinstance(dtype, torch.dtype) else kwargs.get("dtype")
     return x if dtype is None else ops.cast(x, DataType.from_torch(dtype))
@@ -441,6 +469,10 @@ ATEN: dict[object, Callable] = {
     aten.nll_loss: _nll_loss,
     aten.nll_loss_nd: _nll_loss,
     aten.embedding: _embedding,
+    aten.layer_norm: _layer_norm,
+    aten.native_layer_norm: _native_layer_norm,
+    aten.group_norm: _group_norm,
+    aten.native_group_norm: _native_group_norm,
     aten.scaled_dot_product_attention: _attention,
     aten.arange: _arange,
     aten.linear: _linear,

@@ -1,7 +1,11 @@
 """Ops of neural-network blocks that are not elementwise, reductions or contractions:
 an index (``iota``), a stop-gradient (``detach``), a concatenation (``cat``), an
 embedding lookup and scaled dot-product attention, each with its gradient's op.
-``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``, ...).
+``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``, ...). Layer and
+group normalization are compositions of ``fusion.ops`` (a variance and mean, ``rsqrt``,
+pointwise ops), not ops of their own: the normalization scheduler fuses what it knows,
+``fusion.autodiff`` differentiates op by op; this module's ``layer_norm`` and
+``group_norm`` build them.
 
 Split over ranks, each keeps the single-device meaning: an ``iota``'s piece holds its own
 global indices, an embedding over a piece of the table's rows gives the rows that piece
@@ -42,6 +46,14 @@ from fusion.ops import (
     _require_float,
     _tensor,
     _unify_extent,
+    add,
+    broadcast,
+    cast,
+    mul,
+    reshape,
+    rsqrt,
+    sub,
+    var_mean,
 )
 
 
@@ -237,6 +249,98 @@ def _check_attention(op_name, q, k, v, mask, causal, scale) -> tuple[Fusion, flo
     return fusion, float(scale)
 
 
+def layer_norm(
+    x: TensorView,
+    normalized_dims: int,
+    weight: TensorView | None = None,
+    bias: TensorView | None = None,
+    eps: float = 1e-5,
+) -> tuple[TensorView, TensorView, TensorView]:
+    """torch's ``layer_norm`` over the last ``normalized_dims`` axes of ``x``:
+    ``(x - mean) * rstd * weight + bias`` with ``rstd = 1 / sqrt(var + eps)`` (the biased
+    variance), ``weight`` and ``bias`` (optional) shaped like those axes. 16-bit inputs
+    compute in float32 and round once, as torch's kernels. Returns ``(y, mean, rstd)``,
+    the statistics float32 over the kept axes.
+
+    Example::
+
+        y, _, _ = layer_norm(x, 1, weight, bias)  # nn.LayerNorm(hidden) on [..., hidden]
+    """
+    x = _tensor("layer_norm", "input", x)
+    _require_float("layer_norm", x)
+    if not isinstance(normalized_dims, int) or not 1 <= normalized_dims <= x.ndim:
+        raise DefinitionError(
+            f"layer_norm: normalized_dims must be 1 to {x.ndim} for {x}, got {normalized_dims!r}"
+        )
+    dims = list(range(x.ndim - normalized_dims, x.ndim))
+    y, mean, rstd = _normalized(x, dims, eps)
+    y = _affine("layer_norm", y, [d < dims[0] for d in range(x.ndim)], weight, bias)
+    return _in_dtype(y, x.dtype), mean, rstd
+
+
+def group_norm(
+    x: TensorView,
+    groups: int,
+    weight: TensorView | None = None,
+    bias: TensorView | None = None,
+    eps: float = 1e-5,
+) -> tuple[TensorView, TensorView, TensorView]:
+    """torch's ``group_norm`` of ``x`` [N, C, *]: the channels in ``groups`` consecutive
+    groups, each sample's group normalized over its channels and the trailing axes, then
+    ``weight`` and ``bias`` ([C], optional) per channel. 16-bit inputs compute in float32
+    and round once. Returns ``(y, mean, rstd)``, the statistics float32, [N, groups]."""
+    x = _tensor("group_norm", "input", x)
+    _require_float("group_norm", x)
+    if x.ndim < 2:
+        raise DefinitionError(f"group_norm: needs [N, C, *], got {x}")
+    channels = x.shape[1]
+    if not isinstance(groups, int) or groups < 1 or not isinstance(channels, int):
+        raise DefinitionError(f"group_norm: needs static channels and groups >= 1: {x}, {groups!r}")
+    if channels % groups:
+        raise DefinitionError(f"group_norm: {channels} channels of {x} in {groups} groups")
+    # [N, groups, the rest of a group]: one reduced axis, innermost, as the normalization
+    # scheduler takes it (a group's axes kept apart where one is symbolic: no merging it).
+    # The per-channel weight and bias vary along a kept axis (groups) and a reduced one,
+    # none of that scheduler's kinds: applied after the reshape back, a pointwise kernel.
+    rest = [channels // groups, *x.shape[2:]]
+    if all(isinstance(extent, int) for extent in rest):
+        rest = [math.prod(rest)]
+    grouped = reshape(x, [x.shape[0], groups, *rest])
+    y, mean, rstd = _normalized(grouped, list(range(2, grouped.ndim)), eps)
+    y = reshape(y, list(x.shape))
+    y = _affine("group_norm", y, [d != 1 for d in range(x.ndim)], weight, bias)
+    return _in_dtype(y, x.dtype), mean, rstd
+
+
+def _normalized(
+    x: TensorView, dims: list[int], eps: float
+) -> tuple[TensorView, TensorView, TensorView]:
+    """``(x - mean) * rstd`` over ``dims`` in float32 (or float64), and the mean and rstd."""
+    wide = cast(x, "float32") if x.dtype.bits < 32 else x
+    var, mean = var_mean(wide, dims, correction=0)
+    rstd = rsqrt(add(var, eps))
+    kept = [d in dims for d in range(x.ndim)]
+    return mul(sub(wide, broadcast(mean, kept)), broadcast(rstd, kept)), mean, rstd
+
+
+def _affine(op_name, y, spread, weight, bias) -> TensorView:
+    """``y * weight + bias``, each broadcast along the axes ``spread`` marks, in ``y``'s
+    dtype (a 16-bit weight widened)."""
+    for role, value in (("weight", weight), ("bias", bias)):
+        if value is None:
+            continue
+        value = _tensor(op_name, role, value)
+        if value.ndim != spread.count(False):
+            raise DefinitionError(f"{op_name}: {role} {value} does not match {y}'s axes")
+        value = broadcast(_in_dtype(value, y.dtype), spread)
+        y = mul(y, value) if role == "weight" else add(y, value)
+    return y
+
+
+def _in_dtype(x: TensorView, dtype: DataType) -> TensorView:
+    return x if x.dtype == dtype else cast(x, dtype)
+
+
 def _require_index(op_name: str, indices: TensorView) -> None:
     if not indices.dtype.is_integer:
         raise DefinitionError(f"{op_name}: indices must be integers, got {indices}")
@@ -257,5 +361,6 @@ def _open_fusion(op_name: str, source: object) -> Fusion:
 
 
 __all__ = [
-    "attention", "attention_grad", "cat", "detach", "embedding", "embedding_grad", "iota",
+    "attention", "attention_grad", "cat", "detach", "embedding", "embedding_grad",
+    "group_norm", "iota", "layer_norm",
 ]  # fmt: skip

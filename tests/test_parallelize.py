@@ -4,6 +4,8 @@ unparallelized module's under torch autograd, cut to that rank."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,17 +20,20 @@ HEADS_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise"}
 
 
 def trained_pieces(communicator, module, plan, tokens: int, placement: str, extent: int,
-                   hidden: int = 16):  # fmt: skip
-    """One forward and backward of ``module`` parallelized by ``plan`` on this rank, its
-    output and every gradient piece checked against the module under torch autograd;
-    then the block's pieces stepped, the module left as it was. Returns each parameter
-    piece's shape and the forward's communications."""
+                   hidden: int = 16, batch: tuple[int, ...] = (), **options):  # fmt: skip
+    """One forward and backward of ``module`` parallelized by ``plan`` on this rank
+    (``options`` to ``parallelize``), its input [*batch, tokens, hidden], its output and
+    every gradient piece checked against the module under torch autograd; then the
+    block's pieces stepped, the module left as it was. Returns each parameter piece's
+    shape and the forward's communications."""
     world, device = communicator.world_size, communicator.device
     module = module.to(device)
-    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(1)).to(device)
-    seed = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(2)).to(device)
+    shape = (*batch, tokens, hidden)
+    rows = math.prod(shape[:-1])  # the terms a parameter's gradient sums over the rows
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(device)
+    seed = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(device)
     block = parallelize(module, [x], communicator, plan, inputs=[placement],
-                        outputs=[placement])  # fmt: skip
+                        outputs=[placement], **options)  # fmt: skip
     # one device: the module itself under torch autograd
     x_whole = x.clone().requires_grad_()
     y_whole = module(x_whole)
@@ -50,9 +55,9 @@ def trained_pieces(communicator, module, plan, tokens: int, placement: str, exte
         grad = block.pieces[name.replace(".", "__")].grad
         assert type(grad).__name__ == "DTensor", type(grad)
         ours = grad.to_local()
-        assert_close(ours, grads[name], reduction_extent=extent * tokens, partial_sums=world,
+        assert_close(ours, grads[name], reduction_extent=extent * rows, partial_sums=world,
                      message=f"rank {communicator.rank}, {name}")  # fmt: skip
-        assert_close(grad.full_tensor(), whole, reduction_extent=extent * tokens,
+        assert_close(grad.full_tensor(), whole, reduction_extent=extent * rows,
                      partial_sums=world, message=f"{name} whole")  # fmt: skip
         shapes.append(f"{name} {list(ours.shape)}")
     (x_grad,) = block.input_pieces(expected[-1])
