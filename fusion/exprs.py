@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from fusion.dtypes import DataType
 from fusion.ir import Extent, Scalar, TensorView
 
@@ -419,6 +421,16 @@ class TorchOp(Expr):
         return f"{lhs} = {self.op_name}({', '.join(shown_args)})"
 
     __repr__ = __str__
+
+    def __getstate__(self) -> dict[str, object]:
+        # an ATen overload does not pickle: it travels (to Ray actors, launched ranks)
+        # as its name, ``aten.cumsum.default``
+        return {**self.__dict__, "target": str(self.target)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        namespace, name, overload = str(state["target"]).split(".")
+        target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        self.__dict__.update({**state, "target": target})
 
 
 def _slots(value: object) -> list[int]:

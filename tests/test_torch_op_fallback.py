@@ -5,6 +5,7 @@ fusion's printout and ``explain()`` name each op that fell back."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import torch
@@ -13,6 +14,7 @@ from test_capture import _check
 from fusion import FusionDefinition
 from fusion.capture import capture
 from fusion.exprs import TorchOp, UnaryOp
+from fusion.reference import evaluate
 from fusion.testing import assert_close
 from fusion.torch_ops import torch_op
 from overlap import MultiDeviceExecutor, parallelize
@@ -55,6 +57,16 @@ def test_the_printout_names_each_fallback_with_its_arguments():
     assert text.splitlines()[-1] == fell_back, text
     translated = {e.op_name for e in captured.fd.fusion.exprs if not isinstance(e, TorchOp)}
     assert translated == {"linear", "tanh", "mul", "add"}  # no fallback where a translation is
+
+
+def test_a_fusion_with_torch_ops_pickles_as_ray_actors_and_launched_ranks_receive_it():
+    torch.manual_seed(2)
+    module, x = Untranslated(4), torch.randn(3, 4)
+    captured = capture(module, [x])
+    received = pickle.loads(pickle.dumps(captured.fd.fusion))
+    assert str(received) == str(captured.fd.fusion)
+    (ours,) = evaluate(received, captured.inputs(module, x))
+    assert_close(ours, module(x).detach(), reduction_extent=4)
 
 
 def test_generated_kernels_leave_torch_ops_to_pytorch():
