@@ -9,7 +9,10 @@ second ``TorchOp`` whose values PyTorch's autograd computes from the forward op.
 
 Sharding keeps every tensor of a torch op whole on every rank (``sharding.rules``), so
 that the op sees what it would see on one device. A random op draws its numbers on
-every rank on its own.
+every rank on its own. An op whose schema writes its inputs (``add_``) runs on copies of
+them: the fusion's values never change under it (a composite op that writes without
+saying so, ``batch_norm`` in training mode updating its running statistics, is not
+caught).
 
 Example::
 
@@ -108,6 +111,9 @@ def fell_back(fusion: Fusion) -> list[str]:
 
 
 def _called(expr: TorchOp, tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    if expr.target._schema.is_mutable:  # writes its inputs: copies, the values stay as given
+        tensors = [t.clone() for t in tensors]
+
     def filled(value: object) -> object:
         return tensors[value.index]
 

@@ -153,3 +153,17 @@ def test_a_torch_op_between_split_tensors_is_placed_replicated_and_explained():
            f"torch_op[aten.cumsum.default] from input {x.name}" in text, text  # fmt: skip
     kinds = [e.op_name for e in placed.exprs if not isinstance(e, (TorchOp, UnaryOp))]
     assert kinds == ["Allgather", "shard_locally"], kinds
+
+
+def test_an_op_writing_its_input_in_place_leaves_the_fusions_values_as_they_were():
+    class Counting(torch.nn.Module):
+        def forward(self, x):
+            return torch.cumsum(x, 0) * x.add_(1.0)
+
+    x = torch.randn(5)
+    captured = capture(Counting(), [x.clone()])
+    assert "torch_op[aten.add_.Tensor]" in str(captured.fd)
+    given = x.clone()
+    (ours,) = captured.fd.execute([given])
+    assert torch.equal(given, x)  # the input itself untouched
+    assert_close(ours, torch.cumsum(x, 0) * (x + 1.0), reduction_extent=5)
