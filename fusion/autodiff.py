@@ -15,7 +15,9 @@ operand broadcast along an axis (extent 1 against a larger output) gets its grad
 summed over that axis.
 
 A max or min shares its gradient evenly among the elements that reach it, maximum and
-minimum half to each operand where they are equal, as torch's. An op without a rule
+minimum half to each operand where they are equal, as torch's. An ATen op captured
+without a translation (``TorchOp``) gets PyTorch's own gradient: a second torch op runs
+its vector-Jacobian product by autograd. An op without a rule
 raises ``DifferentiationError`` naming it and the tensor it makes, when the backward is
 built (never a wrong gradient), where a gradient would flow through it (an expr reading
 nothing computed from the differentiated inputs is only replayed: a slice of a frozen
@@ -61,11 +63,13 @@ from fusion.exprs import (
     SelectOp,
     SetOp,
     SliceOp,
+    TorchOp,
     UnaryOp,
     VarMeanOp,
     WhereOp,
 )
 from fusion.ir import Fusion, Symbol, TensorView
+from fusion.torch_ops import replay_torch_op, torch_vjp
 
 
 class DifferentiationError(FusionError):
@@ -176,8 +180,7 @@ def backward(
             tensor = fusion.inputs[position]
             grad = grads.get(tensor)
             if grad is None:  # the outputs do not depend on it: zeros (even where it is NaN)
-                value = mapped[tensor]
-                grad = ops.mul(ops.cast(ops.cast(value, "bool"), value.dtype), 0.0)
+                grad = _zeros_like(mapped[tensor])
             if grad in fd.fusion.outputs or grad in fd.fusion.inputs:
                 grad = ops.set(grad)  # one gradient for two inputs, or an output's own
             fd.add_output(grad)
@@ -234,6 +237,8 @@ def _replay(expr: Expr, mapped: dict[TensorView, TensorView], fusion: Fusion) ->
     elif isinstance(expr, AttentionGradOp):
         mask = operands[4] if expr.has_mask else None
         results = ops.attention_grad(*operands[:4], mask, expr.causal, expr.scale)
+    elif isinstance(expr, TorchOp):
+        results = replay_torch_op(expr, operands, fusion)
     else:
         results = (_REPLAY[type(expr)](expr, operands),)
     for out, result in zip(expr.outputs, results, strict=True):
@@ -579,6 +584,26 @@ def _attention_grad(expr, mapped, given):
     return [*grads, *[None] * len(mask)]
 
 
+def _torch_op_grad(expr, mapped, given):
+    """PyTorch's own gradient of the op (a vjp ``TorchOp``), from one gradient per
+    floating-point output (zeros where none arrives)."""
+    grads = [
+        _zeros_like(mapped[out]) if grad is None else grad
+        for out, grad in zip(expr.outputs, given, strict=True)
+        if out.dtype.is_floating  # torch's autograd takes a gradient of these
+    ]
+    inputs = [mapped[t] for t in expr.inputs]
+    wanted = [i for i, t in enumerate(expr.inputs) if differentiable(t)]
+    found = dict(zip(wanted, torch_vjp(expr, inputs, grads, wanted) if wanted else [],
+                     strict=True))  # fmt: skip
+    return [found.get(i) for i in range(len(inputs))]
+
+
+def _zeros_like(value: TensorView) -> TensorView:
+    """Zeros shaped as ``value`` (even where it is NaN)."""
+    return ops.mul(ops.cast(ops.cast(value, "bool"), value.dtype), 0.0)
+
+
 GRADIENT_RULES: dict[type, Callable] = {
     UnaryOp: _unary,
     BinaryOp: _binary,
@@ -603,6 +628,7 @@ GRADIENT_RULES: dict[type, Callable] = {
     ConcatOp: _cat_grad,
     EmbeddingOp: _embedding_grad,
     AttentionOp: _attention_grad,
+    TorchOp: _torch_op_grad,
 }
 
 
@@ -615,6 +641,7 @@ def _rule(expr: Expr) -> Callable:
         or (isinstance(expr, UnaryOp) and name not in UNARY_RULES)
         or (isinstance(expr, BinaryOp) and name not in BINARY_RULES)
         or (isinstance(expr, ReductionOp) and name not in ("sum", "mean", "max", "min"))
+        or (isinstance(expr, TorchOp) and expr.vjp is not None)  # no second derivative
     )
     if missing:
         raise DifferentiationError(
@@ -628,5 +655,5 @@ def _known() -> str:
     names = [*UNARY_RULES, *BINARY_RULES, "eq", "ne", "lt", "le", "gt", "ge", "cast", "set",
              "broadcast", "expand", "reshape", "permute", "slice", "select", "pad", "where",
              "sum", "mean", "max", "min", "var_mean", "matmul", "linear", "detach", "cat",
-             "embedding", "attention"]  # fmt: skip
+             "embedding", "attention", "torch_op"]  # fmt: skip
     return ", ".join(names)

@@ -2,9 +2,12 @@
 
 ``capture(module, example_inputs)`` exports the module (its parameters and buffers
 lifted to inputs) and translates every ATen op of the graph into the IR through
-``ATEN``, a table from op to a function building it with ``fusion.ops``. Before anything
-is built, every op of the graph is looked up: ops without a translation raise one
-``CaptureError`` listing each of them with the submodules it is used in. Broadcasting
+``ATEN``, a table from op to a function building it with ``fusion.ops``. An ATen op
+without a translation falls back to PyTorch: an opaque ``TorchOp`` calls it on its
+tensors (``fusion.torch_ops``; its tensors whole on every rank), and the fusion's
+printout lists it under "fell back to torch". Before anything is built, every op of the
+graph is looked up: ops that are neither translated nor ATen ops (higher-order ops) raise
+one ``CaptureError`` listing each of them with the submodules it is used in. Broadcasting
 follows torch's (operands of lower rank get leading axes), negative dims count from the
 last, ``keepdim`` is kept.
 
@@ -37,11 +40,12 @@ from fusion.errors import FusionError
 from fusion.exprs import Expr
 from fusion.ir import TensorView
 from fusion.nn_ops import group_norm, layer_norm
+from fusion.torch_ops import torch_op
 
 
 class CaptureError(FusionError):
-    """The module cannot be captured: ops without a translation (all of them, each with
-    where it is used), or a graph the export could not produce."""
+    """The module cannot be captured: ops that are neither translated nor ATen ops (all
+    of them, each with where it is used), or a graph the export could not produce."""
 
 
 @dataclass
@@ -101,11 +105,15 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
                 # the values of the nodes an argument holds, at any depth (fx's own walk)
                 args = map_arg(node.args, lambda arg: values[arg.name])
                 kwargs = dict(map_arg(node.kwargs, lambda arg: values[arg.name]))
-                translate = _translation(node.target)
-                if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
-                    kwargs["fusion"] = fd
+                translate = _translation(node.target, strict=False)
                 before = len(fd.fusion.exprs)
-                values[node.name] = translate(*args, **kwargs)
+                if translate is None:  # an ATen op (checked above): PyTorch runs it
+                    values[node.name] = torch_op(node.target, args, kwargs, fd.fusion,
+                                                 node.meta.get("val"))  # fmt: skip
+                else:
+                    if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
+                        kwargs["fusion"] = fd
+                    values[node.name] = translate(*args, **kwargs)
                 made[node.name] = fd.fusion.exprs[before:]
             elif node.op == "output":
                 for out in node.args[0]:
@@ -142,14 +150,17 @@ def _check_translations(graph) -> None:
     missing: dict[str, list[str]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target not in _IGNORED:
-            if _translation(node.target, strict=False) is None:
+            if _translation(node.target, strict=False) is None and not isinstance(
+                node.target, torch._ops.OpOverload
+            ):
                 where = node.meta.get("nn_module_stack") or {}
                 path = list(where.values())[-1][0] if where else ""
                 missing.setdefault(str(node.target), []).append(path or "the module itself")
     if missing:
         lines = [f"  {op}: in {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
         raise CaptureError(
-            f"{len(missing)} ATen op(s) have no translation into the IR yet:\n" + "\n".join(lines)
+            f"{len(missing)} op(s) are neither ATen ops nor translated into the IR:\n"
+            + "\n".join(lines)
         )
 
 

@@ -9,6 +9,9 @@ class.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
 
 from fusion.dtypes import DataType
 from fusion.ir import Extent, Scalar, TensorView
@@ -356,3 +359,86 @@ class AttentionGradOp(Expr):
         self.causal, self.scale, self.has_mask = causal, scale, mask is not None
         operands = [grad, q, k, v] if mask is None else [grad, q, k, v, mask]
         super().__init__("attention_grad", operands, outs, causal=causal, scale=scale)
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    """Where a ``TorchOp``'s argument list holds its ``index``-th tensor input."""
+
+    index: int
+
+
+class TorchOp(Expr):
+    """``outs = target(*arguments, **keywords)``: an ATen op the IR has no translation
+    for (``fusion.torch_ops``), run by PyTorch on the local pieces of its tensor inputs
+    (sharding keeps them whole on every rank: the ``torch op fallback`` rule).
+    ``arguments`` and ``keywords`` hold the op's arguments with each tensor replaced by a
+    ``TensorSlot``, its position among ``inputs`` (the operands are the tensors alone).
+
+    With ``vjp`` (the positions of the differentiable tensor inputs) it is the op's
+    vector-Jacobian product instead, computed by PyTorch's autograd: its operands are the
+    forward's tensor inputs, then one gradient per floating-point forward output, and its
+    outputs the gradients of the inputs at ``vjp``.
+
+    Prints as ``T5 = torch_op[aten.cumsum.default](T3, dim=1)``.
+    """
+
+    def __init__(
+        self,
+        target: object,
+        arguments: tuple,
+        keywords: dict[str, object],
+        tensors: Sequence[TensorView],
+        outs: Sequence[TensorView],
+        vjp: tuple[int, ...] | None = None,
+    ) -> None:
+        self.target, self.arguments, self.keywords, self.vjp = target, arguments, keywords, vjp
+        self.forward_count = len(_slots((arguments, keywords)))  # the forward's tensors
+        kind = "torch_op" if vjp is None else "torch_vjp"
+        super().__init__(f"{kind}[{target}]", tensors, outs)
+
+    def __str__(self) -> str:
+        def shown(value: object) -> str:
+            if isinstance(value, TensorSlot):
+                return self.inputs[value.index].name
+            if isinstance(value, (list, tuple)):
+                return "[" + ", ".join(shown(v) for v in value) + "]"
+            return _format_attr(value)
+
+        names = [argument.name for argument in self.target._schema.arguments]
+        shown_args = []
+        for position, value in enumerate(self.arguments):
+            # leading tensors by position, the rest by the schema's names
+            if isinstance(value, TensorSlot) and len(shown_args) == position:
+                shown_args.append(shown(value))
+            else:
+                shown_args.append(f"{names[position]}={shown(value)}")
+        shown_args += [f"{key}={shown(value)}" for key, value in self.keywords.items()]
+        if self.vjp is not None:
+            grads = self.inputs[self.forward_count :]
+            shown_args.append(f"grads=[{', '.join(t.name for t in grads)}]")
+        lhs = ", ".join(str(t) for t in self.outputs)
+        return f"{lhs} = {self.op_name}({', '.join(shown_args)})"
+
+    __repr__ = __str__
+
+    def __getstate__(self) -> dict[str, object]:
+        # an ATen overload does not pickle: it travels (to Ray actors, launched ranks)
+        # as its name, ``aten.cumsum.default``
+        return {**self.__dict__, "target": str(self.target)}
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        namespace, name, overload = str(state["target"]).split(".")
+        target = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+        self.__dict__.update({**state, "target": target})
+
+
+def _slots(value: object) -> list[int]:
+    """The tensor positions ``value`` (arguments, at any depth) holds."""
+    if isinstance(value, TensorSlot):
+        return [value.index]
+    if isinstance(value, (list, tuple)):
+        return [i for v in value for i in _slots(v)]
+    if isinstance(value, dict):
+        return [i for v in value.values() for i in _slots(v)]
+    return []

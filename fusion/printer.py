@@ -12,6 +12,10 @@ Example::
     outputs:
       T4_bf16[iS10{batch}, iS11{4096}]
 
+An ATen op captured without a translation prints as ``T5 = torch_op[aten.cumsum.default](T3,
+dim=1)``, and a last line names every such op: ``fell back to torch: aten.cumsum.default
+(replicated)`` (PyTorch runs it, its tensors whole on every rank).
+
 Once tensors are placed on device meshes, the meshes are listed first and each
 line ends with the mesh of its tensor (``@M0``). ``LEGEND`` says how to read it (the
 demo prints it; docs/guide.md carries it).
@@ -20,6 +24,7 @@ demo prints it; docs/guide.md carries it).
 from __future__ import annotations
 
 from fusion.ir import Fusion, TensorView
+from fusion.torch_ops import fell_back
 
 # How to read the printed IR: Axis.__str__ and TensorView.__str__ (fusion/ir.py) write
 # what it describes.
@@ -68,4 +73,7 @@ def fusion_to_text(fusion: Fusion) -> str:
     if fusion.constraints:
         lines.append("constraints:")
         lines.extend(f"  {constraint}" for constraint in fusion.constraints)
+    fallbacks = fell_back(fusion)
+    if fallbacks:
+        lines.append(f"fell back to torch: {', '.join(fallbacks)} (replicated)")
     return "\n".join(lines)

@@ -16,7 +16,9 @@ Numerics, defined once here:
 - fp4 values are held unpacked (one code per uint8) between ops and packed
   (``torch.float4_e2m1fn_x2``, low nibble first) at the fusion's boundary;
   fp4 conversions are those of ``fusion.fp4``, fp8 conversions those of
-  ``fusion.fp8`` (torch's rounding, with a fixed overflow rule and one rounding).
+  ``fusion.fp8`` (torch's rounding, with a fixed overflow rule and one rounding);
+- an ATen op captured without a translation (``TorchOp``) is the op itself, in its
+  operands' dtypes, as eager PyTorch runs it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from fusion.exprs import (
     SelectOp,
     SetOp,
     SliceOp,
+    TorchOp,
     UnaryOp,
     VarMeanOp,
     WhereOp,
@@ -66,6 +69,7 @@ from fusion.fp4 import decode_fp4, encode_fp4
 from fusion.fp8 import to_fp8
 from fusion.ir import Fusion, Scalar, TensorView
 from fusion.storage import to_logical, to_storage
+from fusion.torch_ops import run_torch_op
 
 Values = dict[TensorView, torch.Tensor]
 # The concrete logical shape of a tensor where it is evaluated (per rank, it is the local shape).
@@ -409,6 +413,11 @@ def _attention_grad(expr: AttentionGradOp, values: Values, shape_of: ShapeOf):
     return tuple(g.to(out.dtype.torch_dtype) for g, out in zip(grads, expr.outputs, strict=True))
 
 
+def _torch_op(expr: TorchOp, values: Values, shape_of: ShapeOf) -> tuple[torch.Tensor, ...]:
+    # the op itself, in its operands' dtypes: what the module computes in eager PyTorch
+    return tuple(run_torch_op(expr, [values[t] for t in expr.inputs]))
+
+
 _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     IotaOp: _iota,
     ConcatOp: _cat,
@@ -416,6 +425,7 @@ _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, .
     EmbeddingGradOp: _embedding_grad,
     AttentionOp: _attention,
     AttentionGradOp: _attention_grad,
+    TorchOp: _torch_op,
     UnaryOp: _unary,
     BinaryOp: _binary,
     CompareOp: _compare,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, TensorView
+from fusion.torch_ops import fell_back
 from sharding.errors import ShardingError
 from sharding.layout import Layout, apply_layout, layout_of
 from sharding.mesh import DeviceMesh
@@ -202,4 +203,7 @@ def explain(fusion: Fusion, decisions: dict[TensorView, Decision]) -> str:
             consumers = ", ".join(dict.fromkeys(e.op_name for e in tensor.uses)) or "the output"
             source = ", ".join(t.name for t in definition.inputs)
             lines.append(f"{placed(tensor)}  {definition.op_name} of {source} for {consumers}")
+    fallbacks = fell_back(fusion)
+    if fallbacks:
+        lines.append(f"fell back to torch (torch op fallback: replicated): {', '.join(fallbacks)}")
     return "\n".join(lines)

@@ -45,6 +45,7 @@ from fusion.exprs import (
     SelectOp,
     SetOp,
     SliceOp,
+    TorchOp,
     UnaryOp,
     VarMeanOp,
     WhereOp,
@@ -443,3 +444,11 @@ def attention_rule(expr: Expr, parts: int) -> DimMap:
     leading = out.ndim - 2
     maps = [{d: o for d, o in _same_rank_map(t, out).items() if d < leading} for t in expr.inputs]
     return DimMap("attention", maps)
+
+
+@register(TorchOp)
+def torch_op_rule(expr: TorchOp, parts: int) -> DimMap:
+    """An ATen op PyTorch runs for us (no translation into the IR): it sees what it sees
+    on one device, every tensor whole on every rank (resharding gathers split inputs and
+    cuts its outputs where their consumers want pieces)."""
+    return DimMap("torch op fallback: replicated", [{} for _ in expr.inputs])

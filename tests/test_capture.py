@@ -133,7 +133,10 @@ def test_a_bf16_block_and_its_dtype_changes():
     assert_close(ours, module(x).detach(), reduction_extent=8)
 
 
-def test_every_op_without_a_translation_is_named_with_where_it_is_used():
+def test_every_aten_op_without_a_translation_falls_back_to_torch():
+    """Ops the table does not translate run as torch ops, each named in the printout, in
+    the submodule that uses it (where the capture refused them before)."""
+
     class Ranker(torch.nn.Module):
         def forward(self, x):
             return torch.sort(x, -1).values.cumsum(-1)
@@ -147,13 +150,27 @@ def test_every_op_without_a_translation_is_named_with_where_it_is_used():
         def forward(self, x):
             return self.ranker(self.proj(x)) + torch.topk(x, 2).values.sum()
 
+    torch.manual_seed(5)
+    module, x = Model(), torch.randn(3, 4)
+    captured = capture(module, [x])
+    text = str(captured.fd)
+    fell_back = "aten.sort.default, aten.cumsum.default, aten.topk.default"
+    assert text.splitlines()[-1] == f"fell back to torch: {fell_back} (replicated)", text
+    in_ranker = [e.op_name for e in captured.boundaries["ranker"].exprs]
+    assert in_ranker == ["torch_op[aten.sort.default]", "torch_op[aten.cumsum.default]"]
+    _check(module, x, extent=4)
+
+
+def test_an_op_that_is_neither_aten_nor_translated_is_named_with_where_it_is_used():
+    class Branchy(torch.nn.Module):
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda x: x.cos(), lambda x: x.sin(), (x,))
+
     with pytest.raises(CaptureError) as failure:
-        capture(Model(), [torch.randn(3, 4)])
+        capture(Branchy(), [torch.randn(3)])
     message = str(failure.value)
-    assert message.startswith("3 ATen op(s) have no translation"), message
-    assert "aten.sort.default: in ranker" in message, message
-    assert "aten.cumsum.default: in ranker" in message, message
-    assert "aten.topk.default: in the module itself" in message, message
+    assert message.startswith("1 op(s) are neither ATen ops nor translated"), message
+    assert "cond: in the module itself" in message, message
 
 
 def test_a_fused_projection_split_in_three_and_its_gradient():

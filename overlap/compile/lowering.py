@@ -22,7 +22,7 @@ linear's output reduces each chunk as soon as it is computed.
 
 from __future__ import annotations
 
-from fusion.exprs import AttentionGradOp, AttentionOp, Expr, LinearOp, MatmulOp
+from fusion.exprs import AttentionGradOp, AttentionOp, Expr, LinearOp, MatmulOp, TorchOp
 from fusion.ir import Fusion, TensorView
 from overlap.compile.apply_plan import StreamAxes, stream_axes
 from overlap.compile.runs import loop_keys, runs
@@ -79,6 +79,12 @@ def _is_contraction(expr: Expr) -> bool:
     return isinstance(expr, (MatmulOp, LinearOp))
 
 
+def _runs_alone(expr: Expr) -> bool:
+    """A contraction (cuBLAS) or an ATen op without a translation (PyTorch runs it):
+    a kernel of its own, never generated."""
+    return _is_contraction(expr) or isinstance(expr, TorchOp)
+
+
 class _Lowering:
     def __init__(
         self,
@@ -123,8 +129,9 @@ class _Lowering:
         inputs, outputs = self.fusion.boundary(exprs)
         name = f"k{self.kernels}"
         self.kernels += 1
-        # PyTorch's own kernels: contractions, attention (both run natively in their dtype)
-        native = all(_is_contraction(e) or isinstance(e, (AttentionOp, AttentionGradOp))
+        # PyTorch's own kernels: contractions, attention (both run natively in their
+        # dtype), ATen ops without a translation
+        native = all(_runs_alone(e) or isinstance(e, (AttentionOp, AttentionGradOp))
                      for e in exprs)  # fmt: skip
         backend = "torch" if native else "reference"
         if group is not None and group.scheduler is not None:
@@ -151,8 +158,8 @@ class _Lowering:
         the same shape would be written over the piece's extent only)."""
         groups: list[list[Expr]] = []
         for expr in exprs:
-            alone = _is_contraction(expr)
-            if groups and not alone and not _is_contraction(groups[-1][-1]):
+            alone = _runs_alone(expr)
+            if groups and not alone and not _runs_alone(groups[-1][-1]):
                 if groups[-1][-1].outputs[0].mesh == expr.outputs[0].mesh and _splits_alike(
                     groups[-1], expr
                 ):
@@ -175,7 +182,7 @@ class _Lowering:
         ``self.generated`` as that lowering names it (every kernel takes a name)."""
         if self.generated is None:
             return None
-        if _is_contraction(group[0]):
+        if _runs_alone(group[0]):
             self.scheduled_kernels += 1
             return None
         pieces = split_into_kernels(group, self.fusion)

@@ -3,8 +3,9 @@
 ``ComputeSteps`` builds, for one ``RankProgram``, the closure of each expr or kernel of a
 ``LaunchKernel``: a generated kernel with its launch configuration chosen now (the
 heuristics', or the user's ``kernel_params``) and, on CUDA, compiled now (while the
-ranks can still agree the run may start); a contraction through cuBLAS; anything else
-through the reference evaluator on local pieces. A local shard is taken as a view; a
+ranks can still agree the run may start); a contraction through cuBLAS; attention and
+an ATen op without a translation (``TorchOp``) through PyTorch; anything else through
+the reference evaluator on local pieces. A local shard is taken as a view; a
 partial max/min over an empty piece is the identity. The closures read and write the
 program's values, which every run replaces.
 """
@@ -13,7 +14,16 @@ from __future__ import annotations
 
 import torch
 
-from fusion.exprs import AttentionGradOp, AttentionOp, Expr, IotaOp, LinearOp, MatmulOp, ReductionOp
+from fusion.exprs import (
+    AttentionGradOp,
+    AttentionOp,
+    Expr,
+    IotaOp,
+    LinearOp,
+    MatmulOp,
+    ReductionOp,
+    TorchOp,
+)
 from fusion.ir import TensorView
 from fusion.reference import attention_grads, attention_value, expr_evaluator
 from fusion.storage import (
@@ -24,6 +34,7 @@ from fusion.storage import (
     storage_shape,
     unpacked,
 )
+from fusion.torch_ops import run_torch_op
 from overlap.comm.communications import identity
 from overlap.diag import progress
 from overlap.ir import LaunchKernel
@@ -258,8 +269,8 @@ class ComputeSteps:
             return values.values[aliases.get(tensor, tensor)]
 
         outputs = [(out, aliases.get(out, out), out in aliases) for out in expr.outputs]
-        if isinstance(expr, (AttentionOp, AttentionGradOp)):
-            return self._attention(expr, read, outputs)
+        if isinstance(expr, (AttentionOp, AttentionGradOp, TorchOp)):
+            return self._by_torch(expr, read, outputs)
         if isinstance(expr, (MatmulOp, LinearOp)):
             ((_, key, into_chunk),) = outputs
             operands, contraction = [aliases.get(t, t) for t in expr.inputs], _contraction(expr)
@@ -304,18 +315,21 @@ class ComputeSteps:
 
         return evaluate
 
-    def _attention(self, expr: Expr, read, outputs):
-        """Attention (or its gradients) by torch's kernels, natively in its dtype."""
-        values = self.program
+    def _by_torch(self, expr: Expr, read, outputs):
+        """Attention (or its gradients) by torch's kernels, natively in its dtype; an
+        ATen op without a translation by itself, on this rank's device."""
+        values, device = self.program, self.program.ctx.device
 
-        def attend() -> None:
-            operands = [read(t) for t in expr.inputs]
-            if not expr.has_mask:
-                operands.append(None)
+        def results_of(operands: list) -> list:
+            if isinstance(expr, TorchOp):
+                return run_torch_op(expr, operands, device)
+            mask = [] if expr.has_mask else [None]
             if isinstance(expr, AttentionOp):
-                results = [attention_value(*operands, expr.causal, expr.scale)]
-            else:
-                results = attention_grads(*operands, expr.causal, expr.scale)
+                return [attention_value(*operands, *mask, expr.causal, expr.scale)]
+            return attention_grads(*operands, *mask, expr.causal, expr.scale)
+
+        def run() -> None:
+            results = results_of([read(t) for t in expr.inputs])
             for (_, key, into_chunk), result in zip(outputs, results, strict=True):
                 destination = values.values.get(key) if into_chunk else None
                 if destination is None:
@@ -323,7 +337,7 @@ class ComputeSteps:
                 else:
                     destination.copy_(result)
 
-        return attend
+        return run
 
 
 def _partial_extreme(expr: Expr) -> bool:
