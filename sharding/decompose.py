@@ -41,9 +41,8 @@ def decompose_partial_linear_bias(fusion: Fusion) -> bool:
         layout = layout_of(out)
         if layout is None:
             continue
-        inputs = [layout_of(t) for t in expr.inputs]
-        summed = mesh_rule(expr, layout.mesh).forward(inputs) if all(inputs) else layout
-        if not (layout.is_partial or summed.is_partial):
+        natural = mesh_rule(expr, layout.mesh).forward([layout_of(t) for t in expr.inputs])
+        if not (layout.is_partial or natural.is_partial):
             continue
         x, weight, bias = expr.inputs
         with fusion.editing():
