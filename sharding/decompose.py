@@ -3,8 +3,12 @@
 Run after a first propagation (they read the layouts), each returns whether it changed
 the fusion, whose layouts must then be propagated again (``shard_fusion``):
 
-- ``decompose_partial_linear_bias``: a row-parallel ``linear(x, w, b)`` becomes
-  ``linear(x, w) + b``, so the bias is added once, after the partial sums are combined;
+- ``decompose_partial_linear_bias``: a row-parallel ``linear(x, w, b)`` (its contraction
+  axis split, whatever its output is placed) becomes ``linear(x, w) + b``: the product
+  stays a partial sum, and the bias, whole on every rank, meets it as any replicated
+  addend meets a partial sum: after the all-reduce or on the reduce-scattered piece,
+  never before (it would count once per rank), and never by gathering the weight or
+  the activation (which a linear with the bias inside must do to make its output whole);
 - ``decompose_split_means``: a ``mean`` or ``var_mean`` over an axis split across ranks
   becomes sums, which each rank computes on its piece and the ranks combine (a small
   all-reduce of the result's size) instead of gathering the whole input: the mean as
@@ -22,17 +26,23 @@ from fusion import ops
 from fusion.exprs import Expr, LinearOp, ReductionOp, VarMeanOp
 from fusion.ir import Fusion, TensorView
 from sharding.layout import layout_of
+from sharding.rules import mesh_rule
 
 
 def decompose_partial_linear_bias(fusion: Fusion) -> bool:
-    """Rewrite ``linear(x, w, b)`` whose output is partial as ``linear(x, w) + b``."""
+    """Rewrite ``linear(x, w, b)`` as ``linear(x, w) + b`` where its output is partial or
+    its inputs, as placed, make it partial (an output placed whole or split by the user,
+    a row-parallel linear's ``Replicate()`` or ``Shard(0)``, is then the add's)."""
     changed = False
     for expr in list(fusion.exprs):
         if not (isinstance(expr, LinearOp) and expr.has_bias):
             continue
         out = expr.output
         layout = layout_of(out)
-        if layout is None or not layout.is_partial:
+        if layout is None:
+            continue
+        natural = mesh_rule(expr, layout.mesh).forward([layout_of(t) for t in expr.inputs])
+        if not (layout.is_partial or natural.is_partial):
             continue
         x, weight, bias = expr.inputs
         with fusion.editing():

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, TensorView
 from fusion.torch_ops import fell_back
+from sharding.communication import Communication
 from sharding.errors import ShardingError
 from sharding.layout import Layout, apply_layout, layout_of
 from sharding.mesh import DeviceMesh
@@ -202,8 +203,40 @@ def explain(fusion: Fusion, decisions: dict[TensorView, Decision]) -> str:
             definition = tensor.definition
             consumers = ", ".join(dict.fromkeys(e.op_name for e in tensor.uses)) or "the output"
             source = ", ".join(t.name for t in definition.inputs)
-            lines.append(f"{placed(tensor)}  {definition.op_name} of {source} for {consumers}")
+            why = _why_moved(tensor, decisions)
+            lines.append(f"{placed(tensor)}  {definition.op_name} of {source} for {consumers}{why}")
     fallbacks = fell_back(fusion)
     if fallbacks:
         lines.append(f"fell back to torch (torch op fallback: replicated): {', '.join(fallbacks)}")
     return "\n".join(lines)
+
+
+def moved_inputs(fusion: Fusion) -> list[Communication]:
+    """The communications of a placed fusion that read one of its inputs as given: where
+    a weight placed by a plan (``parallelize``'s) is moved, every run, instead of
+    computed with where it lies (``explain`` says which op needs it placed otherwise)."""
+    inputs = set(fusion.inputs)
+    return [e for e in fusion.exprs if isinstance(e, Communication) and e.inputs[0] in inputs]
+
+
+def _why_moved(copy: TensorView, decisions: dict[TensorView, Decision]) -> str:
+    """Why a communication moves a fusion input the user placed ("" for any other copy):
+    which expr needs it placed otherwise, and the layout that expr must produce."""
+    definition = copy.definition
+    source = definition.inputs[0]
+    decision = decisions.get(source)
+    if not isinstance(definition, Communication) or decision is None:
+        return ""
+    if decision.how != "annotation" or source.definition is not None:
+        return ""
+
+    def placements(tensor: TensorView) -> str:
+        return ", ".join(str(p) for p in layout_of(tensor).placements)
+
+    reasons = [
+        f"{use.op_name} makes {use.outputs[0].name} [{placements(use.outputs[0])}] only from "
+        f"it [{placements(copy)}]"
+        + (f" ({decisions[use.outputs[0]].describe()})" if use.outputs[0] in decisions else "")
+        for use in dict.fromkeys(copy.uses)
+    ]
+    return f"; {source.name} is placed [{placements(source)}] by annotation: {'; '.join(reasons)}"

@@ -25,6 +25,7 @@ from sharding import (
     shard_fusion,
     split_sizes,
 )
+from sharding.propagation import moved_inputs
 from sharding.rules import reshape_groups
 
 # ---------------------------------------------------------------------------
@@ -355,6 +356,66 @@ def test_a_row_parallel_linear_with_bias_adds_the_bias_once_after_the_reduction(
     assert kinds == ["Allreduce"]
     ops = [e.op_name for e in sharded.exprs]
     assert ops.index("linear") < ops.index("Allreduce") < ops.index("add")
+
+
+@pytest.mark.parametrize(
+    ("output", "communication"),
+    [(Replicate(), "Allreduce"), (Shard(0), "ReduceScatter")],
+    ids=["replicate", "sequence"],
+)
+def test_a_biased_row_parallel_linear_placed_whole_or_by_rows_adds_its_bias_after(
+    output, communication
+):
+    """RowwiseParallel's output placed (``Replicate()`` by default, or the tokens' split):
+    the partial sums are combined into that placement, then the whole bias is added to
+    what each rank holds; neither the weight nor the activation is gathered, and the
+    bias is never added to a partial sum (it would count once per rank)."""
+
+    def build(fd):
+        x = fd.define_tensor([4, 8])
+        w = fd.define_tensor([6, 8])
+        b = fd.define_tensor([6])
+        y = fd.ops.linear(x, w, b)
+        fd.add_output(y)
+        return {"x": x, "w": w, "y": y}
+
+    mesh = DeviceMesh(2)
+    sharded, decisions, kinds, tensors = _sharded(
+        build, [("x", mesh, [Shard(1)]), ("w", mesh, [Shard(1)]), ("y", mesh, [output])]
+    )
+    assert kinds == [communication]
+    ops = [e.op_name for e in sharded.exprs]
+    assert ops.index("linear") < ops.index(communication) < ops.index("add")
+    (linear,) = [e for e in sharded.exprs if e.op_name == "linear"]
+    assert len(linear.inputs) == 2 and layout_of(linear.output).placements == (Partial(),)
+    (add,) = [e for e in sharded.exprs if e.op_name == "add"]
+    assert all(not layout_of(t).is_partial for t in add.inputs)
+    assert not moved_inputs(sharded)
+    assert "by annotation" not in explain(sharded, decisions)
+
+
+def test_explain_says_why_a_placed_weight_is_moved():
+    """A weight split by rows that an op needs whole (a slice of the split axis): the
+    all-gather of it, and explain says which op needs it placed so."""
+
+    def build(fd):
+        x = fd.define_tensor([4, 8])
+        w = fd.define_tensor([6, 8])
+        y = fd.ops.linear(x, fd.ops.slice(w, [0, 0], [4, 8]))
+        fd.add_output(y)
+        return {"x": x, "w": w}
+
+    mesh = DeviceMesh(2)
+    sharded, decisions, kinds, tensors = _sharded(
+        build, [("x", mesh, [Replicate()]), ("w", mesh, [Shard(0)])]
+    )
+    (moved,) = moved_inputs(sharded)
+    assert moved.inputs[0] is sharded.inputs[1] and moved.kind.value == "Allgather"
+    (line,) = [line for line in explain(sharded, decisions).splitlines() if "Allgather of" in line]
+    w = sharded.inputs[1].name
+    assert f"Allgather of {w} for slice; {w} is placed [S(0)] by annotation: slice makes" in line
+    assert line.endswith("only from it [R] (slice rule, forward through slice from input "
+                         f"{w})")  # fmt: skip
 
 
 def test_pipeline_meshes_of_several_ranks_send_rank_to_rank():

@@ -50,6 +50,7 @@ Example (on every rank)::
 from __future__ import annotations
 
 import copy
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -69,6 +70,7 @@ from sharding import DeviceMesh, Replicate, Shard, shard
 from sharding.annotate import as_placement
 from sharding.layout import layout_of
 from sharding.pieces import local_piece
+from sharding.propagation import moved_inputs
 
 STYLES = ("colwise", "rowwise", "sequence")
 PLACEMENTS = ("replicate", "sequence")
@@ -170,6 +172,7 @@ def parallelize(
     buffers = [i for i, n in enumerate(captured.parameter_names) if n in captured.buffers]
     trainable_options.setdefault("frozen", buffers)  # buffers get no gradient
     model = TrainableFusion(captured.fd, communicator, **trainable_options)
+    _warn_moved_parameters(model, captured.parameter_names)
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from
     rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
@@ -184,6 +187,27 @@ def parallelize(
 
         torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
+
+
+def _warn_moved_parameters(model: TrainableFusion, names: Sequence[str]) -> None:
+    """Warn, once for the module, where the forward moves a parameter the plan split (a
+    rule that cannot use it where it is placed): each step then pays to move a weight,
+    which tensor parallelism is meant to leave in place."""
+    executor = model.forward_executor
+    position = {tensor: index for index, tensor in enumerate(executor.fusion.inputs)}
+    moved = [
+        f"{names[position[c.inputs[0]]]} ({c.kind.value} to "
+        f"[{', '.join(str(p) for p in c.out_layout.placements)}])"
+        for c in moved_inputs(executor.fusion)
+        if position[c.inputs[0]] < len(names)
+    ]
+    if moved:
+        warnings.warn(
+            f"parallelize: the forward moves parameters the plan placed, every step: "
+            f"{', '.join(moved)}; the module's model.forward_executor.explain() says which op "
+            "needs each placed otherwise",
+            stacklevel=3,
+        )
 
 
 def place(
