@@ -12,31 +12,46 @@ names to a style:
 - an ``nn.Embedding``, as torch's styles place it: ``"rowwise"`` splits the vocabulary
   (each rank looks up the rows it holds; the lookups are summed), ``"colwise"`` the
   features;
-- ``"sequence"`` (``SequenceParallel``): parameters whole, the submodule's inputs and
-  outputs split along the sequence (the first axis; torch's ``sequence_dim``);
+- ``"sequence"``: parameters whole, the submodule's inputs and outputs split along the
+  first axis (the tokens of [tokens, hidden] activations);
 - unnamed parameters (norm weights, ...) whole on every rank.
 
-torch's style objects are read as torch means them: ``ColwiseParallel`` and
-``RowwiseParallel`` place their outputs as ``output_layouts`` says (a row-wise
-projection's ``Shard(1)``: a reduce-scatter into the sequence split, its default
-``Replicate()``: an all-reduce), ``SequenceParallel`` as above,
-``PrepareModuleInput``/``PrepareModuleOutput`` place a submodule's inputs/outputs as
-their ``desired_*_layouts`` say. ``inputs`` and ``outputs`` give each example input's
-and output's placement: ``"replicate"`` or ``"sequence"`` (split along the first axis);
-those neither they nor the plan place are whole. Two different placements asked for one
-tensor are refused. Sharding propagates the rest and inserts the communications (a
-sequence-parallel block's all-gather and reduce-scatter, pipelined with its matmuls
+torch's style objects are read as torch's ``parallelize_module`` reads them:
+``ColwiseParallel`` and ``RowwiseParallel`` place their outputs as ``output_layouts``
+says (a row-wise projection's ``Shard(1)``: a reduce-scatter into the sequence split,
+its default ``Replicate()``: an all-reduce); ``SequenceParallel`` splits its inputs and
+outputs along ``sequence_dim`` (torch's default 1: [batch, seq, hidden]);
+``PrepareModuleInput``/``PrepareModuleOutput``/``PrepareModuleInputOutput`` place a
+submodule's inputs/outputs as their ``desired_*_layouts`` say. A style's
+``input_layouts`` (``SequenceParallel``'s sequence split alike) say how the caller's
+piece of a module input it reads is cut, as torch's ``from_local`` reads it: the
+outermost style reading that input decides (a submodule inside it is handed a DTensor
+in torch). ``use_local_output`` changes no placement: the ops here compute on whole
+tensors, so a DTensor handed on and its local piece are placed alike.
+
+``inputs`` and ``outputs`` give each example input's and output's placement:
+``"replicate"``, ``"sequence"`` (split along the first axis, as above), or torch's or our
+``Shard(dim)`` (any axis, negative ones from the last) and ``Replicate()``; None leaves
+one unplaced. An input neither they nor the plan place is whole. An output no one places
+comes back as torch's ``parallelize_module`` returns it: this rank's piece of the layout
+the plan gives it (propagated through the ops after the last placed tensor; a partial
+sum is all-reduced), never gathered unasked: a [batch, seq, hidden] block under torch's
+sequence-parallel plan returns its ``Shard(1)`` piece. Two different placements asked
+for one tensor are refused. Sharding propagates the rest and inserts the communications
+(a sequence-parallel block's all-gather and reduce-scatter, pipelined with its matmuls
 where the planner finds it pays).
 
 The result is an ``nn.Module``: ``forward`` takes this rank's pieces of the inputs and
-returns its pieces of the outputs. Its parameters are DTensors on a torch
-``DeviceMesh`` of the ranks (``dtensors=True``, the default where torch.distributed is
-initialized): their local pieces are this rank's, their placements the plan's, so
-optimizers, gradient clipping and ``torch.distributed.checkpoint`` treat them as
-tensor-parallel parameters; with ``dtensors=False`` they are the plain pieces. An uneven
-split that DTensor would cut otherwise (``overlap.runtime.dtensors.torch_split_differs``) is
-refused, naming the parameter. ``full_state(module)`` hands this rank's pieces of an
-unparallelized module's state, to load or compare.
+returns its pieces of the outputs, for the example inputs' shapes only (torch.export's
+static shapes); an input error names the argument as ``forward``'s signature does. Its
+parameters are DTensors on a torch ``DeviceMesh`` of the ranks (``dtensors=True``, the
+default where torch.distributed is initialized): their local pieces are this rank's,
+their placements the plan's, so optimizers, gradient clipping and
+``torch.distributed.checkpoint`` treat them as tensor-parallel parameters; with
+``dtensors=False`` they are the plain pieces. An uneven split that DTensor would cut
+otherwise (``overlap.runtime.dtensors.torch_split_differs``) is refused, naming the
+parameter. ``full_state(module)`` hands this rank's pieces of an unparallelized module's
+state, to load or compare.
 
 Example (on every rank)::
 
@@ -191,8 +206,8 @@ def parallelize(
     example_inputs: Sequence[torch.Tensor],
     communicator: Communicator,
     plan: Mapping[str, Any],
-    inputs: Sequence[str] = (),
-    outputs: Sequence[str] = (),
+    inputs: Sequence[object] = (),
+    outputs: Sequence[object] = (),
     dtensors: bool | None = None,
     **trainable_options: Any,
 ) -> ParallelModule:
@@ -236,8 +251,8 @@ def place(
     example_inputs: Sequence[torch.Tensor],
     world_size: int,
     plan: Mapping[str, Any],
-    inputs: Sequence[str] = (),
-    outputs: Sequence[str] = (),
+    inputs: Sequence[object] = (),
+    outputs: Sequence[object] = (),
 ) -> Captured:
     """``module`` captured and its fusion's tensors placed over ``world_size`` ranks by
     ``plan``, as ``parallelize`` places them (no process group needed: what ``overlap
