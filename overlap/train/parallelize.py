@@ -53,6 +53,11 @@ otherwise (``overlap.runtime.dtensors.torch_split_differs``) is refused, naming 
 parameter. ``full_state(module)`` hands this rank's pieces of an unparallelized module's
 state, to load or compare.
 
+Size: the module, its plan in torch's vocabulary (every style torch has, read as
+``parallelize_module`` reads it) and its errors in the module's words are one reading
+of one call; splitting the plan's reading off waits for the branches of #47 that edit
+this file to merge.
+
 Example (on every rank)::
 
     block = parallelize(SwiGLU(4096, 14336), [x], communicator,
