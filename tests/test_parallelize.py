@@ -316,7 +316,9 @@ def test_weights_or_inputs_that_differ_between_ranks_are_refused_on_every_rank(
         rank_pools(2).run(unseeded_module, same_weights, timeout=120)
     assert sorted(failure.value.failures) == [0, 1], "every rank must raise"
     # with different weights, the module's first parameter (its norm's weight) differs
-    step, name = ("input_pieces", "input 0") if same_weights else ("parallelize", "norm.weight")
+    # with the same weights, the input: named as forward's signature names it
+    step, name = ("input_pieces", "x (forward's argument 0)") if same_weights else (
+        "parallelize", "norm.weight")  # fmt: skip
     wanted = f"{step}: the ranks were given different whole tensors: {name} differs"
     for rank, message in failure.value.messages().items():
         assert failure.value.failures[rank][0] == "InputError", message

@@ -12,31 +12,51 @@ names to a style:
 - an ``nn.Embedding``, as torch's styles place it: ``"rowwise"`` splits the vocabulary
   (each rank looks up the rows it holds; the lookups are summed), ``"colwise"`` the
   features;
-- ``"sequence"`` (``SequenceParallel``): parameters whole, the submodule's inputs and
-  outputs split along the sequence (the first axis; torch's ``sequence_dim``);
+- ``"sequence"``: parameters whole, the submodule's inputs and outputs split along the
+  first axis (the tokens of [tokens, hidden] activations);
 - unnamed parameters (norm weights, ...) whole on every rank.
 
-torch's style objects are read as torch means them: ``ColwiseParallel`` and
-``RowwiseParallel`` place their outputs as ``output_layouts`` says (a row-wise
-projection's ``Shard(1)``: a reduce-scatter into the sequence split, its default
-``Replicate()``: an all-reduce), ``SequenceParallel`` as above,
-``PrepareModuleInput``/``PrepareModuleOutput`` place a submodule's inputs/outputs as
-their ``desired_*_layouts`` say. ``inputs`` and ``outputs`` give each example input's
-and output's placement: ``"replicate"`` or ``"sequence"`` (split along the first axis);
-those neither they nor the plan place are whole. Two different placements asked for one
-tensor are refused. Sharding propagates the rest and inserts the communications (a
-sequence-parallel block's all-gather and reduce-scatter, pipelined with its matmuls
+torch's style objects are read as torch's ``parallelize_module`` reads them:
+``ColwiseParallel`` and ``RowwiseParallel`` place their outputs as ``output_layouts``
+says (a row-wise projection's ``Shard(1)``: a reduce-scatter into the sequence split,
+its default ``Replicate()``: an all-reduce); ``SequenceParallel`` splits its inputs and
+outputs along ``sequence_dim`` (torch's default 1: [batch, seq, hidden]);
+``PrepareModuleInput``/``PrepareModuleOutput``/``PrepareModuleInputOutput`` place a
+submodule's inputs/outputs as their ``desired_*_layouts`` say. A style's
+``input_layouts`` (``SequenceParallel``'s sequence split alike) say how the caller's
+piece of a module input it reads is cut, as torch's ``from_local`` reads it: the
+outermost style reading that input decides (a submodule inside it is handed a DTensor
+in torch). ``use_local_output`` changes no placement: the ops here compute on whole
+tensors, so a DTensor handed on and its local piece are placed alike.
+
+``inputs`` and ``outputs`` give each example input's and output's placement:
+``"replicate"``, ``"sequence"`` (split along the first axis, as above), or torch's or our
+``Shard(dim)`` (any axis, negative ones from the last) and ``Replicate()``; None leaves
+one unplaced. An input neither they nor the plan place is whole. An output no one places
+comes back as torch's ``parallelize_module`` returns it: this rank's piece of the layout
+the plan gives it (propagated through the ops after the last placed tensor; a partial
+sum is all-reduced), never gathered unasked: a [batch, seq, hidden] block under torch's
+sequence-parallel plan returns its ``Shard(1)`` piece. Two different placements asked
+for one tensor are refused. Sharding propagates the rest and inserts the communications
+(a sequence-parallel block's all-gather and reduce-scatter, pipelined with its matmuls
 where the planner finds it pays).
 
 The result is an ``nn.Module``: ``forward`` takes this rank's pieces of the inputs and
-returns its pieces of the outputs. Its parameters are DTensors on a torch
-``DeviceMesh`` of the ranks (``dtensors=True``, the default where torch.distributed is
-initialized): their local pieces are this rank's, their placements the plan's, so
-optimizers, gradient clipping and ``torch.distributed.checkpoint`` treat them as
-tensor-parallel parameters; with ``dtensors=False`` they are the plain pieces. An uneven
-split that DTensor would cut otherwise (``overlap.runtime.dtensors.torch_split_differs``) is
-refused, naming the parameter. ``full_state(module)`` hands this rank's pieces of an
-unparallelized module's state, to load or compare.
+returns its pieces of the outputs, for the example inputs' shapes only (torch.export's
+static shapes); an input error names the argument as ``forward``'s signature does. Its
+parameters are DTensors on a torch ``DeviceMesh`` of the ranks (``dtensors=True``, the
+default where torch.distributed is initialized): their local pieces are this rank's,
+their placements the plan's, so optimizers, gradient clipping and
+``torch.distributed.checkpoint`` treat them as tensor-parallel parameters; with
+``dtensors=False`` they are the plain pieces. An uneven split that DTensor would cut
+otherwise (``overlap.runtime.dtensors.torch_split_differs``) is refused, naming the
+parameter. ``full_state(module)`` hands this rank's pieces of an unparallelized module's
+state, to load or compare.
+
+Size: the module, its plan in torch's vocabulary (every style torch has, read as
+``parallelize_module`` reads it) and its errors in the module's words are one reading
+of one call; splitting the plan's reading off waits for the branches of #47 that edit
+this file to merge.
 
 Example (on every rank)::
 
@@ -50,6 +70,8 @@ Example (on every rank)::
 from __future__ import annotations
 
 import copy
+import inspect
+import re
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,6 +82,7 @@ import torch.distributed as dist
 
 from fusion import ops
 from fusion.capture import Boundary, Captured, capture
+from fusion.errors import InputError
 from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
@@ -86,11 +109,18 @@ class ParallelModule(torch.nn.Module):
         pieces: list[torch.Tensor],
         buffers: frozenset[str] = frozenset(),
         torch_mesh: object | None = None,
+        input_names: Sequence[str] = (),
+        captured_from: str = "the module",
     ) -> None:
         super().__init__()
         self.model = model
         self.names = names
         self.torch_mesh = torch_mesh  # where the parameters are DTensors (None: pieces)
+        # forward's inputs as its signature names them, for errors in the module's words
+        count = len(model.fusion.inputs) - len(names)
+        self.input_names = [*input_names, *(f"input {i}" for i in range(len(input_names),
+                                                                         count))]  # fmt: skip
+        self.captured_from = captured_from
         tensors = model.fusion.inputs
         self.pieces = torch.nn.ParameterDict(
             {_key(name): torch.nn.Parameter(self._as_dtensor(piece, tensor))
@@ -118,8 +148,41 @@ class ParallelModule(torch.nn.Module):
             _local(self.pieces[_key(n)]) if _key(n) in self.pieces else getattr(self, _key(n))
             for n in self.names
         ]
-        outputs = self.model(*parameters, *local_inputs)
+        try:
+            outputs = self.model(*parameters, *local_inputs)
+        except InputError as error:
+            raise type(error)(self._in_module_terms(str(error))) from error
         return outputs[0] if len(outputs) == 1 else tuple(outputs)
+
+    def _in_module_terms(self, message: str) -> str:
+        """An input error of the fusion told in ``forward``'s terms: its inputs by their
+        names in its signature (the fusion counts the module's parameters first), and
+        the shapes it was captured for (torch.export's: those only)."""
+        count, named = len(self.names), []
+
+        def name(match: re.Match) -> str:
+            position = int(match.group(1))
+            if position < count:
+                return f"parameter {self.names[position]}"
+            named.append(position - count)
+            return self._describe_input(position - count)
+
+        message = re.sub(r"\binput (\d+)( \([^()]*\))?", name, message)
+        message = re.sub(r"the fusion takes (\d+) inputs, got (\d+)",
+                         lambda m: f"forward takes {int(m.group(1)) - count} inputs "
+                                   f"({', '.join(self.input_names)}), got "
+                                   f"{int(m.group(2)) - count}", message)  # fmt: skip
+        tensors = self.model.fusion.inputs[count:]
+        if not named or not all(isinstance(e, int) for t in tensors for e in t.shape):
+            return message  # not about an input, or shapes that may change
+        shapes = ", ".join(f"{n} {list(t.shape)}"
+                           for n, t in zip(self.input_names, tensors, strict=True))  # fmt: skip
+        return (f"{message}. parallelize captured {self.captured_from} for its example "
+                f"inputs' whole shapes only ({shapes}): parallelize it again with examples "
+                "of other shapes")  # fmt: skip
+
+    def _describe_input(self, index: int) -> str:
+        return f"{self.input_names[index]} (forward's argument {index})"
 
     def full_state(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         """This rank's pieces of ``module``'s parameters and buffers (or of tensors of
@@ -136,7 +199,7 @@ class ParallelModule(torch.nn.Module):
         """This rank's pieces of whole inputs of ``forward`` (collective with several ranks:
         every rank must be given the same whole inputs, see ``shard_inputs``)."""
         tensors = self.model.fusion.inputs[len(self.names) :]
-        names = [f"input {i}" for i in range(len(whole))]
+        names = [self._describe_input(i) for i in range(min(len(whole), len(tensors)))]
         return shard_inputs(tensors, whole, self.model.communicator, names=names,
                             step="input_pieces")  # fmt: skip
 
@@ -150,8 +213,8 @@ def parallelize(
     example_inputs: Sequence[torch.Tensor],
     communicator: Communicator,
     plan: Mapping[str, Any],
-    inputs: Sequence[str] = (),
-    outputs: Sequence[str] = (),
+    inputs: Sequence[object] = (),
+    outputs: Sequence[object] = (),
     dtensors: bool | None = None,
     **trainable_options: Any,
 ) -> ParallelModule:
@@ -186,7 +249,9 @@ def parallelize(
         from torch.distributed.device_mesh import DeviceMesh as TorchMesh
 
         torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
-    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh)
+    return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh,
+                          _argument_names(module, len(example_inputs)),
+                          type(module).__name__)  # fmt: skip
 
 
 def _warn_moved_parameters(model: TrainableFusion, names: Sequence[str]) -> None:
@@ -215,8 +280,8 @@ def place(
     example_inputs: Sequence[torch.Tensor],
     world_size: int,
     plan: Mapping[str, Any],
-    inputs: Sequence[str] = (),
-    outputs: Sequence[str] = (),
+    inputs: Sequence[object] = (),
+    outputs: Sequence[object] = (),
 ) -> Captured:
     """``module`` captured and its fusion's tensors placed over ``world_size`` ranks by
     ``plan``, as ``parallelize`` places them (no process group needed: what ``overlap
@@ -244,17 +309,24 @@ def place(
     # inputs) or produced (submodules' outputs), then as consumed (a submodule's inputs:
     # a tensor produced otherwise is copied for it, the copy placed as it needs)
     placed: dict = {}
-    for position, (tensor, placement) in enumerate(zip(fusion.inputs[count:],
-                                                       _placements(inputs, "input"),
-                                                       strict=False)):  # fmt: skip
-        _place(placed, tensor, placement, f"parallelize's inputs[{position}]")
+    module_inputs = fusion.inputs[count:]
+    for position, (tensor, placement) in enumerate(zip(module_inputs, inputs, strict=False)):
+        _place(placed, tensor, _placement(placement), f"parallelize's inputs[{position}]")
+    # the module's own inputs as the outermost style reading each reads the caller's
+    # piece (torch's from_local: a submodule inside it is handed a DTensor already)
+    read_by: dict = {}
+    for name in sorted(styles, key=lambda name: name.count(".")):
+        for position, tensor in enumerate(_boundary(captured, name).reads):
+            given = _nth(styles[name].given, position)
+            outer = any(name.startswith(f"{other}.") for other in read_by.get(tensor, ()))
+            if tensor in module_inputs and given is not None and not outer:
+                _place(placed, tensor, given, f"{name}'s input_layouts")
+                read_by.setdefault(tensor, []).append(name)
     for name, style in styles.items():
         for position, tensor in enumerate(_boundary(captured, name).hands):
             _place(placed, tensor, _nth(style.outputs, position), f"{name}'s output {position}")
-    for position, (tensor, placement) in enumerate(zip(fusion.outputs,
-                                                       _placements(outputs, "output"),
-                                                       strict=False)):  # fmt: skip
-        _place(placed, tensor, placement, f"parallelize's outputs[{position}]")
+    for position, (tensor, placement) in enumerate(zip(fusion.outputs, outputs, strict=False)):
+        _place(placed, tensor, _placement(placement), f"parallelize's outputs[{position}]")
     for name, style in styles.items():
         boundary = _boundary(captured, name)
         for position, tensor in enumerate(boundary.reads):
@@ -267,7 +339,10 @@ def place(
                 if tensor is None:  # no op of the submodule reads it: nothing to place
                     continue
             _place(placed, tensor, ours, f"{name}'s input {position}")
-    for tensor in [*fusion.inputs[count:], *fusion.outputs]:
+    # an input nobody places is whole; an output the plan leaves free takes the layout
+    # propagation gives it (a partial sum all-reduced): what torch's parallelize_module
+    # returns is that layout's local piece, never a gather it did not ask for
+    for tensor in module_inputs:
         placed.setdefault(tensor, (Replicate(), "the default"))
     for tensor, (placement, _) in placed.items():
         shard(tensor, mesh, [as_placement(placement, tensor.ndim)])
@@ -277,33 +352,55 @@ def place(
 @dataclass(frozen=True)
 class _Style:
     """A plan entry: how its parameters split (None: whole), the placements its inputs
-    and outputs must take (None: free; a placement alone: every one of them)."""
+    must take as it consumes them, its outputs as it hands them out, and its inputs as
+    they arrive (torch's ``input_layouts``: how a piece the caller passes is read, so
+    only the module's own inputs take it). None: free; a placement alone: every one."""
 
     parameters: str | None = None
     inputs: object = None
     outputs: object = None
+    given: object = None
 
 
 def _read_style(name: str, style: Any) -> _Style:
+    """A plan entry read as torch's ``parallelize_module`` reads it. torch's
+    ``use_local_output`` changes no placement: a DTensor handed on is placed as its
+    local piece is, and our ops compute on the whole tensors either way."""
     kind = style if isinstance(style, str) else type(style).__name__
     if kind in ("colwise", "rowwise"):
         return _Style(kind)
     if kind == "sequence":
         return _Style(None, Shard(0), Shard(0))
     if kind in ("ColwiseParallel", "RowwiseParallel"):
-        return _Style(kind[:3].lower() + "wise", None, list(style.output_layouts))
+        return _Style(kind[:3].lower() + "wise", None, list(style.output_layouts),
+                      list(style.input_layouts))  # fmt: skip
     if kind == "SequenceParallel":
         (placement,) = style.sequence_sharding
-        return _Style(None, placement, placement)
+        return _Style(None, placement, placement, placement)
     if kind == "PrepareModuleInput":
-        return _Style(None, list(style.desired_input_layouts), None)
+        return _prepared_inputs(name, style)
     if kind == "PrepareModuleOutput":
+        # output_layouts says what the submodule computes: propagation knows that
         return _Style(None, None, list(style.desired_output_layouts))
+    if kind == "PrepareModuleInputOutput":
+        inputs = _prepared_inputs(name, style.prepare_module_input)
+        outputs = list(style.prepare_module_output.desired_output_layouts)
+        return _Style(None, inputs.inputs, outputs, inputs.given)
     raise ValueError(
         f"parallelize: {name}: style {style!r} is not one of {STYLES} (or torch's "
         "ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, "
-        "PrepareModuleOutput)"
+        "PrepareModuleOutput, PrepareModuleInputOutput)"
     )
+
+
+def _prepared_inputs(name: str, style: Any) -> _Style:
+    if style.input_kwarg_layouts or style.desired_input_kwarg_layouts:
+        # a submodule's reads are positional here: a keyword's tensor has no position
+        raise ValueError(f"parallelize: {name}: PrepareModuleInput's input_kwarg_layouts "
+                         "are not read yet; give the inputs' layouts by position")  # fmt: skip
+    if style.input_layouts is None:  # torch leaves the inputs as they come
+        return _Style()
+    return _Style(None, list(style.desired_input_layouts), None, list(style.input_layouts))
 
 
 def _boundary(captured, name: str):
@@ -337,7 +434,13 @@ def _place(placed: dict, tensor, placement: object, who: str) -> None:
     """Record that ``who`` wants ``tensor`` placed so; two different wishes are refused."""
     if placement is None:
         return
-    ours = as_placement(placement, tensor.ndim)
+    try:
+        ours = as_placement(placement, tensor.ndim)
+    except ValueError as error:
+        raise ValueError(f"parallelize: {who}: {error}") from None
+    if isinstance(ours, Shard) and not 0 <= ours.dim < tensor.ndim:
+        raise ValueError(f"parallelize: {who} places {tensor} {placement}, but it has "
+                         f"{tensor.ndim} axes")  # fmt: skip
     if tensor in placed and placed[tensor][0] != ours:
         raise ValueError(f"parallelize: {who} places {tensor} {ours}, but "
                          f"{placed[tensor][1]} places it {placed[tensor][0]}")  # fmt: skip
@@ -356,15 +459,32 @@ def _parameter_placement(style: str | None, kind: str, ndim: int, owner: torch.n
     return Replicate()
 
 
-def _placements(names: Sequence[str], what: str) -> list:
-    placements = []
-    for name in names:
-        text = name if isinstance(name, str) else type(name).__name__
-        text = {"SequenceParallel": "sequence", "Replicate": "replicate"}.get(text, text)
-        if text not in PLACEMENTS:
-            raise ValueError(f"parallelize: {what} placement {name!r} is not one of {PLACEMENTS}")
-        placements.append(Shard(0) if text == "sequence" else Replicate())
-    return placements
+def _placement(given: object) -> object:
+    """An ``inputs``/``outputs`` entry as a placement: ``"replicate"``, ``"sequence"``
+    (the first axis, as it always meant here: [tokens, hidden] activations), torch's or
+    our ``Shard(dim)`` and ``Replicate()`` (checked against the tensor by ``_place``), or
+    a ``SequenceParallel`` style (its ``sequence_dim``, as torch reads it)."""
+    if isinstance(given, str):
+        if given not in PLACEMENTS:
+            raise ValueError(f"parallelize: placement {given!r} is not one of {PLACEMENTS} "
+                             "(or a Shard(dim) or Replicate(), torch's or ours)")  # fmt: skip
+        return Shard(0) if given == "sequence" else Replicate()
+    if type(given).__name__ == "SequenceParallel":
+        (placement,) = given.sequence_sharding
+        return placement
+    return given
+
+
+def _argument_names(module: torch.nn.Module, count: int) -> list[str]:
+    """The names ``module.forward``'s signature gives its first ``count`` positional
+    arguments (``args[i]`` past a ``*args``)."""
+    names = []
+    for parameter in inspect.signature(module.forward).parameters.values():
+        if parameter.kind == parameter.VAR_POSITIONAL:
+            names += [f"{parameter.name}[{i}]" for i in range(count - len(names))]
+        elif parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+    return names[:count]
 
 
 def _local(parameter: torch.Tensor) -> torch.Tensor:
