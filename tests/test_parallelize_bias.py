@@ -34,12 +34,15 @@ class GPT2MLP(torch.nn.Module):
 
 def torch_mlp_plan(placement: str) -> dict:
     """torch's plan for the MLP: ``RowwiseParallel()``'s default output ``Replicate()``,
-    or the tokens' split (``Shard(0)``: sequence parallel)."""
-    from torch.distributed.tensor import Replicate, Shard
+    or the tokens' split (``Shard(0)``: sequence parallel, the input read as split too, as
+    torch reads ``ColwiseParallel(input_layouts=Shard(0))``)."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-    output = Replicate() if placement == "replicate" else Shard(0)
-    return {"fc": ColwiseParallel(), "proj": RowwiseParallel(output_layouts=output)}
+    if placement == "replicate":
+        return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+    return {"fc": ColwiseParallel(input_layouts=Shard(0)),
+            "proj": RowwiseParallel(output_layouts=Shard(0))}  # fmt: skip
 
 
 def parallel_gpt2_mlp(communicator, tokens: int, placement: str):
