@@ -134,10 +134,11 @@ class LlamaMLP(torch.nn.Module):
 class LlamaDecoderLayer(torch.nn.Module):
     """HF's decoder layer: pre-norm attention and MLP, each with a residual."""
 
-    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 4, ffn: int = 128):
+    def __init__(self, hidden: int = 64, heads: int = 8, kv_heads: int = 4, ffn: int = 128,
+                 longest: int = 64) -> None:  # fmt: skip
         super().__init__()
         self.input_layernorm = LlamaRMSNorm(hidden)
-        self.self_attn = LlamaAttention(hidden, heads, kv_heads)
+        self.self_attn = LlamaAttention(hidden, heads, kv_heads, longest)
         self.post_attention_layernorm = LlamaRMSNorm(hidden)
         self.mlp = LlamaMLP(hidden, ffn)
 
