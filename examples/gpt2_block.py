@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from fusion import FusionDefinition  # noqa: E402
 from overlap import parallelize  # noqa: E402
-from overlap.train.parallelize import place  # noqa: E402
+from overlap.train.plans import place  # noqa: E402
 
 BATCH, SEQ, HIDDEN, HEADS = 2, 8, 32, 4
 TOLERANCE = 1e-4  # relative, per step's loss (float32; the ranks sum in another order)

@@ -240,7 +240,7 @@ def test_place_gives_parallelizes_placed_fusion_without_a_process_group():
     program has the communications the run above finds, its q weight split by rows."""
     from examples.llama_block import HIDDEN, PLAN, TOKENS, Block
     from overlap import compile_program
-    from overlap.train.parallelize import place
+    from overlap.train.plans import place
     from sharding import Shard
     from sharding.layout import layout_of
 

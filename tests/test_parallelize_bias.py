@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from test_parallelize import trained_pieces
 
 from overlap import compile_program, parallelize
-from overlap.train.parallelize import place
+from overlap.train.plans import place
 from sharding.propagation import moved_inputs
 
 MOVED = "the forward moves parameters the plan placed"

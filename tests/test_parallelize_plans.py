@@ -19,7 +19,7 @@ from distributed import RankError
 from fusion.exprs import SetOp
 from fusion.testing import assert_close
 from overlap import compile_program, parallelize
-from overlap.train.parallelize import place
+from overlap.train.plans import place
 from sharding import Replicate, Shard
 from sharding.layout import layout_of
 
