@@ -14,8 +14,11 @@ unchanged (``tests/test_catalogue.py`` trains each one on gloo ranks against one
 - ``vit``: a ViT (timm-style) block: pre-norm, one fused qkv linear split by ``unbind``,
   non-causal attention, exact GELU; the MLP tensor parallel, the attention whole.
 
-Each entry is a ``Entry``: the module's constructor, example inputs, the plan and the
+Each entry is an ``Entry``: the module's constructor, example inputs, the plan and the
 placements of the inputs and outputs between blocks (torch's placement objects).
+
+    overlap dump examples/catalogue.py           # the HF Llama layer's forward program
+    overlap dump examples/gpt2_block.py          # the GPT-2 block's (a script to run)
 """
 
 from __future__ import annotations
@@ -39,6 +42,8 @@ from torch.distributed.tensor.parallel import (
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples import gpt2_block  # noqa: E402
+from fusion import FusionDefinition  # noqa: E402
+from overlap.train.plans import place  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -256,3 +261,13 @@ CATALOGUE = {
     ),  # fmt: skip
     "vit": Entry(ViTBlock, lambda g: _rows(g, 32), VIT_PLAN, [Replicate()], [Replicate()]),
 }
+
+
+def fusion(world_size: int, name: str = "llama_hf") -> FusionDefinition:
+    """Block ``name``'s forward as ``parallelize`` captures and places it by its plan, for
+    ``overlap dump`` (the HF Llama layer by default)."""
+    entry = CATALOGUE[name]
+    torch.manual_seed(0)
+    inputs = entry.inputs(torch.Generator().manual_seed(1))
+    return place(entry.make(), inputs, world_size, entry.plan, entry.placements,
+                 entry.outputs).fd  # fmt: skip

@@ -148,20 +148,51 @@ def _boundaries(graph, values: dict, made: dict, lifted: set[str]) -> dict[str, 
 
 def _check_translations(graph) -> None:
     missing: dict[str, list[str]] = {}
+    drawn: dict[str, list[str]] = {}
     for node in graph.nodes:
         if node.op == "call_function" and node.target not in _IGNORED:
-            if _translation(node.target, strict=False) is None and not isinstance(
-                node.target, torch._ops.OpOverload
-            ):
-                where = node.meta.get("nn_module_stack") or {}
-                path = list(where.values())[-1][0] if where else ""
+            if _translation(node.target, strict=False) is not None:
+                continue
+            where = node.meta.get("nn_module_stack") or {}
+            path = list(where.values())[-1][0] if where else ""
+            if not isinstance(node.target, torch._ops.OpOverload):
                 missing.setdefault(str(node.target), []).append(path or "the module itself")
+            elif torch.Tag.nondeterministic_seeded in node.target.tags:
+                drawn.setdefault(str(node.target), []).append(path or "the module itself")
+            elif _updates_running_statistics(node):
+                raise CaptureError(
+                    f"{node.target} in {path or 'the module itself'}: batch norm in training "
+                    "mode updates its running statistics in place, which a replayed or "
+                    "recomputed program would do more than once a step: capture the module "
+                    "in eval() mode, or with track_running_stats=False"
+                )
+    if drawn:
+        # run by PyTorch, a random op would draw other numbers on each rank (a tensor
+        # every rank holds whole would differ between them) and again where the backward
+        # replays it for its gradient: silently wrong, so refused before anything runs
+        lines = [f"  {op}: in {', '.join(sorted(set(paths)))}" for op, paths in drawn.items()]
+        raise CaptureError(
+            f"{len(drawn)} random op(s) have no translation into the IR, and run by "
+            "PyTorch they would draw different numbers on each rank and in the backward:\n"
+            + "\n".join(lines)
+            + "\nDropout: capture the module in eval() mode (or with p=0); dropout in "
+            "training mode is not translated yet"
+        )
     if missing:
         lines = [f"  {op}: in {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
         raise CaptureError(
             f"{len(missing)} op(s) are neither ATen ops nor translated into the IR:\n"
             + "\n".join(lines)
         )
+
+
+def _updates_running_statistics(node) -> bool:
+    """Whether ``node`` is a batch norm in training mode with running statistics (which
+    it writes without its schema saying so)."""
+    if getattr(node.target, "overloadpacket", None) is not torch.ops.aten.batch_norm:
+        return False
+    running_mean, training = node.args[3], node.args[5]
+    return bool(training) and running_mean is not None
 
 
 def _translation(target, strict: bool = True) -> Callable | None:
@@ -386,6 +417,19 @@ def _unbind(x, dim=0):
     return [ops.select(x, dim, index) for index in range(x.shape[dim])]
 
 
+def _dropout(x, p, train):
+    """Dropout as exported (``aten.dropout(x, p, train)``): out of training, or with
+    ``p == 0``, the identity; in training, refused (see ``_check_translations``: run by
+    PyTorch it would draw other masks on each rank and in the backward)."""
+    if not train or p == 0:
+        return x
+    raise CaptureError(
+        f"dropout with p={p} in training mode is not translated into the IR yet, and run "
+        "by PyTorch it would draw different masks on each rank and in the backward: "
+        "capture the module in eval() mode (or with p=0)"
+    )
+
+
 def _cat(tensors, dim=0):
     """torch's cat (empty pieces left out; one piece is itself)."""
     tensors = [t for t in tensors if t.shape[dim % t.ndim] != 0]
@@ -505,6 +549,9 @@ ATEN: dict[object, Callable] = {
     aten.split: _split,
     aten.split_with_sizes: _split,
     aten.unbind: _unbind,
+    aten.dropout: _dropout,
+    aten.feature_dropout: _dropout,
+    aten.alpha_dropout: _dropout,
     aten.cat: _cat,
     aten.masked_fill: _masked_fill,
     aten.select: lambda x, dim, index: ops.select(x, dim % x.ndim, index),

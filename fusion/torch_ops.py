@@ -8,11 +8,12 @@ reference evaluator and the executor both call it), ``torch_vjp`` adds its backw
 second ``TorchOp`` whose values PyTorch's autograd computes from the forward op.
 
 Sharding keeps every tensor of a torch op whole on every rank (``sharding.rules``), so
-that the op sees what it would see on one device. A random op draws its numbers on
-every rank on its own. An op whose schema writes its inputs (``add_``) runs on copies of
-them: the fusion's values never change under it (a composite op that writes without
-saying so, ``batch_norm`` in training mode updating its running statistics, is not
-caught).
+that the op sees what it would see on one device. A random op never gets here: capture
+refuses it (run by PyTorch it would draw other numbers on each rank and in the
+backward's replay; ``fusion.capture``). An op whose schema writes its inputs (``add_``)
+runs on copies of them: the fusion's values never change under it (a composite op that
+writes without saying so, ``batch_norm`` in training mode updating its running
+statistics, is refused by capture).
 
 Example::
 

@@ -8,11 +8,12 @@ from __future__ import annotations
 import pickle
 import re
 
+import pytest
 import torch
 from test_capture import _check
 
 from fusion import FusionDefinition
-from fusion.capture import capture
+from fusion.capture import CaptureError, capture
 from fusion.exprs import TorchOp, UnaryOp
 from fusion.reference import evaluate
 from fusion.testing import assert_close
@@ -167,3 +168,54 @@ def test_an_op_writing_its_input_in_place_leaves_the_fusions_values_as_they_were
     (ours,) = captured.fd.execute([given])
     assert torch.equal(given, x)  # the input itself untouched
     assert_close(ours, torch.cumsum(x, 0) * (x + 1.0), reduction_extent=5)
+
+
+class Noisy(torch.nn.Module):
+    """A linear and dropout, and noise drawn by ``torch.rand_like`` where ``noise``."""
+
+    def __init__(self, noise: bool = False) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.dropout = torch.nn.Dropout(0.25)
+        self.noise = noise
+
+    def forward(self, x):
+        y = self.dropout(self.linear(x))
+        return y + torch.rand_like(y) if self.noise else y
+
+
+def test_a_random_op_is_refused_naming_it_not_run_by_torch_on_each_rank_on_its_own():
+    """Run by PyTorch, a random op would draw other numbers on each rank (a tensor every
+    rank holds whole would differ between them) and again when the backward replays it:
+    capture refuses it before anything runs, naming the op and where it is."""
+    with pytest.raises(CaptureError, match=r"(?s)random op.*aten\.rand_like.*module itself"):
+        capture(Noisy(noise=True).eval(), [torch.randn(3, 4)])
+    # dropout in training mode: the same reason, and what to do instead
+    with pytest.raises(CaptureError, match=r"dropout with p=0.25 in training mode.*eval\(\)"):
+        capture(Noisy().train(), [torch.randn(3, 4)])
+
+
+def test_dropout_out_of_training_is_the_identity():
+    module, x = Noisy().eval(), torch.randn(3, 4)
+    captured = capture(module, [x])
+    assert not any(isinstance(e, TorchOp) for e in captured.fd.fusion.exprs)
+    params = [p.detach() for p in module.parameters()]
+    (ours,) = evaluate(captured.fd.fusion, [*params, x])
+    torch.testing.assert_close(ours, module(x))
+
+
+def test_batch_norm_updating_its_running_statistics_is_refused_and_otherwise_falls_back():
+    """A batch norm in training mode writes its running statistics in place, which a
+    replayed or recomputed program would do more than once a step: refused, naming it;
+    out of training, or without running statistics, it falls back to torch."""
+    x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(CaptureError, match=r"aten\.batch_norm.* in 1: .*running statistics"):
+        capture(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).train(), [x])
+    for module in (torch.nn.BatchNorm1d(4).eval(),
+                   torch.nn.BatchNorm1d(4, track_running_stats=False).train()):  # fmt: skip
+        captured = capture(module, [x])
+        assert any(isinstance(e, TorchOp) for e in captured.fd.fusion.exprs)
+        state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        values = [state[name].detach() for name in captured.parameter_names]
+        (ours,) = evaluate(captured.fd.fusion, [*values, x])
+        torch.testing.assert_close(ours, module(x))
