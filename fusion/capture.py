@@ -343,13 +343,29 @@ def _embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse
 
 def _attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
                enable_gqa=False):  # fmt: skip
-    if dropout_p or enable_gqa:
-        raise CaptureError("scaled_dot_product_attention with dropout or enable_gqa: no "
-                           "translation yet (capture the module in eval mode)")  # fmt: skip
+    if dropout_p:
+        raise CaptureError("scaled_dot_product_attention with dropout: no translation yet "
+                           "(capture the module in eval mode)")  # fmt: skip
+    if enable_gqa and k.shape[-3] != q.shape[-3]:
+        k, v = _repeat_heads(k, q.shape[-3]), _repeat_heads(v, q.shape[-3])
     if attn_mask is not None and attn_mask.ndim < q.ndim:
         attn_mask = ops.broadcast(attn_mask, [True] * (q.ndim - attn_mask.ndim)
                                   + [False] * attn_mask.ndim)  # fmt: skip
     return ops.attention(q, k, v, attn_mask, causal=is_causal, scale=scale)
+
+
+def _repeat_heads(x, heads: int):
+    """Grouped-query attention's keys or values [..., kv_heads, seq, dim] for ``heads``
+    query heads: each head repeated for its group, as ``enable_gqa`` (and HF's
+    ``repeat_kv``) do: an expand and a reshape, which a split of the heads passes."""
+    *batch, kv_heads, seq, dim = x.shape
+    if heads % kv_heads:
+        raise CaptureError(f"scaled_dot_product_attention(enable_gqa=True): {heads} query "
+                           f"heads, not a multiple of {kv_heads} key and value heads")  # fmt: skip
+    groups = heads // kv_heads
+    wide = ops.broadcast(x, [False] * (len(batch) + 1) + [True, False, False])
+    wide = ops.expand(wide, [*batch, kv_heads, groups, seq, dim])
+    return ops.reshape(wide, [*batch, heads, seq, dim])
 
 
 def _arange(start, end=None, step=1, dtype=None, fusion=None, **_):

@@ -201,19 +201,19 @@ GPT2_PLAN = {"q": "colwise", "k": "colwise", "v": "colwise", "o": "rowwise",
              "fc": "colwise", "proj": "rowwise"}  # fmt: skip
 
 
-def parallel_gpt2(communicator, kernels: str) -> list[str]:
+def parallel_gpt2(communicator, kernels: str) -> tuple[list[str], list[str]]:
     """The GPT-2 block's heads and MLP split over the ranks by ``GPT2_PLAN``, the
     LayerNorms whole, trained one step on [2, 7, 16] (``trained_pieces``: this rank's
-    output and every gradient piece against the module's). Returns the pieces' shapes."""
-    shapes, _ = trained_pieces(communicator, gpt2_block(), GPT2_PLAN, 7, "replicate", 64,
-                               batch=(2,), kernels=kernels)  # fmt: skip
-    return shapes
+    output and every gradient piece against the module's). Returns the pieces' shapes
+    and the forward's communications."""
+    return trained_pieces(communicator, gpt2_block(), GPT2_PLAN, 7, "replicate", 64,
+                          batch=(2,), kernels=kernels)  # fmt: skip
 
 
 @pytest.mark.parametrize("kernels", KERNELS)
 def test_a_gpt2_block_parallel_over_two_ranks_trains_as_one_device(rank_pools, kernels):
-    """Values only: the row-wise linears' biases may still gather weights (being fixed
-    elsewhere), so the communications are not asserted here."""
+    """Megatron's communications, as torch's tensor parallelism: an all-reduce after each
+    row-wise linear (its bias added after it), no weight moved."""
     results = rank_pools(2).run(parallel_gpt2, kernels, timeout=300)
     # the heads and the MLP's hidden features halved, the LayerNorms and the row-wise
     # linears' biases whole
@@ -227,7 +227,7 @@ def test_a_gpt2_block_parallel_over_two_ranks_trains_as_one_device(rank_pools, k
         elif owner in {"o", "proj"} and kind == "weight":
             shape[1] //= 2
         shapes.append(f"{name} {shape}")
-    assert results == [shapes] * 2
+    assert results == [(shapes, ["Allreduce", "Allreduce"])] * 2
 
 
 def test_a_group_norm_over_a_symbolic_length_reduces_its_axes_unmerged():

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from distributed import RankError
-from test_capture import RMSNorm, RotaryAttention, SwiGLU
+from test_capture import RMSNorm, RotaryAttention, SwiGLU, _check
 
 from fusion.testing import assert_close
 from overlap import parallelize
@@ -210,6 +210,52 @@ def test_scaled_dot_product_attention_splits_by_heads(rank_pools, world):
     results = rank_pools(world).run(parallel_torch_attention, 2 * world + 1, timeout=120)
     width = 16 // world
     shapes = [f"{name}.weight [{width}, 16]" for name in "qkv"] + [f"o.weight [16, {width}]"]
+    assert results == [(shapes, ["Allgather", "ReduceScatter"])] * world
+
+
+class GroupedQueryAttention(torch.nn.Module):
+    """``scaled_dot_product_attention``'s own grouped-query attention (``enable_gqa``):
+    ``heads`` query heads over ``kv_heads`` key and value heads, causal."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.dim = hidden // heads
+        self.q = torch.nn.Linear(hidden, hidden, bias=False)
+        self.k = torch.nn.Linear(hidden, kv_heads * self.dim, bias=False)
+        self.v = torch.nn.Linear(hidden, kv_heads * self.dim, bias=False)
+        self.o = torch.nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x):
+        tokens, hidden = x.shape
+        q, k, v = (proj(x).view(tokens, -1, self.dim).transpose(0, 1)
+                   for proj in (self.q, self.k, self.v))  # fmt: skip
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(out.transpose(0, 1).reshape(tokens, hidden))
+
+
+def test_grouped_query_attention_by_enable_gqa_captures_as_the_module():
+    torch.manual_seed(0)
+    _check(GroupedQueryAttention(32, 8, 2), torch.randn(5, 32), extent=32)
+
+
+def parallel_grouped_query_attention(communicator, tokens: int):
+    world = communicator.world_size
+    torch.manual_seed(0)
+    module = GroupedQueryAttention(32, 4 * world, world)  # a key and value head a rank
+    return trained_pieces(communicator, module, HEADS_PLAN, tokens, "sequence", 64, hidden=32)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_grouped_query_attention_splits_its_key_and_value_heads_with_their_groups(
+    rank_pools, world
+):
+    """Each rank holds a world-th of the query heads and the key and value heads their
+    groups read (torch's column-wise split of k and v): no head moved between ranks."""
+    results = rank_pools(world).run(parallel_grouped_query_attention, 2 * world + 1,
+                                    timeout=120)  # fmt: skip
+    kv_width = 8 // world  # k and v: 8 features, a head of 8 // world a rank
+    shapes = [f"q.weight [{32 // world}, 32]", f"k.weight [{kv_width}, 32]",
+              f"v.weight [{kv_width}, 32]", f"o.weight [32, {32 // world}]"]  # fmt: skip
     assert results == [(shapes, ["Allgather", "ReduceScatter"])] * world
 
 
