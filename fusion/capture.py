@@ -17,6 +17,12 @@ lists the tensors to run it with, ``Captured.parameter_names`` names the first o
 ``Captured.boundaries`` gives, per submodule, the tensors that cross into it and out of
 it (what a plan's per-module layouts place).
 
+Dropout in training mode (``aten.dropout``) becomes ``x * dropout_mask(seed, ...)``, the
+mask a pure function of a seed and each element's global index (``fusion.random``: the
+same on every rank and in the backward). The seed is one more fusion input, after the
+example inputs: a one-element int64 tensor, the same on every rank, a new one per call
+(``Captured.seeded`` says whether there is one; ``Captured.inputs(..., seed=)`` gives it).
+
 Example::
 
     captured = capture(block, [x])
@@ -40,6 +46,7 @@ from fusion.errors import FusionError
 from fusion.exprs import Expr
 from fusion.ir import TensorView
 from fusion.nn_ops import group_norm, layer_norm
+from fusion.random import dropout_mask
 from fusion.torch_ops import torch_op
 
 
@@ -63,17 +70,29 @@ class Boundary:
 class Captured:
     """A captured module: ``fd`` its fusion; ``parameter_names`` the module's parameters
     and buffers that are the fusion's first inputs, in order (``buffers`` names the
-    latter); the example inputs follow."""
+    latter); the example inputs follow, then, where ``seeded``, dropout's seed."""
 
     fd: FusionDefinition
     parameter_names: list[str]
     buffers: frozenset[str] = frozenset()
     boundaries: dict[str, Boundary] = field(default_factory=dict)  # by submodule path
+    seeded: bool = False  # dropout in training mode: the last input is its seed
 
-    def inputs(self, module: torch.nn.Module, *args: torch.Tensor) -> list[torch.Tensor]:
-        """The fusion's inputs: ``module``'s current parameters and buffers, then ``args``."""
+    def inputs(
+        self, module: torch.nn.Module, *args: torch.Tensor, seed: int | None = None
+    ) -> list[torch.Tensor]:
+        """The fusion's inputs: ``module``'s current parameters and buffers, then ``args``,
+        then (given) ``seed`` as the seed input a ``seeded`` capture takes."""
         state = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        return [state[name].detach() for name in self.parameter_names] + list(args)
+        found = [state[name].detach() for name in self.parameter_names] + list(args)
+        if seed is not None:
+            found.append(seed_tensor(seed))
+        return found
+
+
+def seed_tensor(seed: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``seed`` as a captured module's seed input: a one-element int64 tensor."""
+    return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
 def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> Captured:
@@ -92,6 +111,7 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
     values: dict[str, object] = {}
     made: dict[str, list[Expr]] = {}  # per node, the exprs it became
     with FusionDefinition(type(module).__name__) as fd:
+        seed = _SeedInput(fd)
         for node in graph.nodes:
             if node.op == "placeholder":
                 value = node.meta["val"]
@@ -113,13 +133,30 @@ def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> 
                 else:
                     if translate in _MAKERS:  # makes a tensor from nothing: needs the fusion
                         kwargs["fusion"] = fd
+                    if translate in _SEEDED:
+                        kwargs["seed"] = seed
                     values[node.name] = translate(*args, **kwargs)
                 made[node.name] = fd.fusion.exprs[before:]
             elif node.op == "output":
                 for out in node.args[0]:
                     fd.add_output(values[out.name])
     buffers = frozenset(signature.inputs_to_buffers.values())
-    return Captured(fd, names, buffers, _boundaries(graph, values, made, set(lifted)))
+    boundaries = _boundaries(graph, values, made, set(lifted))
+    return Captured(fd, names, buffers, boundaries, seeded=seed.tensor is not None)
+
+
+class _SeedInput:
+    """The fusion's seed input, defined where the first random op needs it (after the
+    example inputs: the graph's placeholders come first)."""
+
+    def __init__(self, fd: FusionDefinition) -> None:
+        self.fd = fd
+        self.tensor: TensorView | None = None
+
+    def __call__(self) -> TensorView:
+        if self.tensor is None:
+            self.tensor = self.fd.define_tensor([1], DataType.from_torch(torch.int64))
+        return self.tensor
 
 
 def _boundaries(graph, values: dict, made: dict, lifted: set[str]) -> dict[str, Boundary]:
@@ -175,8 +212,8 @@ def _check_translations(graph) -> None:
             f"{len(drawn)} random op(s) have no translation into the IR, and run by "
             "PyTorch they would draw different numbers on each rank and in the backward:\n"
             + "\n".join(lines)
-            + "\nDropout: capture the module in eval() mode (or with p=0); dropout in "
-            "training mode is not translated yet"
+            + "\nDropout (nn.Dropout) in training mode is translated, counter-based from a "
+            "seed input"
         )
     if missing:
         lines = [f"  {op}: in {', '.join(sorted(set(paths)))}" for op, paths in missing.items()]
@@ -433,16 +470,34 @@ def _unbind(x, dim=0):
     return [ops.select(x, dim, index) for index in range(x.shape[dim])]
 
 
-def _dropout(x, p, train):
+def _dropout(x, p, train, seed):
     """Dropout as exported (``aten.dropout(x, p, train)``): out of training, or with
-    ``p == 0``, the identity; in training, refused (see ``_check_translations``: run by
-    PyTorch it would draw other masks on each rank and in the backward)."""
+    ``p == 0``, the identity; in training ``x * dropout_mask(seed, x's shape, p)``, the
+    mask made whole on every rank from the seed (``fusion.random``), the product in
+    float32."""
+    if not train or p == 0:
+        return x
+    shape = list(x.shape)
+    if not all(isinstance(e, int) for e in shape):
+        raise CaptureError(f"dropout in training mode on {x} of symbolic shape {shape}: "
+                           "its mask needs a static shape")  # fmt: skip
+    like = torch.empty(shape, dtype=torch.float32, device="meta")
+    mask = torch_op(dropout_mask._opoverload, (seed(), shape, float(p)), {}, x.fusion, like)
+    if x.dtype == DataType.from_torch(torch.float32):
+        return ops.mul(x, mask)
+    return ops.cast(ops.mul(ops.cast(x, torch.float32), mask), x.dtype)
+
+
+def _other_dropout(x, p, train):
+    """``feature_dropout`` and ``alpha_dropout``: out of training, or with ``p == 0``, the
+    identity; in training refused (their masks, per channel or with alpha's affine, are
+    not translated; run by PyTorch they would draw other masks on each rank)."""
     if not train or p == 0:
         return x
     raise CaptureError(
-        f"dropout with p={p} in training mode is not translated into the IR yet, and run "
-        "by PyTorch it would draw different masks on each rank and in the backward: "
-        "capture the module in eval() mode (or with p=0)"
+        f"feature or alpha dropout with p={p} in training mode is not translated into the "
+        "IR yet, and run by PyTorch it would draw different masks on each rank and in the "
+        "backward: capture the module in eval() mode (or with p=0), or use nn.Dropout"
     )
 
 
@@ -566,8 +621,8 @@ ATEN: dict[object, Callable] = {
     aten.split_with_sizes: _split,
     aten.unbind: _unbind,
     aten.dropout: _dropout,
-    aten.feature_dropout: _dropout,
-    aten.alpha_dropout: _dropout,
+    aten.feature_dropout: _other_dropout,
+    aten.alpha_dropout: _other_dropout,
     aten.cat: _cat,
     aten.masked_fill: _masked_fill,
     aten.select: lambda x, dim, index: ops.select(x, dim % x.ndim, index),
@@ -581,5 +636,6 @@ ATEN: dict[object, Callable] = {
 }
 # translations that make a tensor from nothing (they are handed the fusion)
 _MAKERS = {_arange}
+_SEEDED = {_dropout}  # random ops: take the capture's seed input
 # ops of the graph that compute nothing (metadata checks)
 _IGNORED = {aten._assert_tensor_metadata.default}
