@@ -51,7 +51,9 @@ their placements the plan's, so optimizers, gradient clipping and
 ``dtensors=False`` they are the plain pieces. An uneven split that DTensor would cut
 otherwise (``overlap.runtime.dtensors.torch_split_differs``) is refused, naming the
 parameter. ``full_state(module)`` hands this rank's pieces of an unparallelized module's
-state, to load or compare.
+state, to load or compare. Dropout in training mode draws its masks from a seed
+(``fusion.random``): ``seed=`` (default ``torch.initial_seed()``, checked the same on
+every rank) at the first call, one more each call; the backward reads its forward's.
 
 The plan is read, and the captured module's tensors placed, by
 ``overlap.train.plans`` (``place``).
@@ -77,6 +79,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fusion.capture import seed_tensor
 from fusion.errors import InputError
 from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
@@ -102,15 +105,21 @@ class ParallelModule(torch.nn.Module):
         torch_mesh: object | None = None,
         input_names: Sequence[str] = (),
         captured_from: str = "the module",
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         self.model = model
         self.names = names
         self.torch_mesh = torch_mesh  # where the parameters are DTensors (None: pieces)
+        # dropout's seed input (the fusion's last): ``seed`` at the first call, then one
+        # more each call, the same on every rank; the backward reads the forward's
+        self.seed, self.calls = seed, 0
         # forward's inputs as its signature names them, for errors in the module's words
-        count = len(model.fusion.inputs) - len(names)
+        count = len(model.fusion.inputs) - len(names) - (seed is not None)
         self.input_names = [*input_names, *(f"input {i}" for i in range(len(input_names),
                                                                          count))]  # fmt: skip
+        if seed is not None:
+            self.input_names.append("dropout's seed")
         self.captured_from = captured_from
         tensors = model.fusion.inputs
         self.pieces = torch.nn.ParameterDict(
@@ -139,6 +148,10 @@ class ParallelModule(torch.nn.Module):
             _local(self.pieces[_key(n)]) if _key(n) in self.pieces else getattr(self, _key(n))
             for n in self.names
         ]
+        if self.seed is not None:
+            seed = seed_tensor(self.seed + self.calls, self.model.communicator.device)
+            local_inputs = (*local_inputs, seed)
+            self.calls += 1
         try:
             outputs = self.model(*parameters, *local_inputs)
         except InputError as error:
@@ -190,6 +203,8 @@ class ParallelModule(torch.nn.Module):
         """This rank's pieces of whole inputs of ``forward`` (collective with several ranks:
         every rank must be given the same whole inputs, see ``shard_inputs``)."""
         tensors = self.model.fusion.inputs[len(self.names) :]
+        if self.seed is not None:  # the seed: made by forward
+            tensors = tensors[:-1]
         names = [self._describe_input(i) for i in range(min(len(whole), len(tensors)))]
         return shard_inputs(tensors, whole, self.model.communicator, names=names,
                             step="input_pieces")  # fmt: skip
@@ -207,12 +222,14 @@ def parallelize(
     inputs: Sequence[object] = (),
     outputs: Sequence[object] = (),
     dtensors: bool | None = None,
+    seed: int | None = None,
     **trainable_options: Any,
 ) -> ParallelModule:
     """``module`` over ``communicator``'s ranks by ``plan`` (see the module); parameters as
     DTensors unless ``dtensors`` is False (None: where torch.distributed is initialized);
-    the other options go to ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``,
-    ...)."""
+    ``seed``: dropout's at the first call, one more each call (None: ``torch.initial_seed()``,
+    which must then be the same on every rank); the other options go to
+    ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``, ...)."""
     captured = place(module, example_inputs, communicator.world_size, plan, inputs, outputs)
     fusion = captured.fd.fusion
     if dtensors is None:
@@ -230,9 +247,17 @@ def parallelize(
     # copies: a whole replicated weight's piece is the tensor itself, which an optimizer
     # stepping the pieces would change under the module it came from
     rank, device, state = communicator.rank, communicator.device, captured.inputs(module)
+    if not captured.seeded:
+        seed = None
+    elif seed is None:
+        seed = torch.initial_seed()
     if communicator.world_size > 1:  # every rank cuts its pieces from its own module
-        check_same_on_every_rank(captured.parameter_names, state[: len(captured.parameter_names)],
-                                 communicator.input_check_exchange, "parallelize")  # fmt: skip
+        names, values = captured.parameter_names, state[: len(captured.parameter_names)]
+        if seed is not None:  # and draws dropout's masks from the same seed
+            names = [*names, "dropout's seed (torch.initial_seed(), or parallelize's seed=)"]
+            values = [*values, seed_tensor(seed)]
+        check_same_on_every_rank(names, values, communicator.input_check_exchange,
+                                 "parallelize")  # fmt: skip
     pieces = [local_piece(value, tensor, rank).to(device).clone()
               for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
     torch_mesh = None
@@ -242,7 +267,7 @@ def parallelize(
         torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh,
                           _argument_names(module, len(example_inputs)),
-                          type(module).__name__)  # fmt: skip
+                          type(module).__name__, seed)  # fmt: skip
 
 
 def _warn_moved_parameters(model: TrainableFusion, names: Sequence[str]) -> None:

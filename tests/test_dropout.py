@@ -1,0 +1,200 @@
+"""Dropout in training mode (``fusion.random``, ``fusion.capture``): a counter-based mask
+from a seed and each element's global index, so every rank holding an element, the
+reference evaluator, generated kernels and the backward all draw the same bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from distributed import RankError
+from torch.distributed.tensor import Shard
+
+from fusion.capture import capture
+from fusion.random import dropout_mask, element_hash, fmix32
+from fusion.reference import evaluate
+from fusion.testing import assert_close
+from overlap import MultiDeviceExecutor, parallelize
+
+
+class ScaledDropout(torch.nn.Module):
+    """``dropout(x * weight)``: elementwise, so a rank's piece of the output is computed
+    exactly as the whole one's (no sum split over ranks) and can be compared bitwise."""
+
+    def __init__(self, hidden: int, p: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.drop = torch.nn.Dropout(p)
+
+    def forward(self, x):
+        return self.drop(x * self.weight)
+
+
+def test_fmix32_is_murmur3s_finalizer():
+    # murmur3's fmix32 written with Python's unbounded integers, wrapped to 32 bits
+    def reference(h: int) -> int:
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & 0xFFFFFFFF
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & 0xFFFFFFFF
+        return h ^ (h >> 16)
+
+    values = [0, 1, 7, 1000, 2**31 - 1, 2**31, 2**32 - 1, 0xDEADBEEF]
+    ours = fmix32(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert ours == [reference(v) for v in values]
+
+
+def test_the_drop_fraction_is_p_within_a_few_sigma():
+    count = 1 << 20
+    for p in (0.1, 0.5, 0.9):
+        mask = dropout_mask(torch.tensor([3]), [count], p)
+        dropped = (mask == 0).sum().item()
+        sigma = math.sqrt(count * p * (1 - p))
+        assert abs(dropped - count * p) < 5 * sigma, (p, dropped)
+        assert torch.all(mask[mask != 0] == torch.tensor(1 / (1 - p), dtype=torch.float32))
+
+
+def test_the_hash_is_uniform_over_its_high_bits():
+    # a bad mix leaves structure: each of the 16 top-nibble buckets gets 1/16 of the indices
+    index = torch.arange(1 << 18, dtype=torch.int64)
+    buckets = torch.bincount(element_hash(torch.tensor([5]), index) >> 28, minlength=16)
+    expected, sigma = (1 << 18) / 16, math.sqrt((1 << 18) / 16)
+    assert torch.all((buckets - expected).abs() < 5 * sigma), buckets
+
+
+def test_the_mask_reads_each_elements_global_index_in_row_major_order():
+    seed = torch.tensor([9])
+    whole = dropout_mask(seed, [6, 7], 0.5)
+    assert torch.equal(whole.flatten(), dropout_mask(seed, [42], 0.5))
+    # a seed past 32 bits is mixed in whole: its high bits change the mask
+    assert not torch.equal(whole, dropout_mask(seed + (1 << 32), [6, 7], 0.5))
+
+
+def test_the_same_seed_gives_the_same_output_and_another_seed_another():
+    torch.manual_seed(0)
+    module, x = ScaledDropout(10, 0.5).train(), torch.randn(7, 10)
+    captured = capture(module, [x])
+    assert captured.seeded
+    first, again, other = (captured.fd.execute(captured.inputs(module, x, seed=seed))[0]
+                           for seed in (11, 11, 12))  # fmt: skip
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+    # the output is x * weight where kept, scaled by 1 / (1 - p), and 0 where dropped
+    kept = first != 0
+    assert 0 < kept.sum() < kept.numel()
+    assert torch.equal(first[kept], ((x * module.weight) * 2.0)[kept].detach())
+
+
+def test_eval_and_p_zero_take_no_seed():
+    torch.manual_seed(0)
+    x = torch.randn(7, 10)
+    for module in (ScaledDropout(10, 0.5).eval(), ScaledDropout(10, 0.0).train()):
+        captured = capture(module, [x])
+        assert not captured.seeded
+        (y,) = captured.fd.execute(captured.inputs(module, x))
+        assert torch.equal(y, (x * module.weight).detach())
+
+
+def test_the_gradient_is_the_output_gradient_through_the_same_mask():
+    torch.manual_seed(0)
+    module, x = ScaledDropout(10, 0.25).train(), torch.randn(7, 10)
+    captured = capture(module, [x])
+    inputs = [t.clone().requires_grad_(t.is_floating_point())
+              for t in captured.inputs(module, x, seed=4)]  # fmt: skip
+    (y,) = evaluate(captured.fd.fusion, inputs)
+    grad = torch.randn(y.shape)
+    weight_grad, x_grad = torch.autograd.grad(y, inputs[:2], grad)
+    mask = dropout_mask(torch.tensor([4]), [7, 10], 0.25)
+    assert torch.equal(x_grad, grad * mask * module.weight.detach())
+    assert_close(weight_grad, (grad * mask * x).sum(0), reduction_extent=7)
+
+
+def test_a_bf16_dropout_scales_in_float32_and_rounds_once():
+    torch.manual_seed(0)
+    module, x = ScaledDropout(10, 0.3).train().bfloat16(), torch.randn(7, 10).bfloat16()
+    captured = capture(module, [x])
+    (y,) = captured.fd.execute(captured.inputs(module, x, seed=2))
+    mask = dropout_mask(torch.tensor([2]), [7, 10], 0.3)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, ((x * module.weight).float() * mask).bfloat16().detach())
+
+
+def test_generated_kernels_equal_the_reference_evaluator_exactly():
+    torch.manual_seed(0)
+    module, x = ScaledDropout(33, 0.4).train(), torch.randn(5, 33)
+    captured = capture(module, [x])
+    inputs = captured.inputs(module, x, seed=21)
+    (expected,) = evaluate(captured.fd.fusion, inputs)
+    (ours,) = MultiDeviceExecutor(captured.fd, kernels="generated").run(inputs)
+    assert torch.equal(ours, expected)
+
+
+def test_feature_and_alpha_dropout_in_training_stay_refused():
+    from fusion.capture import CaptureError
+
+    for dropout in (torch.nn.Dropout2d(0.5), torch.nn.AlphaDropout(0.5)):
+        with pytest.raises(CaptureError, match="feature or alpha dropout"):
+            capture(dropout.train(), [torch.randn(2, 3, 4, 4)])
+
+
+def parallel_dropout(communicator, split_dim: int, kernels: str):
+    """``ScaledDropout`` parallelized with its input and output split along ``split_dim``:
+    two training steps (seeds 11, then 12; the forward, the backward recomputing the mask,
+    an SGD step), each rank's output and input-gradient pieces bitwise the one-device
+    reference's pieces for the same seed and weights. Returns, per rank, whether the
+    second step drew another mask."""
+    torch.manual_seed(0)  # the same module and input on every rank
+    module, x = ScaledDropout(10, 0.5).train(), torch.randn(7, 10)
+    block = parallelize(module, [x], communicator, {}, inputs=[Shard(split_dim)],
+                        outputs=[Shard(split_dim)], dtensors=False, seed=11,
+                        kernels=kernels)  # fmt: skip
+    captured = capture(module, [x])
+    outputs = []
+    for seed in (11, 12):
+        leaves = [t.clone().requires_grad_(t.is_floating_point())
+                  for t in captured.inputs(module, x, seed=seed)]  # fmt: skip
+        (y_whole,) = evaluate(captured.fd.fusion, leaves)
+        grad = torch.randn(y_whole.shape, generator=torch.Generator().manual_seed(seed))
+        weight_grad, x_grad = torch.autograd.grad(y_whole, leaves[:2], grad)
+        (x_piece,) = block.input_pieces(x)
+        x_piece.requires_grad_()
+        y_piece = block(x_piece)
+        (wanted,) = block.output_pieces(y_whole.detach())
+        assert torch.equal(y_piece, wanted), f"rank {communicator.rank}, seed {seed}"
+        (grad_piece,) = block.output_pieces(grad)
+        y_piece.backward(grad_piece)
+        (x_grad_piece,) = block.input_pieces(x_grad)
+        assert torch.equal(x_piece.grad, x_grad_piece), f"rank {communicator.rank} x grad"
+        ours = block.pieces["weight"].grad
+        # the weight is whole on every rank: its gradient sums the ranks' rows
+        assert_close(ours, weight_grad, reduction_extent=7, partial_sums=2)
+        # the same step on both: the module's weight stays bitwise the block's
+        torch.optim.SGD(block.parameters(), lr=0.1).step()
+        with torch.no_grad():
+            module.weight.add_(ours, alpha=-0.1)  # as SGD steps
+        assert torch.equal(block.pieces["weight"].detach(), module.weight.detach())
+        block.pieces["weight"].grad = None
+        outputs.append(y_piece.detach() != 0)
+    return [(outputs[0] != outputs[1]).any().item()]
+
+
+@pytest.mark.parametrize(("split_dim", "kernels"),
+                         [(0, "reference"), (1, "reference"), (1, "generated")])  # fmt: skip
+def test_dropout_split_over_two_ranks_draws_the_one_device_mask(rank_pools, split_dim, kernels):
+    results = rank_pools(2).run(parallel_dropout, split_dim, kernels, timeout=180)
+    # the second call drew another mask (the seed advanced) on every rank
+    assert results == [[True], [True]]
+
+
+def seeded_by_each_rank(communicator):
+    """Dropout alone parallelized without ``seed=``: its base seed is
+    ``torch.initial_seed()``, here another on each rank."""
+    torch.manual_seed(communicator.rank)
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(0))
+    parallelize(torch.nn.Dropout(0.5).train(), [x], communicator, {}, dtensors=False)
+
+
+def test_parallelize_refuses_a_dropout_seed_that_differs_between_ranks(rank_pools):
+    with pytest.raises(RankError, match="dropout's seed"):
+        rank_pools(2).run(seeded_by_each_rank, timeout=120)
