@@ -9,8 +9,10 @@ unchanged (``tests/test_catalogue.py`` trains each one on gloo ranks against one
   in float32, rotary embeddings in HF's layout (``rotate_half``), grouped-query attention
   (``repeat_kv``), a SwiGLU MLP, no biases; sequence parallel on axis 1;
 - ``bert``: a BERT encoder layer: post-norm, biased linears, exact GELU, an additive
-  attention mask from a [batch, seq] 0/1 mask, dropout off (eval); tensor parallel with
-  the activations whole between layers (row-wise outputs all-reduced);
+  attention mask from a [batch, seq] 0/1 mask, dropout (off by default; ``dropout=p``:
+  on the attention's probabilities and each sublayer's output, seeded alike on every
+  rank: ``fusion.random``); tensor parallel with the activations whole between layers
+  (row-wise outputs all-reduced);
 - ``vit``: a ViT (timm-style) block: pre-norm, one fused qkv linear split by ``unbind``,
   non-causal attention, exact GELU; the MLP tensor parallel, the attention whole.
 
@@ -174,9 +176,12 @@ class BertLayer(torch.nn.Module):
     an exact-GELU MLP; every linear biased. ``forward(x, mask)``, mask [batch, seq] of
     1 (attend) and 0 (padding)."""
 
-    def __init__(self, hidden: int = 32, heads: int = 4, ffn: int = 64) -> None:
+    def __init__(self, hidden: int = 32, heads: int = 4, ffn: int = 64, dropout: float = 0.0):
         super().__init__()
         self.dim = hidden // heads
+        # BERT's dropouts: on the attention's probabilities and on each sublayer's output
+        self.attention_dropout = torch.nn.Dropout(dropout)
+        self.hidden_dropout = torch.nn.Dropout(dropout)
         self.query, self.key, self.value = (torch.nn.Linear(hidden, hidden) for _ in "qkv")
         self.attention_output = torch.nn.Linear(hidden, hidden)
         self.attention_norm = torch.nn.LayerNorm(hidden, eps=1e-12)
@@ -192,9 +197,10 @@ class BertLayer(torch.nn.Module):
         )
         additive = (1.0 - mask[:, None, None, :]) * -10000.0
         scores = q @ k.transpose(-1, -2) / math.sqrt(self.dim) + additive
-        context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(batch, seq, -1)
-        h = self.attention_norm(x + self.attention_output(context))
-        return self.output_norm(h + self.output(F.gelu(self.intermediate(h))))
+        probabilities = self.attention_dropout(torch.softmax(scores, dim=-1))
+        context = (probabilities @ v).transpose(1, 2).reshape(batch, seq, -1)
+        h = self.attention_norm(x + self.hidden_dropout(self.attention_output(context)))
+        return self.output_norm(h + self.hidden_dropout(self.output(F.gelu(self.intermediate(h)))))
 
 
 def _bert_inputs(generator: torch.Generator) -> list[torch.Tensor]:

@@ -109,3 +109,45 @@ def test_a_catalogue_block_under_torchs_plan_trains_as_the_block_on_2_ranks(rank
 def test_a_catalogue_block_under_torchs_plan_trains_as_the_block_on_4_ranks(rank_pools, name):
     results = rank_pools(4).run(trained_block, name, timeout=300)
     assert results == [FORWARD_COMMUNICATIONS[name]] * 4
+
+
+def bert_with_dropout(communicator, seed: int):
+    """The BERT layer with dropout on (p=0.1, training mode), parallelized by its plan: every
+    rank's output and input gradient equal, bitwise where no sum crosses ranks and within
+    rounding elsewhere, the same layer captured on one device and evaluated with the same
+    seed (the same masks: ``fusion.random``, a function of the seed and each element's
+    place in the whole tensor). Returns the forward's communications."""
+    from examples.catalogue import BERT_PLAN, BertLayer, _bert_inputs
+    from fusion.capture import capture
+    from fusion.reference import evaluate
+
+    device = communicator.device
+    torch.manual_seed(0)
+    module = BertLayer(dropout=0.1).train().to(device)
+    x, mask = (t.to(device) for t in _bert_inputs(torch.Generator().manual_seed(1)))
+    captured = capture(module, [x, mask])
+    assert captured.seeded
+    leaves = [t.clone().requires_grad_(i == len(captured.parameter_names))
+              for i, t in enumerate(captured.inputs(module, x, mask, seed=seed))]  # fmt: skip
+    (y_whole,) = evaluate(captured.fd.fusion, leaves)
+    grad_seed = torch.randn(y_whole.shape, generator=torch.Generator().manual_seed(3))
+    (x_grad,) = torch.autograd.grad(y_whole, [leaves[len(captured.parameter_names)]],
+                                    grad_seed.to(device))  # fmt: skip
+    block = parallelize(module, [x, mask], communicator, BERT_PLAN, seed=seed)
+    x_piece, mask_piece = block.input_pieces(x, mask)
+    x_piece.requires_grad_()
+    y_piece = block(x_piece, mask_piece)
+    what = f"bert with dropout, rank {communicator.rank}"
+    assert_close(y_piece, y_whole.detach(), reduction_extent=256, message=f"{what} output")
+    y_piece.backward(grad_seed.to(device))
+    assert_close(x_piece.grad, x_grad, reduction_extent=256, message=f"{what} input gradient")
+    # the masks were drawn: the output is not the layer's without dropout
+    without = BertLayer().eval().to(device)
+    without.load_state_dict(module.state_dict())
+    assert not torch.allclose(y_piece.detach(), without(x, mask), atol=1e-3)
+    return [c.op_name for c in block.model.forward_executor.communications]
+
+
+def test_a_bert_layer_with_dropout_on_draws_the_same_masks_as_one_device(rank_pools):
+    results = rank_pools(2).run(bert_with_dropout, 1234, timeout=240)
+    assert results == [FORWARD_COMMUNICATIONS["bert"]] * 2
