@@ -457,8 +457,41 @@ def _count(x: TensorView, dims) -> int:
 
 
 def _broadcast(expr, mapped, given):
-    dims = [i for i, flag in enumerate(expr.is_broadcast_dim) if flag]
-    return [ops.sum(given[0], dims) if dims else given[0]]
+    (g,) = given
+    flags = list(expr.is_broadcast_dim)
+    return [_squeezed(g, flags, {}) if any(flags) else g]
+
+
+# what a gradient of extent 1 along an axis may be rebuilt through without that axis
+_SQUEEZABLE = (UnaryOp, BinaryOp, CastOp, CompareOp, WhereOp)
+
+
+def _squeezed(t: TensorView, flags: list[bool], built: dict[TensorView, TensorView]) -> TensorView:
+    """``t`` without the axes ``flags`` marks (each of extent 1), without a sum over an
+    axis of extent 1 where it can: a broadcast of those axes gives what it read, an
+    elementwise op is rebuilt on its operands squeezed alike (``built``: those rebuilt
+    so far). A LayerNorm or RMSNorm written with ``keepdim`` statistics ([rows, 1]: rstd,
+    the variance plus eps) so gets gradients of its statistics over [rows], which the
+    normalization scheduler takes as row values, not sums of one element it cannot fuse."""
+    if t in built:
+        return built[t]
+    made = t.definition
+    if isinstance(made, BroadcastOp) and all(
+        inserted for inserted, dropped in zip(made.is_broadcast_dim, flags, strict=True) if dropped
+    ):
+        kept = [inserted for inserted, dropped in zip(made.is_broadcast_dim, flags, strict=True)
+                if not dropped]  # fmt: skip
+        squeezed = ops.broadcast(made.inputs[0], kept) if any(kept) else made.inputs[0]
+    elif isinstance(made, _SQUEEZABLE) and all(
+        o.ndim == t.ndim for o in made.operands if isinstance(o, TensorView)
+    ):
+        operands = [_squeezed(o, flags, built) if isinstance(o, TensorView) else o
+                    for o in made.operands]  # fmt: skip
+        squeezed = _REPLAY[type(made)](made, operands)
+    else:
+        squeezed = ops.sum(t, [d for d, dropped in enumerate(flags) if dropped])
+    built[t] = squeezed
+    return squeezed
 
 
 def _expand(expr, mapped, given):
