@@ -122,13 +122,15 @@ def test_keepdim_statistics_get_their_gradients_without_sums_of_one_element():
 
 def test_a_keepdim_statistic_scaled_by_an_input_of_one_column_is_summed_back_to_it():
     """An input [rows, 1] among the statistic's ops has nothing to rebuild over [rows]
-    from: the gradient is summed over the axis of extent 1 there, still torch's."""
+    from: the statistic's gradient is summed over its axis of extent 1 (one sum, not one
+    per input), still torch's."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([6, 11], "float64")
         shift = fd.define_tensor([6, 1], "float64")
         rms = fd.ops.rsqrt(fd.ops.mean(x * x, [1], keepdim=True) * shift + 1e-6)
         fd.add_output(x * rms)
     _check(fd, [[6, 11], [6, 1]], positive=(1,))
+    assert len(_sums_of_one_element(backward(fd.fusion, wrt=[0]).fusion)) == 1
 
 
 def test_matmul_linear_with_bias_and_a_swiglu_mlp():
