@@ -12,7 +12,11 @@ exprs backwards applying one rule per op family, registered in
 ``GRADIENT_RULES`` by expr type (unary and binary pointwise ops by name in
 ``UNARY_RULES`` and ``BINARY_RULES``). Gradients meeting at a tensor are summed; an
 operand broadcast along an axis (extent 1 against a larger output) gets its gradient
-summed over that axis.
+summed over that axis. The axes a ``broadcast`` inserted are dropped from its gradient
+without a sum of one element where the gradient allows (``_squeezed``), so a
+normalization's backward stays the normalization scheduler's one kernel: a captured
+``nn.LayerNorm``'s, statistics and dx's row reductions with dweight's and dbias's column
+sums, as ``examples/norms.py``'s hand-written one.
 
 A max or min shares its gradient evenly among the elements that reach it, maximum and
 minimum half to each operand where they are equal, as torch's. An ATen op captured
@@ -457,8 +461,58 @@ def _count(x: TensorView, dims) -> int:
 
 
 def _broadcast(expr, mapped, given):
-    dims = [i for i, flag in enumerate(expr.is_broadcast_dim) if flag]
-    return [ops.sum(given[0], dims) if dims else given[0]]
+    (g,) = given
+    flags = list(expr.is_broadcast_dim)
+    if not any(flags):
+        return [g]
+    if _squeezable(g, flags, {}):
+        return [_squeezed(g, flags, {})]
+    return [ops.sum(g, [d for d, dropped in enumerate(flags) if dropped])]
+
+
+# what a gradient of extent 1 along an axis may be rebuilt through without that axis
+_SQUEEZABLE = (UnaryOp, BinaryOp, CastOp, CompareOp, WhereOp)
+
+
+def _covers(made: BroadcastOp, flags: list[bool]) -> bool:
+    """Whether broadcast ``made`` inserted every axis ``flags`` marks."""
+    return all(inserted for inserted, dropped in zip(made.is_broadcast_dim, flags, strict=True)
+               if dropped)  # fmt: skip
+
+
+def _squeezable(t: TensorView, flags: list[bool], seen: dict[TensorView, bool]) -> bool:
+    """Whether ``_squeezed`` drops ``flags``' axes of ``t`` without a sum: ``t`` is a
+    broadcast of them, or an elementwise op of tensors that are (``seen``: decided so far)."""
+    if t not in seen:
+        made = t.definition
+        if isinstance(made, BroadcastOp):
+            seen[t] = _covers(made, flags)
+        else:
+            operands = [o for o in made.operands if isinstance(o, TensorView)] if made else []
+            seen[t] = isinstance(made, _SQUEEZABLE) and all(
+                o.ndim == t.ndim and _squeezable(o, flags, seen) for o in operands
+            )
+    return seen[t]
+
+
+def _squeezed(t: TensorView, flags: list[bool], built: dict[TensorView, TensorView]) -> TensorView:
+    """``t`` (``_squeezable``) without the axes ``flags`` marks, each of extent 1: a
+    broadcast of them gives what it read, an elementwise op is rebuilt on its operands
+    squeezed alike (``built``: those rebuilt so far). A LayerNorm or RMSNorm written
+    with ``keepdim`` statistics ([rows, 1]: rstd, the variance plus eps) so gets the
+    gradients of its statistics over [rows], row values to the normalization scheduler,
+    not sums of one element that it cannot fuse."""
+    if t not in built:
+        made = t.definition
+        if isinstance(made, BroadcastOp):
+            kept = [inserted for inserted, dropped in zip(made.is_broadcast_dim, flags,
+                                                          strict=True) if not dropped]  # fmt: skip
+            built[t] = ops.broadcast(made.inputs[0], kept) if any(kept) else made.inputs[0]
+        else:
+            operands = [_squeezed(o, flags, built) if isinstance(o, TensorView) else o
+                        for o in made.operands]  # fmt: skip
+            built[t] = _REPLAY[type(made)](made, operands)
+    return built[t]
 
 
 def _expand(expr, mapped, given):

@@ -13,6 +13,7 @@ import torch
 
 from fusion import FusionDefinition
 from fusion.autodiff import DifferentiationError, backward, forward_with_saved
+from fusion.exprs import ReductionOp
 from fusion.reference import evaluate
 from fusion.testing import assert_close
 
@@ -97,6 +98,39 @@ def test_an_rmsnorm_and_a_layernorm():
         var, mean = fd.ops.var_mean(x, [1], correction=0, keepdim=True)
         fd.add_output((x - mean) * fd.ops.rsqrt(var + 1e-5) * scale)
     _check(fd, [[6, 11], [11]])
+
+
+def _sums_of_one_element(fusion) -> list[str]:
+    """The live reductions of ``fusion`` over axes of extent 1 only (each a copy)."""
+    return [str(expr.output) for expr in fusion.live_exprs()
+            if isinstance(expr, ReductionOp)
+            and all(expr.inputs[0].shape[d] == 1 for d in expr.dims)]  # fmt: skip
+
+
+def test_keepdim_statistics_get_their_gradients_without_sums_of_one_element():
+    """A LayerNorm's and an RMSNorm's statistics kept as [rows, 1] (``keepdim``): their
+    gradients are rebuilt over [rows] through the elementwise ops, not summed over the
+    axis of extent 1 (which would break the normalization kernel). Values as torch's."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 11], "float64")
+        var, mean = fd.ops.var_mean(x, [1], correction=0, keepdim=True)
+        fd.add_output((x - mean) * fd.ops.rsqrt(var + 1e-5))
+        fd.add_output(x * fd.ops.rsqrt(fd.ops.mean(x * x, [1], keepdim=True) + 1e-6))
+    _check(fd, [[6, 11]])
+    assert _sums_of_one_element(backward(fd.fusion).fusion) == []
+
+
+def test_a_keepdim_statistic_scaled_by_an_input_of_one_column_is_summed_back_to_it():
+    """An input [rows, 1] among the statistic's ops has nothing to rebuild over [rows]
+    from: the statistic's gradient is summed over its axis of extent 1 (one sum, not one
+    per input), still torch's."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([6, 11], "float64")
+        shift = fd.define_tensor([6, 1], "float64")
+        rms = fd.ops.rsqrt(fd.ops.mean(x * x, [1], keepdim=True) * shift + 1e-6)
+        fd.add_output(x * rms)
+    _check(fd, [[6, 11], [6, 1]], positive=(1,))
+    assert len(_sums_of_one_element(backward(fd.fusion, wrt=[0]).fusion)) == 1
 
 
 def test_matmul_linear_with_bias_and_a_swiglu_mlp():

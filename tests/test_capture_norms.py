@@ -4,8 +4,10 @@
 Each module is captured, run by the reference evaluator and by generated kernels (Triton's
 interpreter here), and compared with the module itself; its backward (``fusion.autodiff``)
 is run the same ways and compared with torch autograd's gradients of the input and of
-every parameter. A LayerNorm must become one normalization kernel: the composition the
-capture builds is the one the normalization scheduler fuses.
+every parameter. A LayerNorm must become one normalization kernel, and so must its
+backward (dx's row reductions with dweight's and dbias's column sums, as
+``examples/norms.py``'s hand-written one): the composition the capture builds, and the
+gradients autodiff writes of it, are what the normalization scheduler fuses.
 """
 
 from __future__ import annotations
@@ -29,11 +31,11 @@ KERNELS = ["reference", "generated"]
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-def _check(module: torch.nn.Module, x: torch.Tensor, kernels: str, extent: int) -> str:
+def _check(module: torch.nn.Module, x: torch.Tensor, kernels: str, extent: int) -> tuple[str, str]:
     """``module`` captured on ``x``: its output, and the gradients of ``x`` and of every
     parameter for a random output gradient, run by ``kernels``, against the module under
     torch autograd (``extent``: the terms a value accumulates). Returns the forward's
-    kernel report.
+    and the backward's kernel reports (empty for the reference).
 
     The output is compared with the module in ``x``'s dtype. The gradients are compared
     with torch autograd in float32 from the same values, rounded once: torch's bf16 CPU
@@ -47,7 +49,8 @@ def _check(module: torch.nn.Module, x: torch.Tensor, kernels: str, extent: int) 
     assert_close(ours, module(x).detach(), reduction_extent=extent, message="output")
     seed = torch.randn(ours.shape, generator=torch.Generator().manual_seed(7)).to(x.dtype)
     grads = backward(captured.fd.fusion)
-    ours_grads = MultiDeviceExecutor(grads.fusion, kernels=kernels).run([*inputs, seed])
+    backward_executor = MultiDeviceExecutor(grads.fusion, kernels=kernels)
+    ours_grads = backward_executor.run([*inputs, seed])
     names = [*captured.parameter_names, "input"]
     assert [names[position] for position in grads.wrt] == names  # every one differentiated
     wide = copy.deepcopy(module).float()
@@ -61,7 +64,9 @@ def _check(module: torch.nn.Module, x: torch.Tensor, kernels: str, extent: int) 
         terms = extent if name == "input" else extent * rows
         assert_close(mine, torchs.to(x.dtype), reduction_extent=terms,
                      message=f"gradient of {name}")  # fmt: skip
-    return forward.kernel_report() if kernels == "generated" else ""
+    if kernels != "generated":
+        return "", ""
+    return forward.kernel_report(), backward_executor.kernel_report()
 
 
 LAYER_NORMS = {
@@ -89,9 +94,11 @@ def test_layer_norm_matches_eager_with_its_gradients(case, dtype, kernels):
     module = module.to(dtype)
     x = (3.0 * torch.randn(shape) + 1.5).to(dtype)  # a mean and a scale to remove
     extent = int(torch.tensor(normalized).prod())
-    report = _check(module, x, kernels, extent)
-    if kernels == "generated":  # the whole LayerNorm: one kernel of the normalization scheduler
-        assert report.startswith("k0 [normalization]") and "\n" not in report, report
+    reports = _check(module, x, kernels, extent)
+    if kernels == "generated":  # the whole LayerNorm: one kernel of the normalization
+        # scheduler, forward and backward (its weight gradients' column sums in it)
+        for report in reports:
+            assert report.startswith("k0 [normalization]") and "\n" not in report, report
 
 
 GROUP_NORMS = {
@@ -117,9 +124,43 @@ def test_group_norm_matches_eager_with_its_gradients(case, dtype, kernels):
     module = module.to(dtype)
     x = (2.0 * torch.randn(shape) - 1.0).to(dtype)
     extent = channels // groups * int(torch.tensor(shape[2:]).prod())
-    report = _check(module, x, kernels, extent)
+    report, _ = _check(module, x, kernels, extent)
     if kernels == "generated":  # the statistics and the normalization: one kernel
         assert "[normalization]" in report, report
+
+
+class KeepdimRMSNorm(torch.nn.Module):
+    """RMSNorm in elementwise ops as Hugging Face's Llama writes it, float32 statistics
+    kept as [..., 1] (``keepdim``), but rounded back once at the end (Llama rounds before
+    the weight, which ``_check``'s float32 copy of the module would not)."""
+
+    def __init__(self, hidden: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden))
+        self.variance_epsilon = eps
+
+    def forward(self, x):
+        wide = x.to(torch.float32)
+        variance = wide.pow(2).mean(-1, keepdim=True)
+        return (self.weight * wide * torch.rsqrt(variance + self.variance_epsilon)).to(x.dtype)
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [[7, 12], [2, 5, 12]], ids=["2d", "3d"])
+def test_an_rmsnorm_in_elementwise_ops_and_its_backward_are_one_kernel_each(shape, dtype, kernels):
+    """Its statistics' gradients stay over the rows (no sum over their axis of extent
+    1), so dx and dweight are the normalization kernel's, as the forward is."""
+    torch.manual_seed(6)
+    module = KeepdimRMSNorm(shape[-1])
+    with torch.no_grad():
+        module.weight.add_(0.3 * torch.randn(shape[-1]))
+    module = module.to(dtype)
+    x = (2.0 * torch.randn(shape) + 0.5).to(dtype)
+    reports = _check(module, x, kernels, shape[-1])
+    if kernels == "generated":
+        for report in reports:
+            assert report.startswith("k0 [normalization]") and "\n" not in report, report
 
 
 class NativeNorms(torch.nn.Module):
@@ -192,7 +233,7 @@ def gpt2_block() -> GPT2Block:
 def test_a_gpt2_block_trains_as_the_module(kernels):
     module = gpt2_block()
     x = torch.randn(2, 7, 16, generator=torch.Generator().manual_seed(4))
-    report = _check(module, x, kernels, extent=64)
+    report, _ = _check(module, x, kernels, extent=64)
     if kernels == "generated":  # both LayerNorms fused (softmax is torch's attention's)
         assert report.count("[normalization]") == 2, report
 

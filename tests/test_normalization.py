@@ -1765,6 +1765,67 @@ def _two_level_column_sums(kind: str, n: int, dtype: str) -> FusionDefinition:
     return fd
 
 
+def _bf16_weight_gradients(n: int) -> FusionDefinition:
+    """LayerNorm's backward as autodiff writes it for bf16 parameters: dweight and dbias
+    summed in float32 over the rows, then each cast to bf16 (the parameters' dtype)."""
+    with FusionDefinition("bf16_weight_gradients") as fd:
+        x = fd.define_tensor(["rows", n], "bfloat16")
+        dy = fd.define_tensor(["rows", n], "bfloat16")
+        w = fd.define_tensor([n], "bfloat16")
+        xf, dyf = fd.ops.cast(x, "float32"), fd.ops.cast(dy, "float32")
+        var, mean = fd.ops.var_mean(xf, dims=[1], correction=0)
+        r = fd.ops.broadcast(fd.ops.rsqrt(var + 1e-5), [False, True])
+        xhat = (xf - fd.ops.broadcast(mean, [False, True])) * r
+        g = dyf * fd.ops.broadcast(fd.ops.cast(w, "float32"), [True, False])
+        mean_g = fd.ops.mean(g, dims=[1], keepdim=True)
+        projection = fd.ops.mean(g * xhat, dims=[1], keepdim=True)
+        fd.add_output(fd.ops.cast(r * (g - mean_g - xhat * projection), "bfloat16"))
+        fd.add_output(fd.ops.cast(fd.ops.sum(dyf * xhat, dims=[0]), "bfloat16"))
+        fd.add_output(fd.ops.cast(fd.ops.sum(dyf, dims=[0]), "bfloat16"))
+    return fd
+
+
+@pytest.mark.parametrize("strategy", [None, COLUMN_WALK])
+def test_column_sums_cast_to_their_outputs_dtype_stay_in_the_kernel(strategy):
+    """A column sum read only by a cast that is an output writes the cast's dtype: the
+    combining kernel rounds the float32 total once, as the cast does, and the row
+    reductions, dx and both weight gradients stay one kernel (a column walk's too)."""
+    n, rows = 300, 5
+    fd = _bf16_weight_gradients(n)
+    (group,) = split_into_kernels(fd.fusion.exprs, fd.fusion)
+    plan = group.plan
+    assert [t.dtype.name for t in plan.column_outputs] == ["bfloat16", "bfloat16"]
+    assert plan.column_outputs == fd.fusion.outputs[1:]
+    params = group.scheduler.heuristics(plan, INTERPRETER, [rows, n], strategy)
+    generator = torch.Generator().manual_seed(11)
+    inputs = [torch.randn(rows, n, generator=generator).to(torch.bfloat16) for _ in range(2)]
+    inputs.append((1 + 0.1 * torch.randn(n, generator=generator)).to(torch.bfloat16))
+    executor = MultiDeviceExecutor(fd, kernels="generated", kernel_params={"k0": params})
+    outputs = executor.run(inputs)
+    report = executor.kernel_report()
+    assert report.startswith("k0 [normalization]") and "\n" not in report, report
+    assert all(output.dtype == torch.bfloat16 for output in outputs)
+    extents = [n, rows, rows]  # dx reduces over the row, the weight gradients the rows
+    for actual, wanted, extent in zip(outputs, fd.execute(inputs), extents, strict=True):
+        assert_close(actual, wanted, reduction_extent=extent)
+
+
+def test_a_column_sum_read_by_more_than_its_cast_is_not_a_normalization_output():
+    """The float32 sum used again (here: also an output itself) is not rounded into its
+    cast's dtype: the column sum leaves the normalization kernel, said why."""
+    with FusionDefinition("sum_kept_and_cast") as fd:
+        x = fd.define_tensor(["rows", 64], "float32")
+        centred = x - fd.ops.mean(x, dims=[1], keepdim=True)
+        fd.add_output(centred)
+        total = fd.ops.sum(centred, dims=[0])
+        fd.add_output(total)
+        fd.add_output(fd.ops.cast(total, "bfloat16"))
+    scheduler = NormalizationScheduler()
+    inputs, outputs = fd.fusion.boundary(fd.fusion.exprs)
+    with pytest.raises(NotSchedulable, match=r"must be an output \(or cast to one\), unused"):
+        scheduler.plan(fd.fusion.exprs, inputs, outputs)
+
+
 @pytest.mark.parametrize("n", [300, 1000])
 def test_a_split_row_adds_before_its_exchange_only_the_column_sums_that_need_no_reduction(n):
     """A variance computed in the kernel, and two column sums: of dy * xhat (after the

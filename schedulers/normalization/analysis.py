@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusion.dtypes import float4_e2m1
-from fusion.exprs import Expr, ReductionOp, VarMeanOp
+from fusion.dtypes import float4_e2m1, float32
+from fusion.exprs import CastOp, Expr, ReductionOp, VarMeanOp
 from fusion.ir import TensorView
 from schedulers.analysis import POINTWISE, NotSchedulable, map_into_space
 from schedulers.codegen import check_supported
@@ -18,6 +18,9 @@ class NormalizationPlan:
     """What the kernel computes; independent of extents."""
 
     column_sums: list[Expr]  # sums over the rows (a backward's dweight): partials per program
+    # the output each column sum writes: its own, or a cast of it (rounded once by the
+    # kernel adding the partials, as the cast of the float32 sum rounds)
+    column_outputs: list[TensorView]
     exprs: list[Expr]
     inputs: list[TensorView]
     outputs: list[TensorView]
@@ -109,8 +112,7 @@ def plan_normalization(
             raise NotSchedulable(f"{expr.op_name} over {list(expr.dims)}: column sums only")
         if source.shape != space.shape or not expr.output.dtype.is_floating:
             raise NotSchedulable(f"{expr.op_name} of {source}: a float column sum of S")
-        if expr.output not in outputs or any(u in exprs for u in expr.output.uses):
-            raise NotSchedulable(f"{expr.output}: a column sum must be an output, unused")
+    written = [_column_output(expr, exprs, outputs) for expr in columns]
     roots = {out: _root(out, space, reduced) for out in outputs}
     mappings = map_into_space(exprs, roots, reduced_axes=trailing)
     for tensor in inputs:
@@ -133,9 +135,8 @@ def plan_normalization(
             kinds[tensor] = "scalar"
         else:
             raise NotSchedulable(f"{tensor} runs along only some of the kept or reduced axes")
-    column_outputs = {e.output for e in columns}
     for out in outputs:
-        if kinds[out] not in ("full", "row") and out not in column_outputs:
+        if kinds[out] not in ("full", "row") and out not in written:
             raise NotSchedulable(f"{out} is an output along the reduced axes only")
         if out.dtype is float4_e2m1:
             raise NotSchedulable("fp4 outputs of a normalization")
@@ -153,6 +154,7 @@ def plan_normalization(
     reduction_outputs = [t for e in reductions for t in e.outputs]  # in order
     return NormalizationPlan(
         columns,
+        written,
         exprs,
         inputs,
         outputs,
@@ -163,6 +165,24 @@ def plan_normalization(
         {t: levels[t] for t in reduction_outputs},
         space,
     )
+
+
+def _column_output(expr: Expr, exprs: list[Expr], outputs: list[TensorView]) -> TensorView:
+    """The output column sum ``expr`` writes: its own, read by nothing else in ``exprs``,
+    or a float cast of it that is (a 16-bit weight's gradient, summed in float32);
+    ``NotSchedulable`` where it is neither."""
+    summed = expr.output
+    readers = [use for use in summed.uses if use in exprs]
+    if summed in outputs and not readers:
+        return summed
+    if summed not in outputs and summed.dtype is float32 and len(readers) == 1:
+        (cast,) = readers
+        written = cast.outputs[0]
+        if (isinstance(cast, CastOp) and written.dtype.is_floating
+                and not written.dtype.storage_only and written in outputs
+                and not any(use in exprs for use in written.uses)):  # fmt: skip
+            return written
+    raise NotSchedulable(f"{summed}: a column sum must be an output (or cast to one), unused")
 
 
 def _root(out: TensorView, space: TensorView, reduced: int) -> tuple[int | None, ...]:

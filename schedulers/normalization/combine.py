@@ -51,8 +51,8 @@ def combine_source(plan: NormalizationPlan) -> str:
     emit.line("    kept = (parts < programs)[:, None] & col_mask[None, :]")
     for i in sums:
         emit.line(f"    acc{i} += tl.load(partial{i} + offsets, mask=kept, other=0.0)")
-    for i, expr in enumerate(plan.column_sums):
-        value = emit.rounded(f"tl.sum(acc{i}, 0)", float32, expr.output.dtype)
+    for i, written in enumerate(plan.column_outputs):
+        value = emit.rounded(f"tl.sum(acc{i}, 0)", float32, written.dtype)
         emit.line(f"tl.store(out{i} + cols, {emit.stored(value)}, mask=col_mask)")
     arguments = [*(f"partial{i}" for i in sums), *(f"out{i}" for i in sums)]
     constants = ["COLUMNS", "BLOCK_COLUMNS", "PARTS", "DEPENDENT"]

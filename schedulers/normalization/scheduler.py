@@ -232,8 +232,8 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                                         params.strip_warps, pointers))  # fmt: skip
         if plan.column_sums:
             combining = {f"partial{i}": "tl.float32" for i in range(len(plan.column_sums))}
-            combining |= {f"out{i}": memory_type(e.output.dtype)
-                          for i, e in enumerate(plan.column_sums)}  # fmt: skip
+            combining |= {f"out{i}": memory_type(written.dtype)
+                          for i, written in enumerate(plan.column_outputs)}  # fmt: skip
             kernels.append(KernelSource("combine_kernel", combine_source(plan),
                                         combine_constants(columns, combine_rows(params, columns),
                                                           dependent=False),
@@ -265,7 +265,7 @@ class NormalizationScheduler(Scheduler[NormalizationPlan, NormalizationParams]):
                    if params.strategy == COLUMN_WALK and params.parts > 1 else None),
             combine=(KERNEL_CACHE.get(combine_source(plan), "combine_kernel")
                      if plan.column_sums else None),
-            sum_outputs=[plan.outputs.index(e.output) for e in plan.column_sums],
+            sum_outputs=[plan.outputs.index(written) for written in plan.column_outputs],
             tiles=[plan.inputs.index(t) for t in tma_inputs(plan, params)],
             coded=[i for i, t in enumerate([*plan.inputs, *plan.outputs])
                    if storage_dtype(t) in BYTE_CODED],
