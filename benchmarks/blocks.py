@@ -477,7 +477,7 @@ def run_training(communicator, shape, args) -> dict:
              for name, forward in forwards.items()}  # fmt: skip
     calls["t_comm"] = comm["t_comm"]
     times = slowest(time_rounds(calls, device, args.rounds, args.iterations,
-                                before=barrier if args.barrier else None), device)  # fmt: skip
+                                before=dist.barrier if args.barrier else None), device)  # fmt: skip
     t_comm = 2 * times["t_comm"]
     t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
     host = issue_times({n: calls[n] for n in ("ours", "ours_lean", "eager") if n in calls},
@@ -580,7 +580,7 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
     calls["t_compute_ours"] = ours_alone(block, shape, kv, world, device)
     each_round: dict[str, list[float]] = {}
     times = slowest(time_rounds(calls, device, args.rounds, args.iterations,
-                                before=barrier if args.barrier else None,
+                                before=dist.barrier if args.barrier else None,
                                 each_round=each_round), device)  # fmt: skip
     graphs = [None] * world
     dist.all_gather_object(graphs, {"captures": default.graphs.captures,
@@ -621,12 +621,6 @@ def run_block(communicator, figures, block: str, shape, args) -> dict:
         print(f"[{block}] default graphs by rank: {graphs}", flush=True)
         print(f"[{block}] default and no_check rounds by rank: {rounds_by_rank}", flush=True)
     return row
-
-
-def barrier() -> None:
-    """Every rank together before a timed batch (a rank's events would otherwise count
-    the time it waits for a peer that was still in the last batch)."""
-    dist.barrier()
 
 
 def issue_times(calls: dict, device: torch.device) -> dict[str, float]:

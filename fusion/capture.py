@@ -483,9 +483,9 @@ def _dropout(x, p, train, seed):
                            "its mask needs a static shape")  # fmt: skip
     like = torch.empty(shape, dtype=torch.float32, device="meta")
     mask = torch_op(dropout_mask._opoverload, (seed(), shape, float(p)), {}, x.fusion, like)
-    if x.dtype == DataType.from_torch(torch.float32):
+    if x.dtype == DataType.float32:
         return ops.mul(x, mask)
-    return ops.cast(ops.mul(ops.cast(x, torch.float32), mask), x.dtype)
+    return ops.cast(ops.mul(ops.cast(x, DataType.float32), mask), x.dtype)
 
 
 def _other_dropout(x, p, train):

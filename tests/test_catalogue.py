@@ -6,6 +6,8 @@ together; the forward moves what torch's tensor parallelism moves, and no weight
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -24,7 +26,7 @@ def trained_block(communicator, name: str):
     device, rank = communicator.device, communicator.rank
     torch.manual_seed(0)  # the same block on every rank
     module = entry.make().to(device)
-    whole = copy_of(module)
+    whole = copy.deepcopy(module)
     inputs = [x.to(device) for x in entry.inputs(torch.Generator().manual_seed(1))]
     block = parallelize(module, inputs, communicator, entry.plan, inputs=entry.placements,
                         outputs=entry.outputs)  # fmt: skip
@@ -79,12 +81,6 @@ def trained_block(communicator, name: str):
                 kept.copy_(ours)
     kinds = [c.op_name for c in block.model.forward_executor.communications]
     return kinds
-
-
-def copy_of(module: torch.nn.Module) -> torch.nn.Module:
-    import copy
-
-    return copy.deepcopy(module)
 
 
 # what torch's tensor parallelism moves in each block's forward
