@@ -482,6 +482,9 @@ def run_training(communicator, shape, args) -> dict:
     t_star = max(times["t_compute"], t_comm + times["t_compute"] / world)
     host = issue_times({n: calls[n] for n in ("ours", "ours_lean", "eager") if n in calls},
                        device)  # fmt: skip
+    if args.profile:
+        profile_steps(calls, ("ours", "ours_lean", "compile_async_tp"), shape, args.profile,
+                      communicator)  # fmt: skip
     return {
         "block": "mlp_train", "tokens": tokens, "hidden": hidden, "ffn": ffn, "world": world,
         "t_compute_ms": times["t_compute"], "t_comm_ms": t_comm, "t_star_ms": t_star,
@@ -492,6 +495,39 @@ def run_training(communicator, shape, args) -> dict:
         "checked_every_rank": True,
         "backward_reads": models["ours"].explain_backward(),
     }  # fmt: skip
+
+
+def profile_steps(calls: dict, names, shape, folder: str, communicator, steps: int = 3) -> None:
+    """``steps`` steps of each of ``names`` under ``torch.profiler`` on every rank (their
+    collectives need all), rank 0's kernels and host calls written to ``folder`` as a
+    table (by GPU time, and by host time) and a Chrome trace: where one step spends what
+    another does not (the replayed default against the lean path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = communicator.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name not in calls:
+            continue
+        calls[name]()  # the profiler's own start-up outside the steps
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                calls[name]()
+            if cuda:
+                torch.cuda.synchronize()
+        if communicator.rank == 0:
+            stem = Path(folder) / f"mlp_train_{'x'.join(map(str, shape))}_{name}"
+            averages = prof.key_averages()
+            tables = [f"{steps} steps of {name} at {shape}, rank 0",
+                      averages.table(sort_by="self_device_time_total" if cuda else
+                                     "self_cpu_time_total", row_limit=30),
+                      averages.table(sort_by="self_cpu_time_total", row_limit=30)]  # fmt: skip
+            stem.with_suffix(".txt").write_text("\n\n".join(tables))
+            prof.export_chrome_trace(str(stem.with_suffix(".json")))
 
 
 def _saved_pieces(model: TrainableFusion, leaves) -> list[torch.Tensor]:
@@ -659,6 +695,9 @@ def main() -> None:
                         help="time each batch without first bringing the ranks together "
                         "(the first collective variant of a round then counts the ranks' "
                         "drift: 2-23x on 4x H200)")  # fmt: skip
+    parser.add_argument("--profile", metavar="FOLDER",
+                        help="mlp_train: profile steps of the default, the lean path and "
+                        "compile's into FOLDER (rank 0's tables and traces)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "blocks.json"))
     args = parser.parse_args()
     communicator = torchrun_communicator(args.smoke)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import statistics
@@ -223,6 +224,8 @@ def measure_case(communicator, case, runs: int, busy: Busy, timer_us: tuple[floa
         run_program()
     for times in (*durations, totals):
         times.clear()
+    if rank == 0:
+        print(f"[{name}] warm", flush=True)
     calls, runs_in_calls = [], []
 
     def run_executor() -> None:
@@ -362,6 +365,14 @@ def main() -> None:
     parser.add_argument("--cpu", action="store_true", help="CPU processes, gloo")
     parser.add_argument("--runs", type=int, default=50, help="timed runs of each program")
     parser.add_argument("--out", help="the JSON written (default benchmarks/results/...)")
+    parser.add_argument("--only", help="measure only the cases whose name contains this")
+    parser.add_argument(
+        "--case-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a case may take: past it every rank prints its threads' stacks and "
+        "exits (a hang and where it waits, told from a crawl, which prints its batches)",
+    )
     args = parser.parse_args()
     if args.cpu:
         dist.init_process_group("gloo")
@@ -375,8 +386,13 @@ def main() -> None:
     cuda = device.type == "cuda"
     busy = Busy(device)
     timer_us = timer_costs_us()
-    rows = [measure_case(communicator, case, args.runs, busy, timer_us)
-            for case in cases(world, cuda)]  # fmt: skip
+    rows = []
+    for case in cases(world, cuda):
+        if args.only and args.only not in case[0]:
+            continue
+        faulthandler.dump_traceback_later(args.case_timeout, exit=True)
+        rows.append(measure_case(communicator, case, args.runs, busy, timer_us))
+        faulthandler.cancel_dump_traceback_later()
     probe_us = max(communicator.all_gather_object(host_probe_us(device)))
     rows_by_rank = communicator.all_gather_object(rows)
     if communicator.rank == 0:

@@ -130,6 +130,23 @@ def test_generated_kernels_equal_the_reference_evaluator_exactly():
     assert torch.equal(ours, expected)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_replayed_from_a_graph_the_mask_follows_each_calls_seed():
+    # the mask's torch op is captured in a CUDA graph: a replay must read the seed the call
+    # passes (not the one captured) and draw the CPU reference evaluator's mask
+    torch.manual_seed(0)
+    module, x = ScaledDropout(33, 0.4).train(), torch.randn(64, 33)
+    captured = capture(module, [x])
+    executor = MultiDeviceExecutor(captured.fd, cuda_graph=True)
+    for seed in (21, 22, 21, 23):  # lean, captured, then replayed with other seeds
+        inputs = captured.inputs(module, x, seed=seed)
+        (expected,) = evaluate(captured.fd.fusion, inputs)
+        (ours,) = executor.run([t.cuda() for t in inputs])
+        assert torch.equal(ours.cpu() == 0, expected == 0), seed
+        assert_close(ours.cpu(), expected)
+    assert executor.graphs.captures == 1 and executor.graphs.replays == 2
+
+
 def test_feature_and_alpha_dropout_in_training_stay_refused():
     from fusion.capture import CaptureError
 
