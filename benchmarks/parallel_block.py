@@ -64,7 +64,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import torchrun_communicator  # noqa: E402
 from benchmarks.kernels import write_results  # noqa: E402
-from benchmarks.timing import host_ms, slowest, time_rounds  # noqa: E402
+from benchmarks.timing import host_ms, profile_steps, slowest, time_rounds  # noqa: E402
 from examples.llama_block import MLP, rotary_tables  # noqa: E402  (the example's)
 from overlap import parallelize  # noqa: E402
 
@@ -255,6 +255,9 @@ def main() -> None:
                         help="llama (the block above) and the catalogue's")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--profile", metavar="FOLDER",
+                        help="profile steps of ours and torch.compile TP's into FOLDER "
+                        "(rank 0's tables and traces: benchmarks.timing)")  # fmt: skip
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/parallel_block.json"))
     args = parser.parse_args()
     communicator = torchrun_communicator(args.smoke)
@@ -265,7 +268,7 @@ def main() -> None:
             block = llama_block(args.smoke, device)
         else:
             block = catalogue_block(name, args.smoke, device)
-        block_rows = run_block(communicator, block, args)
+        block_rows = run_block(communicator, block, args, name)
         for row in block_rows:
             row["block"] = name
         rows += block_rows
@@ -290,7 +293,7 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def run_block(communicator, block: BenchBlock, args) -> list[dict]:
+def run_block(communicator, block: BenchBlock, args, block_name: str = "block") -> list[dict]:
     """Every variant of one block checked on every rank, then timed (see the module)."""
     device, world, rank = communicator.device, communicator.world_size, communicator.rank
     dtype = torch.float32 if args.smoke else torch.bfloat16
@@ -397,6 +400,9 @@ def run_block(communicator, block: BenchBlock, args) -> list[dict]:
              for name, message in wrong.items()]  # fmt: skip
     for function in steps.values():
         function()  # warm-up (compilations)
+    if args.profile:
+        profile_steps(steps, ("ours", "torch_tp_compile"), block_name, args.profile,
+                      communicator)  # fmt: skip
     times = slowest(time_rounds(steps, device, args.rounds, args.iterations), device)
     host = slowest({name: host_ms(step, HOST_CALLS, device, busy_ms=HOST_BUSY_MS)
                     for name, step in steps.items()}, device)  # fmt: skip
