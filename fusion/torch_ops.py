@@ -111,15 +111,25 @@ def fell_back(fusion: Fusion) -> list[str]:
     return list(dict.fromkeys(str(e.target) for e in fusion.exprs if isinstance(e, TorchOp)))
 
 
-def _called(expr: TorchOp, tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
-    if expr.target._schema.is_mutable:  # writes its inputs: copies, the values stay as given
-        tensors = [t.clone() for t in tensors]
+def filled_arguments(
+    expr: TorchOp, tensors: Sequence[object], device: torch.device
+) -> tuple[tuple, dict]:
+    """``expr``'s forward arguments and keywords with its ``index``-th tensor input
+    ``tensors[index]`` (tensors, or torch's DTensors to ask its sharding propagator) and
+    every device they name ``device``."""
 
     def filled(value: object) -> object:
         return tensors[value.index]
 
     arguments = _on_device(_mapped(expr.arguments, TensorSlot, filled), device)
-    keywords = _on_device(_mapped(expr.keywords, TensorSlot, filled), device)
+    return arguments, _on_device(_mapped(expr.keywords, TensorSlot, filled), device)
+
+
+def _called(expr: TorchOp, tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    if expr.target._schema.is_mutable:  # writes its inputs: copies, the values stay as given
+        tensors = [t.clone() for t in tensors]
+
+    arguments, keywords = filled_arguments(expr, tensors, device)
     result = expr.target(*arguments, **keywords)
     return list(result) if isinstance(result, (tuple, list)) else [result]
 

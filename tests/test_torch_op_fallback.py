@@ -1,7 +1,8 @@
 """ATen ops without a translation into the IR: captured as opaque torch ops (``TorchOp``),
 run by PyTorch on one device (the reference evaluator, generated kernels around them)
-and over gloo ranks (whole on every rank), differentiated by PyTorch's autograd; the
-fusion's printout and ``explain()`` name each op that fell back."""
+and over gloo ranks (split as torch's DTensor strategy splits them, else whole on every
+rank: tests/test_torch_strategy.py), differentiated by PyTorch's autograd; the fusion's
+printout and ``explain()`` name each op that fell back."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ def test_the_printout_names_each_fallback_with_its_arguments():
     # sort's two outputs: the values and the int64 indices
     assert re.search(r"T\d+_f32\[.*\], T\d+_i64\[.*\] = torch_op\[aten\.sort\.default\]", text)
     fell_back = ("fell back to torch: aten.cumsum.default, aten.flip.default, "
-                 "aten.sort.default, aten.zeros.default (replicated)")  # fmt: skip
+                 "aten.sort.default, aten.zeros.default (placed by torch's DTensor strategy where "
+                 "it has one, else replicated)")  # fmt: skip
     assert text.splitlines()[-1] == fell_back, text
     translated = {e.op_name for e in captured.fd.fusion.exprs if not isinstance(e, TorchOp)}
     assert translated == {"linear", "tanh", "mul", "add"}  # no fallback where a translation is
@@ -124,8 +126,9 @@ def parallel_cumsum(communicator, tokens: int):
 
 
 def test_a_cumsum_after_a_column_parallel_linear_runs_replicated_on_every_rank(rank_pools):
-    """The cumsum needs the whole features axis: the column-parallel output is gathered
-    before it, and explain() names the fallback's rule."""
+    """The cumsum scans the split features axis: torch's own strategy for it (asked with
+    ``dim=-1`` made positive) wants that axis whole, so the column-parallel output is
+    gathered before it, and explain() names the placement and where it came from."""
     results = rank_pools(2).run(parallel_cumsum, 5, timeout=120)
     kinds, explained = results[0]
     assert all(result == results[0] for result in results)
@@ -133,13 +136,15 @@ def test_a_cumsum_after_a_column_parallel_linear_runs_replicated_on_every_rank(r
     lines = explained.splitlines()
     assert re.search(r"\[R\] @M0  Allgather of T\d+ for torch_op\[aten\.cumsum\.default\]$",
                      explained, re.M), explained  # fmt: skip
-    assert lines[-1] == "fell back to torch (torch op fallback: replicated): aten.cumsum.default"
+    # torch splits the cumsum on rows only: 5 rows do not split evenly over 2 ranks
+    fell_back = "aten.cumsum.default (replicated: torch's strategy splits none of it evenly)"
+    assert lines[-1] == f"fell back to torch: {fell_back}", lines
 
 
 def test_a_torch_op_between_split_tensors_is_placed_replicated_and_explained():
-    """Propagation gives the op's output the fallback's placement (whole), resharding
-    gathers its split input and cuts its output where the consumer wants it split;
-    explain() names the rule."""
+    """A cumsum along the split axis: torch's strategy gives the op's output whole,
+    resharding gathers its split input and cuts its output where the consumer wants it
+    split; explain() names the rule."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], "float32")
         running = torch_op(torch.ops.aten.cumsum.default, (x, 1), {}, fd.fusion)
@@ -150,7 +155,7 @@ def test_a_torch_op_between_split_tensors_is_placed_replicated_and_explained():
     shard(y, mesh, [Shard(1)])
     placed, decisions = shard_fusion(fd.fusion)
     text = explain(placed, decisions)
-    assert f"[R] @M0  torch op fallback: replicated rule, forward through " \
+    assert f"[R] @M0  torch's strategy rule, forward through " \
            f"torch_op[aten.cumsum.default] from input {x.name}" in text, text  # fmt: skip
     kinds = [e.op_name for e in placed.exprs if not isinstance(e, (TorchOp, UnaryOp))]
     assert kinds == ["Allgather", "shard_locally"], kinds
