@@ -41,7 +41,7 @@ from functools import cache
 import torch
 
 from fusion.exprs import TorchOp
-from fusion.torch_ops import filled_arguments, run_torch_op
+from fusion.torch_ops import filled_arguments
 
 # what ``note`` says where torch has no strategy for the op, and where it has one
 NO_STRATEGY = "torch has no strategy"
@@ -120,7 +120,7 @@ def _forward_splits(
     """Per output axis, the input splits torch's strategy takes as they are (see the
     module), each input axis used for one output axis only."""
     mesh = _mesh(parts)
-    outputs = _run_on_meta(expr, [_meta(s, d) for s, d in zip(shapes, dtypes, strict=True)])
+    outputs = _forward(expr, [_meta(s, d) for s, d in zip(shapes, dtypes, strict=True)])
     candidates: dict[int, tuple[int | None, ...]] = {}
     for index, shape in enumerate(shapes):
         for dim, extent in enumerate(shape):
@@ -259,12 +259,12 @@ def _pieces_match(expr, shapes, dtypes, wanted, output_dim: int, parts: int) -> 
     wholes = [torch.randn(shape, generator=generator).to(dtype) if dtype.is_floating_point
               else torch.zeros(shape, dtype=dtype)
               for shape, dtype in zip(shapes, dtypes, strict=True)]  # fmt: skip
-    expected = run_torch_op(expr, wholes, torch.device("cpu"))
+    expected = _forward(expr, wholes)
     for rank in range(parts):
         pieces = [w if d is None else w.chunk(parts, d)[rank]
                   for w, d in zip(wholes, wanted, strict=True)]  # fmt: skip
         try:
-            results = run_torch_op(expr, pieces, torch.device("cpu"))
+            results = _forward(expr, pieces)
         except Exception:  # noqa: BLE001 (the op refuses the pieces: not local)
             return False
         for result, whole in zip(results, expected, strict=True):
@@ -276,8 +276,11 @@ def _pieces_match(expr, shapes, dtypes, wanted, output_dim: int, parts: int) -> 
     return True
 
 
-def _run_on_meta(expr: TorchOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    arguments, keywords = filled_arguments(expr, tensors, torch.device("meta"))
+def _forward(expr: TorchOp, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The op's forward (also for its backward's expr) on ``tensors``: its tensor results."""
+    if expr.target._schema.is_mutable:  # writes its inputs: on copies
+        tensors = [t.clone() for t in tensors]
+    arguments, keywords = filled_arguments(expr, tensors, tensors[0].device)
     result = expr.target(*arguments, **keywords)
     results = list(result) if isinstance(result, (tuple, list)) else [result]
     return [r for r in results if isinstance(r, torch.Tensor)]
