@@ -26,8 +26,8 @@ from sharding import DeviceMesh, Shard, shard
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
 from sharding.torch_strategy import (
+    NO_SPLIT,
     NO_STRATEGY,
-    UNEVEN,
     TorchStrategy,
     fallback_placement,
     torch_strategy,
@@ -145,7 +145,7 @@ def test_a_cumsum_after_a_column_parallel_linear_runs_replicated_on_every_rank(r
     assert re.search(r"\[R\] @M0  Allgather of T\d+ for torch_op\[aten\.cumsum\.default\]$",
                      explained, re.M), explained  # fmt: skip
     # torch splits the cumsum on rows only: 5 rows do not split evenly over 2 ranks
-    fell_back = "aten.cumsum.default (replicated: torch's strategy splits none of it evenly)"
+    fell_back = "aten.cumsum.default (replicated: torch's strategy splits none of it here)"
     assert lines[-1] == f"fell back to torch: {fell_back}", lines
 
 
@@ -253,7 +253,7 @@ def test_torchs_strategy_splits_what_a_scan_leaves_whole_and_its_backward_alike(
     assert torch_strategy(scan(4, 0), 2).splits == {1: (1,)}
     uneven = scan(5, 1)
     assert torch_strategy(uneven, 2).splits == {}
-    assert fallback_placement(uneven, ["R"], (2,)) == f"replicated: {UNEVEN}"
+    assert fallback_placement(uneven, ["R"], (2,)) == f"replicated: {NO_SPLIT}"
     forward = scan(4, 1)
     (grad,) = torch_vjp(forward, forward.inputs, forward.outputs, [0])
     assert torch_strategy(grad.definition, 2).splits == {0: (0, 0)}  # input and its grad
