@@ -7,8 +7,10 @@ metadata (``like``) or of the op run on meta tensors. ``run_torch_op`` computes 
 reference evaluator and the executor both call it), ``torch_vjp`` adds its backward: a
 second ``TorchOp`` whose values PyTorch's autograd computes from the forward op.
 
-Sharding keeps every tensor of a torch op whole on every rank (``sharding.rules``), so
-that the op sees what it would see on one device. A random op never gets here: capture
+Sharding splits a torch op as PyTorch's own DTensor strategy for it does, where torch
+has one and the split checks out on sample values (``sharding.torch_strategy``), and
+otherwise keeps every tensor of it whole on every rank (``sharding.rules``), so that the
+op sees what it would see on one device. A random op never gets here: capture
 refuses it (run by PyTorch it would draw other numbers on each rank and in the
 backward's replay; ``fusion.capture``). An op whose schema writes its inputs (``add_``)
 runs on copies of them: the fusion's values never change under it (a composite op that

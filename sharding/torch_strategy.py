@@ -115,6 +115,8 @@ def _strategy(expr: TorchOp, shapes, dtypes, parts: int) -> TorchStrategy:
         return TorchStrategy(note="no tensor inputs (made whole on every rank)")
     if sum(math.prod(shape) for shape in shapes[:forward_count]) > CHECKED_ELEMENTS:
         return TorchStrategy(note=f"over {CHECKED_ELEMENTS} input elements to check on values")
+    if not any(extent % parts == 0 for shape in shapes[:forward_count] for extent in shape):
+        return TorchStrategy(note=f"no input axis splits evenly over {parts} ranks")
     forward = _forward_splits(expr, shapes[:forward_count], dtypes[:forward_count], parts)
     if expr.vjp is None:
         return TorchStrategy(forward, STRATEGY)
