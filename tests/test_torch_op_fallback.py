@@ -149,24 +149,45 @@ def test_a_cumsum_after_a_column_parallel_linear_runs_replicated_on_every_rank(r
     assert lines[-1] == f"fell back to torch: {fell_back}", lines
 
 
-def test_a_torch_op_between_split_tensors_is_placed_replicated_and_explained():
-    """A cumsum along the split axis: torch's strategy gives the op's output whole,
-    resharding gathers its split input and cuts its output where the consumer wants it
-    split; explain() names the rule."""
+def placed_cumsum(split: int):
+    """``exp(cumsum(x[4, 6], dim=1))`` with ``x`` and the result split on axis ``split``
+    over 2 ranks: the placed fusion, explained."""
     with FusionDefinition() as fd:
         x = fd.define_tensor([4, 6], "float32")
         running = torch_op(torch.ops.aten.cumsum.default, (x, 1), {}, fd.fusion)
         y = fd.ops.exp(running)
         fd.add_output(y)
     mesh = DeviceMesh([0, 1])
-    shard(x, mesh, [Shard(1)])
-    shard(y, mesh, [Shard(1)])
+    shard(x, mesh, [Shard(split)])
+    shard(y, mesh, [Shard(split)])
     placed, decisions = shard_fusion(fd.fusion)
-    text = explain(placed, decisions)
+    return placed, explain(placed, decisions), x.name
+
+
+def test_a_torch_op_between_split_tensors_is_placed_replicated_and_explained():
+    """A cumsum along the split axis: torch's strategy gives the op's output whole,
+    resharding gathers its split input and cuts its output where the consumer wants it
+    split; explain() names the rule, the printout where the op runs."""
+    placed, text, x = placed_cumsum(split=1)
     assert f"[R] @M0  torch's strategy rule, forward through " \
-           f"torch_op[aten.cumsum.default] from input {x.name}" in text, text  # fmt: skip
+           f"torch_op[aten.cumsum.default] from input {x}" in text, text  # fmt: skip
     kinds = [e.op_name for e in placed.exprs if not isinstance(e, (TorchOp, UnaryOp))]
     assert kinds == ["Allgather", "shard_locally"], kinds
+    last = str(placed).splitlines()[-1]
+    assert last == "fell back to torch: aten.cumsum.default (whole on every rank)", last
+
+
+def test_a_torch_op_along_a_whole_axis_of_split_tensors_runs_on_each_ranks_piece():
+    """A cumsum along the axis left whole: torch's strategy keeps the rows split, nothing
+    is inserted around it; explain() and the printout say so."""
+    placed, text, x = placed_cumsum(split=0)
+    assert not [e for e in placed.exprs if not isinstance(e, (TorchOp, UnaryOp))], placed
+    assert f"[S(0)] @M0  torch's strategy rule, forward through " \
+           f"torch_op[aten.cumsum.default] from input {x}" in text, text  # fmt: skip
+    last = "fell back to torch: aten.cumsum.default (torch's strategy: S(0))"
+    assert text.splitlines()[-1] == last, text
+    last = str(placed).splitlines()[-1]
+    assert last == "fell back to torch: aten.cumsum.default (split on axis 0)", last
 
 
 def test_an_op_writing_its_input_in_place_leaves_the_fusions_values_as_they_were():
