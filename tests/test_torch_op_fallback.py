@@ -22,7 +22,8 @@ from fusion.testing import assert_close
 from fusion.torch_ops import fell_back, torch_op, torch_vjp
 from overlap import MultiDeviceExecutor, parallelize
 from overlap.ir import LaunchKernel, walk
-from sharding import DeviceMesh, Shard, shard
+from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding.layout import layout_of
 from sharding.propagation import explain
 from sharding.resharding import shard_fusion
 from sharding.torch_strategy import (
@@ -188,6 +189,23 @@ def test_a_torch_op_along_a_whole_axis_of_split_tensors_runs_on_each_ranks_piece
     assert text.splitlines()[-1] == last, text
     last = str(placed).splitlines()[-1]
     assert last == "fell back to torch: aten.cumsum.default (split on axis 0)", last
+
+
+def test_torchs_strategy_cuts_a_whole_operand_to_the_split_it_asks_for():
+    """logaddexp of a column-split tensor and a whole one: torch's pointwise strategy
+    wants both split alike, so the whole one is cut on each rank (no communication) and
+    the result stays split."""
+    with FusionDefinition() as fd:
+        split, whole = fd.define_tensor([4, 6], "float32"), fd.define_tensor([4, 6], "float32")
+        fd.add_output(torch_op(torch.ops.aten.logaddexp.default, (split, whole), {}, fd.fusion))
+    mesh = DeviceMesh([0, 1])
+    shard(split, mesh, [Shard(1)])
+    shard(whole, mesh, [Replicate()])
+    placed, decisions = shard_fusion(fd.fusion)
+    cuts = [e for e in placed.exprs if not isinstance(e, TorchOp)]
+    assert [(e.op_name, e.inputs[0].name) for e in cuts] == [("shard_locally", whole.name)]
+    (output,) = placed.outputs
+    assert layout_of(output).placements == (Shard(1),), explain(placed, decisions)
 
 
 def test_an_op_writing_its_input_in_place_leaves_the_fusions_values_as_they_were():
