@@ -91,11 +91,14 @@ def _fallbacks(fusion: Fusion, placed: bool) -> list[str]:
                 "strategy where it has one, else replicated)"]  # fmt: skip
     described = []
     for expr in fusion.exprs:
-        if isinstance(expr, TorchOp) and expr.vjp is None:
+        if isinstance(expr, TorchOp):
             output = expr.outputs[0]
             split = [d for d, a in enumerate(output.logical_axes) if a.parallel_type.is_device]
             where = f"split on axis {split[0]}" if split else "whole on every rank"
-            described.append(f"{expr.target} ({where})")
+            if output.mesh is None:  # annotated fusion, not propagated yet
+                where = "not placed yet"
+            name = str(expr.target) if expr.vjp is None else f"{expr.target} backward"
+            described.append(f"{name} ({where})")
     if not described:
         return []
     return [f"fell back to torch: {', '.join(dict.fromkeys(described))}"]
