@@ -19,8 +19,9 @@ The scheme (integers taken modulo 2^32, computed in int64 and masked):
   ``keep / (1 - p)`` in float32, and ``dropout(x) = x * mask``.
 
 The mask is made whole, by a torch op (``overlap::dropout_mask``) that capture adds as
-an opaque ``TorchOp`` on the seed (``fusion.torch_ops``): sharding keeps a torch op's
-tensors whole on every rank, so each rank computes the whole mask (a float32 tensor of
+an opaque ``TorchOp`` on the seed (``fusion.torch_ops``): sharding keeps this torch op's
+tensors whole on every rank (its one input, the seed, has no axis to split), so each rank
+computes the whole mask (a float32 tensor of
 ``x``'s whole shape) and cuts its piece locally, without communication. Its gradient is
 none (the seed is an integer), so ``d dropout(x) / dx = grad * mask`` follows from the
 multiply.
