@@ -1,0 +1,94 @@
+"""``parallelize(..., data_parallel=...)``: a 2-D mesh of data-parallel replicas of a
+tensor-parallel team, on real gloo ranks. Each replica trains on its own batch; every
+rank's gradient pieces equal the one-device gradient of the whole batch (the mean over
+the replicas' batches), reduced bucket by bucket during the backward; AdamW steps keep
+the replicas identical and equal to one device's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from test_capture import SwiGLU
+
+from fusion.testing import assert_close
+from overlap import parallelize
+
+PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
+TOKENS, HIDDEN, STEPS = 6, 16, 2
+
+
+def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]:
+    """Two AdamW steps of a SwiGLU block over ``data_parallel`` replicas, each replica on
+    its own batch, checked against the module on one device under torch autograd (the
+    mean of the replicas' gradients); returns this rank's parameter pieces after them."""
+    world = communicator.world_size
+    tp = world // data_parallel
+    torch.manual_seed(0)  # the same module and batches on every rank
+    module = SwiGLU(HIDDEN, 8 * tp)
+    batches = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN)
+    seeds = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN)
+    # a bucket holds one weight piece at most (16 x 8 floats on every rank)
+    block = parallelize(module, [batches[0, 0]], communicator, PLAN, inputs=["sequence"],
+                        outputs=["sequence"], data_parallel=data_parallel,
+                        bucket_mb=HIDDEN * 8 * 4 / 2**20)  # fmt: skip
+    team = communicator.split(tp)
+    assert block.model.communicator is team and team.world_size == tp
+    replica = team.replica
+    assert replica == communicator.rank // tp
+    reducer = block.gradient_reducer
+    assert len(reducer.buckets) == 4, [len(b.parameters) for b in reducer.buckets]
+    names = [name for name, _ in module.named_parameters()]
+    ours = torch.optim.AdamW(block.parameters(), lr=0.05)
+    theirs = torch.optim.AdamW(module.parameters(), lr=0.05)
+    extent = TOKENS * data_parallel * 8 * tp  # the terms of a weight's gradient
+    for step in range(STEPS):
+        # one device: the mean of the replicas' losses
+        outputs = [module(batches[step, r]) for r in range(data_parallel)]
+        loss = sum((y * s).sum() for y, s in zip(outputs, seeds[step], strict=True))
+        own = torch.autograd.grad(outputs[replica], list(module.parameters()),
+                                  seeds[step, replica], retain_graph=True)  # fmt: skip
+        theirs.zero_grad()
+        (loss / data_parallel).backward()
+        expected = block.full_state({n: p.grad for n, p in module.named_parameters()})
+        # this replica: its own batch's pieces
+        (x_piece,) = block.input_pieces(batches[step, replica])
+        y_piece = block(x_piece)
+        (wanted,) = block.output_pieces(outputs[replica].detach())
+        assert_close(y_piece, wanted, reduction_extent=HIDDEN, partial_sums=tp)
+        (seed_piece,) = block.output_pieces(seeds[step, replica])
+        ours.zero_grad()
+        y_piece.backward(seed_piece)
+        # every bucket all-reduced once per backward
+        assert reducer.posted == len(reducer.buckets) * (step + 1)
+        for name, mine in zip(names, own, strict=True):
+            grad = block.pieces[name.replace(".", "__")].grad
+            assert grad.device_mesh.mesh_dim_names == ("dp", "tp")
+            assert type(grad.placements[0]).__name__ == "Replicate"
+            assert_close(grad.to_local(), expected[name], reduction_extent=extent,
+                         partial_sums=world, message=f"rank {communicator.rank} {name}")  # fmt: skip
+            # the batches differ: one replica's own gradient is not the mean
+            assert not torch.allclose(grad.full_tensor(), mine, atol=1e-3), name
+        # torch's clipping reads the 2-D DTensors: the whole gradient's norm, once
+        norm = torch.nn.utils.clip_grad_norm_(block.parameters(), math.inf)
+        whole = torch.nn.utils.clip_grad_norm_(module.parameters(), math.inf)
+        assert_close(norm.full_tensor(), whole, reduction_extent=extent * len(names))
+        ours.step()
+        theirs.step()
+    pieces = block.full_state(module)
+    for name in names:
+        assert_close(block.pieces[name.replace(".", "__")].to_local(), pieces[name],
+                     reduction_extent=extent, message=f"{name} after AdamW")  # fmt: skip
+    return [block.pieces[name.replace(".", "__")].to_local().detach() for name in names]
+
+
+@pytest.mark.parametrize(("world", "data_parallel"), [(4, 2), (2, 2)])
+def test_replicas_on_their_own_batches_train_as_one_device_on_the_whole_batch(
+    rank_pools, world, data_parallel
+):
+    pieces = rank_pools(world).run(replicas_train, data_parallel, timeout=180)
+    tp = world // data_parallel
+    for rank in range(tp, world):  # each replica's pieces are the first replica's, bitwise
+        for ours, first in zip(pieces[rank], pieces[rank % tp], strict=True):
+            assert torch.equal(ours, first), f"rank {rank} drifted from rank {rank % tp}"
