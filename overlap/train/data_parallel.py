@@ -4,7 +4,9 @@ the backward runs, as PyTorch's DDP does.
 The parameters are cut into buckets of about ``bucket_mb`` (one dtype each), in reverse
 order of registration: a backward produces the last layers' gradients first. A hook on
 each parameter (``register_post_accumulate_grad_hook``) counts the gradients of its
-bucket; when the bucket's last one is accumulated, the bucket is posted: its gradients
+bucket; when the bucket's last one is accumulated, the bucket is posted (in bucket order,
+as DDP does: the ranks post their all-reduces alike whatever order autograd accumulates
+the gradients in, a bucket waiting for the ones before it): its gradients
 flattened into one buffer, divided by the number of replicas, summed over the replicas
 by an asynchronous all-reduce on the replica group (``Communicator.replica_group``), while
 the rest of the backward runs. On CUDA the flattening and the all-reduce are queued on a
@@ -45,6 +47,11 @@ class Bucket:
     pending: tuple | None = None  # (work, flat buffer, gradients) once posted
     posted: int = 0  # times posted so far
 
+    @property
+    def complete(self) -> bool:
+        """Every gradient of the bucket is accumulated in this backward."""
+        return self.ready == len(self.parameters)
+
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's local piece (its gradient is a DTensor placed as the parameter)."""
@@ -78,6 +85,7 @@ class GradientReducer:
         device = _local(parameters[0]).device if parameters else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._finishing = False  # a callback is queued for the running backward
+        self._next = 0  # the first bucket not posted in this backward
 
     @property
     def posted(self) -> int:
@@ -88,10 +96,10 @@ class GradientReducer:
         if not self._finishing:
             self._finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        bucket = self._bucket_of[id(parameter)]
-        bucket.ready += 1
-        if bucket.ready == len(bucket.parameters):
-            self._post(bucket)
+        self._bucket_of[id(parameter)].ready += 1
+        while self._next < len(self.buckets) and self.buckets[self._next].complete:
+            self._post(self.buckets[self._next])
+            self._next += 1
 
     def _post(self, bucket: Bucket) -> None:
         grads = [_local(p.grad) for p in bucket.parameters if p.grad is not None]
@@ -100,7 +108,11 @@ class GradientReducer:
         if self._stream is not None:
             # the side stream reads the gradients once the compute stream has made them
             self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        side = torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext()
+        side = (
+            torch.cuda.stream(self._stream)
+            if self._stream is not None
+            else contextlib.nullcontext()
+        )
         with side:
             flat = torch.cat([g.reshape(-1) for g in grads])
             flat.div_(self.replicas)  # gloo has no average: summed after dividing
@@ -110,8 +122,8 @@ class GradientReducer:
     def finish(self) -> None:
         """Post what is left, wait for every bucket and copy the averages into the
         gradients (autograd calls it when a backward that produced some ends)."""
-        for bucket in self.buckets:
-            if bucket.pending is None and bucket.ready:
+        for bucket in self.buckets[self._next :]:
+            if bucket.ready:
                 self._post(bucket)
         for bucket in self.buckets:
             if bucket.pending is not None:
@@ -126,4 +138,4 @@ class GradientReducer:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
             bucket.pending, bucket.ready = None, 0
-        self._finishing = False
+        self._finishing, self._next = False, 0
