@@ -2,7 +2,8 @@
 tensor-parallel team, on real gloo ranks. Each replica trains on its own batch; every
 rank's gradient pieces equal the one-device gradient of the whole batch (the mean over
 the replicas' batches), reduced bucket by bucket during the backward; AdamW steps keep
-the replicas identical and equal to one device's."""
+the replicas identical and equal to one device's. And the teams of ``Communicator.split``
+run every kind of communication at once, each over its own ranks."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import math
 import pytest
 import torch
 from test_capture import SwiGLU
+from test_multidevice import one_rank_and_a_mesh, pipeline_stages
+from test_pipelined import pipelined
 
 from fusion.testing import assert_close
 from overlap import parallelize
@@ -66,8 +69,9 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
             grad = block.pieces[name.replace(".", "__")].grad
             assert grad.device_mesh.mesh_dim_names == ("dp", "tp")
             assert type(grad.placements[0]).__name__ == "Replicate"
+            where = f"rank {communicator.rank}, {name}"
             assert_close(grad.to_local(), expected[name], reduction_extent=extent,
-                         partial_sums=world, message=f"rank {communicator.rank} {name}")  # fmt: skip
+                         partial_sums=world, message=where)  # fmt: skip
             # the batches differ: one replica's own gradient is not the mean
             assert not torch.allclose(grad.full_tensor(), mine, atol=1e-3), name
         # torch's clipping reads the 2-D DTensors: the whole gradient's norm, once
@@ -92,3 +96,25 @@ def test_replicas_on_their_own_batches_train_as_one_device_on_the_whole_batch(
     for rank in range(tp, world):  # each replica's pieces are the first replica's, bitwise
         for ours, first in zip(pieces[rank], pieces[rank % tp], strict=True):
             assert torch.equal(ours, first), f"rank {rank} drifted from rank {rank % tp}"
+
+
+def teams_communicate(communicator) -> list[object]:
+    """Two teams of two ranks (``split(2)``) running, both at once, programs that send to
+    a peer, move between one rank and the team, and pipeline an all-gather around a ring
+    and a reduce-scatter by batched sends: each checked against the reference, so a peer
+    or root named by its team rank instead of its global one fails (or hangs)."""
+    team = communicator.split(2)
+    assert (team.rank, team.replica) == divmod(communicator.rank, 2)[::-1]
+    assert communicator.split(2) is team  # kept: its groups are made once
+    kinds = [pipeline_stages(team, 14)]
+    kinds += [one_rank_and_a_mesh(team, 20, kind)
+              for kind in ("Broadcast", "Scatter", "Gather", "Reduce")]  # fmt: skip
+    kinds += [pipelined(team, "ag", 13, 2, "ring", 21)[2], pipelined(team, "rs", 16, 4,
+              "collective", 21)[2], pipelined(team, "ag", 16, 2, "collective", 21)[2]]  # fmt: skip
+    return kinds
+
+
+def test_the_teams_of_a_split_communicator_each_communicate_over_their_own_ranks(rank_pools):
+    expected = [["SendRecv"], ["Broadcast"], ["Scatter"], ["Gather"], ["Reduce"],
+                "ring", "collective", "collective"]  # fmt: skip
+    assert rank_pools(4).run(teams_communicate, timeout=180) == [expected] * 4
