@@ -26,12 +26,12 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
     """Two AdamW steps of a SwiGLU block over ``data_parallel`` replicas, each replica on
     its own batch, checked against the module on one device under torch autograd (the
     mean of the replicas' gradients); returns this rank's parameter pieces after them."""
-    world = communicator.world_size
+    world, device = communicator.world_size, communicator.device
     tp = world // data_parallel
     torch.manual_seed(0)  # the same module and batches on every rank
-    module = SwiGLU(HIDDEN, 8 * tp)
-    batches = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN)
-    seeds = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN)
+    module = SwiGLU(HIDDEN, 8 * tp).to(device)
+    batches = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN).to(device)
+    seeds = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN).to(device)
     # a bucket holds one weight piece at most (16 x 8 floats on every rank)
     block = parallelize(module, [batches[0, 0]], communicator, PLAN, inputs=["sequence"],
                         outputs=["sequence"], data_parallel=data_parallel,
@@ -84,7 +84,7 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
     for name in names:
         assert_close(block.pieces[name.replace(".", "__")].to_local(), pieces[name],
                      reduction_extent=extent, message=f"{name} after AdamW")  # fmt: skip
-    return [block.pieces[name.replace(".", "__")].to_local().detach() for name in names]
+    return [block.pieces[name.replace(".", "__")].to_local().detach().cpu() for name in names]
 
 
 @pytest.mark.parametrize(("world", "data_parallel"), [(4, 2), (2, 2)])
