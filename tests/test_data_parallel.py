@@ -16,7 +16,7 @@ from test_multidevice import one_rank_and_a_mesh, pipeline_stages
 from test_pipelined import pipelined
 
 from fusion.testing import assert_close
-from overlap import parallelize
+from overlap import Timeline, parallelize
 
 PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 TOKENS, HIDDEN, STEPS = 6, 16, 2
@@ -62,9 +62,14 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
         assert_close(y_piece, wanted, reduction_extent=HIDDEN, partial_sums=tp)
         (seed_piece,) = block.output_pieces(seeds[step, replica])
         ours.zero_grad()
+        reducer.timeline = Timeline(device)
         y_piece.backward(seed_piece)
-        # every bucket all-reduced once per backward
+        # every bucket all-reduced once per backward, each a span of the timeline
         assert reducer.posted == len(reducer.buckets) * (step + 1)
+        spans = reducer.timeline.spans()
+        assert [(s.lane, s.name) for s in spans] == [
+            ("data parallel comm", f"bucket {i}") for i in range(len(reducer.buckets))
+        ]
         for name, mine in zip(names, own, strict=True):
             grad = block.pieces[name.replace(".", "__")].grad
             assert grad.device_mesh.mesh_dim_names == ("dp", "tp")

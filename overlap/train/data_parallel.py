@@ -16,6 +16,11 @@ any bucket some of whose parameters got no gradient (the same ones on every rank
 waits for every bucket and copies the averages back into the gradients; the optimizer's
 step, after ``backward()`` returns, reads the averages.
 
+With a ``timeline`` (``overlap.diag.timeline.Timeline``, set on the reducer), each
+bucket's all-reduce is a span on the lane ``data parallel comm``, from its post (on CUDA, on the
+side stream) to the moment the compute stream may read the average, as a program's
+communications are.
+
 Gradients accumulated over several backwards (micro-batches) stay right: what an earlier
 backward left is already the same on every replica, and the average of equal values is
 that value. Each backward pays its all-reduces; the result is the same.
@@ -35,16 +40,20 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from overlap.diag.timeline import SpanRecorder
+
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
+LANE = "data parallel comm"  # the timeline's lane of the all-reduces (a communication)
 
 
-@dataclass
+@dataclass(eq=False)
 class Bucket:
     """Parameters whose gradients are all-reduced together (one dtype)."""
 
+    index: int  # in posting order
     parameters: list[torch.nn.Parameter]
     ready: int = 0  # of its parameters' gradients accumulated in this backward
-    pending: tuple | None = None  # (work, flat buffer, gradients) once posted
+    pending: tuple | None = None  # (work, flat buffer, gradients, span) once posted
     posted: int = 0  # times posted so far
 
     @property
@@ -76,7 +85,7 @@ class GradientReducer:
             local = _local(parameter)
             size_bytes = local.numel() * local.element_size()
             if not self.buckets or filled_bytes + size_bytes > limit_bytes or local.dtype != dtype:
-                self.buckets.append(Bucket([]))
+                self.buckets.append(Bucket(len(self.buckets), []))
                 filled_bytes, dtype = 0.0, local.dtype
             self.buckets[-1].parameters.append(parameter)
             filled_bytes += size_bytes
@@ -86,6 +95,7 @@ class GradientReducer:
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._finishing = False  # a callback is queued for the running backward
         self._next = 0  # the first bucket not posted in this backward
+        self.timeline: SpanRecorder | None = None  # records the all-reduces where set
 
     @property
     def posted(self) -> int:
@@ -114,10 +124,15 @@ class GradientReducer:
             else contextlib.nullcontext()
         )
         with side:
+            span = None
+            if self.timeline is not None:
+                elements = sum(g.numel() for g in grads)
+                detail = f"Allreduce {len(grads)} gradients, {elements} elements"
+                span = self.timeline.start(LANE, f"bucket {bucket.index}", detail)
             flat = torch.cat([g.reshape(-1) for g in grads])
             flat.div_(self.replicas)  # gloo has no average: summed after dividing
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-        bucket.pending, bucket.posted = (work, flat, grads), bucket.posted + 1
+        bucket.pending, bucket.posted = (work, flat, grads, span), bucket.posted + 1
 
     def finish(self) -> None:
         """Post what is left, wait for every bucket and copy the averages into the
@@ -127,12 +142,14 @@ class GradientReducer:
                 self._post(bucket)
         for bucket in self.buckets:
             if bucket.pending is not None:
-                work, flat, grads = bucket.pending
+                work, flat, grads, span = bucket.pending
                 work.wait()
                 if self._stream is not None:
                     current = torch.cuda.current_stream(self._stream.device)
                     current.wait_stream(self._stream)
                     flat.record_stream(current)
+                if span is not None:
+                    self.timeline.stop(span)
                 offset = 0
                 for grad in grads:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
