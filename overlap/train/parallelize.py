@@ -55,6 +55,14 @@ state, to load or compare. Dropout in training mode draws its masks from a seed
 (``fusion.random``): ``seed=`` (default ``torch.initial_seed()``, checked the same on
 every rank) at the first call, one more each call; the backward reads its forward's.
 
+``data_parallel=dp`` makes a 2-D mesh: ``dp`` replicas, each over a tensor-parallel team of
+``world_size // dp`` consecutive ranks (``Communicator.split``; ``team.replica`` says
+which), each fed its own batch. The parameters are DTensors on a torch ``DeviceMesh``
+("dp", "tp"), replicated over "dp"; their gradients are averaged over the replicas while
+the backward runs (``overlap.train.data_parallel.GradientReducer``: buckets of
+``bucket_mb`` MiB posted as their last gradient is accumulated, all waited when the
+backward ends), so an optimizer's step after ``backward()`` keeps the replicas equal.
+
 The plan is read, and the captured module's tensors placed, by
 ``overlap.train.plans`` (``place``).
 
