@@ -9,7 +9,9 @@ demo's MLP among them, each with its backward) and the gradients of
 pipelined SwiGLU backward over every transport, and modules parallelized from
 PyTorch (``tests/test_parallelize.py``: a vocabulary-parallel head, the Llama block under
 torch's plan, attention by ``scaled_dot_product_attention``, dropout's mask: the third step
-replayed from CUDA graphs reads its new seed), with NCCL and CUDA tensors. Each
+replayed from CUDA graphs reads its new seed), and on GPUs data-parallel replicas of a
+tensor-parallel team (``tests/test_data_parallel.py``: gradients averaged during the
+backward, AdamW, the teams of a split communicator), with NCCL and CUDA tensors. Each
 scenario checks **every rank's** output piece against the
 single-device reference (and the communications the framework inserted); every rank
 reports its verdict, and the table shows them side by side. Run it whenever a change
@@ -36,6 +38,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_backward_multidevice as backward  # noqa: E402
+import test_data_parallel as data_parallel  # noqa: E402
 import test_dropout as dropout  # noqa: E402
 import test_graphs as graphs  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
@@ -103,6 +106,12 @@ def checks(world: int, cuda: bool):
         for placement in ("replicate", "sequence"):
             name = f"parallelize: vocabulary-parallel head ({placement})"
             yield name, parallel.vocabulary_parallel, (9, placement, k)
+    if cuda and world % 2 == 0:  # on gloo ranks: tests/test_data_parallel.py
+        name = f"parallelize: 2 data-parallel replicas x {world // 2} ranks, AdamW"
+        yield name, data_parallel.replicas_train, (2,)
+        if world >= 4:
+            name = "split teams: send, broadcast, scatter, gather, reduce, rings"
+            yield name, data_parallel.teams_communicate, ()
     for pattern in ("allreduce", "copy_engine") if cuda else ("allreduce",):
         name = f"graph replays ({pattern}): moved inputs, overwritten outputs"
         yield name, graphs.check_replays_on_every_rank, (pattern,)

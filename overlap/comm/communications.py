@@ -333,14 +333,14 @@ def _all_to_all(comm, ctx, group, members) -> Post:
 
 
 def _broadcast(comm, ctx, group, team) -> Post:
-    root = comm.root
+    root, source = comm.root, ctx.communicator.global_rank(comm.root)
     dtype = ctx.storage_dtype(comm.output)
     if ctx.rank == root:
         keeps = ctx.rank in comm.out_layout.mesh
 
         def send(value) -> Pending:
             buffer = _wire(value).contiguous()
-            work = dist.broadcast(buffer, src=root, group=group, async_op=True)
+            work = dist.broadcast(buffer, src=source, group=group, async_op=True)
             return Pending([work], lambda: _unwire(buffer, dtype).clone() if keeps else None)
 
         return send
@@ -348,7 +348,7 @@ def _broadcast(comm, ctx, group, team) -> Post:
 
     def receive(value) -> Pending:
         buffer = allocate(wire_dtype)
-        work = dist.broadcast(buffer, src=root, group=group, async_op=True)
+        work = dist.broadcast(buffer, src=source, group=group, async_op=True)
         return Pending([work], lambda: _unwire(buffer, dtype))
 
     return receive
@@ -369,6 +369,7 @@ def _scatter(comm, ctx, group, team) -> Post:
     coordinates = [out_mesh.coords(rank)[0] if rank in out_mesh else None
                    for rank in sorted(team)]  # fmt: skip
     own = sizes[out_mesh.coords(ctx.rank)[0]] if ctx.rank in out_mesh else None
+    source = ctx.communicator.global_rank(comm.root)
 
     def scatter(value) -> Pending:
         chunks = None
@@ -380,7 +381,7 @@ def _scatter(comm, ctx, group, team) -> Post:
                 for coordinate in coordinates
             ]  # fmt: skip
         receive = allocate(wire_dtype)
-        work = dist.scatter(receive, chunks, src=comm.root, group=group, async_op=True)
+        work = dist.scatter(receive, chunks, src=source, group=group, async_op=True)
 
         def finish() -> torch.Tensor | None:
             if own is None:
@@ -409,6 +410,7 @@ def _gather(comm, ctx, group, team) -> Post:
     positions = {in_mesh.coords(rank)[0]: position
                  for position, rank in enumerate(sorted(team)) if rank in in_mesh}  # fmt: skip
     order = [positions[coordinate] for coordinate in range(parts)]
+    destination = ctx.communicator.global_rank(comm.root)
 
     def gather(value) -> Pending:
         if inside:
@@ -416,7 +418,7 @@ def _gather(comm, ctx, group, team) -> Post:
         else:
             send = allocate(wire_dtype).zero_()
         receive = [allocate(wire_dtype) for _ in range(count)] or None
-        work = dist.gather(send, receive, dst=comm.root, group=group, async_op=True)
+        work = dist.gather(send, receive, dst=destination, group=group, async_op=True)
 
         def finish() -> torch.Tensor | None:
             if receive is None:
@@ -433,7 +435,7 @@ def _gather(comm, ctx, group, team) -> Post:
 def _reduce(comm, ctx, group, team) -> Post:
     outside = ctx.rank not in comm.in_layout.mesh
     op, reduce_op, root = comm.reduce_op, _REDUCE_OPS[comm.reduce_op], comm.root
-    keeps = ctx.rank == root
+    keeps, destination = ctx.rank == root, ctx.communicator.global_rank(root)
     # the root outside the mesh contributes the identity of the reduction
     allocate = _allocation(ctx, ctx.local_shape(comm.output)) if outside else None
     wire_dtype = _wire_dtype(ctx.storage_dtype(comm.output))
@@ -442,7 +444,7 @@ def _reduce(comm, ctx, group, team) -> Post:
         if outside:
             value = identity(allocate(wire_dtype), op)
         wire, read = reducible(value, op, in_place=outside)
-        work = dist.reduce(wire, dst=root, op=reduce_op, group=group, async_op=True)
+        work = dist.reduce(wire, dst=destination, op=reduce_op, group=group, async_op=True)
         return Pending([work], lambda: read(wire) if keeps else None)
 
     return reduce
@@ -464,14 +466,15 @@ def identity(buffer: torch.Tensor, op: str) -> torch.Tensor:
 def _send_recv(comm, ctx) -> Post:
     dtype = ctx.storage_dtype(comm.output)
     # this rank's part of each pair: keep its own value, send it, or receive another's
-    parts = []
+    # (the peer by its global rank)
+    parts, to_global = [], ctx.communicator.global_rank
     for source, destination in comm.pairs:
         if source == destination == ctx.rank:
             parts.append(("keep", None))
         elif ctx.rank == source:
-            parts.append(("send", destination))
+            parts.append(("send", to_global(destination)))
         elif ctx.rank == destination:
-            parts.append(("receive", source))
+            parts.append(("receive", to_global(source)))
     receiving = any(part == "receive" for part, _ in parts)
     allocate = _allocation(ctx, ctx.local_shape(comm.output)) if receiving else None
     wire_dtype = _wire_dtype(dtype)

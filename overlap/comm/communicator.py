@@ -11,6 +11,15 @@ One gloo group has a timeout of its own (``input_check_timeout_s``: 60 s, or the
 alone exchanges there, and learns within that time that its peers are not coming
 (``overlap.runtime.inputs.InputCheck``).
 
+``split(team_size)`` runs programs over a sub-team (the tensor-parallel team of a 2-D
+mesh): a ``Communicator`` whose ``rank`` and ``world_size`` are the team's, so every
+executor works unchanged inside it. Its programs' teams are tuples of team ranks, its
+process groups those teams' global ranks (``global_rank``: what point-to-point calls
+and collectives' roots name); ``replica`` says which team this rank is in,
+``replica_group`` links it to its counterparts in the other teams (the data-parallel
+axis). Every rank creates every team's groups, in the same order, as
+``torch.distributed.new_group`` asks; host exchanges and agreements stay inside the team.
+
 A process that built a ``Communicator`` destroys its process groups when it exits
 (``atexit``), before the interpreter finalizes. Left alive, a gloo worker thread that
 releases a finished collective's tensors after finalization began cannot take the GIL
@@ -21,6 +30,7 @@ finished job reported failed. ``destroy_process_group`` joins those threads firs
 from __future__ import annotations
 
 import atexit
+import copy
 import datetime
 import os
 from collections.abc import Iterable
@@ -79,7 +89,8 @@ def _register_teardown() -> None:
 
 
 class Communicator:
-    """This rank's view of the world: rank, size, device and process groups by team."""
+    """This rank's view of the world (or of its team: ``split``): rank, size, device and
+    process groups by team."""
 
     def __init__(
         self, device: torch.device | str | None = None, input_check_timeout_s: float | None = None
@@ -108,6 +119,13 @@ class Communicator:
             backend="gloo", timeout=datetime.timedelta(seconds=input_check_timeout_s)
         )
         self.host_exchanges = 0  # host all-gathers so far (a run should cost none)
+        # the global rank of each of this world's ranks; the teams this one is cut from
+        # alike (its siblings, itself included), which create their groups together
+        self.ranks = tuple(range(self.world_size))
+        self._siblings = (self.ranks,)
+        self._groups[self.ranks] = None  # the default group
+        self.replica, self.replicas, self.replica_group = 0, 1, None
+        self._splits: dict[int, Communicator] = {}
 
     @classmethod
     def initialize(
@@ -136,16 +154,64 @@ class Communicator:
             dist.init_process_group(backend, **options)
         return cls(device, input_check_timeout_s)
 
+    def split(self, team_size: int) -> Communicator:
+        """This rank's team of ``team_size`` consecutive ranks (``rank // team_size``-th,
+        ``replica``) as a ``Communicator`` of its own (collective: every rank of the world
+        alike; kept, so a second call returns the same one). Its ``replica_group`` links
+        this rank to the ranks of the other teams at its place (``rank % team_size``).
+
+        Example (4 ranks, two data-parallel replicas of a 2-rank tensor-parallel team)::
+
+            team = communicator.split(2)  # rank 3: team.rank 1, team.replica 1
+        """
+        if self.ranks != tuple(range(dist.get_world_size())):
+            raise ValueError("Communicator.split: split the whole world's communicator")
+        if team_size < 1 or self.world_size % team_size:
+            raise ValueError(f"Communicator.split: {self.world_size} ranks do not make teams "
+                             f"of {team_size}")  # fmt: skip
+        if team_size not in self._splits:
+            self._splits[team_size] = self._team(team_size)
+        return self._splits[team_size]
+
+    def _team(self, team_size: int) -> Communicator:
+        teams = [tuple(range(start, start + team_size))
+                 for start in range(0, self.world_size, team_size)]  # fmt: skip
+        replica = self.rank // team_size
+        team = copy.copy(self)
+        team.rank, team.world_size, team.ranks = self.rank % team_size, team_size, teams[replica]
+        team._siblings, team._splits = tuple(teams), {}
+        team.replica, team.replicas, team.host_exchanges = replica, len(teams), 0
+
+        def mine(**options) -> dist.ProcessGroup:  # every team's group, this rank's kept
+            groups = [dist.new_group(list(t), **options) for t in teams]
+            return groups[replica]
+
+        whole = mine()
+        team._groups = {tuple(range(team_size)): whole}
+        gloo = self.backend != "nccl"
+        team._host_group = whole if gloo else mine(backend="gloo")
+        timeout = datetime.timedelta(seconds=self.input_check_timeout_s)
+        team._check_group = mine(backend="gloo", timeout=timeout)
+        across = [dist.new_group(list(t)) for t in zip(*teams, strict=True)]
+        team.replica_group = across[team.rank]
+        return team
+
+    def global_rank(self, rank: int) -> int:
+        """The global rank (torch.distributed's) of this world's ``rank``."""
+        return self.ranks[rank]
+
     def prepare(self, teams: Iterable[tuple[int, ...]]) -> None:
-        """Create the process groups of ``teams`` (collective: call on every rank alike)."""
-        world = tuple(range(self.world_size))
+        """Create the process groups of ``teams`` (collective: call on every rank alike;
+        in a team, on every rank of the whole world, each team with its own teams)."""
         for team in sorted({tuple(sorted(t)) for t in teams}):
             if team in self._groups or len(team) < 2:
                 continue
-            self._groups[team] = None if team == world else dist.new_group(list(team))
+            groups = [dist.new_group([sibling[r] for r in team]) for sibling in self._siblings]
+            self._groups[team] = groups[self._siblings.index(self.ranks)]
 
     def group(self, team: tuple[int, ...]) -> dist.ProcessGroup | None:
-        """The process group of ``team`` (None is the default group of the whole world)."""
+        """The process group of ``team`` (None is the default group of the whole world);
+        ``team`` in this world's ranks."""
         key = tuple(sorted(team))
         if key not in self._groups:
             raise KeyError(f"team {key} was not prepared; call prepare() on every rank first")

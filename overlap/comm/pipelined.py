@@ -222,6 +222,7 @@ class PipelinedComms:
 
     def _gather_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
         owner = where.rank_at(where.owner)
+        to_global = self.ctx.communicator.global_rank  # what torch.distributed names
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
         if transport is Transport.COPY_ENGINE:
@@ -238,14 +239,15 @@ class PipelinedComms:
                 if where.owned:
                     target.copy_(source)
                 buffer = _contiguous(target)
-                work = dist.broadcast(buffer, src=owner, group=group, async_op=True)
+                work = dist.broadcast(buffer, src=to_global(owner), group=group, async_op=True)
                 return Pending(
                     [work], lambda: target.copy_(buffer) if buffer is not target else None
                 )
 
             return broadcast
         steps = (where.mine - where.owner) % where.parts
-        before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
+        before = to_global(where.rank_at(where.mine - 1))
+        after = to_global(where.rank_at(where.mine + 1))
 
         def ring(source, target) -> Pending:
             if where.owned:
@@ -276,6 +278,7 @@ class PipelinedComms:
         is sent, it combines them in coordinate order."""
         comm = communicate.communication
         dim = comm.split_dim
+        to_global = self.ctx.communicator.global_rank  # what torch.distributed names
         senders = {
             coordinate: scheme.chunk(iteration, coordinate)
             for coordinate in range(where.parts)
@@ -285,11 +288,11 @@ class PipelinedComms:
         # each peer's partial: where it lands (its inbox's key and shape), who sends it
         incoming = [
             ((communicate, chunk, coordinate), self._inbox_shape(communicate, scheme, chunk),
-             where.rank_at(coordinate))
+             to_global(where.rank_at(coordinate)))
             for coordinate, chunk in senders.items()
         ]  # fmt: skip
         chunks = set(senders.values())
-        owner = where.rank_at(where.owner)
+        owner = to_global(where.rank_at(where.owner))
         combine = (
             self._owner_combine(communicate, scheme, iteration, where) if where.owned else None
         )
@@ -368,7 +371,9 @@ class PipelinedComms:
             push = self._later(lambda: self.symmetric.pusher(communicate, where))
             return lambda source, target: (push()(source), Pending())[1]
         step = (where.mine - where.owner - 1) % where.parts
-        before, after = where.rank_at(where.mine - 1), where.rank_at(where.mine + 1)
+        to_global = self.ctx.communicator.global_rank  # what torch.distributed names
+        before = to_global(where.rank_at(where.mine - 1))
+        after = to_global(where.rank_at(where.mine + 1))
         combine = COMBINE[comm.reduce_op]
 
         def ring(source, target) -> Pending:

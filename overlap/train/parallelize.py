@@ -55,6 +55,14 @@ state, to load or compare. Dropout in training mode draws its masks from a seed
 (``fusion.random``): ``seed=`` (default ``torch.initial_seed()``, checked the same on
 every rank) at the first call, one more each call; the backward reads its forward's.
 
+``data_parallel=dp`` makes a 2-D mesh: ``dp`` replicas, each over a tensor-parallel team of
+``world_size // dp`` consecutive ranks (``Communicator.split``; ``team.replica`` says
+which), each fed its own batch. The parameters are DTensors on a torch ``DeviceMesh``
+("dp", "tp"), replicated over "dp"; their gradients are averaged over the replicas while
+the backward runs (``overlap.train.data_parallel.GradientReducer``: buckets of
+``bucket_mb`` MiB posted as their last gradient is accumulated, all waited when the
+backward ends), so an optimizer's step after ``backward()`` keeps the replicas equal.
+
 The plan is read, and the captured module's tensors placed, by
 ``overlap.train.plans`` (``place``).
 
@@ -85,6 +93,7 @@ from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
 from overlap.runtime.pieces import shard_inputs
+from overlap.train.data_parallel import DEFAULT_BUCKET_MB, GradientReducer
 from overlap.train.plans import place
 from overlap.train.trainable import TrainableFusion
 from schedulers.runtime import contiguous_strides
@@ -106,6 +115,7 @@ class ParallelModule(torch.nn.Module):
         input_names: Sequence[str] = (),
         captured_from: str = "the module",
         seed: int | None = None,
+        bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
         super().__init__()
         self.model = model
@@ -132,13 +142,22 @@ class ParallelModule(torch.nn.Module):
         }
         for key, piece in self.buffer_pieces.items():
             self.register_buffer(key, piece)
+        team = model.communicator
+        # the gradients averaged over the data-parallel replicas during the backward
+        self.gradient_reducer = (
+            GradientReducer(list(self.pieces.values()), team.replica_group, team.replicas,
+                            bucket_mb)
+            if team.replicas > 1 else None
+        )  # fmt: skip
 
     def _as_dtensor(self, piece: torch.Tensor, tensor) -> torch.Tensor:
         if self.torch_mesh is None:
             return piece
-        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor import DTensor, Replicate
 
         placements = [torch_placement(p) for p in layout_of(tensor).placements]
+        # replicated over the axes before the plan's (the data-parallel one)
+        placements = [Replicate()] * (self.torch_mesh.ndim - len(placements)) + placements
         shape = torch.Size(int(e) for e in tensor.shape)
         return DTensor.from_local(piece, self.torch_mesh, placements, run_check=False,
                                   shape=shape, stride=contiguous_strides(shape))  # fmt: skip
@@ -223,13 +242,24 @@ def parallelize(
     outputs: Sequence[object] = (),
     dtensors: bool | None = None,
     seed: int | None = None,
+    data_parallel: int = 1,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
     **trainable_options: Any,
 ) -> ParallelModule:
     """``module`` over ``communicator``'s ranks by ``plan`` (see the module); parameters as
     DTensors unless ``dtensors`` is False (None: where torch.distributed is initialized);
     ``seed``: dropout's at the first call, one more each call (None: ``torch.initial_seed()``,
-    which must then be the same on every rank); the other options go to
-    ``TrainableFusion`` (``saved``, ``kernels``, ``cuda_graph``, ...)."""
+    which must then be the same on every rank); ``data_parallel``: replicas of the
+    tensor-parallel team, each ``world_size // data_parallel`` consecutive ranks
+    (``communicator.split``), their gradients averaged during the backward in buckets of
+    ``bucket_mb`` MiB; the other options go to ``TrainableFusion`` (``saved``,
+    ``kernels``, ``cuda_graph``, ...)."""
+    if data_parallel < 1 or communicator.world_size % data_parallel:
+        raise ValueError(f"parallelize: {communicator.world_size} ranks do not make "
+                         f"{data_parallel} data-parallel replicas")  # fmt: skip
+    world = communicator
+    if data_parallel > 1:
+        communicator = world.split(world.world_size // data_parallel)
     captured = place(module, example_inputs, communicator.world_size, plan, inputs, outputs)
     fusion = captured.fd.fusion
     if dtensors is None:
@@ -251,23 +281,32 @@ def parallelize(
         seed = None
     elif seed is None:
         seed = torch.initial_seed()
-    if communicator.world_size > 1:  # every rank cuts its pieces from its own module
+    if world.world_size > 1:  # every rank cuts its pieces from its own module
         names, values = captured.parameter_names, state[: len(captured.parameter_names)]
         if seed is not None:  # and draws dropout's masks from the same seed
             names = [*names, "dropout's seed (torch.initial_seed(), or parallelize's seed=)"]
             values = [*values, seed_tensor(seed)]
-        check_same_on_every_rank(names, values, communicator.input_check_exchange,
+        check_same_on_every_rank(names, values, world.input_check_exchange,
                                  "parallelize")  # fmt: skip
     pieces = [local_piece(value, tensor, rank).to(device).clone()
               for value, tensor in zip(state, fusion.inputs, strict=False)]  # fmt: skip
-    torch_mesh = None
-    if dtensors:
-        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-        torch_mesh = TorchMesh(communicator.device.type, list(range(communicator.world_size)))
+    torch_mesh = _torch_mesh(communicator) if dtensors else None
     return ParallelModule(model, captured.parameter_names, pieces, captured.buffers, torch_mesh,
                           _argument_names(module, len(example_inputs)),
-                          type(module).__name__, seed)  # fmt: skip
+                          type(module).__name__, seed, bucket_mb)  # fmt: skip
+
+
+def _torch_mesh(team: Communicator):
+    """torch's ``DeviceMesh`` of the ranks: 1-D over the tensor-parallel team, or 2-D
+    ("dp", "tp") over its replicas, on the communicator's own groups."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+    if team.replicas == 1:
+        return TorchMesh(team.device.type, list(range(team.world_size)))
+    whole = team.group(tuple(range(team.world_size)))
+    ranks = torch.arange(team.replicas * team.world_size).reshape(team.replicas, -1)
+    return TorchMesh.from_group([team.replica_group, whole], team.device.type, ranks,
+                                mesh_dim_names=("dp", "tp"))  # fmt: skip
 
 
 def _warn_moved_parameters(model: TrainableFusion, names: Sequence[str]) -> None:
