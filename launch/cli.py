@@ -26,6 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     """The ``overlap`` command: 0 on success; 2 (and one message, no traceback) for a
     launch or script that cannot start."""
     from launch.demo import CPU_SIZES, GPU_SIZES, OUT
+    from launch.ray_pool import PLACEMENTS
     from overlap.compile.dump import DESCRIPTION as DUMP_DESCRIPTION
     from overlap.compile.dump import SCRIPT, add_arguments, count
 
@@ -62,8 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--timeout", type=float, default=None,
                      help="seconds before giving up (default: none; Ray 600)")  # fmt: skip
     run.add_argument("--max-restarts", type=int, default=0,
-                     help="local, torchrun: start every rank again this many times after "
-                     "one fails (default 0)")  # fmt: skip
+                     help="start every rank again this many times after one fails (default "
+                     "0; ray: the pool built again)")  # fmt: skip
+    run.add_argument("--placement", choices=PLACEMENTS, default="SPREAD",
+                     help="ray: the ranks over as many nodes as have room (SPREAD, "
+                     "default), as few (PACK), one a node (STRICT_SPREAD) or one node "
+                     "(STRICT_PACK)")  # fmt: skip
     run.add_argument("script", help="a Python file defining main(communicator)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     add_arguments(commands.add_parser("dump", help="print a script's programs, without running",
@@ -103,7 +108,6 @@ def _version() -> str:
 
 
 def _run(args) -> int:
-    from launch.env import LaunchError
     from launch.local import default_nproc, run_script
     from launch.script import load_script
 
@@ -128,12 +132,11 @@ def _run(args) -> int:
         except subprocess.TimeoutExpired:
             print(f"overlap run: torchrun still running after {args.timeout} s", file=sys.stderr)
             return 124
-    if args.max_restarts:
-        raise LaunchError("--max-restarts: the local launcher and torchrun restart, Ray does not")
-    from launch.ray_pool import RayPool
+    from launch.ray_pool import call_with_restarts
 
-    with RayPool(nproc, address=args.address, timeout_s=args.timeout or 600.0) as pool:
-        pool.call(_script_main, args.script, args.args)
+    call_with_restarts(nproc, _script_main, args.script, args.args,
+                       max_restarts=args.max_restarts, address=args.address,
+                       timeout_s=args.timeout or 600.0, placement=args.placement)  # fmt: skip
     return 0
 
 

@@ -1,10 +1,12 @@
-"""Where this process runs: under torchrun, under ``overlap run --launcher local``, or
-alone; and the process group and ``Communicator`` for it.
+"""Where this process runs: under torchrun, under ``overlap run --launcher local``, in a
+Ray pool's actor, or alone; and the process group and ``Communicator`` for it.
 
 torchrun is detected with ``torch.distributed.is_torchelastic_launched()`` (Ray Train and
 others set ``RANK`` too, so ``RANK`` alone proves nothing); its ``LOCAL_RANK`` comes from
 the environment. The local launcher runs on torchelastic too, and marks its processes
-with ``OVERLAP_LAUNCHER=local``. NCCL on GPUs (each process on the GPU of its local
+with ``OVERLAP_LAUNCHER=local``, a Ray pool (``launch.ray_pool``) its actors with
+``OVERLAP_LAUNCHER=ray`` and torchrun's variables (the attempt in
+``TORCHELASTIC_RESTART_COUNT`` among them). NCCL on GPUs (each process on the GPU of its local
 rank), gloo on CPUs.
 """
 
@@ -30,20 +32,21 @@ class LaunchError(RuntimeError):
 class RankEnvironment:
     """What a launcher told this process."""
 
-    launcher: str  # "torchrun", "local" or "none"
+    launcher: str  # "torchrun", "local", "ray" or "none"
     rank: int
     local_rank: int
     world_size: int
     master_addr: str
     master_port: int
     run_id: str = ""  # TORCHELASTIC_RUN_ID under torchelastic (torchrun, local)
-    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchelastic
+    restart_count: int = 0  # TORCHELASTIC_RESTART_COUNT under torchelastic and Ray
 
 
 def launcher() -> str:
-    """``"torchrun"``, ``"local"`` (``overlap run --launcher local``) or ``"none"``."""
-    if os.environ.get("OVERLAP_LAUNCHER") == "local":
-        return "local"
+    """``"torchrun"``, ``"local"`` (``overlap run --launcher local``), ``"ray"`` (a Ray
+    pool's actor) or ``"none"``."""
+    if os.environ.get("OVERLAP_LAUNCHER") in ("local", "ray"):
+        return os.environ["OVERLAP_LAUNCHER"]
     if dist.is_torchelastic_launched():
         return "torchrun"
     return "none"

@@ -5,14 +5,19 @@
     pool.shutdown()
 
 The actors sit in one placement group (a GPU bundle per rank on GPUs, a CPU bundle
-otherwise), set up the process group among themselves (NCCL on GPUs, gloo on CPUs;
-the rendezvous at rank 0's node), build a ``MultiDeviceExecutor`` for each fusion they
-are sent (the definition travels by pickle) and run its host program; the driver
-assembles the whole outputs from their pieces.
+otherwise), spread over the cluster's nodes by default (``placement``: Ray's strategies),
+set up the process group among themselves (NCCL on GPUs, gloo on CPUs; the rendezvous
+at rank 0's node, on a port rank 0 found free there), build a ``MultiDeviceExecutor``
+for each fusion they are sent (the definition travels by pickle) and run its host
+program; the driver assembles the whole outputs from their pieces. Ranks are numbered
+node by node, as torchrun numbers them: the ranks of one node are consecutive, so a
+mesh's inner axis stays inside a node.
 
 Every call is watched: when any actor raises or dies, the call fails at once with that
 rank's error, the pool is torn down (its peers may be blocked in a collective that
-will never finish), and ``RayPool`` can be built again. On GPUs actors see every GPU
+will never finish), and ``RayPool`` can be built again; ``call_with_restarts`` does
+that by itself, up to ``max_restarts`` times, each attempt's number in the ranks'
+``TORCHELASTIC_RESTART_COUNT`` as under torchrun. On GPUs actors see every GPU
 of their node (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: hiding all but one has
 slowed and hung NCCL on NVSwitch hosts) and take the one of their local rank; a bounded
 process-group timeout keeps NCCL from waiting forever on a dead peer.
@@ -23,6 +28,7 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -85,10 +91,15 @@ class _Rank:
         port = free_port("")  # every interface: the other nodes' ranks connect to it
         return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
 
-    def setup(self, master: str, port: int, local_rank: int, timeout_s: float) -> str:
+    def setup(self, master: str, port: int, local_rank: int, restart_count: int,
+              timeout_s: float) -> str:  # fmt: skip
         from overlap import Communicator
 
-        os.environ.update(MASTER_ADDR=master, MASTER_PORT=str(port))
+        # what a launched rank reads (``launch.rank_environment``), named as torchrun names it
+        os.environ.update(OVERLAP_LAUNCHER="ray", RANK=str(self.rank), LOCAL_RANK=str(local_rank),
+                          WORLD_SIZE=str(self.world_size), MASTER_ADDR=master,
+                          MASTER_PORT=str(port),
+                          TORCHELASTIC_RESTART_COUNT=str(restart_count))  # fmt: skip
         backend, device = ("nccl", f"cuda:{local_rank}") if self.use_gpu else ("gloo", "cpu")
         self.communicator = Communicator.initialize(backend, timeout_s, device, self.rank,
                                                     self.world_size)  # fmt: skip
@@ -119,8 +130,32 @@ class _Rank:
         return pieces, (executor.fusion.outputs if self.rank == 0 else None)
 
 
+# Ray's placement strategies: SPREAD puts the bundles on as many nodes as it can, PACK on
+# as few, the STRICT ones insist (one node a rank; one node for all)
+PLACEMENTS = ("SPREAD", "PACK", "STRICT_SPREAD", "STRICT_PACK")
+
+
+def ranks_node_by_node(bundle_nodes: dict[int, str]) -> list[int]:
+    """The bundle of each rank: the bundles grouped by their node (the nodes in the order
+    of their first bundle), in bundle order within a node; ``bundle_nodes`` maps each
+    bundle to its node. SPREAD places bundles 0, 1, 2, 3 on nodes A, B, A, B: ranks 0, 1
+    then take bundles 0, 2 on A, and ranks 2, 3 bundles 1, 3 on B."""
+    first_bundle: dict[str, int] = {}
+    for bundle in sorted(bundle_nodes):
+        first_bundle.setdefault(bundle_nodes[bundle], bundle)
+    return sorted(bundle_nodes, key=lambda bundle: (first_bundle[bundle_nodes[bundle]], bundle))
+
+
 class RayPool:
-    """``world_size`` actors, one per rank; see the module's text."""
+    """``world_size`` actors, one per rank; see the module's text.
+
+    ``placement``: how the ranks' bundles go over the nodes, one of Ray's strategies
+    (``PLACEMENTS``): ``SPREAD`` (default) over as many nodes as have room, ``PACK`` on
+    as few as hold them (a job smaller than a node's GPUs stays on its NVLink),
+    ``STRICT_SPREAD`` one node per rank, ``STRICT_PACK`` all on one node.
+    ``restart_count``: the attempt this pool runs (``call_with_restarts`` counts them);
+    every rank reads it in ``launch.rank_environment().restart_count``. After the start,
+    ``nodes`` holds each rank's node id and ``devices`` its device."""
 
     def __init__(
         self,
@@ -129,10 +164,14 @@ class RayPool:
         use_gpus: bool | None = None,
         timeout_s: float = 120.0,  # for starting: placement group, actors, process group
         init_options: dict | None = None,
+        placement: str = "SPREAD",
+        restart_count: int = 0,
     ) -> None:
         ray = _ray()
         if world_size < 1:
             raise LaunchError(f"world_size={world_size}: at least one rank")
+        if placement not in PLACEMENTS:
+            raise LaunchError(f"placement {placement!r}: one of {', '.join(PLACEMENTS)}")
         if not ray.is_initialized():
             _quiet_ray()
             options = {"include_dashboard": False, "log_to_driver": True, **(init_options or {})}
@@ -151,23 +190,24 @@ class RayPool:
             raise LaunchError(f"{world_size} CPU ranks asked for; the cluster has {cpus} CPUs")
         self.world_size, self.timeout_s = world_size, timeout_s
         self._ray = ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {"GPU": 1} if self.use_gpus else {"CPU": 1}
-        self._group = placement_group([bundle] * world_size, strategy="PACK")
+        self._group = placement_group([bundle] * world_size, strategy=placement)
         ready, _ = ray.wait([self._group.ready()], timeout=timeout_s)
         if not ready:
             ray.util.remove_placement_group(self._group)
-            raise LaunchError(f"the placement group of {world_size} {bundle} bundles was not "
-                              f"ready within {timeout_s} s")  # fmt: skip
+            raise LaunchError(f"the placement group of {world_size} {bundle} bundles "
+                              f"({placement}) was not ready within {timeout_s} s")  # fmt: skip
+        bundles = ranks_node_by_node(placement_group_table(self._group)["bundles_to_node_id"])
         actor = ray.remote(_Rank)
         self.actors = [
             actor.options(
                 num_gpus=1 if self.use_gpus else 0,
                 num_cpus=0 if self.use_gpus else 1,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._group, placement_group_bundle_index=rank
+                    placement_group=self._group, placement_group_bundle_index=bundles[rank]
                 ),
                 runtime_env={"env_vars": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}},
             ).remote(rank, world_size, self.use_gpus)
@@ -176,10 +216,10 @@ class RayPool:
         try:
             places = self._gather([a.address.remote() for a in self.actors], timeout_s)
             master, _, port = places[0]
-            nodes = [node for _, node, _ in places]
-            local_ranks = [nodes[:rank].count(nodes[rank]) for rank in range(world_size)]
+            self.nodes = [node for _, node, _ in places]
+            local_ranks = [self.nodes[:rank].count(self.nodes[rank]) for rank in range(world_size)]
             self.devices = self._gather([
-                a.setup.remote(master, port, local_ranks[rank], timeout_s)
+                a.setup.remote(master, port, local_ranks[rank], restart_count, timeout_s)
                 for rank, a in enumerate(self.actors)
             ], timeout_s)  # fmt: skip
         except BaseException:
@@ -318,3 +358,35 @@ class RayPool:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
+
+
+def call_with_restarts(
+    world_size: int, function: Callable, *args, max_restarts: int = 0, **pool_options
+) -> list:
+    """``function(communicator, *args)`` on every rank of a new ``RayPool``; the results
+    in rank order. When a rank raises or dies the pool is torn down (fail-fast), built
+    again and the function called again, up to ``max_restarts`` times, as torchrun
+    restarts its workers; each attempt's ranks read its number in
+    ``launch.rank_environment().restart_count`` (``TORCHELASTIC_RESTART_COUNT``: 0, then
+    1...), so a training loop can resume from its last checkpoint. ``pool_options`` go to
+    ``RayPool``. The last attempt's ``PoolError`` is raised when no restart is left::
+
+        def train(communicator):
+            if rank_environment().restart_count:
+                ...  # load the last checkpoint
+        call_with_restarts(8, train, max_restarts=3, address="auto")
+    """
+    if max_restarts < 0:
+        raise LaunchError(f"max_restarts={max_restarts}: 0 or more")
+    attempt = 0
+    while True:
+        try:
+            with RayPool(world_size, restart_count=attempt, **pool_options) as pool:
+                return pool.call(function, *args)
+        except PoolError as error:
+            if attempt == max_restarts:
+                raise
+            attempt += 1
+            sys.stderr.write(f"[overlap] {error}; starting every rank again (restart {attempt} "
+                             f"of {max_restarts})\n")  # fmt: skip
+            sys.stderr.flush()

@@ -327,6 +327,19 @@ def test_a_broken_launch_environment_is_refused(monkeypatch):
         rank_environment()
 
 
+def test_a_ray_pool_numbers_its_ranks_node_by_node_whatever_the_bundles_order():
+    from launch.ray_pool import ranks_node_by_node
+
+    # SPREAD alternates the nodes; the ranks of a node must still be consecutive, so that
+    # a mesh's inner (tensor-parallel) axis stays inside a node
+    spread = {0: "a", 1: "b", 2: "a", 3: "b", 4: "c"}
+    ranks = ranks_node_by_node(spread)
+    assert [spread[bundle] for bundle in ranks] == ["a", "a", "b", "b", "c"]
+    assert ranks == [0, 2, 1, 3, 4]
+    assert ranks_node_by_node({0: "b", 1: "a", 2: "b"}) == [0, 2, 1]  # rank 0 on bundle 0
+    assert ranks_node_by_node({1: "a", 0: "a"}) == [0, 1]
+
+
 # -- the Ray pool ----------------------------------------------------------------------
 
 ray = pytest.importorskip("ray")
