@@ -107,6 +107,8 @@ class RankProgram:
             self.ctx, setup.symmetric, setup.hardware if compiled.schedule else None
         )
         self.deferred: list[tuple] = []  # CPU waits put off to their loop's end
+        # per chunk slot of a loop: the axis it is cut along and its offset in the piece
+        self.chunk_offsets: dict[object, tuple[int, int]] = {}
         self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
@@ -298,6 +300,7 @@ class RankProgram:
         else:
             chunk = scheme.chunk(iteration, 0)
         offset, size = chunk_rows(self.local_shape(source)[dim], scheme, chunk, split)
+        self.chunk_offsets[result] = (dim, offset)  # in values (fp4: before halving)
         if is_packed(source) and dim == source.ndim - 1:
             if offset % 2 or size % 2:
                 raise ShardingError(
