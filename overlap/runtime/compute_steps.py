@@ -76,6 +76,9 @@ class ComputeSteps:
         else:
             params = override or scheduler.configure(plan, hardware, shape_of)
         launch = scheduler.launcher(plan, params, hardware, shape_of)
+        if getattr(plan, "masks", ()):  # dropout masks: drawn from this piece's indices
+            mask = plan.masks[0].output
+            launch = launch.at(self.origin(mask, aliases.get(mask)))
         program.chosen_params[kernel.name] = params
         program.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = program.ctx.device
