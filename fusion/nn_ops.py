@@ -1,16 +1,17 @@
 """Ops of neural-network blocks that are not elementwise, reductions or contractions:
-an index (``iota``), dropout's mask (``dropout_mask``), a stop-gradient (``detach``), a concatenation (``cat``), an
-embedding lookup and scaled dot-product attention, each with its gradient's op.
-``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``, ...). Layer and
-group normalization are compositions of ``fusion.ops`` (a variance and mean, ``rsqrt``,
-pointwise ops), not ops of their own: the normalization scheduler fuses what it knows,
-``fusion.autodiff`` differentiates op by op; this module's ``layer_norm`` and
-``group_norm`` build them.
+an index (``iota``), dropout's mask (``dropout_mask``), a stop-gradient (``detach``), a
+concatenation (``cat``), an embedding lookup and scaled dot-product attention, each with
+its gradient's op. ``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``,
+...). Layer and group normalization are compositions of ``fusion.ops`` (a variance and
+mean, ``rsqrt``, pointwise ops), not ops of their own: the normalization scheduler fuses
+what it knows, ``fusion.autodiff`` differentiates op by op; this module's ``layer_norm``
+and ``group_norm`` build them.
 
 Split over ranks, each keeps the single-device meaning: an ``iota``'s piece holds its own
-global indices, a dropout mask's piece draws its own elements' bits, an embedding over a piece of the table's rows gives the rows that piece
-holds and zeros elsewhere (the pieces' lookups sum to the whole one: a vocabulary-parallel
-embedding), attention splits along its leading (batch, heads) axes.
+global indices, a dropout mask's piece draws its own elements' bits, an embedding over a
+piece of the table's rows gives the rows that piece holds and zeros elsewhere (the
+pieces' lookups sum to the whole one: a vocabulary-parallel embedding), attention splits
+along its leading (batch, heads) axes.
 
 Example::
 

@@ -150,10 +150,12 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
             axes = mask.output.logical_axes
             starts.update(d for d, axis in enumerate(axes) if axis.parallel_type.is_device)
         collapsed = collapse(len(shape), [mappings[t] for t in inputs], frozenset(starts))
-        seeds = frozenset(i for i, tensor in enumerate(inputs)
-                          if all(isinstance(e, DropoutMaskOp) for e in tensor.uses if e in exprs))  # fmt: skip
-        return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape), masks,
-                             seeds)  # fmt: skip
+        seeds = frozenset(
+            i
+            for i, tensor in enumerate(inputs)
+            if all(isinstance(use, DropoutMaskOp) for use in tensor.uses if use in exprs)
+        )
+        return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape), masks, seeds)
 
     def heuristics(
         self,
@@ -364,9 +366,7 @@ def _global_index(emit: Emitter, coordinates: list[str], tiled: bool) -> str:
     return emit.assign(" + ".join(["index_base", *terms, coordinates[-1]]), "index")
 
 
-def index_arguments(
-    plan: PointwisePlan, shape: list[int], origin: list[int] | None
-) -> list[int]:
+def index_arguments(plan: PointwisePlan, shape: list[int], origin: list[int] | None) -> list[int]:
     """The values of ``_index_arguments`` for a launch over ``shape`` (the local extents
     of the iteration space) starting at ``origin`` (None: at the start) of the whole
     tensor the plan's masks have. Raises ``ValueError`` where an element's global index
@@ -385,6 +385,12 @@ def index_arguments(
             )
     base = sum(o * s for o, s in zip(origin, strides, strict=True))
     return [base, *(strides[group[-1]] for group in plan.collapsed.groups[:-1])]
+
+
+def cuts_inside_a_group(plan: PointwisePlan, dim: int) -> bool:
+    """Whether cutting axis ``dim`` of the space (a loop's chunks) cuts inside a group of
+    merged axes: the kernel's global indices (``index_arguments``) then do not hold."""
+    return any(dim in group[1:] for group in plan.collapsed.groups)
 
 
 def constants(plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:

@@ -48,8 +48,8 @@ def piece_origin(tensor: TensorView, rank: int, shape: list[int]) -> list[int]:
     coords = layout.mesh.coords(rank)
     for mesh_axis, placement in enumerate(layout.placements):
         if isinstance(placement, Shard):
-            dim = placement.dim
-            offset, size = split_range(extents[dim], layout.mesh.shape[mesh_axis], coords[mesh_axis])
+            dim, parts = placement.dim, layout.mesh.shape[mesh_axis]
+            offset, size = split_range(extents[dim], parts, coords[mesh_axis])
             origin[dim] += offset
             extents[dim] = size
     return origin

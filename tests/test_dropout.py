@@ -1,6 +1,8 @@
 """Dropout in training mode (``fusion.random``, ``fusion.capture``): a counter-based mask
 from a seed and each element's global index, so every rank holding an element, the
-reference evaluator, generated kernels and the backward all draw the same bit."""
+reference evaluator, generated kernels and the backward all draw the same bit. The mask
+is an IR op (``dropout_mask``) that generated kernels draw in registers: no mask in
+memory, no kernel of its own."""
 
 from __future__ import annotations
 
@@ -11,11 +13,18 @@ import torch
 from distributed import RankError
 from torch.distributed.tensor import Shard
 
+from fusion import FusionDefinition
 from fusion.capture import capture
+from fusion.exprs import DropoutMaskOp
+from fusion.ir import ParallelType
 from fusion.random import dropout_mask, element_hash, fmix32
 from fusion.reference import evaluate
 from fusion.testing import assert_close
+from fusion.torch_ops import fell_back
 from overlap import MultiDeviceExecutor, parallelize
+from overlap.ir import ForLoop, LaunchKernel, walk
+from schedulers.hardware import INTERPRETER
+from schedulers.pointwise import PointwiseScheduler
 
 
 class ScaledDropout(torch.nn.Module):
@@ -130,10 +139,86 @@ def test_generated_kernels_equal_the_reference_evaluator_exactly():
     assert torch.equal(ours, expected)
 
 
+def generated_kernels(captured) -> list[LaunchKernel]:
+    """The kernels of ``captured``'s program with generated kernels, loops included."""
+    executor = MultiDeviceExecutor(captured.fd, kernels="generated")
+    return [i for i in walk(executor.compiled.host.instructions) if isinstance(i, LaunchKernel)]
+
+
+def test_the_mask_is_drawn_inside_the_kernel_of_the_product_not_held_in_memory():
+    torch.manual_seed(0)
+    module, x = ScaledDropout(33, 0.4), torch.randn(5, 33)
+    captured = capture(module.train(), [x])
+    text = str(captured.fd)
+    assert "= dropout_mask(T4, p=0.4)" in text, text
+    assert "torch_op" not in text and "fell back to torch" not in text, text
+    # as many kernels as the module without dropout (it was two and a torch op): one,
+    # generated, reading x, the weight and the seed, no mask
+    (kernel,) = generated_kernels(captured)
+    assert len(generated_kernels(capture(module.eval(), [x]))) == 1
+    assert kernel.backend == "pointwise"
+    assert any(isinstance(expr, DropoutMaskOp) for expr in kernel.exprs)
+    assert [t.name for t in kernel.inputs] == [t.name for t in captured.fd.fusion.inputs]
+
+
+@pytest.mark.parametrize(("split", "groups"), [((), ((0, 1, 2),)),
+                                               ((1,), ((0,), (1, 2))),
+                                               ((1, 2), ((0,), (1,), (2,)))])  # fmt: skip
+def test_a_kernel_draws_a_pieces_bits_from_where_the_piece_starts(split, groups):
+    # a device-split axis starts a group of its own, so an element's global index stays
+    # linear in the kernel's coordinates (a tile's rows and columns, or a flat kernel's
+    # three); the piece's start comes as runtime arguments, the kernel the same for all
+    whole, p = [3, 4, 6], 0.5
+    with FusionDefinition("dropped") as fd:
+        x, seed = fd.define_tensor(whole, "f32"), fd.define_tensor([1], "i64")
+        mask = fd.ops.dropout_mask(seed, whole, p)
+        fd.add_output(x * mask)
+    for dim in split:
+        for tensor in (mask, fd.fusion.outputs[0]):
+            tensor.axis(dim).parallel_type = ParallelType.DIDx
+    scheduler = PointwiseScheduler()
+    plan = scheduler.plan(fd.fusion.exprs, [x, seed], fd.fusion.outputs)
+    assert plan.collapsed.groups == groups
+    values, seed_value = torch.randn(whole), torch.tensor([-(2**40) - 3])
+    sources = set()
+    # two ranks' pieces along each split axis: the first halves, then the second ones
+    extents = [e // 2 if d in split else e for d, e in enumerate(whole)]
+    for origin in ([0, 0, 0], [e if d in split else 0 for d, e in enumerate(extents)]):
+        piece = values[tuple(slice(o, o + e) for o, e in zip(origin, extents, strict=True))]
+        shapes = {x: extents, seed: [1], fd.fusion.outputs[0]: extents}
+        params = scheduler.heuristics(plan, INTERPRETER, extents)
+        sources.add(scheduler.kernels(plan, params, extents)[0].source)
+        launch = scheduler.launcher(plan, params, INTERPRETER, shapes.get).at(origin)
+        out = torch.empty(extents)
+        launch([piece.contiguous(), seed_value], [out], shapes)
+        expected = piece * dropout_mask(seed_value, whole, p, origin, extents)
+        assert torch.equal(out, expected), (split, origin)
+    assert len(sources) == 1  # no rank's offset in the source
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_a_mask_drawn_chunk_by_chunk_in_a_loop_is_the_whole_masks_chunks(dim):
+    # chunks along the leading axis: the kernel at each chunk's start; along an axis the
+    # kernel merged with the one before, the evaluator draws each chunk
+    whole = [8, 6]
+    with FusionDefinition("chunked") as fd:
+        x, seed = fd.define_tensor(whole, "f32"), fd.define_tensor([1], "i64")
+        y = x * fd.ops.dropout_mask(seed, whole, 0.5)
+        fd.add_output(y)
+    for tensor in (y, y.definition.inputs[1]):
+        tensor.axis(dim).stream(2)
+    inputs = [torch.randn(whole), torch.tensor([5])]
+    (expected,) = evaluate(fd.fusion, inputs)
+    executor = MultiDeviceExecutor(fd, kernels="generated")
+    assert any(isinstance(i, ForLoop) for i in executor.compiled.host.instructions)
+    (ours,) = executor.run(inputs)
+    assert torch.equal(ours, expected)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_replayed_from_a_graph_the_mask_follows_each_calls_seed():
-    # the mask's torch op is captured in a CUDA graph: a replay must read the seed the call
-    # passes (not the one captured) and draw the CPU reference evaluator's mask
+    # the kernel drawing the mask is captured in a CUDA graph: a replay must read the seed
+    # the call passes (not the one captured) and draw the CPU reference evaluator's mask
     torch.manual_seed(0)
     module, x = ScaledDropout(33, 0.4).train(), torch.randn(64, 33)
     captured = capture(module, [x])
@@ -202,6 +287,50 @@ def test_dropout_split_over_two_ranks_draws_the_one_device_mask(rank_pools, spli
     results = rank_pools(2).run(parallel_dropout, split_dim, kernels, timeout=180)
     # the second call drew another mask (the seed advanced) on every rank
     assert results == [[True], [True]]
+
+
+class DropoutBetweenFallbacks(torch.nn.Module):
+    """Dropout between two ops PyTorch runs (``cumsum`` has no translation): the mask
+    drawn beside torch ops, whose tensors every rank holds whole."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(1.0 + 0.1 * torch.randn(hidden))
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x):
+        return torch.cumsum(self.drop(torch.cumsum(x, 0) * self.weight), 1)
+
+
+def dropout_between_fallbacks(communicator):
+    """``DropoutBetweenFallbacks`` split by rows over the ranks with generated kernels:
+    each rank's output piece bitwise the one-device reference's, its input gradient's
+    within rounding. Returns, per rank, the ops that fell back to torch."""
+    torch.manual_seed(0)
+    module, x = DropoutBetweenFallbacks(10).train(), torch.randn(7, 10)
+    captured = capture(module, [x])
+    leaves = [t.clone().requires_grad_(t.is_floating_point())
+              for t in captured.inputs(module, x, seed=11)]  # fmt: skip
+    (y_whole,) = evaluate(captured.fd.fusion, leaves)
+    grad = torch.randn(y_whole.shape, generator=torch.Generator().manual_seed(1))
+    (x_grad,) = torch.autograd.grad(y_whole, [leaves[1]], grad)
+    block = parallelize(module, [x], communicator, {}, inputs=[Shard(0)], outputs=[Shard(0)],
+                        dtensors=False, seed=11, kernels="generated")  # fmt: skip
+    (x_piece,) = block.input_pieces(x)
+    x_piece.requires_grad_()
+    y_piece = block(x_piece)
+    (wanted,) = block.output_pieces(y_whole.detach())
+    assert torch.equal(y_piece, wanted), f"rank {communicator.rank}"
+    (grad_piece,) = block.output_pieces(grad)
+    y_piece.backward(grad_piece)
+    (x_grad_piece,) = block.input_pieces(x_grad)
+    assert_close(x_piece.grad, x_grad_piece, reduction_extent=10)
+    return fell_back(captured.fd.fusion)
+
+
+def test_dropout_between_ops_that_fall_back_to_torch_draws_the_one_device_mask(rank_pools):
+    results = rank_pools(2).run(dropout_between_fallbacks, timeout=180)
+    assert results == [["aten.cumsum.default"]] * 2
 
 
 def seeded_by_each_rank(communicator):

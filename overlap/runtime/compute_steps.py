@@ -40,6 +40,7 @@ from fusion.torch_ops import run_torch_op
 from overlap.comm.communications import identity
 from overlap.diag import progress
 from overlap.ir import LaunchKernel
+from schedulers.pointwise import PointwisePlan, cuts_inside_a_group
 from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range
@@ -76,9 +77,15 @@ class ComputeSteps:
         else:
             params = override or scheduler.configure(plan, hardware, shape_of)
         launch = scheduler.launcher(plan, params, hardware, shape_of)
-        if getattr(plan, "masks", ()):  # dropout masks: drawn from this piece's indices
-            mask = plan.masks[0].output
-            launch = launch.at(self.origin(mask, aliases.get(mask)))
+        if isinstance(plan, PointwisePlan) and plan.masks:  # drawn from the piece's indices
+            mask, chunk = plan.masks[0].output, aliases.get(plan.masks[0].output)
+            cut = program.chunk_offsets.get(chunk)
+            if cut is not None and cuts_inside_a_group(plan, cut[0]):
+                # a loop's chunks cut an axis the kernel merged with the one before: the
+                # chunk's global indices are not linear in the kernel's coordinates, and
+                # the evaluator draws it (device splits start groups: never the case there)
+                return lambda: [compute() for compute in for_empty]
+            launch = launch.at(self.origin(mask, chunk))
         program.chosen_params[kernel.name] = params
         program.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = program.ctx.device
