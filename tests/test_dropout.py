@@ -13,7 +13,9 @@ import torch
 from distributed import RankError
 from torch.distributed.tensor import Shard
 
+import sharding
 from fusion import FusionDefinition
+from fusion.autodiff import backward
 from fusion.capture import capture
 from fusion.exprs import DropoutMaskOp
 from fusion.ir import ParallelType
@@ -23,8 +25,10 @@ from fusion.testing import assert_close
 from fusion.torch_ops import fell_back
 from overlap import MultiDeviceExecutor, parallelize
 from overlap.ir import ForLoop, LaunchKernel, walk
+from overlap.train.backward import saved_by_policy
 from schedulers.hardware import INTERPRETER
 from schedulers.pointwise import PointwiseScheduler
+from sharding import DeviceMesh, shard
 
 
 class ScaledDropout(torch.nn.Module):
@@ -117,6 +121,19 @@ def test_the_gradient_is_the_output_gradient_through_the_same_mask():
     mask = dropout_mask(torch.tensor([4]), [7, 10], 0.25)
     assert torch.equal(x_grad, grad * mask * module.weight.detach())
     assert_close(weight_grad, (grad * mask * x).sum(0), reduction_extent=7)
+
+
+def test_no_save_policy_stores_the_mask_the_backward_draws_it_again():
+    torch.manual_seed(0)
+    fusion = capture(ScaledDropout(10, 0.25).train(), [torch.randn(7, 10)]).fd.fusion
+    (mask,) = [e.output for e in fusion.exprs if isinstance(e, DropoutMaskOp)]
+    shard(fusion.inputs[1], DeviceMesh([0, 1]), [sharding.Shard(0)])  # x split by rows
+    for policy in ("matmuls", "everything"):
+        saved = saved_by_policy(fusion, policy)
+        assert mask not in saved, policy
+    grads = backward(fusion, saved=saved)
+    assert mask in grads.read and mask not in grads.saved
+    assert "dropout_mask" in [e.op_name for e in grads.fusion.exprs]
 
 
 def test_a_bf16_dropout_scales_in_float32_and_rounds_once():
