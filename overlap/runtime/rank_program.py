@@ -107,8 +107,7 @@ class RankProgram:
             self.ctx, setup.symmetric, setup.hardware if compiled.schedule else None
         )
         self.deferred: list[tuple] = []  # CPU waits put off to their loop's end
-        # per chunk slot of a loop: the axis it is cut along and its offset in the piece
-        self.chunk_offsets: dict[object, tuple[int, int]] = {}
+        self.chunk_offsets: dict[object, tuple[int, int]] = {}  # chunk: (axis, offset)
         self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
