@@ -22,8 +22,8 @@ The mask is an IR op, ``dropout_mask(seed, shape, p)`` (``fusion.nn_ops``,
 ``DropoutMaskOp``), that capture multiplies ``x`` by. Split over ranks, each rank draws
 its own piece's bits from the piece's global indices (``dropout_mask`` here with
 ``origin`` and ``extents``; generated kernels compute the same hash in registers from
-the element's global index, ``schedulers.codegen``), without communication and without
-a mask held in memory. Its gradient is none (the seed is an integer), so
+the element's global index, ``schedulers.triton_random``), without communication and
+without a mask held in memory. Its gradient is none (the seed is an integer), so
 ``d dropout(x) / dx = grad * mask`` follows from the multiply, the backward drawing the
 mask again from the same seed.
 

@@ -213,6 +213,20 @@ def test_a_kernel_draws_a_pieces_bits_from_where_the_piece_starts(split, groups)
     assert len(sources) == 1  # no rank's offset in the source
 
 
+@pytest.mark.parametrize("p", [0.0, 1.0])
+def test_a_generated_mask_at_p_zero_keeps_everything_and_at_p_one_nothing(p):
+    # the thresholds at the ends: 0 (every hash reaches it) and 2^32 (none does, and no
+    # uint32 holds it)
+    with FusionDefinition("ends") as fd:
+        seed = fd.define_tensor([1], "i64")
+        fd.add_output(fd.ops.dropout_mask(seed, [5, 7], p))
+    inputs = [torch.tensor([3])]
+    (expected,) = evaluate(fd.fusion, inputs)
+    assert torch.equal(expected, torch.full([5, 7], 1.0 if p == 0 else 0.0))
+    (ours,) = MultiDeviceExecutor(fd, kernels="generated").run(inputs)
+    assert torch.equal(ours, expected)
+
+
 @pytest.mark.parametrize("dim", [0, 1])
 def test_a_mask_drawn_chunk_by_chunk_in_a_loop_is_the_whole_masks_chunks(dim):
     # chunks along the leading axis: the kernel at each chunk's start; along an axis the
