@@ -8,8 +8,8 @@ Providers (ms per call, GB/s of the activation read and written once, fraction o
 measured 1 GiB device-to-device copy):
 
 - ``ours``: the captured ``nn.Dropout(x * w)`` with generated kernels (replayed from a
-  CUDA graph): one kernel, the mask drawn in registers (``fusion.random``'s bits, checked
-  bitwise against the reference evaluator first);
+  CUDA graph): one kernel, the mask drawn in registers (``fusion.random``'s bits: the
+  dropped elements checked bitwise against the reference evaluator first);
 - ``ours_no_dropout``: the same module in eval mode (``x * w`` alone): the floor;
 - ``mask_in_memory``: what the program ran before the mask was fused, in eager PyTorch:
   ``x * w``, the whole float32 mask made by ``fusion.random.dropout_mask`` and written
@@ -38,6 +38,7 @@ from benchmarks.timing import time_rounds  # noqa: E402
 from fusion.capture import capture  # noqa: E402
 from fusion.random import dropout_mask  # noqa: E402
 from fusion.reference import evaluate  # noqa: E402
+from fusion.testing import assert_close  # noqa: E402
 from overlap import MultiDeviceExecutor  # noqa: E402
 
 P = 0.1
@@ -72,8 +73,10 @@ def main() -> None:
         executor = MultiDeviceExecutor(captured.fd, kernels="generated", cuda_graph=graphed)
         on_device = [t.to(device) for t in inputs]
         (ours,) = executor.run(on_device)
-        if not torch.equal(ours.cpu(), expected):
-            raise SystemExit(f"{name}: the generated kernels differ from the reference")
+        # the same elements dropped, bitwise; the values as the tests compare them
+        if not torch.equal(ours.cpu() == 0, expected == 0):
+            raise SystemExit(f"{name}: the kernel drew other bits than the reference")
+        assert_close(ours.cpu(), expected)
         print(f"{name}: {executor.kernel_report()}", flush=True)
         functions[name] = lambda e=executor, i=on_device: e.run(i)
     x_here, weight = x.to(device), module.weight.detach().to(device)

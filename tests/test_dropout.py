@@ -325,7 +325,8 @@ def parallel_dropout(communicator, split_dim: int, kernels: str):
 
 
 @pytest.mark.parametrize(("split_dim", "kernels"),
-                         [(0, "reference"), (1, "reference"), (1, "generated")])  # fmt: skip
+                         [(0, "reference"), (1, "reference"), (0, "generated"),
+                          (1, "generated")])  # fmt: skip
 def test_dropout_split_over_two_ranks_draws_the_one_device_mask(rank_pools, split_dim, kernels):
     results = rank_pools(2).run(parallel_dropout, split_dim, kernels, timeout=180)
     # the second call drew another mask (the seed advanced) on every rank
