@@ -81,7 +81,7 @@ sys.path.insert(0, str(ROOT))
 
 from benchmarks.ag_matmul import torchrun_communicator  # noqa: E402
 from benchmarks.kernels import compiled_alone  # noqa: E402
-from benchmarks.timing import host_ms, slowest, time_rounds  # noqa: E402
+from benchmarks.timing import host_ms, profile_steps, slowest, time_rounds  # noqa: E402
 from fusion import FusionDefinition  # noqa: E402
 from overlap import (  # noqa: E402
     MultiDeviceExecutor,
@@ -483,7 +483,8 @@ def run_training(communicator, shape, args) -> dict:
     host = issue_times({n: calls[n] for n in ("ours", "ours_lean", "eager") if n in calls},
                        device)  # fmt: skip
     if args.profile:
-        profile_steps(calls, ("ours", "ours_lean", "compile_async_tp"), shape, args.profile,
+        label = f"mlp_train_{'x'.join(map(str, shape))}"
+        profile_steps(calls, ("ours", "ours_lean", "compile_async_tp"), label, args.profile,
                       communicator)  # fmt: skip
     return {
         "block": "mlp_train", "tokens": tokens, "hidden": hidden, "ffn": ffn, "world": world,
@@ -495,39 +496,6 @@ def run_training(communicator, shape, args) -> dict:
         "checked_every_rank": True,
         "backward_reads": models["ours"].explain_backward(),
     }  # fmt: skip
-
-
-def profile_steps(calls: dict, names, shape, folder: str, communicator, steps: int = 3) -> None:
-    """``steps`` steps of each of ``names`` under ``torch.profiler`` on every rank (their
-    collectives need all), rank 0's kernels and host calls written to ``folder`` as a
-    table (by GPU time, and by host time) and a Chrome trace: where one step spends what
-    another does not (the replayed default against the lean path)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = communicator.device.type == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    Path(folder).mkdir(parents=True, exist_ok=True)
-    for name in names:
-        if name not in calls:
-            continue
-        calls[name]()  # the profiler's own start-up outside the steps
-        if cuda:
-            torch.cuda.synchronize()
-        dist.barrier()
-        with profile(activities=activities) as prof:
-            for _ in range(steps):
-                calls[name]()
-            if cuda:
-                torch.cuda.synchronize()
-        if communicator.rank == 0:
-            stem = Path(folder) / f"mlp_train_{'x'.join(map(str, shape))}_{name}"
-            averages = prof.key_averages()
-            tables = [f"{steps} steps of {name} at {shape}, rank 0",
-                      averages.table(sort_by="self_device_time_total" if cuda else
-                                     "self_cpu_time_total", row_limit=30),
-                      averages.table(sort_by="self_cpu_time_total", row_limit=30)]  # fmt: skip
-            stem.with_suffix(".txt").write_text("\n\n".join(tables))
-            prof.export_chrome_trace(str(stem.with_suffix(".json")))
 
 
 def _saved_pieces(model: TrainableFusion, leaves) -> list[torch.Tensor]:

@@ -8,7 +8,8 @@ demo's MLP among them, each with its backward) and the gradients of
 (compiled Triton) kernels, and the pipelines of ``tests/test_pipelined.py`` and the
 pipelined SwiGLU backward over every transport, and modules parallelized from
 PyTorch (``tests/test_parallelize.py``: a vocabulary-parallel head, the Llama block under
-torch's plan, attention by ``scaled_dot_product_attention``), with NCCL and CUDA tensors. Each
+torch's plan, attention by ``scaled_dot_product_attention``, dropout's mask: the third step
+replayed from CUDA graphs reads its new seed), with NCCL and CUDA tensors. Each
 scenario checks **every rank's** output piece against the
 single-device reference (and the communications the framework inserted); every rank
 reports its verdict, and the table shows them side by side. Run it whenever a change
@@ -35,6 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 import test_backward_multidevice as backward  # noqa: E402
+import test_dropout as dropout  # noqa: E402
 import test_graphs as graphs  # noqa: E402
 import test_multidevice as scenarios  # noqa: E402
 import test_parallelize as parallel  # noqa: E402
@@ -95,6 +97,9 @@ def checks(world: int, cuda: bool):
             yield f"gradients: {block}", backward.gradients_on_every_rank, (block, k)
         if cuda:
             yield "training steps from CUDA graphs", trainable.trained_from_cuda_graphs, (k,)
+        for split_dim in (0, 1):  # on CUDA the third step replays graphs: a new seed read
+            name = f"parallelize: dropout's mask, split on axis {split_dim}"
+            yield name, dropout.parallel_dropout, (split_dim, k)
         for placement in ("replicate", "sequence"):
             name = f"parallelize: vocabulary-parallel head ({placement})"
             yield name, parallel.vocabulary_parallel, (9, placement, k)

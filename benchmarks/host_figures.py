@@ -366,6 +366,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=50, help="timed runs of each program")
     parser.add_argument("--out", help="the JSON written (default benchmarks/results/...)")
     parser.add_argument("--only", help="measure only the cases whose name contains this")
+    parser.add_argument("--skip", help="leave out the cases whose name contains this")
     parser.add_argument(
         "--case-timeout",
         type=float,
@@ -388,7 +389,7 @@ def main() -> None:
     timer_us = timer_costs_us()
     rows = []
     for case in cases(world, cuda):
-        if args.only and args.only not in case[0]:
+        if (args.only and args.only not in case[0]) or (args.skip and args.skip in case[0]):
             continue
         faulthandler.dump_traceback_later(args.case_timeout, exit=True)
         rows.append(measure_case(communicator, case, args.runs, busy, timer_us))

@@ -158,3 +158,40 @@ def slowest(values: dict[str, float], device: torch.device) -> dict[str, float]:
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def profile_steps(
+    calls: dict, names, label: str, folder: str, communicator, steps: int = 3
+) -> None:
+    """``steps`` steps of each of ``names`` under ``torch.profiler`` on every rank (their
+    collectives need all), rank 0's kernels and host calls written to ``folder`` as a
+    table (by GPU time, and by host time) and a Chrome trace: where one step spends what
+    another does not (the replayed default against the lean path)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = communicator.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    from pathlib import Path
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    for name in names:
+        if name not in calls:
+            continue
+        calls[name]()  # the profiler's own start-up outside the steps
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        with profile(activities=activities) as prof:
+            for _ in range(steps):
+                calls[name]()
+            if cuda:
+                torch.cuda.synchronize()
+        if communicator.rank == 0:
+            stem = Path(folder) / f"{label}_{name}"
+            averages = prof.key_averages()
+            tables = [f"{steps} steps of {name} ({label}), rank 0",
+                      averages.table(sort_by="self_device_time_total" if cuda else
+                                     "self_cpu_time_total", row_limit=30),
+                      averages.table(sort_by="self_cpu_time_total", row_limit=30)]  # fmt: skip
+            stem.with_suffix(".txt").write_text("\n\n".join(tables))
+            prof.export_chrome_trace(str(stem.with_suffix(".json")))

@@ -4,7 +4,8 @@
 lifted to inputs) and translates every ATen op of the graph into the IR through
 ``ATEN``, a table from op to a function building it with ``fusion.ops``. An ATen op
 without a translation falls back to PyTorch: an opaque ``TorchOp`` calls it on its
-tensors (``fusion.torch_ops``; its tensors whole on every rank), and the fusion's
+tensors (``fusion.torch_ops``; split as torch's DTensor strategy splits it, else its
+tensors whole on every rank: ``sharding.torch_strategy``), and the fusion's
 printout lists it under "fell back to torch". Before anything is built, every op of the
 graph is looked up: ops that are neither translated nor ATen ops (higher-order ops) raise
 one ``CaptureError`` listing each of them with the submodules it is used in. Broadcasting

@@ -383,7 +383,8 @@ class TensorSlot:
 class TorchOp(Expr):
     """``outs = target(*arguments, **keywords)``: an ATen op the IR has no translation
     for (``fusion.torch_ops``), run by PyTorch on the local pieces of its tensor inputs
-    (sharding keeps them whole on every rank: the ``torch op fallback`` rule).
+    (sharding splits them as torch's DTensor strategy does, ``sharding.torch_strategy``,
+    else keeps them whole on every rank: the ``torch op fallback`` rule).
     ``arguments`` and ``keywords`` hold the op's arguments with each tensor replaced by a
     ``TensorSlot``, its position among ``inputs`` (the operands are the tensors alone).
 

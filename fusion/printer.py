@@ -14,7 +14,9 @@ Example::
 
 An ATen op captured without a translation prints as ``T5 = torch_op[aten.cumsum.default](T3,
 dim=1)``, and a last line names every such op: ``fell back to torch: aten.cumsum.default
-(replicated)`` (PyTorch runs it, its tensors whole on every rank).
+(...)``: PyTorch runs it, split as torch's DTensor strategy splits it where torch has one
+(``sharding.torch_strategy``), else its tensors whole on every rank; once placed, the
+line says how each op's output is split (``aten.cumsum.default (split on axis 0)``).
 
 Once tensors are placed on device meshes, the meshes are listed first and each
 line ends with the mesh of its tensor (``@M0``). ``LEGEND`` says how to read it (the
@@ -23,6 +25,7 @@ demo prints it; docs/guide.md carries it).
 
 from __future__ import annotations
 
+from fusion.exprs import TorchOp
 from fusion.ir import Fusion, TensorView
 from fusion.torch_ops import fell_back
 
@@ -73,7 +76,29 @@ def fusion_to_text(fusion: Fusion) -> str:
     if fusion.constraints:
         lines.append("constraints:")
         lines.extend(f"  {constraint}" for constraint in fusion.constraints)
-    fallbacks = fell_back(fusion)
-    if fallbacks:
-        lines.append(f"fell back to torch: {', '.join(fallbacks)} (replicated)")
+    lines.extend(_fallbacks(fusion, placed=bool(meshes)))
     return "\n".join(lines)
+
+
+def _fallbacks(fusion: Fusion, placed: bool) -> list[str]:
+    """The last line: each op left to PyTorch, with how its output is split where the
+    fusion is placed (``sharding.torch_strategy`` chose it), else how it will be."""
+    if not placed:
+        fallbacks = fell_back(fusion)
+        if not fallbacks:
+            return []
+        return [f"fell back to torch: {', '.join(fallbacks)} (placed by torch's DTensor "
+                "strategy where it has one, else replicated)"]  # fmt: skip
+    described = []
+    for expr in fusion.exprs:
+        if isinstance(expr, TorchOp):
+            output = expr.outputs[0]
+            split = [d for d, a in enumerate(output.logical_axes) if a.parallel_type.is_device]
+            where = f"split on axis {split[0]}" if split else "whole on every rank"
+            if output.mesh is None:  # annotated fusion, not propagated yet
+                where = "not placed yet"
+            name = str(expr.target) if expr.vjp is None else f"{expr.target} backward"
+            described.append(f"{name} ({where})")
+    if not described:
+        return []
+    return [f"fell back to torch: {', '.join(dict.fromkeys(described))}"]

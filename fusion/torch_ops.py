@@ -7,8 +7,10 @@ metadata (``like``) or of the op run on meta tensors. ``run_torch_op`` computes 
 reference evaluator and the executor both call it), ``torch_vjp`` adds its backward: a
 second ``TorchOp`` whose values PyTorch's autograd computes from the forward op.
 
-Sharding keeps every tensor of a torch op whole on every rank (``sharding.rules``), so
-that the op sees what it would see on one device. A random op never gets here: capture
+Sharding splits a torch op as PyTorch's own DTensor strategy for it does, where torch
+has one and the split checks out on sample values (``sharding.torch_strategy``), and
+otherwise keeps every tensor of it whole on every rank (``sharding.rules``), so that the
+op sees what it would see on one device. A random op never gets here: capture
 refuses it (run by PyTorch it would draw other numbers on each rank and in the
 backward's replay; ``fusion.capture``). An op whose schema writes its inputs (``add_``)
 runs on copies of them: the fusion's values never change under it (a composite op that
@@ -111,15 +113,25 @@ def fell_back(fusion: Fusion) -> list[str]:
     return list(dict.fromkeys(str(e.target) for e in fusion.exprs if isinstance(e, TorchOp)))
 
 
-def _called(expr: TorchOp, tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
-    if expr.target._schema.is_mutable:  # writes its inputs: copies, the values stay as given
-        tensors = [t.clone() for t in tensors]
+def filled_arguments(
+    expr: TorchOp, tensors: Sequence[object], device: torch.device
+) -> tuple[tuple, dict]:
+    """``expr``'s forward arguments and keywords with its ``index``-th tensor input
+    ``tensors[index]`` (tensors, or torch's DTensors to ask its sharding propagator) and
+    every device they name ``device``."""
 
     def filled(value: object) -> object:
         return tensors[value.index]
 
     arguments = _on_device(_mapped(expr.arguments, TensorSlot, filled), device)
-    keywords = _on_device(_mapped(expr.keywords, TensorSlot, filled), device)
+    return arguments, _on_device(_mapped(expr.keywords, TensorSlot, filled), device)
+
+
+def _called(expr: TorchOp, tensors: Sequence[torch.Tensor], device) -> list[torch.Tensor]:
+    if expr.target._schema.is_mutable:  # writes its inputs: copies, the values stay as given
+        tensors = [t.clone() for t in tensors]
+
+    arguments, keywords = filled_arguments(expr, tensors, device)
     result = expr.target(*arguments, **keywords)
     return list(result) if isinstance(result, (tuple, list)) else [result]
 

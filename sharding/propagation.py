@@ -16,14 +16,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fusion.exprs import Expr, SetOp
+from fusion.exprs import Expr, SetOp, TorchOp
 from fusion.ir import Fusion, TensorView
-from fusion.torch_ops import fell_back
 from sharding.communication import Communication
 from sharding.errors import ShardingError
 from sharding.layout import Layout, apply_layout, layout_of
 from sharding.mesh import DeviceMesh
 from sharding.rules import mesh_rule
+from sharding.torch_strategy import fallback_placement
 
 
 @dataclass(frozen=True)
@@ -205,10 +205,23 @@ def explain(fusion: Fusion, decisions: dict[TensorView, Decision]) -> str:
             source = ", ".join(t.name for t in definition.inputs)
             why = _why_moved(tensor, decisions)
             lines.append(f"{placed(tensor)}  {definition.op_name} of {source} for {consumers}{why}")
-    fallbacks = fell_back(fusion)
+    fallbacks = _fallbacks(fusion)
     if fallbacks:
-        lines.append(f"fell back to torch (torch op fallback: replicated): {', '.join(fallbacks)}")
+        lines.append(f"fell back to torch: {', '.join(fallbacks)}")
     return "\n".join(lines)
+
+
+def _fallbacks(fusion: Fusion) -> list[str]:
+    """Each ATen op left to PyTorch with where it runs (``aten.cumsum.default (torch's
+    strategy: S(0))``), once each; a backward is named as its op's."""
+    described = []
+    for expr in fusion.exprs:
+        if isinstance(expr, TorchOp):
+            layout = layout_of(expr.outputs[0])
+            name = str(expr.target) if expr.vjp is None else f"{expr.target} backward"
+            where = fallback_placement(expr, layout.placements, layout.mesh.shape)
+            described.append(f"{name} ({where})")
+    return list(dict.fromkeys(described))
 
 
 def moved_inputs(fusion: Fusion) -> list[Communication]:

@@ -54,6 +54,7 @@ from fusion.exprs import (
 from fusion.ir import Extent, Symbol, TensorView
 from sharding.layout import Layout, Partial, Placement, Replicate, Shard, valid_placements
 from sharding.mesh import DeviceMesh
+from sharding.torch_strategy import torch_strategy
 
 
 @dataclass
@@ -456,7 +457,16 @@ def attention_rule(expr: Expr, parts: int) -> DimMap:
 
 @register(TorchOp)
 def torch_op_rule(expr: TorchOp, parts: int) -> DimMap:
-    """An ATen op PyTorch runs for us (no translation into the IR): it sees what it sees
-    on one device, every tensor whole on every rank (resharding gathers split inputs and
-    cuts its outputs where their consumers want pieces)."""
-    return DimMap("torch op fallback: replicated", [{} for _ in expr.inputs])
+    """An ATen op PyTorch runs for us (no translation into the IR): split as torch's own
+    DTensor strategy splits it where torch has one (``sharding.torch_strategy``), else
+    it sees what it sees on one device, every tensor whole on every rank (resharding
+    gathers split inputs and cuts its outputs where their consumers want pieces)."""
+    strategy = torch_strategy(expr, parts)
+    if not strategy.splits:
+        return DimMap("torch op fallback: replicated", [{} for _ in expr.inputs])
+    maps: list[dict[int, int]] = [{} for _ in expr.inputs]
+    for output_dim, input_dims in strategy.splits.items():
+        for mapping, dim in zip(maps, input_dims, strict=True):
+            if dim is not None:
+                mapping[dim] = output_dim
+    return DimMap("torch's strategy", maps)

@@ -138,11 +138,72 @@ class HardwareFigures:
         return self.copy_engine_gbps > 0
 
 
-# The H200 host's cost of issuing a run: NOT MEASURED YET, the model's constant launch
-# cost per step kept as the fallback until a GPU run of
-#     torchrun --nproc-per-node 2 benchmarks/host_figures.py
-# prints the figures to record here (benchmarks/results/host_figures.json).
-H200_HOST = HostFigures.fallback(launch_us=14.2)
+# The H200 host's cost of issuing a run, measured on 2x H200 by
+#     torchrun --nproc-per-node 2 benchmarks/host_figures.py --runs 100 --skip ring
+# (benchmarks/results/host_figures_2gpu.json). The ring transport's steps keep the
+# fallback: its case stops on GPUs (benchmarks/OWED.md), so it was left out.
+H200_HOST = HostFigures(
+    step_us={
+        HostStep.ALLOCATE: 6.13,
+        HostStep.DEALLOCATE: 1.32,
+        HostStep.CHUNK_VIEW: 5.50,
+        HostStep.STREAM_SWITCH: 3.05,
+        HostStep.STREAM_WAIT: 16.84,
+        HostStep.GENERATED_KERNEL: 31.06,
+        HostStep.LIBRARY_KERNEL: 34.83,
+        HostStep.EVALUATED_KERNEL: 66.28,
+        HostStep.POST: 69.70,
+        HostStep.WAIT: 12.89,
+        HostStep.POST_CHUNK_COLLECTIVE: 94.46,
+        HostStep.WAIT_CHUNK_COLLECTIVE: 32.35,
+        HostStep.POST_CHUNK_RING: 14.20,  # not run: the fallback
+        HostStep.WAIT_CHUNK_RING: 14.20,  # not run: the fallback
+        HostStep.POST_CHUNK_COPY_ENGINE: 20.77,
+        HostStep.WAIT_CHUNK_COPY_ENGINE: 1.48,
+        HostStep.STAGE_FOR_PEERS: 120.60,
+        HostStep.COMBINE_STAGED: 124.44,
+        HostStep.LOOP_END: 0.97,
+    },
+    run_us=46.30,
+    graph_replay_us=48.40,
+    graph_input_copy_us=6.95,
+    streams=True,
+    source="measured on 2x NVIDIA H200 by benchmarks/host_figures.py at 894361a, 2026-11-28; "
+    "the ring's steps: FALLBACK, 14.2 us a step",
+    probe_us=61.11,
+)
+# The same at 4 ranks (benchmarks/results/host_figures_4gpu.json, same command with
+# --nproc-per-node 4).
+H200_X4_HOST = HostFigures(
+    step_us={
+        HostStep.ALLOCATE: 6.30,
+        HostStep.DEALLOCATE: 1.47,
+        HostStep.CHUNK_VIEW: 4.49,
+        HostStep.STREAM_SWITCH: 2.42,
+        HostStep.STREAM_WAIT: 14.58,
+        HostStep.GENERATED_KERNEL: 39.28,
+        HostStep.LIBRARY_KERNEL: 30.73,
+        HostStep.EVALUATED_KERNEL: 84.72,
+        HostStep.POST: 84.92,
+        HostStep.WAIT: 14.60,
+        HostStep.POST_CHUNK_COLLECTIVE: 75.64,
+        HostStep.WAIT_CHUNK_COLLECTIVE: 18.85,
+        HostStep.POST_CHUNK_RING: 14.20,  # not run: the fallback
+        HostStep.WAIT_CHUNK_RING: 14.20,  # not run: the fallback
+        HostStep.POST_CHUNK_COPY_ENGINE: 24.24,
+        HostStep.WAIT_CHUNK_COPY_ENGINE: 1.34,
+        HostStep.STAGE_FOR_PEERS: 154.42,
+        HostStep.COMBINE_STAGED: 137.08,
+        HostStep.LOOP_END: 1.39,
+    },
+    run_us=54.68,
+    graph_replay_us=56.22,
+    graph_input_copy_us=6.97,
+    streams=True,
+    source="measured on 4x NVIDIA H200 by benchmarks/host_figures.py at 894361a, 2026-11-28; "
+    "the ring's steps: FALLBACK, 14.2 us a step",
+    probe_us=69.75,
+)
 # Measured on 2x H200 (NVLink) by measure_hardware_figures, bf16, in the run recorded
 # in benchmarks/results/ag_matmul.json.
 H200_FIGURES = HardwareFigures(
@@ -207,6 +268,7 @@ H200_X4_FIGURES = replace(
     launch_us=14.4,
     collective_slowdown=1.66,
     ranks=4,
+    host=H200_X4_HOST,
 )
 # ``overlap dump --device NAME``: links measured on H200s, the named device's own profile
 NAMED_FIGURES = {

@@ -265,6 +265,11 @@ def _candidates(
     transports = [options.transport] if options.transport else list(Transport)
     if not figures.has_copy_engine and options.transport is None:
         transports.remove(Transport.COPY_ENGINE)
+    if figures.device.arch and options.transport is None:
+        # On GPUs the ring's sends and receives (NCCL, unbatched, on the default group) hung
+        # with runs queued behind a busy GPU and faulted (an illegal address) in a
+        # replayed backward (benchmarks/OWED.md, 2026-11-28): taken only when asked for
+        transports.remove(Transport.RING)
     chunk_counts = [options.num_chunks] if options.num_chunks else [parts * k for k in (1, 2, 4)]
     candidates = []
     # Fixing a chunk count or a transport asks for a pipeline: no sequential candidate.
