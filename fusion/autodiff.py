@@ -53,6 +53,7 @@ from fusion.exprs import (
     CompareOp,
     ConcatOp,
     DetachOp,
+    DropoutMaskOp,
     EmbeddingGradOp,
     EmbeddingOp,
     ExpandOp,
@@ -267,6 +268,8 @@ _REPLAY: dict[type, Callable] = {
     SelectOp: lambda e, o: ops.select(o[0], e.dim, e.index),
     PadOp: lambda e, o: ops.pad(o[0], list(e.before), list(e.after)),
     DetachOp: lambda e, o: ops.detach(o[0]),
+    # drawn again from the seed, not saved: the same bits (``fusion.random``)
+    DropoutMaskOp: lambda e, o: ops.dropout_mask(o[0], _shape(e.output), e.p),
     ConcatOp: lambda e, o: ops.cat(o, e.dim),
     EmbeddingOp: lambda e, o: ops.embedding(o[0], o[1], e.padding_idx, rows=o[2]),
     EmbeddingGradOp: lambda e, o: ops.embedding_grad(*o, e.padding_idx),

@@ -47,7 +47,6 @@ from fusion.errors import FusionError
 from fusion.exprs import Expr
 from fusion.ir import TensorView
 from fusion.nn_ops import group_norm, layer_norm
-from fusion.random import dropout_mask
 from fusion.torch_ops import torch_op
 
 
@@ -474,16 +473,14 @@ def _unbind(x, dim=0):
 def _dropout(x, p, train, seed):
     """Dropout as exported (``aten.dropout(x, p, train)``): out of training, or with
     ``p == 0``, the identity; in training ``x * dropout_mask(seed, x's shape, p)``, the
-    mask made whole on every rank from the seed (``fusion.random``), the product in
-    float32."""
+    mask an IR op drawn from the seed (``fusion.random``), the product in float32."""
     if not train or p == 0:
         return x
     shape = list(x.shape)
     if not all(isinstance(e, int) for e in shape):
         raise CaptureError(f"dropout in training mode on {x} of symbolic shape {shape}: "
                            "its mask needs a static shape")  # fmt: skip
-    like = torch.empty(shape, dtype=torch.float32, device="meta")
-    mask = torch_op(dropout_mask._opoverload, (seed(), shape, float(p)), {}, x.fusion, like)
+    mask = ops.dropout_mask(seed(), shape, float(p))
     if x.dtype == DataType.float32:
         return ops.mul(x, mask)
     return ops.cast(ops.mul(ops.cast(x, DataType.float32), mask), x.dtype)

@@ -275,6 +275,18 @@ class IotaOp(Expr):
         super().__init__("iota", [], [out])
 
 
+class DropoutMaskOp(Expr):
+    """``out``: dropout's float32 mask, ``1 / (1 - p)`` where an element is kept and 0
+    where it is dropped, each element's bit a hash of ``seed`` (a one-element int64
+    tensor) and of the element's global row-major index in the whole ``out``
+    (``fusion.random``). Split over ranks, each piece draws its own elements' bits:
+    every rank, generated kernels and the backward's recomputation draw the same mask."""
+
+    def __init__(self, seed: TensorView, out: TensorView, p: float) -> None:
+        self.p = p
+        super().__init__("dropout_mask", [seed], [out], p=p)
+
+
 class DetachOp(Expr):
     """``out = x``, through which no gradient flows (a stop-gradient). Not a ``SetOp``:
     sharding places it as an elementwise op, where a copy between layouts would become

@@ -1,16 +1,17 @@
 """Ops of neural-network blocks that are not elementwise, reductions or contractions:
-an index (``iota``), a stop-gradient (``detach``), a concatenation (``cat``), an
-embedding lookup and scaled dot-product attention, each with its gradient's op.
-``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``, ...). Layer and
-group normalization are compositions of ``fusion.ops`` (a variance and mean, ``rsqrt``,
-pointwise ops), not ops of their own: the normalization scheduler fuses what it knows,
-``fusion.autodiff`` differentiates op by op; this module's ``layer_norm`` and
-``group_norm`` build them.
+an index (``iota``), dropout's mask (``dropout_mask``), a stop-gradient (``detach``), a
+concatenation (``cat``), an embedding lookup and scaled dot-product attention, each with
+its gradient's op. ``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``,
+...). Layer and group normalization are compositions of ``fusion.ops`` (a variance and
+mean, ``rsqrt``, pointwise ops), not ops of their own: the normalization scheduler fuses
+what it knows, ``fusion.autodiff`` differentiates op by op; this module's ``layer_norm``
+and ``group_norm`` build them.
 
 Split over ranks, each keeps the single-device meaning: an ``iota``'s piece holds its own
-global indices, an embedding over a piece of the table's rows gives the rows that piece
-holds and zeros elsewhere (the pieces' lookups sum to the whole one: a vocabulary-parallel
-embedding), attention splits along its leading (batch, heads) axes.
+global indices, a dropout mask's piece draws its own elements' bits, an embedding over a
+piece of the table's rows gives the rows that piece holds and zeros elsewhere (the
+pieces' lookups sum to the whole one: a vocabulary-parallel embedding), attention splits
+along its leading (batch, heads) axes.
 
 Example::
 
@@ -24,13 +25,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from fusion.dtypes import DataType, as_dtype, int64
+from fusion.dtypes import DataType, as_dtype, float32, int64
 from fusion.errors import DefinitionError
 from fusion.exprs import (
     AttentionGradOp,
     AttentionOp,
     ConcatOp,
     DetachOp,
+    DropoutMaskOp,
     EmbeddingGradOp,
     EmbeddingOp,
     IotaOp,
@@ -66,6 +68,25 @@ def iota(source: object, extent: Extent | str, dtype: DataType | str = int64) ->
         raise DefinitionError(f"iota: dtype must be an integer type, got {dtype}")
     out = _output("iota", fusion, dtype, [fusion.new_axis(_as_extent("iota", fusion, extent))])
     IotaOp(out)
+    return out
+
+
+def dropout_mask(seed: TensorView, shape: Sequence[int], p: float) -> TensorView:
+    """Dropout's float32 mask of the static ``shape`` at drop probability ``p``, drawn
+    from ``seed`` (a one-element int64 tensor) as ``fusion.random`` says: ``x * mask`` is
+    ``x`` dropped. Each element's bit depends on the seed and the element's global index
+    alone, so the mask is the same wherever it is computed (a rank's piece, a kernel,
+    the backward)."""
+    seed = _tensor("dropout_mask", "seed", seed)
+    fusion = _fusion_of("dropout_mask", [seed])
+    if seed.dtype is not int64 or any(extent != 1 for extent in seed.shape):
+        raise DefinitionError(f"dropout_mask: the seed must be one int64 element, got {seed}")
+    if not all(isinstance(extent, int) and extent >= 0 for extent in shape):
+        raise DefinitionError(f"dropout_mask: the shape must be static, got {list(shape)}")
+    if not 0 <= p <= 1:
+        raise DefinitionError(f"dropout_mask: p must lie in [0, 1], got {p}")
+    out = _output("dropout_mask", fusion, float32, [fusion.new_axis(e) for e in shape])
+    DropoutMaskOp(seed, out, float(p))
     return out
 
 
@@ -361,6 +382,6 @@ def _open_fusion(op_name: str, source: object) -> Fusion:
 
 
 __all__ = [
-    "attention", "attention_grad", "cat", "detach", "embedding", "embedding_grad",
+    "attention", "attention_grad", "cat", "detach", "dropout_mask", "embedding", "embedding_grad",
     "group_norm", "iota", "layer_norm",
 ]  # fmt: skip

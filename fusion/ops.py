@@ -61,8 +61,8 @@ __all__ = [
     "gelu", "silu", "erf", "add", "sub", "mul", "div", "maximum", "minimum", "pow", "eq", "ne",
     "lt", "le", "gt", "ge", "where", "cast", "set", "broadcast", "expand", "broadcast_in_dim",
     "reshape", "permute", "slice", "select", "pad", "sum", "max", "min", "mean", "var_mean",
-    "matmul", "linear", "iota", "detach", "cat", "embedding", "embedding_grad", "attention",
-    "attention_grad",
+    "matmul", "linear", "iota", "detach", "dropout_mask", "cat", "embedding", "embedding_grad",
+    "attention", "attention_grad",
 ]  # fmt: skip
 
 # This module defines ops named like builtins (sum, max, min, abs, set, slice, pow);
@@ -956,6 +956,7 @@ from fusion.nn_ops import (  # noqa: E402
     attention_grad,
     cat,
     detach,
+    dropout_mask,
     embedding,
     embedding_grad,
     iota,

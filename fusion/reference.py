@@ -46,6 +46,7 @@ from fusion.exprs import (
     CompareOp,
     ConcatOp,
     DetachOp,
+    DropoutMaskOp,
     EmbeddingGradOp,
     EmbeddingOp,
     ExpandOp,
@@ -68,6 +69,7 @@ from fusion.exprs import (
 from fusion.fp4 import decode_fp4, encode_fp4
 from fusion.fp8 import to_fp8
 from fusion.ir import Fusion, Scalar, TensorView
+from fusion.random import dropout_mask
 from fusion.storage import to_logical, to_storage
 from fusion.torch_ops import run_torch_op
 
@@ -316,6 +318,11 @@ def _iota(expr: IotaOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     return torch.arange(extent, dtype=expr.output.dtype.torch_dtype)
 
 
+def _dropout_mask(expr: DropoutMaskOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
+    # the whole mask; a rank's piece is drawn from its own global indices by the executor
+    return dropout_mask(values[expr.inputs[0]], shape_of(expr.output), expr.p)
+
+
 def _embedding(expr: EmbeddingOp, values: Values, shape_of: ShapeOf) -> torch.Tensor:
     table, indices, rows = (values[t] for t in expr.inputs)
     return embedding_rows(table, indices, rows, expr.count, expr.padding_idx)
@@ -420,6 +427,7 @@ def _torch_op(expr: TorchOp, values: Values, shape_of: ShapeOf) -> tuple[torch.T
 
 _EVALUATORS: dict[type[Expr], Callable[..., torch.Tensor | tuple[torch.Tensor, ...]]] = {
     IotaOp: _iota,
+    DropoutMaskOp: _dropout_mask,
     ConcatOp: _cat,
     EmbeddingOp: _embedding,
     EmbeddingGradOp: _embedding_grad,

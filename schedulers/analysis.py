@@ -19,6 +19,7 @@ from fusion.exprs import (
     CastOp,
     CompareOp,
     DetachOp,
+    DropoutMaskOp,
     ExpandOp,
     Expr,
     ReductionOp,
@@ -92,6 +93,9 @@ def map_into_space(
                     for d, (a, b) in enumerate(zip(source.shape, out.shape, strict=True))
                 ),
             )
+        elif isinstance(expr, DropoutMaskOp):
+            (seed,) = expr.inputs  # one element, the same at every point
+            assign(seed, (None,) * seed.ndim)
         elif reduced_axes is not None and isinstance(expr, (ReductionOp, VarMeanOp)):
             (source,) = expr.inputs
             count, rank = len(reduced_axes), source.ndim
@@ -119,12 +123,13 @@ class Collapsed:
         return (len(self.groups), self.present)
 
 
-def collapse(rank: int, inputs: list[Mapping]) -> Collapsed:
-    """Merge neighbouring axes of a rank-``rank`` space where no input tells them apart."""
+def collapse(rank: int, inputs: list[Mapping], starts: frozenset[int] = frozenset()) -> Collapsed:
+    """Merge neighbouring axes of a rank-``rank`` space where no input tells them apart;
+    an axis in ``starts`` always starts a group of its own."""
     flags = [tuple(d in mapping for d in range(rank)) for mapping in inputs]
     groups: list[list[int]] = []
     for axis in range(rank):
-        if groups and all(f[axis] == f[groups[-1][-1]] for f in flags):
+        if groups and axis not in starts and all(f[axis] == f[groups[-1][-1]] for f in flags):
             groups[-1].append(axis)
         else:
             groups.append([axis])

@@ -10,6 +10,10 @@ reference's numerics exactly:
 - integers and bools natively;
 - fp8 and fp4 as their codes (uint8); casts decode and encode them with the bit
   operations of ``schedulers.triton_lib``.
+
+A dropout mask (``DropoutMaskOp``) is drawn in registers (``schedulers.triton_random``)
+from the seed and each element's global index, which the kernel that writes it names
+(``Emitter.element_index``): no mask is read from memory.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from fusion.exprs import (
     CastOp,
     CompareOp,
     DetachOp,
+    DropoutMaskOp,
     ExpandOp,
     Expr,
     SetOp,
@@ -43,6 +48,7 @@ from fusion.exprs import (
     WhereOp,
 )
 from fusion.ir import Scalar, TensorView
+from fusion.random import keep_scale, keep_threshold
 from schedulers.analysis import NotSchedulable
 
 TRITON_TYPES = {
@@ -85,6 +91,7 @@ from schedulers.triton_math import (
     round_to_f16, sigmoid, sigmoid_narrow, sqrt, sum_pair, tanh, widen_bf16,
     widen_bf16_here,
 )
+from schedulers.triton_random import dropout_key, element_hash
 """
 
 
@@ -151,6 +158,9 @@ class Emitter:
     def __init__(self, names: NameSupply | None = None) -> None:
         self.lines: list[str] = []
         self.names = names if names is not None else NameSupply()
+        # the variable holding each element's global row-major index (int64), where the
+        # kernel knows it: what a dropout mask is drawn from
+        self.element_index: str | None = None
 
     def nested(self) -> Emitter:
         """Another list of lines of the same kernel: a loop's body, or what goes
@@ -261,6 +271,8 @@ class Emitter:
             return [self._cast(operands[0], out.dtype)]
         if isinstance(expr, CompareOp):
             return [self._compare(expr, operands)]
+        if isinstance(expr, DropoutMaskOp):
+            return [self._dropout_mask(expr, operands[0])]
         ctype = compute_dtype(out.dtype)
         args = [
             self.as_compute(o, ctype) if isinstance(o, Value) else _literal(o, ctype)
@@ -281,6 +293,22 @@ class Emitter:
         else:
             raise NotSchedulable(f"{expr.op_name} is not generated")
         return [self.rounded(text, ctype, out.dtype)]
+
+    def _dropout_mask(self, expr: DropoutMaskOp, seed: Value) -> Value:
+        """The mask's float32 values: ``1 / (1 - p)`` (rounded to float32, as the
+        reference's float32 product rounds it) where the element's hash reaches the
+        threshold, else 0; ``seed`` a scalar."""
+        if self.element_index is None:
+            raise NotSchedulable("dropout_mask: this kernel does not know global indices")
+        scale = repr(torch.tensor(keep_scale(expr.p), dtype=torch.float32).item())
+        threshold = keep_threshold(expr.p)
+        if threshold > 0xFFFFFFFF:  # p = 1: no hash reaches 2^32, nothing is kept
+            return Value(self.assign(f"tl.zeros_like({self.element_index}).to(tl.float32)"),
+                         float32)  # fmt: skip
+        key = self.assign(f"dropout_key({seed.name})", "key")
+        hashed = self.assign(f"element_hash({key}, {self.element_index})", "hash")
+        kept = f"{hashed} >= tl.full((), {threshold}, tl.uint32)"
+        return Value(self.assign(f"tl.where({kept}, {scale}, 0.0)"), float32)
 
     def _compare(self, expr: CompareOp, operands: list[Value | Scalar]) -> Value:
         """Both operands rounded to the type they are compared in first (as torch: a

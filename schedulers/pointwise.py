@@ -8,6 +8,15 @@ vector width is 128 bits over the widest dtype's bits: 4 float32, 8 bf16, 16 fp8
 
 Extents are runtime arguments Triton does not specialize on: one kernel serves every
 batch size.
+
+A dropout mask (``DropoutMaskOp``) is drawn in the kernel from the seed (loaded once) and
+each element's global row-major index in the whole tensor: ``index_base + sum over
+groups of coordinate * index_stride``, the base and strides runtime arguments the
+launcher works out from where the rank's piece (or a loop's chunk) starts
+(``PointwiseLauncher.at``). They are arguments, not constants, so every rank (and every
+chunk) launches the same compiled kernel. A group's global index is linear in its
+coordinate when only its first axis may be cut (by ranks or into chunks): the plan
+starts a group at every axis of the mask that is split over devices.
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from fusion.dtypes import float4_e2m1
-from fusion.exprs import Expr
+from fusion.exprs import DropoutMaskOp, Expr
 from fusion.ir import TensorView
 from schedulers.analysis import (
     POINTWISE,
@@ -88,6 +97,8 @@ class PointwisePlan:
     mappings: dict[TensorView, tuple[int | None, ...]]
     collapsed: Collapsed
     rank: int
+    masks: tuple[DropoutMaskOp, ...] = ()  # dropout masks drawn in the kernel
+    seeds: frozenset[int] = frozenset()  # inputs only masks read: loaded once, as scalars
 
     @property
     def space(self) -> TensorView:
@@ -96,7 +107,9 @@ class PointwisePlan:
 
     @property
     def widest_bits(self) -> int:
-        return max(t.dtype.bits for t in self.inputs + self.outputs)
+        """The widest dtype of what the kernel streams (a seed, one scalar, is not)."""
+        streamed = [t for i, t in enumerate(self.inputs) if i not in self.seeds]
+        return max(t.dtype.bits for t in streamed + self.outputs)
 
     @property
     def broadcast(self) -> list[int]:
@@ -120,7 +133,7 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
     ) -> PointwisePlan:
         """Analyse ``exprs``; raises ``NotSchedulable`` with the reason if it cannot."""
         for expr in exprs:
-            if not isinstance(expr, POINTWISE):
+            if not isinstance(expr, (*POINTWISE, DropoutMaskOp)):
                 raise NotSchedulable(f"{expr.op_name} is not pointwise")
         check_supported(exprs)
         shape = outputs[0].shape
@@ -129,8 +142,20 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
                 raise NotSchedulable(f"outputs of different shapes: {outputs[0]}, {out}")
         identity = tuple(range(len(shape)))
         mappings = map_into_space(exprs, {out: identity for out in outputs})
-        collapsed = collapse(len(shape), [mappings[t] for t in inputs])
-        return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape))
+        masks = tuple(expr for expr in exprs if isinstance(expr, DropoutMaskOp))
+        starts: set[int] = set()
+        for mask in masks:
+            if mappings[mask.output] != identity or mask.output.shape != shape:
+                raise NotSchedulable(f"dropout_mask {mask.output} is broadcast in the kernel")
+            axes = mask.output.logical_axes
+            starts.update(d for d, axis in enumerate(axes) if axis.parallel_type.is_device)
+        collapsed = collapse(len(shape), [mappings[t] for t in inputs], frozenset(starts))
+        seeds = frozenset(
+            i
+            for i, tensor in enumerate(inputs)
+            if all(isinstance(use, DropoutMaskOp) for use in tensor.uses if use in exprs)
+        )
+        return PointwisePlan(exprs, inputs, outputs, mappings, collapsed, len(shape), masks, seeds)
 
     def heuristics(
         self,
@@ -179,6 +204,7 @@ class PointwiseScheduler(Scheduler[PointwisePlan, PointwiseParams]):
             ["numel"]
             + [f"size{g}" for g in range(groups)]
             + [f"stride{i}_{g}" for i in range(len(plan.inputs)) for g in range(groups)]
+            + _index_arguments(plan)
         )
         return PointwiseLauncher(plan, params, variants, names, aligned_arguments(plan, params))
 
@@ -219,7 +245,7 @@ def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) 
     outputs = [f"out{i}" for i in range(len(plan.outputs))]
     sizes = [f"size{g}" for g in range(groups)]
     strides = [[f"stride{i}_{g}" for g in range(groups)] for i in range(len(plan.inputs))]
-    runtime = ["numel", *sizes, *(s for row in strides for s in row)]
+    runtime = ["numel", *sizes, *(s for row in strides for s in row), *_index_arguments(plan)]
     tiled = plan.tiled and params.block_columns > 0
     emit.line("pid = tl.program_id(0).to(tl.int64)")
     if aligned:
@@ -238,7 +264,7 @@ def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) 
         emit.line("offs = pid * BLOCK + tl.arange(0, BLOCK)")
         emit.line("mask = offs < numel")
         coordinates = [f"c{g}" for g in range(groups)]
-        if plan.broadcast:
+        if plan.broadcast or plan.masks:
             emit.line("rest = offs")
             for g in reversed(range(groups)):
                 if g == 0:
@@ -246,8 +272,13 @@ def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) 
                     continue
                 emit.line(f"c{g} = rest % {sizes[g]}")
                 emit.line(f"rest = rest // {sizes[g]}")
+    if plan.masks:
+        emit.element_index = _global_index(emit, coordinates, tiled)
     values: dict[TensorView, Value] = {}
     for i, tensor in enumerate(plan.inputs):
+        if i in plan.seeds:  # one value for the whole kernel
+            values[tensor] = Value(emit.assign(f"tl.load({inputs[i]})"), tensor.dtype)
+            continue
         if i not in plan.broadcast:
             if tensor.dtype is float4_e2m1 and not tiled:
                 values[tensor] = _load_packed(emit, inputs[i], tensor)
@@ -315,6 +346,53 @@ def source(plan: PointwisePlan, params: PointwiseParams, aligned: bool = False) 
                          emit.lines, comment)  # fmt: skip
 
 
+def _index_arguments(plan: PointwisePlan) -> list[str]:
+    """The runtime arguments of a kernel drawing dropout masks: where the piece starts in
+    the whole tensor's row-major order, and the whole tensor's stride along each group
+    but the innermost (whose stride is 1)."""
+    if not plan.masks:
+        return []
+    return ["index_base", *(f"index_stride{g}" for g in range(len(plan.collapsed.groups) - 1))]
+
+
+def _global_index(emit: Emitter, coordinates: list[str], tiled: bool) -> str:
+    """The variable of each element's global row-major index (int64), from its groups'
+    coordinates (``rows`` and ``columns`` in a tile, ``c<g>`` in a flat kernel)."""
+    if tiled:
+        rows, columns = coordinates
+        return emit.assign(f"index_base + {rows}[:, None] * index_stride0 + {columns}[None, :]",
+                           "index")  # fmt: skip
+    terms = [f"{c} * index_stride{g}" for g, c in enumerate(coordinates[:-1])]
+    return emit.assign(" + ".join(["index_base", *terms, coordinates[-1]]), "index")
+
+
+def index_arguments(plan: PointwisePlan, shape: list[int], origin: list[int] | None) -> list[int]:
+    """The values of ``_index_arguments`` for a launch over ``shape`` (the local extents
+    of the iteration space) starting at ``origin`` (None: at the start) of the whole
+    tensor the plan's masks have. Raises ``ValueError`` where an element's global index
+    is not linear in its group's coordinate (an axis cut inside a group)."""
+    if not plan.masks:
+        return []
+    whole = [int(extent) for extent in plan.masks[0].output.shape]
+    origin = [0] * len(whole) if origin is None else origin
+    strides = [math.prod(whole[d + 1 :]) for d in range(len(whole))]
+    for group in plan.collapsed.groups:
+        cut = [d for d in group[1:] if shape[d] != whole[d]]
+        if cut:
+            raise ValueError(
+                f"a dropout mask over {whole} drawn on a piece of extents {shape}: axis "
+                f"{cut[0]} is cut inside the group of axes {group}"
+            )
+    base = sum(o * s for o, s in zip(origin, strides, strict=True))
+    return [base, *(strides[group[-1]] for group in plan.collapsed.groups[:-1])]
+
+
+def cuts_inside_a_group(plan: PointwisePlan, dim: int) -> bool:
+    """Whether cutting axis ``dim`` of the space (a loop's chunks) cuts inside a group of
+    merged axes: the kernel's global indices (``index_arguments``) then do not hold."""
+    return any(dim in group[1:] for group in plan.collapsed.groups)
+
+
 def constants(plan: PointwisePlan, params: PointwiseParams) -> dict[str, int]:
     """The kernel's ``tl.constexpr`` arguments: tile sizes, never an extent."""
     if not (plan.tiled and params.block_columns > 0):
@@ -342,6 +420,12 @@ class PointwiseLauncher(Launcher):
     variants: AlignedVariants
     names: list[str]  # the runtime arguments: numel, the groups' sizes, the strides
     known: list[str]  # those the aligned form knows are multiples (aligned_arguments)
+    origin: list[int] | None = None  # where the launch's piece starts (dropout masks)
+
+    def at(self, origin: list[int]) -> PointwiseLauncher:
+        """This launcher for the piece (or chunk) that starts at ``origin`` of the whole
+        tensor its dropout masks are drawn over (a rank's, a loop chunk's)."""
+        return replace(self, origin=list(origin))
 
     def __call__(
         self, inputs: list[torch.Tensor], targets: list[torch.Tensor], shapes: Shapes
@@ -362,7 +446,8 @@ class PointwiseLauncher(Launcher):
             for tensor in plan.inputs
             for stride in group_strides(plan.collapsed, plan.mappings[tensor], shapes[tensor])
         ]
-        runtime = dict(zip(self.names, [numel, *sizes, *strides], strict=True))
+        indices = index_arguments(plan, shape, self.origin)
+        runtime = dict(zip(self.names, [numel, *sizes, *strides, *indices], strict=True))
         kernel, arguments = self.variants.bind(runtime, self.known)
         if plan.tiled and params.block_columns > 0:
             block_rows = max(1, params.block // params.block_columns)

@@ -38,6 +38,23 @@ def local_piece(value: torch.Tensor, tensor: TensorView, rank: int) -> torch.Ten
     return to_storage(tensor.dtype, piece)
 
 
+def piece_origin(tensor: TensorView, rank: int, shape: list[int]) -> list[int]:
+    """Where ``rank``'s piece of ``tensor`` (of whole logical ``shape``) starts in the
+    whole, per axis: the offsets ``local_piece`` cuts it at (zeros where it is whole)."""
+    origin, extents = [0] * len(shape), list(shape)
+    layout = layout_of(tensor)
+    if layout is None or rank not in layout.mesh:
+        return origin
+    coords = layout.mesh.coords(rank)
+    for mesh_axis, placement in enumerate(layout.placements):
+        if isinstance(placement, Shard):
+            dim, parts = placement.dim, layout.mesh.shape[mesh_axis]
+            offset, size = split_range(extents[dim], parts, coords[mesh_axis])
+            origin[dim] += offset
+            extents[dim] = size
+    return origin
+
+
 def assemble(pieces: dict[int, torch.Tensor | None], tensor: TensorView) -> torch.Tensor:
     """The whole value of ``tensor`` from its pieces by rank (the inverse of ``local_piece``).
 

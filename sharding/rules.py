@@ -31,6 +31,7 @@ from fusion.exprs import (
     CompareOp,
     ConcatOp,
     DetachOp,
+    DropoutMaskOp,
     EmbeddingGradOp,
     EmbeddingOp,
     ExpandOp,
@@ -403,6 +404,13 @@ def linear_rule(expr: LinearOp, parts: int) -> DimMap:
 def iota_rule(expr: IotaOp, parts: int) -> DimMap:
     """No operands: the output may be split (each rank makes its own indices)."""
     return DimMap("iota", [], free_output_dims={0})
+
+
+@register(DropoutMaskOp)
+def dropout_mask_rule(expr: DropoutMaskOp, parts: int) -> DimMap:
+    """The seed stays whole; any axis of the mask may be split (each rank draws its own
+    piece's bits from their global indices)."""
+    return DimMap("dropout_mask", [{}], free_output_dims=set(range(expr.output.ndim)))
 
 
 @register(EmbeddingOp)

@@ -17,6 +17,7 @@ import torch
 from fusion.exprs import (
     AttentionGradOp,
     AttentionOp,
+    DropoutMaskOp,
     Expr,
     IotaOp,
     LinearOp,
@@ -25,6 +26,7 @@ from fusion.exprs import (
     TorchOp,
 )
 from fusion.ir import TensorView
+from fusion.random import dropout_mask
 from fusion.reference import attention_grads, attention_value, expr_evaluator
 from fusion.storage import (
     is_packed,
@@ -38,10 +40,11 @@ from fusion.torch_ops import run_torch_op
 from overlap.comm.communications import identity
 from overlap.diag import progress
 from overlap.ir import LaunchKernel
+from schedulers.pointwise import PointwisePlan, cuts_inside_a_group
 from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import LocalShard
 from sharding.layout import layout_of, split_range
-from sharding.pieces import local_piece
+from sharding.pieces import local_piece, piece_origin
 
 # A kernel's first launch that took this long compiled it (progress says so); a shorter
 # one found it in Triton's cache and passes silently.
@@ -74,6 +77,15 @@ class ComputeSteps:
         else:
             params = override or scheduler.configure(plan, hardware, shape_of)
         launch = scheduler.launcher(plan, params, hardware, shape_of)
+        if isinstance(plan, PointwisePlan) and plan.masks:  # drawn from the piece's indices
+            mask, chunk = plan.masks[0].output, aliases.get(plan.masks[0].output)
+            cut = program.chunk_offsets.get(chunk)
+            if cut is not None and cuts_inside_a_group(plan, cut[0]):
+                # a loop's chunks cut an axis the kernel merged with the one before: the
+                # chunk's global indices are not linear in the kernel's coordinates, and
+                # the evaluator draws it (device splits start groups: never the case there)
+                return lambda: [compute() for compute in for_empty]
+            launch = launch.at(self.origin(mask, chunk))
         program.chosen_params[kernel.name] = params
         program.kernel_forms.setdefault(kernel.name, []).append(launch.forms)
         device = program.ctx.device
@@ -229,6 +241,8 @@ class ComputeSteps:
             return shard_locally
         if isinstance(expr, IotaOp):
             return self._iota(expr, outputs)
+        if isinstance(expr, DropoutMaskOp):
+            return self._dropout_mask(expr, read, outputs)
         if _partial_extreme(expr) and self._reduces_nothing_here(expr):
             # this rank's piece of the reduced axis is empty: the identity, which leaves
             # the other ranks' partial results as they are (chunk loops cut kept axes only)
@@ -257,6 +271,35 @@ class ComputeSteps:
             program.values[key] = piece
 
         return index_here
+
+    def origin(self, tensor: TensorView, slot: object = None) -> list[int]:
+        """Where what this rank computes of ``tensor`` starts in the whole tensor, per
+        axis: its piece's offsets, plus, for ``slot`` a chunk of it in a loop, the
+        chunk's offset in the piece."""
+        program = self.program
+        origin = piece_origin(tensor, program.rank, program.ctx.global_shape(tensor))
+        if slot in program.chunk_offsets:
+            dim, offset = program.chunk_offsets[slot]
+            origin[dim] += offset
+        return origin
+
+    def _dropout_mask(self, expr: DropoutMaskOp, read, outputs):
+        """This rank's piece (or chunk) of the mask, drawn from its own elements' global
+        indices: no rank draws the whole mask."""
+        ((out, key, into_chunk),) = outputs
+        program = self.program
+        shape = program.ctx.global_shape(out)
+        origin = self.origin(out, key if into_chunk else None)
+
+        def draw() -> None:
+            extents = program.values[key].shape if into_chunk else program.local_shape(out)
+            mask = dropout_mask(read(expr.inputs[0]), shape, expr.p, origin, list(extents))
+            if into_chunk:
+                program.values[key].copy_(mask)
+            else:
+                program.values[key] = mask
+
+        return draw
 
     def _reduces_nothing_here(self, expr: ReductionOp) -> bool:
         shape = self.program.local_shape(expr.inputs[0])

@@ -107,6 +107,7 @@ class RankProgram:
             self.ctx, setup.symmetric, setup.hardware if compiled.schedule else None
         )
         self.deferred: list[tuple] = []  # CPU waits put off to their loop's end
+        self.chunk_offsets: dict[object, tuple[int, int]] = {}  # chunk: (axis, offset)
         self.compute = ComputeSteps(self)
         self.steps: list = []
         self._compile(compiled.host.instructions, None)
@@ -298,6 +299,7 @@ class RankProgram:
         else:
             chunk = scheme.chunk(iteration, 0)
         offset, size = chunk_rows(self.local_shape(source)[dim], scheme, chunk, split)
+        self.chunk_offsets[result] = (dim, offset)  # in values (fp4: before halving)
         if is_packed(source) and dim == source.ndim - 1:
             if offset % 2 or size % 2:
                 raise ShardingError(

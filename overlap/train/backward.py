@@ -26,6 +26,7 @@ from fusion.exprs import (
     AttentionOp,
     BroadcastOp,
     DetachOp,
+    DropoutMaskOp,
     ExpandOp,
     LinearOp,
     MatmulOp,
@@ -119,7 +120,8 @@ SAVE_POLICIES = {
     "nothing": "everything the gradients read is recomputed (least memory)",
     "everything": "everything the gradients read is saved, as eager autograd keeps it "
     "(most memory, least recomputation), but data movement (views, copies: replayed from "
-    "what they move) and what the forward holds as partial sums or returns",
+    "what they move), dropout masks (drawn again from the seed, in the kernel that reads "
+    "them) and what the forward holds as partial sums or returns",
 }
 
 
@@ -161,7 +163,7 @@ def saved_by_policy(
         for expr in live
         if (
             isinstance(expr, (MatmulOp, LinearOp, AttentionOp))
-            or (everything and not isinstance(expr, _VIEWS))
+            or (everything and not isinstance(expr, (*_VIEWS, DropoutMaskOp)))
             or expr.outputs[0] in fed
         )
         and len(expr.outputs) == 1
