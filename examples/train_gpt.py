@@ -91,9 +91,9 @@ class Config:
     vocab: int = 96  # an extent no other axis has: a move of the logits would show
     seq: int = 16
     batch: int = 4
-    steps: int = 40
+    steps: int = 20
     lr: float = 1e-2
-    warmup: int = 5
+    warmup: int = 3
     weight_decay: float = 0.1
     clip: float = 1.0
     dtype: str = "float32"
