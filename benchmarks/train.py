@@ -9,6 +9,11 @@ masters, ``clip_grad_norm_``, AdamW, the schedule: ``examples.train_gpt.Trainer`
 
 - ``ours``: ``examples.train_gpt.build``: the model as one ``overlap.parallelize`` program
   (defaults: CUDA graphs on GPUs);
+- ``ours_per_block``: the same modules as 2 + layers programs, one ``parallelize`` each
+  (the embedding; each block, its sequence-split piece in and out; the final norm, head
+  and loss), chained by autograd: what the example chose against (its docstring says
+  why; this row says what it costs or saves on GPUs, ``build_s`` and ``first_step_s``
+  with it);
 - ``torch_tp``: ``parallelize_module(GPT, mesh, plan(layers))``, eager DTensor, the
   cross-entropy on the vocabulary's pieces under ``loss_parallel``;
 - ``torch_tp_compile``: that under ``torch.compile``, with inductor's async tensor
@@ -41,6 +46,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import Replicate, Shard
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -84,6 +91,59 @@ def peak_tflops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_TFLOPS.items() if key in name), None)
 
 
+class PerBlock(torch.nn.Module):
+    """``module``'s embedding, blocks and head each parallelized on its own by the
+    example's plan (see ``ours_per_block``): ``forward(tokens, targets)`` is the loss."""
+
+    def __init__(self, module: GPT, config: Config, communicator) -> None:
+        super().__init__()
+        from examples import gpt2_block
+        from overlap import parallelize
+
+        device = communicator.device
+        dtype = getattr(torch, config.dtype)
+        tokens = torch.zeros(config.batch, config.seq, dtype=torch.long, device=device)
+        hidden = torch.zeros(config.batch, config.seq, config.hidden, dtype=dtype, device=device)
+        whole = plan(0)
+        self.embed = parallelize(_Embedding(module.embed), [tokens], communicator,
+                                 {"embed": whole["embed"]}, inputs=[Replicate()])  # fmt: skip
+        self.blocks = torch.nn.ModuleList(
+            parallelize(block, [hidden], communicator, gpt2_block.PLAN, inputs=[Shard(1)],
+                        outputs=[Shard(1)])
+            for block in module.blocks
+        )  # fmt: skip
+        self.head = parallelize(_Head(module.norm, module.head), [hidden, tokens.clone()],
+                                communicator, {"norm": whole["norm"], "head": whole["head"]},
+                                inputs=[Shard(1), Replicate()])  # fmt: skip
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x, targets)
+
+
+class _Embedding(torch.nn.Module):
+    def __init__(self, embed: torch.nn.Embedding) -> None:
+        super().__init__()
+        self.embed = embed
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed(tokens)
+
+
+class _Head(torch.nn.Module):
+    """``GPT``'s end: the final norm, the head and the loss, as ``GPT.forward`` has them."""
+
+    def __init__(self, norm: torch.nn.Module, head: torch.nn.Module) -> None:
+        super().__init__()
+        self.norm, self.head = norm, head
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(0, 1))
+
+
 def torch_stack(module: GPT, config: Config, device: torch.device, compiled: bool):
     """``module`` (a copy) under torch's tensor parallelism by the same plan; its loss
     computed on the vocabulary's pieces (``loss_parallel``, entered by ``step``)."""
@@ -111,7 +171,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny config on CPU (gloo)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps per variant")
-    parser.add_argument("--variants", default="ours,torch_tp,torch_tp_compile")
+    parser.add_argument("--variants", default="ours,ours_per_block,torch_tp,torch_tp_compile")
     for field in ("layers", "hidden", "heads", "vocab", "seq", "batch"):
         parser.add_argument(f"--{field}", type=int, default=getattr(GPU_CONFIG, field))
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/train.json"))
@@ -144,10 +204,12 @@ def main() -> None:
         start = time.perf_counter()
         if name == "ours":
             _, model, _ = build(config, communicator)
+        elif name == "ours_per_block":
+            model = PerBlock(copy.deepcopy(module), config, communicator)
         else:
             model = torch_stack(module, config, device, compiled=name == "torch_tp_compile")
         build_s = time.perf_counter() - start
-        step = step_function(Trainer(model, config), torch_loss=name != "ours")
+        step = step_function(Trainer(model, config), torch_loss=name.startswith("torch"))
         start = time.perf_counter()
         losses = [step(batches[0])]  # the first: our backward's build, torch.compile's
         first_step_s = time.perf_counter() - start
@@ -180,10 +242,12 @@ def main() -> None:
                      "first_step_s": round(first_step_s, 2)})  # fmt: skip
         del model, step  # its memory back before the next variant's
     if rank == 0:
-        print(f"{'variant':18s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>6s}  peak MiB per rank")
+        print(f"{'variant':18s} {'step ms':>9s} {'tokens/s':>10s} {'MFU':>6s} {'build s':>8s} "
+              f"{'1st step s':>10s}  peak MiB per rank")  # fmt: skip
         for row in rows:
             mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
-            print(f"{row['variant']:18s} {row['ms']:9.1f} {row['tokens_per_s']:10,d} {mfu:>6s}  "
+            print(f"{row['variant']:18s} {row['ms']:9.1f} {row['tokens_per_s']:10,d} {mfu:>6s} "
+                  f"{row['build_s']:8.1f} {row['first_step_s']:10.1f}  "
                   f"{row['peak_mib_per_rank']}", flush=True)  # fmt: skip
         if not args.smoke:
             write_results(args.out, device, 0.0, rows, world)

@@ -14,8 +14,8 @@ by PyTorch's own tensor-parallel plan (``plan(layers)``, as a torch user writes 
 lookups reduce-scattered into the sequence split; each block sequence parallel between
 its norms, heads and MLP features split in it; the head split by vocabulary, and the
 cross-entropy computed on each rank's [tokens, vocab / ranks] logits, the ranks combining
-only their per-token max and sum of exponentials (the logits are never gathered: the
-script checks the program's communications and fails if one carries the vocabulary).
+only their per-token max and sum of exponentials: the script fails if the forward program
+moves a [tokens, vocab] tensor, and prints any the backwards move.
 
 Mixed precision (``--dtype bfloat16``, the default on GPUs): the model computes in bf16;
 the optimizer, PyTorch's AdamW, steps float32 master copies of the parameters
@@ -33,15 +33,17 @@ its step and its data-parallel replica (``batch(step, replica)``): a resumed run
 more than the step to continue its data.
 
 One ``parallelize`` call for the whole model, not one per block, the embedding and the
-head: the planner and the layout chooser see across the blocks' boundaries, and a step
-is one forward and one backward program (on GPUs: one CUDA graph each, where N separate
-modules replay 2N + 4 graphs, each with its own input copies). N separate modules
-compile no less: each is its own program (kernels are shared by structure either way).
-Measured on 2 gloo ranks (a loaded 2-core CPU, hidden 32; seconds for ``parallelize``,
-then the first step, which builds the backward): 1 layer 4.9 + 3.2 whole against 2.5 +
-2.9 per block, 4 layers 10.1 + 13.2 against 5.5 + 6.9, 8 layers 15.1 + 17.1 against
-19.1 + 23.6; the steps after, 2.5 s against 5.6 s at 8 layers. ``benchmarks/train.py``
-reports the build and the first step on GPUs.
+head: it is what a torch user writes (``parallelize_module`` on the model), the planner
+and the layout chooser see across the blocks' boundaries, and a step is one forward and
+one backward program (on GPUs one CUDA graph each, where separate modules replay 2N + 4
+graphs with their own input copies). Its cost is the build: on 2 gloo ranks (hidden 32,
+one thread a rank, a shared CPU) ``parallelize`` then the first step (which builds the
+backward) took 4.8 + 2.2 s whole against 3.2 + 2.2 s per block at 1 layer, 11.5 + 9.7
+against 4.6 + 6.9 at 4, 12.0 + 9.1 against 4.1 + 6.0 at 8, the steps after alike (0.26
+against 0.29 s at 8 layers). ``benchmarks/train.py`` times both on GPUs
+(``ours_per_block``, with the build and the first step): where the step is no faster
+whole, separate blocks (or one block's program captured once for all N) are the better
+structure.
 
 Where the 2-D mesh and checkpoints plug in: ``build`` places the model (a data-parallel
 axis goes there), ``MarkovLanguage.batch(step, replica)`` gives each replica its own
@@ -50,10 +52,10 @@ model's DTensor parameters (what ``torch.distributed.checkpoint`` saves), the st
 data position.
 
 Rank 0 prints, every ``--log-every`` steps, the loss, the learning rate, the gradient
-norm, tokens per second (all ranks' tokens over the step's time) and the peak memory of
-each rank. ``--check-steps K`` also trains the same model on one device for the first K
-steps, from the same weights and batches, and fails unless the losses and the gradient
-norms agree within ``tolerance(dtype)``.
+norm, tokens per second (the batch's tokens over the step's time: the ranks share one
+batch) and the peak memory of each rank. ``--check-steps K`` also trains the same model
+on one device for the first K steps, from the same weights and batches, and fails
+unless the losses and the gradient norms agree within ``tolerance(dtype)``.
 """
 
 from __future__ import annotations
