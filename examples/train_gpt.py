@@ -175,7 +175,10 @@ class MarkovLanguage:
 
     def batch(self, step: int, replica: int, batch: int, seq: int) -> torch.Tensor:
         """Sequences [batch, seq + 1] for ``step`` of data-parallel ``replica``."""
-        generator = torch.Generator().manual_seed(hash((self.seed, step, replica)) % 2**63)
+        # one seed per (seed, step, replica), spelled out: Python's hash of a tuple may
+        # change between versions, and a resumed run must draw the same batches
+        mixed = (self.seed * 1_000_003 + step) * 1_000_003 + replica
+        generator = torch.Generator().manual_seed(mixed % 2**63)
         tokens = torch.empty(batch, seq + 1, dtype=torch.long)
         tokens[:, 0] = torch.randint(0, self.vocab, (batch,), generator=generator)
         branch = torch.multinomial(BRANCHES, batch * seq, replacement=True,
@@ -197,8 +200,7 @@ class MasterWeights:
         self.parameters = list(parameters)
         self.copies = any(p.dtype != torch.float32 for p in self.parameters)
         self.masters = [
-            torch.nn.Parameter(p.detach().float().clone()) if self.copies else p
-            for p in self.parameters
+            torch.nn.Parameter(p.detach().float()) if self.copies else p for p in self.parameters
         ]
         self.optimizer = (optimizer_class or torch.optim.AdamW)(self.masters, **options)
 
