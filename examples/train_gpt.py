@@ -382,8 +382,10 @@ def main(communicator) -> None:
         losses, checked = result["losses"], len(result["one_device"])
         compared = (f"; the first {checked} match one device (largest relative gap "
                     f"{result['worst']:.1e})" if checked else "")  # fmt: skip
-        print(f"train_gpt: loss {losses[0]:.3f} -> {losses[-1]:.3f} in {config.steps} "
-              f"steps{compared}", flush=True)  # fmt: skip
+        last = losses[-5:]  # each step's batch differs: the last few steps' mean
+        print(f"train_gpt: loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (the last "
+              f"{len(last)} steps' mean) in {config.steps} steps{compared}",
+              flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":  # run directly: under torchrun, or alone
