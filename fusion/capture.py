@@ -443,6 +443,18 @@ def _reshape(x, shape):
     return ops.reshape(x, [e if isinstance(e, int) else str(e) for e in shape])
 
 
+def _flatten(x, start_dim=0, end_dim=-1):
+    """``torch.flatten``: axes ``start_dim`` to ``end_dim`` merged by a reshape, which keeps
+    a split of the other axes (a vocabulary-split head's logits flattened over [batch,
+    seq] stay split; the torch op's DTensor rule would gather them)."""
+    if x.ndim == 0:
+        return ops.reshape(x, [1])
+    start, end = start_dim % x.ndim, end_dim % x.ndim
+    if start == end:
+        return x
+    return _reshape(x, [*x.shape[:start], -1, *x.shape[end + 1 :]])
+
+
 def _slice(x, dim=0, start=None, end=None, step=1):
     dim = dim % x.ndim
     starts, stops, steps = [0] * x.ndim, [None] * x.ndim, [1] * x.ndim
@@ -609,6 +621,7 @@ ATEN: dict[object, Callable] = {
     aten.view: _reshape,
     aten.reshape: _reshape,
     aten._unsafe_view: _reshape,
+    aten.flatten: _flatten,
     aten.expand: lambda x, shape, implicit=False: ops.expand(
         *_aligned(x), [e if e != -1 else x.shape[d] for d, e in enumerate(shape)]
     ),

@@ -36,10 +36,14 @@ def _worker(rank: int, world_size: int, port: int, jobs, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # jobs may run generated kernels: Triton's interpreter, set before Triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
     import torch.distributed as dist
 
     from overlap import Communicator
 
+    # one thread a rank: the ranks share the machine's cores, and torch's intra-op threads
+    # spinning against each other's (and the other tests') made small matmuls take ms
+    torch.set_num_threads(1)
     communicator = Communicator.initialize("gloo", 60.0, "cpu", rank, world_size)
     while True:
         job = jobs.get()

@@ -187,6 +187,19 @@ def test_a_fused_projection_split_in_three_and_its_gradient():
     _check(Fused(), torch.randn(3, 8), extent=8)  # the split's gradient: its slices padded
 
 
+def test_flatten_is_a_reshape_not_a_torch_op():
+    """``flatten`` (torchtitan's loss flattens [batch, seq, vocab] logits) is translated: a
+    torch op there would be placed by DTensor's rule, which gathers a split vocabulary."""
+
+    class Flattens(torch.nn.Module):
+        def forward(self, x):
+            return x.flatten(0, 1) * 2, x.flatten(1) + 1, x.flatten(-1, -1) - 1, x.flatten()
+
+    captured = capture(Flattens(), [torch.randn(2, 3, 5)])
+    assert not [e for e in captured.fd.fusion.exprs if "torch_op" in str(e)]
+    _check(Flattens(), torch.randn(2, 3, 5), extent=1)
+
+
 def test_rotary_attention_with_a_causal_mask_buffer():
     torch.manual_seed(3)
     module = RotaryAttention(16, 2)  # examples/llama_block.py's
