@@ -9,7 +9,7 @@ The rooms, each importing only the ones before it (``tests/test_project.py`` che
 - ``overlap.compile``: the compile pipeline (its passes, each a module) and ``dump``;
 - ``overlap.comm``: the communicator, communications, pipelines, symmetric memory, UCX;
 - ``overlap.runtime``: the executor, one rank's program, input checks, CUDA graphs;
-- ``overlap.train``: backward, ``TrainableFusion``, ``parallelize``.
+- ``overlap.train``: backward, ``TrainableFusion``, ``parallelize``, checkpoints.
 
 What users call is importable from here (loaded on first use, so that importing a room
 does not import the others)::
@@ -38,6 +38,12 @@ _PUBLIC = {
     "TrainableFusion": "overlap.train.trainable",
     "parallelize": "overlap.train.parallelize",
     "ParallelModule": "overlap.train.parallelize",
+    "Checkpointer": "overlap.train.checkpoint",
+    "TrainingPosition": "overlap.train.checkpoint",
+    "latest_checkpoint": "overlap.train.checkpoint",
+    "load_checkpoint": "overlap.train.checkpoint",
+    "resume_or_start": "overlap.train.checkpoint",
+    "save_checkpoint": "overlap.train.checkpoint",
     "Timeline": "overlap.diag.timeline",
 }
 
