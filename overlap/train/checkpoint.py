@@ -123,7 +123,7 @@ def save_checkpoint(
 
     path = _fresh_folder(path, process_group)
     state = _state_to_save(model, optimizer, step, data, scheduler, process_group)
-    dcp.save(state, checkpoint_id=path, process_group=process_group, no_dist=_alone())
+    dcp.save(state, checkpoint_id=path, process_group=process_group)
 
 
 def load_checkpoint(
@@ -148,7 +148,7 @@ def load_checkpoint(
     random_key = _random_key(_rank(process_group))
     if random_key in saved:
         state[random_key] = None
-    dcp.load(state, checkpoint_id=path, process_group=process_group, no_dist=_alone())
+    dcp.load(state, checkpoint_id=path, process_group=process_group)
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     # not strict: the ParallelModules' buffers were neither saved nor asked for
@@ -236,8 +236,7 @@ class Checkpointer:
         path = _fresh_folder(checkpoint_path(self.directory, step), self.group)
         state = _state_to_save(self.model, self.optimizer, step, data, self.scheduler,
                                self.group)  # fmt: skip
-        self._pending = dcp.async_save(state, checkpoint_id=path, process_group=self.group,
-                                       no_dist=_alone())  # fmt: skip
+        self._pending = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
 
     def wait(self) -> None:
         """Wait for the save in flight (raising its error), then drop the checkpoints past
@@ -346,9 +345,3 @@ def _rank(process_group) -> int:
 
 def _world_size(process_group) -> int:
     return dist.get_world_size(process_group) if dist.is_initialized() else 1
-
-
-
-def _alone() -> bool:
-    """No process group: DCP saves and loads as one process (and says so unless told)."""
-    return not dist.is_initialized()
