@@ -231,3 +231,13 @@ def test_checkpointer_keeps_the_newest_complete_checkpoints(tmp_path, keep):
             checkpoints.after_step(step)
     left = sorted(path.name for path in Path(tmp_path).iterdir())
     assert left == [checkpoint_path(tmp_path, s).name for s in (2, 4, 6)[-keep:]]
+
+
+def test_a_save_before_the_optimizers_first_step_is_refused(tmp_path):
+    """DCP's get_state_dict would make AdamW's state by a step (at learning rate 0),
+    leaving its step count 1: the training after the save would differ."""
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match="has not stepped yet"):
+        save_checkpoint(tmp_path / "early", model, optimizer, 0)
+    assert not optimizer.state and not (tmp_path / "early").exists()

@@ -121,8 +121,8 @@ def save_checkpoint(
     collective), waiting until it is complete; ``Checkpointer`` saves asynchronously."""
     import torch.distributed.checkpoint as dcp
 
-    path = _fresh_folder(path, process_group)
     state = _state_to_save(model, optimizer, step, data, scheduler, process_group)
+    path = _fresh_folder(path, process_group)
     dcp.save(state, checkpoint_id=path, process_group=process_group)
 
 
@@ -222,7 +222,7 @@ class Checkpointer:
         """Call after each step, ``step`` the steps done: saves (asynchronously) when it is
         a multiple of ``every``, with ``data`` (the data loader's position, ...). Returns
         whether it saved."""
-        if step % self.every:
+        if step == 0 or step % self.every:
             return False
         self.save(step, data)
         return True
@@ -233,9 +233,9 @@ class Checkpointer:
         import torch.distributed.checkpoint as dcp
 
         self.wait()
-        path = _fresh_folder(checkpoint_path(self.directory, step), self.group)
         state = _state_to_save(self.model, self.optimizer, step, data, self.scheduler,
                                self.group)  # fmt: skip
+        path = _fresh_folder(checkpoint_path(self.directory, step), self.group)
         self._pending = dcp.async_save(state, checkpoint_id=path, process_group=self.group)
 
     def wait(self) -> None:
@@ -264,6 +264,11 @@ class Checkpointer:
 
 
 def _state_to_save(model, optimizer, step, data, scheduler, process_group) -> dict[str, Any]:
+    stepless = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
+    if not optimizer.state and stepless:
+        # get_state_dict would make the state by a step at learning rate 0: AdamW's step
+        # count would then be 1, and the training after it not the same
+        raise ValueError("checkpoint: the optimizer has not stepped yet; save after a step")
     model_state, optimizer_state = _model_and_optimizer_state(model, optimizer)
     progress = _Progress(
         step, dict(data or {}), _world_size(process_group),
@@ -323,6 +328,8 @@ def _drop_older(directory: Path, keep: int) -> None:
         if (match := _STEP_FOLDER.fullmatch(path.name))
     )
     complete = [step for step, path in steps if (path / METADATA).is_file()]
+    if not complete:
+        return
     kept = set(complete[-keep:])
     for step, path in steps:
         if step not in kept and step < complete[-1]:
