@@ -19,6 +19,9 @@ import torch.nn.functional as F
 from overlap import Checkpointer, latest_checkpoint, load_checkpoint, parallelize, save_checkpoint
 from overlap.train.checkpoint import METADATA, checkpoint_path
 
+# DCP without a process group says it saves as one process: the single-process tests here
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
 TOKENS, HIDDEN, FFN = 4, 8, 16  # FFN splits over 2 and 4 ranks
 STEPS, EVERY = 6, 2
 
@@ -215,7 +218,6 @@ def test_a_job_whose_rank_dies_restarts_from_the_last_complete_checkpoint(rank_p
         assert all(map(torch.equal, weights, wanted)), f"rank {rank}"
 
 
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")  # DCP's: one process
 @pytest.mark.parametrize("keep", [1, 2])
 def test_checkpointer_keeps_the_newest_complete_checkpoints(tmp_path, keep):
     """One rank (no process group): every ``EVERY`` steps a save; after each, all but the
@@ -233,11 +235,28 @@ def test_checkpointer_keeps_the_newest_complete_checkpoints(tmp_path, keep):
     assert left == [checkpoint_path(tmp_path, s).name for s in (2, 4, 6)[-keep:]]
 
 
-def test_a_save_before_the_optimizers_first_step_is_refused(tmp_path):
-    """DCP's get_state_dict would make AdamW's state by a step (at learning rate 0),
-    leaving its step count 1: the training after the save would differ."""
-    model = torch.nn.Linear(3, 2)
-    optimizer = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match="has not stepped yet"):
-        save_checkpoint(tmp_path / "early", model, optimizer, 0)
-    assert not optimizer.state and not (tmp_path / "early").exists()
+def test_master_weights_beside_the_model_are_saved_with_their_optimizer(tmp_path):
+    """A bf16 model whose AdamW steps float32 masters (not the model's parameters): the
+    masters and their moments come back; a checkpoint from before the first step loads
+    into a fresh optimizer without state."""
+
+    def bf16_with_masters(seed: int):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(3, 2).bfloat16()
+        masters = [torch.nn.Parameter(p.detach().float()) for p in model.parameters()]
+        return model, masters, torch.optim.AdamW(masters, lr=0.1)
+
+    model, masters, optimizer = bf16_with_masters(0)
+    save_checkpoint(checkpoint_path(tmp_path, 0), model, optimizer, 0)
+    for master in masters:
+        master.grad = torch.randn(master.shape)
+    optimizer.step()
+    save_checkpoint(checkpoint_path(tmp_path, 1), model, optimizer, 1)
+    _, fresh_masters, fresh = bf16_with_masters(1)
+    assert load_checkpoint(checkpoint_path(tmp_path, 0), model, fresh).step == 0
+    assert not fresh.state
+    load_checkpoint(checkpoint_path(tmp_path, 1), model, fresh)
+    for master, loaded in zip(masters, fresh_masters, strict=True):
+        assert torch.equal(master, loaded)
+        assert all(torch.equal(optimizer.state[master][k], fresh.state[loaded][k])
+                   for k in ("step", "exp_avg", "exp_avg_sq"))  # fmt: skip

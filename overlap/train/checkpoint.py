@@ -3,14 +3,16 @@ restart from the last complete one.
 
 A checkpoint is a folder ``step_<steps done>`` under the job's checkpoint folder, holding:
 
-- the model's parameters and the optimizer's state as the DTensor pieces they are (each
-  rank writes its own; DCP writes a replicated tensor once), keyed by name through
-  ``torch.distributed.checkpoint.state_dict.get_state_dict``, so that a checkpoint saved
-  at one mesh loads at another (2 ranks to 4, the tensor-parallel split changed): DCP
-  reads each rank's new piece out of the saved ones by the DTensor placements;
+- the model's parameters (``state_dict``) and the optimizer's state (``state_dict``'s,
+  by parameter position), with the optimizer's parameters that are not the model's
+  (float32 master weights of a bf16 model), as the DTensor pieces they are: each rank
+  writes its own, DCP writes a replicated tensor once. A checkpoint saved at one mesh
+  loads at another (2 ranks to 4, the tensor-parallel split changed): DCP reads each
+  rank's new piece out of the saved ones by the DTensor placements;
 - the training position: the steps done, a dict of the caller's (its data loader's
-  position, say), a learning-rate scheduler's state, and each ``ParallelModule``'s
-  dropout seed and call count;
+  position, say), the optimizer's parameter groups (learning rates, ...), a
+  learning-rate scheduler's state, and each ``ParallelModule``'s dropout seed and call
+  count;
 - every rank's random generators (torch's CPU generator, and its GPU's where it has
   one), restored only at the world size that saved them: another world has other ranks.
 
@@ -77,6 +79,7 @@ class _Progress:
     step: int
     data: dict
     world_size: int
+    parameter_groups: list[dict]  # the optimizer's, as its state_dict gives them
     scheduler: dict | None
     dropout: dict[str, tuple[int | None, int]]  # ParallelModule's name -> (seed, calls)
 
@@ -142,20 +145,21 @@ def load_checkpoint(
     path = Path(path)
     if not (path / METADATA).is_file():
         raise FileNotFoundError(f"{path}: not a complete checkpoint (no {METADATA})")
-    model_state, optimizer_state = _model_and_optimizer_state(model, optimizer)
-    state: dict[str, Any] = {"model": model_state, "optimizer": optimizer_state, "progress": None}
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    if not optimizer.state and any(key.startswith("optimizer.state.") for key in saved):
+        _make_optimizer_state(optimizer)  # the tensors to load into
+    optimizer_state = _optimizer_state(model, optimizer)
+    state = {"model": _model_state(model), "optimizer": optimizer_state, "progress": None}
     random_key = _random_key(_rank(process_group))
     if random_key in saved:
         state[random_key] = None
+    # the tensors are loaded in place: the model's parameters, the optimizer's state
     dcp.load(state, checkpoint_id=path, process_group=process_group)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
-    # not strict: the ParallelModules' buffers were neither saved nor asked for
-    set_state_dict(model, optimizer, model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"],
-                   options=StateDictOptions(strict=False))  # fmt: skip
     progress: _Progress = state["progress"]
+    optimizer.load_state_dict({  # the state as loaded, and the parameter groups
+        "state": {int(i): value for i, value in optimizer_state["state"].items()},
+        "param_groups": progress.parameter_groups,
+    })  # fmt: skip
     if scheduler is not None and progress.scheduler is not None:
         scheduler.load_state_dict(progress.scheduler)
     for name, module in _parallel_modules(model):
@@ -264,14 +268,9 @@ class Checkpointer:
 
 
 def _state_to_save(model, optimizer, step, data, scheduler, process_group) -> dict[str, Any]:
-    stepless = all(p.grad is None for group in optimizer.param_groups for p in group["params"])
-    if not optimizer.state and stepless:
-        # get_state_dict would make the state by a step at learning rate 0: AdamW's step
-        # count would then be 1, and the training after it not the same
-        raise ValueError("checkpoint: the optimizer has not stepped yet; save after a step")
-    model_state, optimizer_state = _model_and_optimizer_state(model, optimizer)
     progress = _Progress(
         step, dict(data or {}), _world_size(process_group),
+        optimizer.state_dict()["param_groups"],
         None if scheduler is None else scheduler.state_dict(),
         {name: (m.seed, m.calls) for name, m in _parallel_modules(model)},
     )  # fmt: skip
@@ -279,20 +278,18 @@ def _state_to_save(model, optimizer, step, data, scheduler, process_group) -> di
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         cuda = torch.cuda.get_rng_state(torch.cuda.current_device())
     return {
-        "model": model_state,
-        "optimizer": optimizer_state,
+        "model": _model_state(model),
+        "optimizer": _optimizer_state(model, optimizer),
         "progress": progress,
         # a key of each rank's own: DCP writes one copy of values saved under one key
         _random_key(_rank(process_group)): _RandomState(torch.get_rng_state(), cuda),
     }
 
 
-def _model_and_optimizer_state(model, optimizer) -> tuple[dict, dict]:
-    """The model's and optimizer's state by parameter name (DTensors stay DTensors),
-    without the ParallelModules' buffers; refuses plain pieces (``dtensors=False``),
-    which DCP would take for whole tensors."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
+def _model_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's ``state_dict`` (DTensors stay DTensors) without the ParallelModules'
+    buffers; refuses plain pieces (``dtensors=False``), which DCP would take for whole
+    tensors."""
     buffers = set()
     for name, module in _parallel_modules(model):
         if module.torch_mesh is None and module.model.communicator.world_size > 1:
@@ -301,8 +298,36 @@ def _model_and_optimizer_state(model, optimizer) -> tuple[dict, dict]:
                              "cannot place; parallelize it with DTensors")  # fmt: skip
         prefix = f"{name}." if name else ""
         buffers |= {prefix + key for key in module.buffer_pieces}
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {k: v for k, v in model_state.items() if k not in buffers}, optimizer_state
+    return {k: v for k, v in model.state_dict().items() if k not in buffers}
+
+
+def _optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The optimizer's state tensors by parameter position (its ``state_dict``'s, the
+    tensors themselves), and its parameters that are not the model's (master weights)."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    own = {id(p) for p in model.parameters()}
+    return {
+        "state": {str(i): state for i, state in optimizer.state_dict()["state"].items()},
+        "parameters": {str(i): p.detach() for i, p in enumerate(parameters) if id(p) not in own},
+    }
+
+
+def _make_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Make a fresh optimizer's state, as DCP's ``get_state_dict`` does: one step with
+    zero gradients at learning rate 0 (the parameters stay as they are); the gradients
+    and rates put back."""
+    parameters = [p for group in optimizer.param_groups for p in group["params"]]
+    gradients = [p.grad for p in parameters]
+    rates = [group["lr"] for group in optimizer.param_groups]
+    for parameter in parameters:
+        parameter.grad = torch.zeros_like(parameter)
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * 0
+    optimizer.step()
+    for group, rate in zip(optimizer.param_groups, rates, strict=True):
+        group["lr"] = rate
+    for parameter, gradient in zip(parameters, gradients, strict=True):
+        parameter.grad = gradient
 
 
 def _parallel_modules(model: torch.nn.Module) -> list[tuple[str, ParallelModule]]:
