@@ -40,14 +40,15 @@ class TinyMLP(torch.nn.Module):
         return self.down(self.drop(F.gelu(self.up(x))))
 
 
-def tiny_job(communicator, init_seed: int = 0):
+def tiny_job(communicator, init_seed: int = 0, data_parallel: int = 1):
     """The module (weights drawn from ``init_seed``, the same on every rank), AdamW and a
     step schedule; the data's generator (torch's CPU one) seeded for a fresh run."""
     torch.manual_seed(init_seed)
     module = TinyMLP().train()
     model = parallelize(module, [torch.zeros(TOKENS, HIDDEN)], communicator,
                         {"up": "colwise", "down": "rowwise"}, inputs=["replicate"],
-                        outputs=["replicate"], seed=7, kernels="reference")  # fmt: skip
+                        outputs=["replicate"], seed=7, kernels="reference",
+                        data_parallel=data_parallel)  # fmt: skip
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
     torch.manual_seed(100)
@@ -128,10 +129,10 @@ def saved_then_trained(communicator, directory: str):
     return whole_state(model, optimizer)
 
 
-def loaded_elsewhere(communicator, directory: str):
-    """Fresh weights on this world, the checkpoint loaded: the whole state, and this
-    rank's piece of ``up``'s weight."""
-    model, optimizer, scheduler = tiny_job(communicator, init_seed=1)
+def loaded_elsewhere(communicator, directory: str, data_parallel: int):
+    """Fresh weights on this world (``data_parallel`` replicas), the checkpoint loaded:
+    the whole state, and this rank's piece of ``up``'s weight."""
+    model, optimizer, scheduler = tiny_job(communicator, 1, data_parallel)
     position = load_checkpoint(latest_checkpoint(directory), model, optimizer, scheduler)
     assert (position.step, position.data, model.calls) == (2, {"batches": 2}, 2)
     assert scheduler.last_epoch == 2 and optimizer.param_groups[0]["lr"] == 1e-2 * 0.5
@@ -147,11 +148,15 @@ def whole_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def test_a_checkpoint_saved_on_two_ranks_loads_on_four(rank_pools, tmp_path):
-    """DCP reshards by the DTensor placements: ``up``'s rows split 2 ways, then 4."""
+    """DCP reshards by the DTensor placements: ``up``'s rows split 2 ways, then 4 (tensor
+    parallel over 4), then 2 again on each of 2 data-parallel replicas (a 2-D mesh)."""
     saved = rank_pools(2).run(saved_then_trained, str(tmp_path), timeout=120)[0]
-    loaded = rank_pools(4).run(loaded_elsewhere, str(tmp_path), timeout=120)
-    for state, piece_shape in loaded:
-        assert piece_shape == [FFN // 4, HIDDEN]
+    loaded = [(split, result)
+              for data_parallel, split in [(1, 4), (2, 2)]
+              for result in rank_pools(4).run(loaded_elsewhere, str(tmp_path), data_parallel,
+                                              timeout=120)]  # fmt: skip
+    for split, (state, piece_shape) in loaded:
+        assert piece_shape == [FFN // split, HIDDEN]
         assert state.keys() == saved.keys()
         for name, tensor in saved.items():
             assert torch.equal(state[name], tensor), name
