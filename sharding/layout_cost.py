@@ -133,7 +133,7 @@ def expr_cost(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Choice | None
     own = [wanted, natural_layout(expr, layouts)]
     best: Choice | None = None
     for produced in dict.fromkeys([*own, *candidate_layouts(out, wanted)]):
-        needed = rule.backward(produced)
+        needed = rule.backward(produced, current=[layouts[t] for t in expr.inputs])
         if needed is None:
             continue
         moves = [

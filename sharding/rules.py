@@ -97,8 +97,13 @@ class DimMap:
                 return Shard(self.maps[index][placement.dim])
         return Replicate()
 
-    def backward(self, output: Placement) -> list[Placement] | None:
-        """Input placements that produce ``output`` locally, or None if the op cannot."""
+    def backward(
+        self, output: Placement, current: Sequence[Placement | None] | None = None
+    ) -> list[Placement] | None:
+        """Input placements that produce ``output`` locally, or None if the op cannot.
+        ``current``: the inputs' placements now, where known: an input already split on
+        an axis that serves is kept so (a sum over [batch, seq] of a sequence split is
+        partial as it is, not after moving the split to the batch)."""
         if isinstance(output, Replicate):
             return [Replicate() for _ in self.maps]
         if isinstance(output, Partial):
@@ -107,7 +112,10 @@ class DimMap:
             summands = [p for i, p in enumerate(self.partial) if i not in self.selectors]
             if output.op != self.partial_op or not all(summands):
                 return None
-            return [Replicate() if i in self.selectors else Shard(min(dims))
+            now = list(current) if current is not None else [None] * len(self.maps)
+            return [Replicate() if i in self.selectors
+                    else now[i] if isinstance(now[i], Shard) and now[i].dim in dims
+                    else Shard(min(dims))
                     for i, dims in enumerate(self.partial)]  # fmt: skip
         sources = [
             [d for d, o in sorted(mapping.items()) if o == output.dim] for mapping in self.maps
@@ -166,13 +174,22 @@ class MeshRule:
         return Layout(self.mesh, valid_placements(placements))
 
     def backward(
-        self, output: Layout, *, replicate_if_impossible: bool = False
+        self,
+        output: Layout,
+        *,
+        replicate_if_impossible: bool = False,
+        current: Sequence[Layout | None] | None = None,
     ) -> list[Layout] | None:
         """The input layouts that produce ``output`` locally, or None when a mesh axis cannot
-        (with ``replicate_if_impossible``, the inputs are replicated on that axis instead)."""
+        (with ``replicate_if_impossible``, the inputs are replicated on that axis instead;
+        ``current``: the inputs' layouts now, kept where they serve, ``DimMap.backward``)."""
         per_axis = []
-        for rule, placement in zip(self.per_axis, output.placements, strict=True):
-            needs = rule.backward(placement)
+        for axis, (rule, placement) in enumerate(zip(self.per_axis, output.placements,
+                                                      strict=True)):  # fmt: skip
+            now = None if current is None else [
+                None if layout is None else layout.placements[axis] for layout in current
+            ]  # fmt: skip
+            needs = rule.backward(placement, now)
             if needs is None:
                 if not replicate_if_impossible:
                     return None

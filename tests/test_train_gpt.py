@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
-
 STEPS, CHECKED, CLIP = 20, 3, 0.5
 _RUNS: dict = {}  # one run for the tests of this module
 
@@ -56,9 +54,8 @@ def test_the_first_steps_match_one_device_and_the_loss_falls(rank_pools):
     assert last < losses[0] - 0.15, losses
 
 
-@pytest.mark.xfail(strict=True, reason="the backward's sharding splits the cross-entropy's "
-                   "[tokens, vocab] gradient by tokens for a neg before its sum over the "
-                   "vocabulary (explain: 'AllToAll of ... for neg'): the whole tensor moves "
-                   "where a partial sum and an all-reduce of [tokens] serve")  # fmt: skip
 def test_the_backward_moves_no_tokens_by_vocabulary_tensor(rank_pools):
+    # the cross-entropy's [tokens, vocab] gradient, split by vocabulary, is summed over the
+    # vocabulary as it is split (a partial sum, an all-reduce of [tokens]); before
+    # sharding.rules kept a serving split, it moved whole by an all-to-all
     assert [result["backward_moves"] for result in _run(rank_pools)] == [[], []]
