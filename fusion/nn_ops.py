@@ -24,9 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import torch
-
-from fusion.dtypes import DataType, as_dtype, int64
+from fusion.dtypes import DataType, as_dtype, int64, machine_epsilon
 from fusion.errors import DefinitionError
 from fusion.exprs import (
     AttentionGradOp,
@@ -306,7 +304,7 @@ def rms_norm(
         )
     wide = cast(x, "float32") if x.dtype.bits < 32 else x
     if eps is None:
-        eps = float(torch.finfo(wide.dtype.to_torch()).eps)
+        eps = machine_epsilon(wide.dtype)
     dims = list(range(x.ndim - normalized_dims, x.ndim))
     rstd = rsqrt(add(mean(mul(wide, wide), dims), eps))
     y = mul(wide, broadcast(rstd, [d in dims for d in range(x.ndim)]))
