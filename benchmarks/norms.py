@@ -7,6 +7,8 @@ and torch.compile, as a fraction of a device-to-device copy.
         --params block_rows=1,block_columns=16384,num_warps=16,persistent=1,programs=132
                                           # explicit params timed beside the others
     python benchmarks/norms.py --no-forced  # the default path (replayed, eager) and peers
+    python benchmarks/norms.py --op layernorm_captured_bwd --op rmsnorm_captured_bwd \
+        --shape 32768x1024                # a captured module's backward, bf16 and float32
 
 The fusions are those of ``examples/norms.py``. Bytes = every input read once and every
 output written once (x, dy, dx and y dominate; weights and saved statistics count too).
@@ -17,6 +19,14 @@ reference evaluator first; ``ours_eager`` is the same executor run eagerly, its 
 RMSNorm backward's formula in torch ops; compile: ``torch.compile`` of the same
 functions, compiled afresh for each shape (``compiled_alone``). Median of interleaved
 rounds (CUDA events), as ``benchmarks/kernels.py``.
+
+The captured ops (``CAPTURED``, run only when named by ``--op``) time the backward
+``fusion.autodiff`` writes of a captured ``nn.LayerNorm`` or ``nn.RMSNorm`` (one
+normalization kernel that recomputes the statistics from x, the weight gradients cast
+to the weight's dtype) against the hand-written backward of ``examples/norms.py`` (which
+reads saved statistics, its weight gradients float32), in bf16 and float32, both checked
+against torch autograd first. Bytes are the captured backward's: x, dy and the
+parameters read, dx and the parameters' gradients written.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+from copy import deepcopy
 from dataclasses import replace
 from pathlib import Path
 
@@ -45,6 +56,8 @@ from benchmarks.kernels import (  # noqa: E402
 )
 from benchmarks.timing import time_rounds  # noqa: E402
 from examples.norms import BUILDERS, make_inputs  # noqa: E402
+from fusion.autodiff import backward  # noqa: E402
+from fusion.capture import capture  # noqa: E402
 from fusion.testing import assert_close  # noqa: E402
 from overlap import MultiDeviceExecutor  # noqa: E402
 from schedulers.analysis import NotSchedulable  # noqa: E402
@@ -62,6 +75,9 @@ from schedulers.normalization.split import cluster_programs, sums_programs  # no
 
 SHAPES = [(32768, 1024), (32768, 4096), (16384, 8192), (8192, 16384), (4096, 65536)]
 OPS = ["rmsnorm_fwd", "rmsnorm_bwd", "layernorm_fwd", "layernorm_bwd"]
+# a captured module's backward against the hand-written op of examples/norms.py
+CAPTURED = {"layernorm_captured_bwd": "layernorm_bwd", "rmsnorm_captured_bwd": "rmsnorm_bwd"}
+CAPTURED_DTYPES = (torch.bfloat16, torch.float32)
 
 
 def eager_function(op: str, n: int):
@@ -98,6 +114,91 @@ def eager_function(op: str, n: int):
 
         return layernorm_bwd
     raise KeyError(op)
+
+
+def norm_module(hand_op: str, inputs: list[torch.Tensor]) -> torch.nn.Module:
+    """The module whose backward ``hand_op`` (``examples/norms.py``) computes, with the
+    weight of its ``inputs`` (their eps; a LayerNorm's bias, which no gradient reads,
+    small and random)."""
+    x, weight = inputs[0], inputs[2]
+    n = x.shape[-1]
+    if hand_op == "layernorm_bwd":
+        module = torch.nn.LayerNorm(n, eps=1e-5)
+        bias = 0.1 * torch.randn(n, generator=torch.Generator().manual_seed(1))
+        module.bias.data = bias.to(device=x.device, dtype=x.dtype)
+    else:
+        module = torch.nn.RMSNorm(n, eps=1e-6)
+    module.weight.data = weight.clone()
+    return module.to(device=x.device, dtype=x.dtype)
+
+
+def autograd_gradients(module: torch.nn.Module, x: torch.Tensor, dy: torch.Tensor) -> dict:
+    """Torch autograd's gradients of ``module`` at ``x`` for ``dy``, in float32 from the
+    same values (by name: its parameters' and ``"input"``)."""
+    wide = deepcopy(module).float()
+    leaf = x.float().requires_grad_()
+    names = [name for name, _ in wide.named_parameters()]
+    grads = torch.autograd.grad(wide(leaf), [*wide.parameters(), leaf], dy.float())
+    return dict(zip([*names, "input"], grads, strict=True))
+
+
+def check_gradients(label: str, found: dict, expected: dict, extent: int) -> None:
+    """``found`` gradients (by name) against torch autograd's, each in its own dtype."""
+    for name, value in found.items():
+        assert_close(value, expected[name].to(value.dtype), reduction_extent=extent,
+                     message=f"{label}: gradient of {name}")  # fmt: skip
+
+
+def captured_rows(op: str, m: int, n: int, dtype: torch.dtype, device: torch.device,
+                  args, copy_rate: float) -> list[dict]:  # fmt: skip
+    """``op`` of ``CAPTURED`` at ``m`` x ``n`` in ``dtype``: the captured module's
+    backward and the hand-written one, each checked against torch autograd, then timed
+    with eager PyTorch's backward (and, on a GPU, ``torch.compile`` of it and a copy)."""
+    hand_op = CAPTURED[op]
+    generator = torch.Generator().manual_seed(0)
+    hand_inputs = make_inputs(hand_op, m, n, dtype, device, generator)
+    x, dy = hand_inputs[0], hand_inputs[1]
+    module = norm_module(hand_op, hand_inputs)
+    expected = autograd_gradients(module, x, dy)
+    extent = max(m, n)
+    captured = capture(module, [x])
+    grads = backward(captured.fd.fusion)
+    names = [*captured.parameter_names, "input"]
+    ours = MultiDeviceExecutor(grads.fusion, kernels="generated", cuda_graph=not args.smoke)
+    inputs = [*captured.inputs(module, x), dy]
+    outputs = ours.run(inputs)
+    found = {names[position]: value for position, value in zip(grads.wrt, outputs, strict=True)}
+    check_gradients(f"{op} captured", found, expected, extent)
+    nbytes = sum(t.numel() * t.element_size() for t in [*inputs, *outputs])
+    hand = MultiDeviceExecutor(BUILDERS[hand_op](n, str(dtype).removeprefix("torch.")),
+                               kernels="generated", cuda_graph=not args.smoke)  # fmt: skip
+    written = dict(zip(["input", "weight", "bias"], hand.run(hand_inputs), strict=False))
+    check_gradients(f"{op} hand-written", written, expected, extent)
+    eager = eager_function(hand_op, n)
+    functions = {
+        "ours_captured": lambda: ours.run(inputs),
+        "ours_hand": lambda: hand.run(hand_inputs),
+        "eager": lambda: eager(*hand_inputs),
+    }
+    if not args.smoke:
+        compiled = compiled_alone(eager)
+        functions["compile"] = lambda: compiled(*hand_inputs)
+        source = torch.empty(nbytes // 2, dtype=torch.uint8, device=device)
+        target = torch.empty_like(source)
+        functions["copy"] = lambda: target.copy_(source)
+    times = time_rounds(functions, device, args.rounds, args.iterations, settle=True)
+    rows = []
+    name = str(dtype).removeprefix("torch.")
+    for provider, ms in times.items():
+        gbps = nbytes / (ms * 1e6)
+        rows.append({"op": op, "M": m, "N": n, "dtype": name, "bytes": nbytes,
+                     "provider": provider, "ms": ms, "gbps": gbps,
+                     "frac_copy": gbps / copy_rate})  # fmt: skip
+        print(f"{op:<22} {m:>6}x{n:<6} {name:<8} {provider:<14} {ms:8.3f} ms "
+              f"{gbps:8.1f} GB/s {gbps / copy_rate:6.2f} of copy", flush=True)  # fmt: skip
+    for label, executor in (("captured", ours), ("hand", hand)):
+        print(f"  {label}: " + executor.kernel_report().replace("\n", "\n  "), flush=True)
+    return rows
 
 
 def alternatives(executor: MultiDeviceExecutor, sm_count: int) -> dict[str, dict]:
@@ -309,6 +410,11 @@ def main() -> None:
     copy = copy_gbps(device)
     generator = torch.Generator().manual_seed(0)
     rows = []
+    for op in CAPTURED:
+        if op in (args.op or []):
+            for m, n in shapes:
+                for dtype in CAPTURED_DTYPES:
+                    rows += captured_rows(op, m, n, dtype, device, args, copy)
     for op in OPS:
         if args.op and op not in args.op:
             continue

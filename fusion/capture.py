@@ -46,7 +46,7 @@ from fusion.dtypes import DataType
 from fusion.errors import FusionError
 from fusion.exprs import Expr
 from fusion.ir import TensorView
-from fusion.nn_ops import group_norm, layer_norm
+from fusion.nn_ops import group_norm, layer_norm, rms_norm
 from fusion.torch_ops import torch_op
 
 
@@ -533,6 +533,17 @@ def _native_layer_norm(x, normalized_shape, weight, bias, eps):
     return (y, *(ops.broadcast(_statistic(s, x), kept) for s in (mean, rstd)))
 
 
+def _rms_norm(x, normalized_shape, weight=None, eps=None):
+    return rms_norm(x, len(normalized_shape), weight, eps)[0]
+
+
+def _fused_rms_norm(x, normalized_shape, weight, eps):
+    """``(y, rstd)``, ``rstd`` in the compute dtype with the normalized axes kept, as
+    torch's kernels hand it out."""
+    y, rstd = rms_norm(x, len(normalized_shape), weight, eps)
+    return y, ops.broadcast(rstd, [d >= rstd.ndim for d in range(x.ndim)])
+
+
 def _group_norm(x, num_groups, weight=None, bias=None, eps=1e-5, cudnn_enabled=True):
     return group_norm(x, num_groups, weight, bias, eps)[0]
 
@@ -607,6 +618,8 @@ ATEN: dict[object, Callable] = {
     aten.embedding: _embedding,
     aten.layer_norm: _layer_norm,
     aten.native_layer_norm: _native_layer_norm,
+    aten.rms_norm: _rms_norm,
+    aten._fused_rms_norm: _fused_rms_norm,
     aten.group_norm: _group_norm,
     aten.native_group_norm: _native_group_norm,
     aten.scaled_dot_product_attention: _attention,

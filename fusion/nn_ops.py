@@ -2,10 +2,10 @@
 an index (``iota``), dropout's mask (``dropout_mask``), a stop-gradient (``detach``), a
 concatenation (``cat``), an embedding lookup and scaled dot-product attention, each with
 its gradient's op. ``fusion.ops`` exports them all (``fd.ops.embedding(table, indices)``,
-...). Layer and group normalization are compositions of ``fusion.ops`` (a variance and
-mean, ``rsqrt``, pointwise ops), not ops of their own: the normalization scheduler fuses
-what it knows, ``fusion.autodiff`` differentiates op by op; this module's ``layer_norm``
-and ``group_norm`` build them.
+...). Layer, RMS and group normalization are compositions of ``fusion.ops`` (a variance
+and mean or a mean of squares, ``rsqrt``, pointwise ops), not ops of their own: the
+normalization scheduler fuses what it knows, ``fusion.autodiff`` differentiates op by op;
+this module's ``layer_norm``, ``rms_norm`` and ``group_norm`` build them.
 
 Split over ranks, each keeps the single-device meaning: an ``iota``'s piece holds its own
 global indices, a dropout mask's piece draws its own elements' bits, an embedding over a
@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from fusion.dtypes import DataType, as_dtype, float32, int64
+from fusion.dtypes import DataType, as_dtype, float32, int64, machine_epsilon
 from fusion.errors import DefinitionError
 from fusion.exprs import (
     AttentionGradOp,
@@ -51,6 +51,7 @@ from fusion.ops import (
     add,
     broadcast,
     cast,
+    mean,
     mul,
     reshape,
     rsqrt,
@@ -299,6 +300,39 @@ def layer_norm(
     return _in_dtype(y, x.dtype), mean, rstd
 
 
+def rms_norm(
+    x: TensorView,
+    normalized_dims: int,
+    weight: TensorView | None = None,
+    eps: float | None = None,
+) -> tuple[TensorView, TensorView]:
+    """torch's ``rms_norm`` over the last ``normalized_dims`` axes of ``x``:
+    ``x * rstd * weight`` with ``rstd = 1 / sqrt(mean(x^2) + eps)``, ``weight`` (optional)
+    shaped like those axes. As torch's, 16-bit inputs compute in float32 (the weight
+    too) and round once, and ``eps=None`` is the machine epsilon of that compute type
+    (float32's for 16- and 32-bit inputs, not bf16's). Returns ``(y, rstd)``, ``rstd``
+    float32 (float64 inputs: float64) over the kept axes.
+
+    Example::
+
+        y, _ = rms_norm(x, 1, weight)  # nn.RMSNorm(hidden) on [..., hidden]
+    """
+    x = _tensor("rms_norm", "input", x)
+    _require_float("rms_norm", x)
+    if not isinstance(normalized_dims, int) or not 1 <= normalized_dims <= x.ndim:
+        raise DefinitionError(
+            f"rms_norm: normalized_dims must be 1 to {x.ndim} for {x}, got {normalized_dims!r}"
+        )
+    wide = cast(x, "float32") if x.dtype.bits < 32 else x
+    if eps is None:
+        eps = machine_epsilon(wide.dtype)
+    dims = list(range(x.ndim - normalized_dims, x.ndim))
+    rstd = rsqrt(add(mean(mul(wide, wide), dims), eps))
+    y = mul(wide, broadcast(rstd, [d in dims for d in range(x.ndim)]))
+    y = _affine("rms_norm", y, [d < dims[0] for d in range(x.ndim)], weight, None)
+    return _in_dtype(y, x.dtype), rstd
+
+
 def group_norm(
     x: TensorView,
     groups: int,
@@ -383,5 +417,5 @@ def _open_fusion(op_name: str, source: object) -> Fusion:
 
 __all__ = [
     "attention", "attention_grad", "cat", "detach", "dropout_mask", "embedding", "embedding_grad",
-    "group_norm", "iota", "layer_norm",
+    "group_norm", "iota", "layer_norm", "rms_norm",
 ]  # fmt: skip

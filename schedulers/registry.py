@@ -69,7 +69,42 @@ def _longest_taken(
 
 
 def split_into_kernels(exprs: list[Expr], fusion: Fusion) -> list[KernelGroup]:
-    """Kernels for ``exprs`` (no matmul among them), in order."""
+    """Kernels for ``exprs`` (no matmul among them), in order; where moving the exprs the
+    reference evaluator runs up to the ones before them gives fewer kernels, in that
+    order."""
+    groups = _split(exprs, fusion)
+    untaken = {id(expr) for group in groups if group.scheduler is None for expr in group.exprs}
+    moved = _untaken_joined(exprs, untaken)
+    if moved != exprs:
+        fewer = _split(moved, fusion)
+        if len(fewer) < len(groups):
+            return fewer
+    return groups
+
+
+def _untaken_joined(exprs: list[Expr], untaken: set[int]) -> list[Expr]:
+    """``exprs`` with each of ``untaken`` (ids of the exprs no scheduler took) moved up
+    past the taken exprs before it that it does not read, where that brings it next to
+    another untaken expr (or to the start): the reference evaluator's exprs gather into
+    one launch and the taken ones around them into one kernel. A GroupNorm's backward:
+    its bias gradient (a sum over the batch and spatial axes) sat between the weight's
+    broadcast and the products that read it, a pointwise kernel on each side."""
+    order: list[Expr] = []
+    for expr in exprs:
+        position = len(order)
+        if id(expr) in untaken:
+            reads = set(expr.inputs)
+            while (position and id(order[position - 1]) not in untaken
+                   and not reads & set(order[position - 1].outputs)):  # fmt: skip
+                position -= 1
+            if position and id(order[position - 1]) not in untaken:
+                position = len(order)  # it reads the taken expr it reached: it stays
+        order.insert(position, expr)
+    return order
+
+
+def _split(exprs: list[Expr], fusion: Fusion) -> list[KernelGroup]:
+    """Kernels for ``exprs`` in their order: from each, the longest run taken."""
     runs: list[tuple[list[Expr], tuple[Scheduler, object] | str]] = []
     start = 0
     while start < len(exprs):

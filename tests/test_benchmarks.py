@@ -141,6 +141,27 @@ def test_norms_benchmark_smoke_run():
     assert len(timed) == 8 and all(" ms " in line for line in timed), stdout
 
 
+def test_norms_benchmark_times_a_captured_backward_against_the_hand_written(monkeypatch, capsys):
+    """``--op layernorm_captured_bwd`` in-process on CPU: both backwards (captured and
+    hand-written) checked against torch autograd before they are timed (the run stops
+    otherwise), in bf16 and float32, the captured one a single normalization kernel.
+    (``rmsnorm_captured_bwd`` runs the same code: left out for the suite's time.)"""
+    from benchmarks import norms
+
+    op = "layernorm_captured_bwd"
+    monkeypatch.setattr(sys, "argv", ["norms.py", "--smoke", "--op", op, "--shape", "3x40",
+                                      "--rounds", "1", "--iterations", "1"])  # fmt: skip
+    norms.main()
+    stdout = capsys.readouterr().out
+    timed = {tuple(line.split()[i] for i in (0, 2, 3)) for line in stdout.splitlines()
+             if " ms " in line}  # fmt: skip
+    assert timed == {(op, dtype, provider) for dtype in ("bfloat16", "float32")
+                     for provider in ("ours_captured", "ours_hand", "eager")}, stdout  # fmt: skip
+    captured = [line for line in stdout.splitlines() if line.startswith("  captured: ")]
+    assert len(captured) == 2, stdout
+    assert all(line.startswith("  captured: k0 [normalization]") for line in captured), stdout
+
+
 def test_norms_benchmark_params_are_fields_of_normalization_params():
     from benchmarks.norms import parse_params
 

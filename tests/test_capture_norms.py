@@ -1,11 +1,11 @@
 """``fusion.capture`` of the normalizations transformers use (``nn.LayerNorm``,
-``nn.GroupNorm``) and of a GPT-2 block, against eager PyTorch.
+``nn.RMSNorm``, ``nn.GroupNorm``) and of a GPT-2 block, against eager PyTorch.
 
 Each module is captured, run by the reference evaluator and by generated kernels (Triton's
 interpreter here), and compared with the module itself; its backward (``fusion.autodiff``)
 is run the same ways and compared with torch autograd's gradients of the input and of
-every parameter. A LayerNorm must become one normalization kernel, and so must its
-backward (dx's row reductions with dweight's and dbias's column sums, as
+every parameter. A LayerNorm or an RMSNorm must become one normalization kernel, and so
+must its backward (dx's row reductions with dweight's and dbias's column sums, as
 ``examples/norms.py``'s hand-written one): the composition the capture builds, and the
 gradients autodiff writes of it, are what the normalization scheduler fuses.
 """
@@ -23,7 +23,7 @@ from fusion import FusionDefinition
 from fusion.autodiff import backward
 from fusion.capture import capture
 from fusion.errors import DefinitionError
-from fusion.nn_ops import group_norm, layer_norm
+from fusion.nn_ops import group_norm, layer_norm, rms_norm
 from fusion.testing import assert_close
 from overlap import MultiDeviceExecutor
 
@@ -101,6 +101,68 @@ def test_layer_norm_matches_eager_with_its_gradients(case, dtype, kernels):
             assert report.startswith("k0 [normalization]") and "\n" not in report, report
 
 
+RMS_NORMS = {
+    # name: (input shape, normalized shape, keyword arguments of nn.RMSNorm)
+    "3d": ([2, 5, 12], [12], {}),  # eps None: torch's default
+    "2d_eps": ([7, 12], [12], {"eps": 1e-3}),
+    "no_weight": ([2, 5, 12], [12], {"elementwise_affine": False}),
+    "two_trailing_dims": ([3, 7, 4], [7, 4], {"eps": 1e-5}),
+}
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", list(RMS_NORMS))
+def test_rms_norm_matches_eager_with_its_gradients(case, dtype, kernels):
+    """``nn.RMSNorm`` (``aten.rms_norm`` in the exported graph) is translated, not run
+    by torch: one normalization kernel forward and one backward, as LayerNorm's."""
+    shape, normalized, options = RMS_NORMS[case]
+    torch.manual_seed(8)
+    module = torch.nn.RMSNorm(normalized, **options)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.add_(0.3 * torch.randn(parameter.shape))
+    module = module.to(dtype)
+    x = (2.0 * torch.randn(shape) + 0.5).to(dtype)
+    extent = int(torch.tensor(normalized).prod())
+    reports = _check(module, x, kernels, extent)
+    if kernels == "generated":
+        for report in reports:
+            assert report.startswith("k0 [normalization]") and "\n" not in report, report
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float64], ids=str)
+def test_rms_norm_without_eps_adds_torchs_machine_epsilon(dtype):
+    """Rows whose mean square is about the epsilon, so that the one added shows: torch's
+    default is the machine epsilon of the compute type (float32's for bf16 inputs, which
+    bf16's own 2^-7 would swamp; float64's for float64), and no op falls back to torch."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    torch.manual_seed(9)
+    module = torch.nn.RMSNorm(12).to(dtype)
+    x = (torch.finfo(compute).eps ** 0.5 * torch.randn(3, 12)).to(dtype)
+    captured = capture(module, [x])
+    assert "fell back to torch" not in str(captured.fd), captured.fd
+    (ours,) = captured.fd.execute(captured.inputs(module, x))
+    assert_close(ours, module(x).detach(), reduction_extent=12)
+
+
+def parallel_rms_norm(communicator) -> tuple[list[str], list[str]]:
+    """An ``nn.RMSNorm`` on a sequence split over the ranks (7 tokens: uneven pieces),
+    trained one step (``trained_pieces``): rows stay whole on a rank, the weight's
+    gradient sums over every rank's rows."""
+    torch.manual_seed(10)
+    module = torch.nn.RMSNorm(16)
+    with torch.no_grad():
+        module.weight.add_(0.3 * torch.randn(16))
+    return trained_pieces(communicator, module, {}, 7, "sequence", 16)
+
+
+def test_an_rms_norm_over_a_sequence_split_over_two_ranks_trains_as_one_device(rank_pools):
+    """No communication in the forward: each rank normalizes its own tokens."""
+    results = rank_pools(2).run(parallel_rms_norm, timeout=120)
+    assert results == [(["weight [16]"], [])] * 2
+
+
 GROUP_NORMS = {
     # name: (input shape, groups, channels, affine)
     "three_groups": ([2, 6, 5], 3, 6, True),
@@ -124,9 +186,18 @@ def test_group_norm_matches_eager_with_its_gradients(case, dtype, kernels):
     module = module.to(dtype)
     x = (2.0 * torch.randn(shape) - 1.0).to(dtype)
     extent = channels // groups * int(torch.tensor(shape[2:]).prod())
-    report, _ = _check(module, x, kernels, extent)
+    report, backward_report = _check(module, x, kernels, extent)
     if kernels == "generated":  # the statistics and the normalization: one kernel
         assert "[normalization]" in report, report
+    if kernels == "generated" and dtype == torch.float32:
+        # the backward: dx's row sums one normalization kernel; with a weight, its product
+        # with dy and dy's with x-hat a pointwise kernel before it (the bias's sum of dy,
+        # which no scheduler takes, joins the reference evaluator's launch of its view
+        # instead of splitting them: 4 kernels before)
+        schedulers = [line.split()[1] for line in backward_report.splitlines()]
+        expected = ["[normalization]", "[pointwise]", "[normalization]"] if affine else [
+            "[normalization]"]  # fmt: skip
+        assert schedulers == expected, backward_report
 
 
 class KeepdimRMSNorm(torch.nn.Module):
@@ -165,7 +236,7 @@ def test_an_rmsnorm_in_elementwise_ops_and_its_backward_are_one_kernel_each(shap
 
 class NativeNorms(torch.nn.Module):
     """The ops a decomposed graph holds: ``native_layer_norm`` and ``native_group_norm``,
-    each with its mean and rstd."""
+    each with its mean and rstd, and ``_fused_rms_norm`` with its rstd."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -177,7 +248,8 @@ class NativeNorms(torch.nn.Module):
         layer = torch.ops.aten.native_layer_norm(x, [length], self.weight[:length], None, 1e-5)
         group = torch.ops.aten.native_group_norm(x, self.weight, self.bias, batch, channels,
                                                  length, 3, 1e-4)  # fmt: skip
-        return (*layer, *group)
+        rms = torch.ops.aten._fused_rms_norm(x, [length], self.bias[:length], None)
+        return (*layer, *group, *rms)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -187,9 +259,11 @@ def test_the_native_norms_and_their_statistics_match_torch(dtype):
     x = (torch.randn(2, 6, 5) + 0.5).to(dtype)
     captured = capture(module, [x])
     ours = MultiDeviceExecutor(captured.fd, kernels="generated").run(captured.inputs(module, x))
-    names = ["layer y", "layer mean", "layer rstd", "group y", "group mean", "group rstd"]
+    names = ["layer y", "layer mean", "layer rstd", "group y", "group mean", "group rstd",
+             "rms y", "rms rstd"]  # fmt: skip
     for name, mine, theirs in zip(names, ours, module(x), strict=True):
-        # torch's CPU statistics are in the input's dtype, the layer's with its axis kept
+        # torch's CPU statistics are in the input's dtype, the layer's with its axis kept;
+        # the RMS norm's rstd is float32 (its compute type), its axis kept
         assert_close(mine, theirs.detach(), reduction_extent=10, message=name)
 
 
@@ -298,4 +372,6 @@ def test_norms_that_do_not_fit_their_input_are_refused():
             group_norm(x, 4)
         with pytest.raises(DefinitionError, match="weight .* does not match"):
             layer_norm(x, 2, fd.define_tensor([4], "float32"))
+        with pytest.raises(DefinitionError, match="normalized_dims must be 1 to 3"):
+            rms_norm(x, 0)
         fd.add_output(layer_norm(x, 2)[0])  # the fitting ones are still built

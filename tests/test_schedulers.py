@@ -308,6 +308,21 @@ def test_what_no_scheduler_takes_falls_back_and_says_so(rng):
     assert "[pointwise]" in text  # the exp after it is still generated
 
 
+def test_what_no_scheduler_takes_moves_up_so_that_the_kernels_around_it_join(rng):
+    """A sum over the outer and inner axes (no scheduler's) written between a broadcast
+    and the product reading it, as a GroupNorm's backward has its bias's gradient: run
+    first, the broadcast and the product one pointwise kernel (three launches before)."""
+    with FusionDefinition() as fd:
+        x = fd.define_tensor([2, 3, 5])
+        weight = fd.define_tensor([3])
+        spread = fd.ops.broadcast(weight, [True, False, True])
+        fd.add_output(fd.ops.sum(x, dims=[0, 2]))
+        fd.add_output(fd.ops.mul(x, spread))
+    inputs = [torch.randn(2, 3, 5, generator=rng), torch.randn(3, generator=rng)]
+    executor = _check(fd, inputs, reduction_extent=10)
+    assert _backends(executor) == ["reference", "pointwise"], executor.program
+
+
 # ---------------------------------------------------------------------------
 # Kernel reuse, heuristics and hardware
 
