@@ -78,7 +78,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples import gpt2_block  # noqa: E402
+from fusion.definition import FusionDefinition  # noqa: E402
 from overlap import parallelize  # noqa: E402
+from overlap.train.plans import place  # noqa: E402
 
 BRANCHES = torch.tensor([0.5, 0.25, 0.15, 0.1])  # each token's successors' probabilities
 
@@ -307,6 +309,17 @@ def build(config: Config, communicator) -> tuple[GPT, torch.nn.Module, float]:
     model = parallelize(module, examples, communicator, plan(config.layers),
                         inputs=[Replicate(), Replicate()])  # fmt: skip
     return module, model, time.perf_counter() - start
+
+
+def fusion(world_size: int) -> FusionDefinition:
+    """The default config's model as ``parallelize`` captures and places it by ``plan``,
+    for ``overlap dump`` (the program the forward runs, the loss included)."""
+    config = Config()
+    torch.manual_seed(config.seed)
+    examples = [torch.zeros(config.batch, config.seq, dtype=torch.long)
+                for _ in ("tokens", "targets")]  # fmt: skip
+    return place(GPT(config), examples, world_size, plan(config.layers),
+                 inputs=[Replicate(), Replicate()]).fd  # fmt: skip
 
 
 def train(communicator, config: Config, check_steps: int = 0, log_every: int = 1,

@@ -217,12 +217,13 @@ def test_profile_host_benchmark_smoke_run(tmp_path):
 
 
 def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
-    """``benchmarks/check_gpu.py`` on 2 CPU ranks (kernels in the interpreter): every
-    check passes on every rank, and the JSON holds each rank's verdict."""
+    """``benchmarks/check_gpu.py --quick`` on 2 CPU ranks (kernels in the interpreter): the
+    first check of every scenario and kernels passes on every rank, and the JSON holds each
+    rank's verdict. (Every check of the script, 143 on 2 ranks, took 130 s of CI's 15
+    minutes; the scenarios are the tests' own functions, which run whole there.)"""
     out = tmp_path / "check.json"
-    result = _torchrun(
-        "check_gpu.py", 2, "--out", str(out), timeout=300, check=False, TRITON_INTERPRET="1"
-    )
+    result = _torchrun("check_gpu.py", 2, "--out", str(out), "--quick", timeout=300,
+                       check=False, TRITON_INTERPRET="1")  # fmt: skip
     # the first failing check's report first: a failure can leave the ranks a collective
     # apart, and every later check fails for it (the tail alone hid the first once)
     # (and each rank's own report of what it raised, on stderr, first)
@@ -233,7 +234,10 @@ def test_check_gpu_runs_on_gloo_ranks_and_reports_every_rank(tmp_path):
     assert result.returncode == 0, own + "\n...\n" + "\n".join(lines[first : first + 40]) + (
         "\n...\n" + result.stdout[-2000:] + result.stderr[-3000:])  # fmt: skip
     record = json.loads(out.read_text())
-    assert record["failed"] == 0 and len(record["rows"]) > 80
+    # one row a scenario and kernels: the multi-device scenarios, gradients, pipelines,
+    # graph replays, parallelized modules, dropout, ...
+    assert record["failed"] == 0 and len(record["rows"]) > 25
+    assert len({(row["check"].split(" ")[0], row["kernels"]) for row in record["rows"]}) > 10
     assert {row["kernels"] for row in record["rows"]} == {"reference", "generated", "-"}
     assert all(row["ranks"] == ["ok", "ok"] for row in record["rows"])
 
