@@ -132,7 +132,8 @@ def test_a_job_whose_rank_dies_restarts_from_its_checkpoint_with_the_same_losses
     losses_json = tmp_path / "losses.json"
     argv = ["--layers", "1", "--steps", str(STEPS), "--clip", str(CLIP), "--check-steps",
             "0", "--checkpoint-dir", str(tmp_path / "checkpoints"), "--checkpoint-every",
-            "2", "--fail-at", "5", "--losses-json", str(losses_json)]  # fmt: skip
+            "2", "--fail-at", "5", "--log-every", str(STEPS), "--losses-json",
+            str(losses_json)]  # fmt: skip
     script = str(ROOT / "examples" / "train_gpt.py")
     assert run_script(script, argv, nproc=2, timeout_s=180, max_restarts=1) == 0
     uninterrupted = _run(rank_pools)[0]["losses"]
