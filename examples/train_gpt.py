@@ -1,9 +1,12 @@
 """Training a GPT (token embedding, N GPT-2 blocks, final LayerNorm, a vocabulary-parallel
-head) tensor-parallel on every rank, on a synthetic language the script generates.
+head) tensor-parallel, and data-parallel over replicas of that, on a synthetic language the
+script generates; with checkpoints, and restarted from the last one after a failure.
 
     overlap run --nproc 2 examples/train_gpt.py                        # CPU, gloo: tiny
     overlap run --launcher torchrun --nproc 2 examples/train_gpt.py \\
         --layers 8 --hidden 2048 --heads 16 --seq 2048 --batch 4 --vocab 32768 --steps 200
+    overlap run --nproc 4 --max-restarts 3 examples/train_gpt.py --dp 2 \\
+        --checkpoint-dir checkpoints --checkpoint-every 5              # 2 x 2, restartable
     python examples/train_gpt.py --steps 50                            # alone: one rank
 
 The model is plain PyTorch (``GPT``): ``nn.Embedding``, ``examples.gpt2_block.Block`` N
@@ -45,23 +48,42 @@ against 0.29 s at 8 layers). ``benchmarks/train.py`` times both on GPUs
 whole, separate blocks (or one block's program captured once for all N) are the better
 structure.
 
-Where the 2-D mesh and checkpoints plug in: ``build`` places the model (a data-parallel
-axis goes there), ``MarkovLanguage.batch(step, replica)`` gives each replica its own
-batch, and a ``Trainer``'s state is its masters' optimizer and its scheduler, with the
-model's DTensor parameters (what ``torch.distributed.checkpoint`` saves), the step the
-data position.
+Data parallel (``--dp D``): the world is D replicas of a tensor-parallel team of
+world / D consecutive ranks, from the same ``parallelize`` call (``data_parallel=D``, a
+("dp", "tp") mesh); replica r trains on ``MarkovLanguage.batch(step, r)``, ``--batch``
+sequences of its own, and its gradients are averaged over the replicas during the
+backward (``overlap.train.data_parallel``). The loss printed is the replicas' mean: the
+mean over all their sequences, which one device training on the union of the replicas'
+batches computes (``--check-steps`` does that).
+
+Checkpoints (``--checkpoint-dir DIR --checkpoint-every K``): ``overlap.Checkpointer``
+saves the model's DTensor parameters, the optimizer's state (the float32 masters' AdamW,
+the masters too where the model is bf16), the schedule and the step every K steps,
+asynchronously; at the start, whatever the attempt, the job resumes from the last
+complete checkpoint under DIR (the step is the data position: ``batch(step, replica)``).
+A job started with ``overlap run --max-restarts N`` (or torchrun's, or ``--launcher ray
+--max-restarts N``) that loses a rank starts every rank again, and so continues from
+there; the losses are those of a job never stopped, bit for bit. ``--fail-at STEP`` is a
+test hook: rank 1 exits (``os._exit(1)``, no exception, no cleanup) at that step in the
+first attempt only (``rank_environment().restart_count == 0``).
 
 Rank 0 prints, every ``--log-every`` steps, the loss, the learning rate, the gradient
-norm, tokens per second (the batch's tokens over the step's time: the ranks share one
-batch) and the peak memory of each rank. ``--check-steps K`` also trains the same model
-on one device for the first K steps, from the same weights and batches, and fails
-unless the losses and the gradient norms agree within ``tolerance(dtype)``.
+norm, tokens per second (all the replicas' tokens over the step's time: a replica's
+ranks share its batch) and the peak memory of each rank. ``--check-steps K`` also trains
+the same model on one device for the first K steps, from the same weights and batches,
+and fails unless the losses and the gradient norms agree within ``tolerance(dtype)``; a
+resumed run compares nothing (one device would have to start from the checkpoint too).
+``--losses-json PATH``: rank 0 writes the step this attempt started from and its losses
+(for tests and plots).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import json
 import math
+import os
 import resource
 import sys
 import time
@@ -79,7 +101,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from examples import gpt2_block  # noqa: E402
 from fusion.definition import FusionDefinition  # noqa: E402
-from overlap import parallelize  # noqa: E402
+from launch import rank_environment  # noqa: E402
+from overlap import Checkpointer, parallelize  # noqa: E402
 from overlap.train.plans import place  # noqa: E402
 
 BRANCHES = torch.tensor([0.5, 0.25, 0.15, 0.1])  # each token's successors' probabilities
@@ -102,6 +125,7 @@ class Config:
     clip: float = 1.0
     dtype: str = "float32"
     seed: int = 0
+    dp: int = 1  # data-parallel replicas, each ``batch`` sequences a step
 
 
 def tolerance(dtype: torch.dtype) -> float:
@@ -282,23 +306,45 @@ def peak_memory_mib(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
 
 
-def parse(argv: Sequence[str], device: torch.device) -> tuple[Config, int, int]:
-    """The command line: the config, ``--check-steps`` and ``--log-every``."""
+@dataclass(frozen=True)
+class Options:
+    """The command line's flags other than the config's: what the run checks, logs and
+    saves (see the module)."""
+
+    check_steps: int = 3
+    log_every: int = 1
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 10
+    fail_at: int | None = None
+    losses_json: str | None = None
+
+
+def parse(argv: Sequence[str], device: torch.device) -> tuple[Config, Options]:
+    """The command line: the config and the options."""
     defaults = Config(dtype="bfloat16" if device.type == "cuda" else "float32")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     for field, value in vars(defaults).items():
         parser.add_argument(f"--{field.replace('_', '-')}", type=type(value), default=value)
-    parser.add_argument("--check-steps", type=int, default=3,
+    parser.add_argument("--check-steps", type=int, default=Options.check_steps,
                         help="train one device beside ours for this many steps")  # fmt: skip
-    parser.add_argument("--log-every", type=int, default=1)
+    parser.add_argument("--log-every", type=int, default=Options.log_every)
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="resume from its last complete checkpoint; save there")  # fmt: skip
+    parser.add_argument("--checkpoint-every", type=int, default=Options.checkpoint_every,
+                        help="steps between checkpoints")  # fmt: skip
+    parser.add_argument("--fail-at", type=int, default=None,
+                        help="test hook: rank 1 exits at this step, first attempt")  # fmt: skip
+    parser.add_argument("--losses-json", default=None,
+                        help="rank 0 writes this attempt's start and losses there")  # fmt: skip
     args = vars(parser.parse_args(argv))
-    check, every = args.pop("check_steps"), args.pop("log_every")
-    return Config(**args), check, every
+    options = {field: args.pop(field) for field in vars(Options())}
+    return Config(**args), Options(**options)
 
 
 def build(config: Config, communicator) -> tuple[GPT, torch.nn.Module, float]:
-    """The module (seeded alike on every rank) and ours parallelized from it, with the
-    seconds ``parallelize`` took (capture, placing, compiling the forward)."""
+    """The module (seeded alike on every rank) and ours parallelized from it over
+    ``config.dp`` replicas, with the seconds ``parallelize`` took (capture, placing,
+    compiling the forward)."""
     device, dtype = communicator.device, getattr(torch, config.dtype)
     torch.manual_seed(config.seed)
     module = GPT(config).to(device=device, dtype=dtype)
@@ -307,7 +353,8 @@ def build(config: Config, communicator) -> tuple[GPT, torch.nn.Module, float]:
                 for _ in ("tokens", "targets")]  # fmt: skip
     start = time.perf_counter()
     model = parallelize(module, examples, communicator, plan(config.layers),
-                        inputs=[Replicate(), Replicate()])  # fmt: skip
+                        inputs=[Replicate(), Replicate()],
+                        data_parallel=config.dp)  # fmt: skip
     return module, model, time.perf_counter() - start
 
 
@@ -322,57 +369,92 @@ def fusion(world_size: int) -> FusionDefinition:
                  inputs=[Replicate(), Replicate()]).fd  # fmt: skip
 
 
+def mean_over_replicas(value: float, team) -> float:
+    """The mean of ``value`` over ``team``'s data-parallel replicas (a collective)."""
+    if team.replicas == 1:
+        return value
+    total = torch.tensor([value], dtype=torch.float64, device=team.device)
+    dist.all_reduce(total, group=team.replica_group)
+    return total.item() / team.replicas
+
+
 def train(communicator, config: Config, check_steps: int = 0, log_every: int = 1,
-          log=print) -> dict:  # fmt: skip
-    """Train ``config`` on ``communicator``'s ranks; returns the per-step losses and
-    gradient norms (ours, and one device's for the first ``check_steps``: the job fails
+          log=print, checkpoint_dir: str | None = None, checkpoint_every: int = 10,
+          fail_at: int | None = None) -> dict:  # fmt: skip
+    """Train ``config`` on ``communicator``'s ranks (``config.dp`` replicas); with
+    ``checkpoint_dir``, resumed from its last complete checkpoint and saved to it every
+    ``checkpoint_every`` steps; ``fail_at``: the test hook (see the module). Returns the
+    step this run started from, its per-step losses (the replicas' mean) and gradient
+    norms; one device's for the first ``check_steps`` of a run from step 0 (the job fails
     unless they agree within ``tolerance``), the largest relative gap, and the
     communications that moved [tokens, vocab] tensors (``vocabulary_moves``)."""
     device, rank, world = communicator.device, communicator.rank, communicator.world_size
     module, model, build_s = build(config, communicator)
+    team = model.model.communicator  # this rank's tensor-parallel team, and its replica
     language = MarkovLanguage(config.vocab, config.seed)
     ours = Trainer(model, config)
-    # one device: the same module, whole; it trains only for the steps compared
-    whole = Trainer(module, config) if check_steps else None
-    if rank == 0:
-        parameters = sum(p.numel() for p in module.parameters())
-        log(f"train_gpt: {parameters / 1e6:.2f} M parameters, {config.layers} layers, "
-            f"hidden {config.hidden}, vocab {config.vocab}, {config.dtype}, {world} rank"
-            f"{'s' if world > 1 else ''}; parallelize {build_s:.1f} s; a uniform guess "
-            f"{math.log(config.vocab):.3f}, the language's floor "
-            f"{language.entropy_rate():.3f} nats a token")  # fmt: skip
-    losses, norms, whole_losses, whole_norms = [], [], [], []
-    worst = 0.0
-    for step in range(config.steps):
-        tokens = language.batch(step, 0, config.batch, config.seq).to(device)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        loss, norm = ours.step(tokens)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        seconds = time.perf_counter() - start
-        losses.append(loss)
-        norms.append(norm)
-        if whole is not None and step < check_steps:
-            whole_loss, whole_norm = whole.step(tokens)
-            whole_losses.append(whole_loss)
-            whole_norms.append(whole_norm)
-            # the norm clipped by: every rank's pieces counted once, as one device's whole
-            worst = max(worst, abs(loss - whole_loss) / abs(whole_loss),
-                        abs(norm - whole_norm) / whole_norm)  # fmt: skip
-            if step + 1 == check_steps:
-                whole = None  # its memory back
-        if step % log_every == 0 or step == config.steps - 1:
-            memories = [None] * world
-            dist.all_gather_object(memories, round(peak_memory_mib(device)))
-            if rank == 0:
-                compared = (f"  one device {whole_losses[step]:.4f}"
-                            if step < len(whole_losses) else "")  # fmt: skip
-                log(f"step {step:4d}  loss {loss:.4f}{compared}  lr "
-                    f"{ours.scheduler.get_last_lr()[0]:.2e}  grad norm {norm:.3f}  "
-                    f"{config.batch * config.seq / seconds:,.0f} tokens/s  peak MiB per rank "
-                    f"{memories}")  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        checkpoints = None
+        if checkpoint_dir is not None:
+            checkpoints = stack.enter_context(Checkpointer(
+                checkpoint_dir, model, ours.masters.optimizer, checkpoint_every,
+                scheduler=ours.scheduler))  # fmt: skip
+        start = checkpoints.resume().step if checkpoints is not None else 0
+        first_attempt = rank_environment().restart_count == 0
+        # one device: the same module, whole, on every replica's batch; it trains only
+        # for the steps compared
+        whole = Trainer(module, config) if check_steps and start == 0 else None
+        if rank == 0:
+            parameters = sum(p.numel() for p in module.parameters())
+            resumed = f"; resumed after step {start}" if start else ""
+            log(f"train_gpt: {parameters / 1e6:.2f} M parameters, {config.layers} layers, "
+                f"hidden {config.hidden}, vocab {config.vocab}, {config.dtype}, {world} rank"
+                f"{'s' if world > 1 else ''} ({config.dp} data-parallel x {team.world_size} "
+                f"tensor-parallel); parallelize {build_s:.1f} s; a uniform guess "
+                f"{math.log(config.vocab):.3f}, the language's floor "
+                f"{language.entropy_rate():.3f} nats a token{resumed}")  # fmt: skip
+        losses, norms, whole_losses, whole_norms = [], [], [], []
+        worst = 0.0
+        for step in range(start, config.steps):
+            if step == fail_at and rank == 1 and first_attempt:
+                os._exit(1)  # the test hook: a rank dies, no exception, no cleanup
+            batches = [language.batch(step, replica, config.batch, config.seq)
+                       for replica in range(config.dp)]  # fmt: skip
+            tokens = batches[team.replica].to(device)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            began = time.perf_counter()
+            loss, norm = ours.step(tokens)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = time.perf_counter() - began
+            loss = mean_over_replicas(loss, team)
+            losses.append(loss)
+            norms.append(norm)
+            if checkpoints is not None:
+                checkpoints.after_step(step + 1)
+            if whole is not None and step < check_steps:
+                # the replicas' mean loss: the mean over the union of their batches
+                whole_loss, whole_norm = whole.step(torch.cat(batches).to(device))
+                whole_losses.append(whole_loss)
+                whole_norms.append(whole_norm)
+                # the norm clipped by: every rank's pieces counted once, as one device's whole
+                worst = max(worst, abs(loss - whole_loss) / abs(whole_loss),
+                            abs(norm - whole_norm) / whole_norm)  # fmt: skip
+                if step + 1 == check_steps:
+                    whole = None  # its memory back
+            if step % log_every == 0 or step == config.steps - 1:
+                memories = [None] * world
+                dist.all_gather_object(memories, round(peak_memory_mib(device)))
+                if rank == 0:
+                    done = step - start
+                    compared = (f"  one device {whole_losses[done]:.4f}"
+                                if done < len(whole_losses) else "")  # fmt: skip
+                    tokens_per_s = config.dp * config.batch * config.seq / seconds
+                    log(f"step {step:4d}  loss {loss:.4f}{compared}  lr "
+                        f"{ours.scheduler.get_last_lr()[0]:.2e}  grad norm {norm:.3f}  "
+                        f"{tokens_per_s:,.0f} tokens/s  peak MiB per rank "
+                        f"{memories}")  # fmt: skip
     forward_moves, backward_moves = vocabulary_moves(model, config)
     if forward_moves:
         raise AssertionError(f"rank {rank}: the forward moved the logits: {forward_moves}")
@@ -382,23 +464,30 @@ def train(communicator, config: Config, check_steps: int = 0, log_every: int = 1
         raise AssertionError(f"rank {rank}: the losses or gradient norms differ from one "
                              f"device's by up to {worst:.1e} in the first {check_steps} "
                              "steps")  # fmt: skip
-    return {"losses": losses, "norms": norms, "one_device": whole_losses,
+    return {"start": start, "losses": losses, "norms": norms, "one_device": whole_losses,
             "one_device_norms": whole_norms, "worst": worst,
             "forward_moves": forward_moves, "backward_moves": backward_moves}  # fmt: skip
 
 
 def main(communicator) -> None:
-    config, check_steps, log_every = parse(sys.argv[1:], communicator.device)
-    result = train(communicator, config, check_steps, log_every,
-                   lambda line: print(line, flush=True))  # fmt: skip
-    if communicator.rank == 0:
-        losses, checked = result["losses"], len(result["one_device"])
-        compared = (f"; the first {checked} match one device (largest relative gap "
-                    f"{result['worst']:.1e})" if checked else "")  # fmt: skip
-        last = losses[-5:]  # each step's batch differs: the last few steps' mean
-        print(f"train_gpt: loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (the last "
-              f"{len(last)} steps' mean) in {config.steps} steps{compared}",
-              flush=True)  # fmt: skip
+    config, options = parse(sys.argv[1:], communicator.device)
+    result = train(communicator, config, options.check_steps, options.log_every,
+                   lambda line: print(line, flush=True), options.checkpoint_dir,
+                   options.checkpoint_every, options.fail_at)  # fmt: skip
+    if communicator.rank != 0:
+        return
+    start, losses, checked = result["start"], result["losses"], len(result["one_device"])
+    if options.losses_json is not None:
+        Path(options.losses_json).write_text(json.dumps({"start": start, "losses": losses}))
+    if not losses:
+        print(f"train_gpt: nothing to train: the checkpoint is of step {start}", flush=True)
+        return
+    compared = (f"; the first {checked} match one device (largest relative gap "
+                f"{result['worst']:.1e})" if checked else "")  # fmt: skip
+    last = losses[-5:]  # each step's batch differs: the last few steps' mean
+    print(f"train_gpt: loss {losses[0]:.3f} -> {sum(last) / len(last):.3f} (the last "
+          f"{len(last)} steps' mean) in steps {start} to {config.steps - 1}{compared}",
+          flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":  # run directly: under torchrun, or alone
