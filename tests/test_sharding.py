@@ -296,6 +296,29 @@ def test_a_mean_or_variance_over_a_split_axis_reduces_pieces_then_combines_sums(
     assert ops.count("div") == 3 and ops.count("sum") == 4
 
 
+def test_a_sum_over_several_axes_of_an_inner_split_combines_partial_sums_where_it_is():
+    """[batch, seq, hidden] split along seq (sequence parallel), summed over batch and seq
+    (a LayerNorm weight's gradient, a loss over tokens): each rank sums its piece and the
+    partial sums are all-reduced; the input is not first moved to a split of the batch,
+    the first reduced axis (an all-to-all of the whole activation before)."""
+    mesh = DeviceMesh(2)
+
+    def build(fd):
+        x = fd.define_tensor([4, 8, 6])
+        fd.add_output(fd.ops.sum(x, dims=[0, 1]))
+        fd.add_output(fd.ops.max(x, dims=[0, 1]))
+        return {"x": x}
+
+    sharded, _, _, _ = _sharded(build, [("x", mesh, [Shard(1)])])
+    assert _moves(sharded) == [("Allreduce", (6,))] * 2
+    # the placed program computes what the module does (every rank's pieces: the
+    # multi-rank tests of sequence-parallel norms, tests/test_capture_norms.py)
+    x = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(0))
+    total, largest = evaluate(sharded, [x])
+    torch.testing.assert_close(total, x.sum((0, 1)))
+    assert torch.equal(largest, x.amax((0, 1)))
+
+
 def test_a_max_over_a_split_axis_all_reduces_with_max():
     def build(fd):
         x = fd.define_tensor([8, 6])
