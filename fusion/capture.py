@@ -95,10 +95,27 @@ def seed_tensor(seed: int, device: torch.device | str | None = None) -> torch.Te
     return torch.tensor([seed], dtype=torch.int64, device=device)
 
 
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    empty = a.numel() == 0 or b.numel() == 0
+    return not empty and a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
 def capture(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor]) -> Captured:
     """``module`` as a fusion (see the module)."""
+    # one tensor passed as two arguments would be exported as one input read twice: the
+    # fusion's second input then unused, whatever a call passes there (a loss's targets
+    # silently its tokens); each argument gets its own tensor
+    examples = list(example_inputs)
+    for position, example in enumerate(examples):
+        if isinstance(example, torch.Tensor) and any(
+            isinstance(other, torch.Tensor) and _shares_memory(example, other)
+            for other in examples[:position]
+        ):
+            examples[position] = example.clone()
     try:
-        exported = torch.export.export(module, tuple(example_inputs))
+        exported = torch.export.export(module, tuple(examples))
     except Exception as error:  # torch's own reasons: data-dependent control flow, ...
         raise CaptureError(
             f"torch.export could not export {type(module).__name__}: {error}"

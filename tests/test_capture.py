@@ -133,6 +133,22 @@ def test_a_bf16_block_and_its_dtype_changes():
     assert_close(ours, module(x).detach(), reduction_extent=8)
 
 
+class _TwiceScaledPlus(torch.nn.Module):
+    def forward(self, a, b):
+        return a * 2 + b
+
+
+def test_one_example_tensor_passed_as_two_arguments_captures_two_inputs():
+    # torch.export alone makes the two arguments one input read twice: a call's second
+    # argument was then ignored (a loss's targets silently its tokens)
+    x = torch.randn(3)
+    for examples in ([x, x], [x, x[:]]):
+        captured = capture(_TwiceScaledPlus(), examples)
+        a, b = torch.ones(3), torch.zeros(3)
+        (out,) = captured.fd.execute(captured.inputs(_TwiceScaledPlus(), a, b))
+        assert torch.equal(out, a * 2 + b)
+
+
 def test_every_aten_op_without_a_translation_falls_back_to_torch():
     """Ops the table does not translate run as torch ops, each named in the printout, in
     the submodule that uses it (where the capture refused them before)."""
