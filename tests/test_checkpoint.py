@@ -6,8 +6,6 @@ a job whose rank dies restarts from the last complete checkpoint by itself."""
 
 from __future__ import annotations
 
-import contextlib
-import os
 import shutil
 from pathlib import Path
 
@@ -170,57 +168,6 @@ def test_latest_checkpoint_skips_folders_without_dcps_metadata(tmp_path):
             (checkpoint_path(tmp_path, step) / METADATA).write_bytes(b"")
     (tmp_path / "notes").mkdir()
     assert latest_checkpoint(tmp_path) == checkpoint_path(tmp_path, 10)  # 10 > 2 as numbers
-
-
-def data_parallel_training(communicator, directory: str | None = None):
-    """A plain linear model trained data-parallel by hand (each rank its own batches from
-    its own generator, the gradients averaged), ``STEPS`` steps; with ``directory``,
-    checkpoints every ``EVERY`` steps, and rank 1 dies at step 5 in the first attempt.
-    Returns the step this attempt started from, its losses and the weights."""
-    from launch.env import rank_environment
-
-    torch.manual_seed(0)
-    model = torch.nn.Linear(HIDDEN, HIDDEN)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    torch.manual_seed(100 + communicator.rank)  # restored per rank from the checkpoint
-    with contextlib.ExitStack() as stack:
-        checkpoints = None
-        if directory is not None:
-            checkpoints = stack.enter_context(Checkpointer(directory, model, optimizer, EVERY))
-        start = checkpoints.resume().step if checkpoints else 0
-        first_attempt = rank_environment().restart_count == 0
-        losses = []
-        for step in range(start, STEPS):
-            if checkpoints and step == 5 and communicator.rank == 1 and first_attempt:
-                os._exit(3)
-            x = torch.randn(TOKENS, HIDDEN)
-            loss = (model(x) - x.flip(1).tanh()).square().mean()
-            optimizer.zero_grad()
-            loss.backward()
-            for parameter in model.parameters():
-                dist.all_reduce(parameter.grad)
-                parameter.grad /= communicator.world_size
-            optimizer.step()
-            losses.append(loss.item())
-            if checkpoints:
-                checkpoints.after_step(step + 1)
-    return start, losses, [p.detach() for p in model.parameters()]
-
-
-def test_a_job_whose_rank_dies_restarts_from_the_last_complete_checkpoint(rank_pools, tmp_path):
-    """Under the local launcher (``overlap run --max-restarts 1``): rank 1 dies at step 5
-    (the save of 4 steps complete or cut off by then); every rank starts again, resumes
-    from the last complete checkpoint and ends where an uninterrupted run does."""
-    from launch.local import run_function
-
-    expected = rank_pools(2).run(data_parallel_training)
-    results = run_function(data_parallel_training, (str(tmp_path),), nproc=2, timeout_s=120,
-                           max_restarts=1)  # fmt: skip
-    for rank, (start, losses, weights) in enumerate(results):
-        _, straight, wanted = expected[rank]
-        assert start in (2, 4), start  # the last attempt resumed, it did not start over
-        assert losses == straight[start:], f"rank {rank}"
-        assert all(map(torch.equal, weights, wanted)), f"rank {rank}"
 
 
 @pytest.mark.parametrize("keep", [1, 2])
