@@ -28,7 +28,7 @@ MakeInput = Callable[..., torch.Tensor]
 # Modules whose every test starts processes: launchers, benchmark scripts, clusters
 # (test_docs and test_launch_cli mark theirs one by one: their other tests read files or
 # call the command line in-process)
-_PROCESS_MODULES = {"test_benchmarks", "test_launch", "test_launch_cluster", "test_ucx"}
+_PROCESS_MODULES = {"test_benchmarks", "test_cluster_launch", "test_launch", "test_ucx"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -106,3 +106,20 @@ class RankPool:
                 process.kill()
         for process in self.processes:
             process.join(timeout=10)
+
+
+def no_ray_processes(timeout_s: float = 60.0) -> None:
+    """Wait until no Ray process on this machine names a GCS address (which ``auto`` finds
+    by listing processes): after ``ray.shutdown()`` (``test_launch.py``'s Ray instance) its
+    processes may outlive the call by seconds on a busy machine (seen under two
+    pytest-xdist workers), where a cluster started next had its actors cancelled before
+    they ran."""
+    import time
+
+    from ray._private.services import find_gcs_addresses
+
+    deadline = time.monotonic() + timeout_s
+    while find_gcs_addresses() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = find_gcs_addresses()
+    assert not left, f"Ray processes still serve {sorted(left)} after {timeout_s} s"

@@ -8,32 +8,18 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
+from distributed import no_ray_processes
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _no_ray_processes(timeout_s: float = 60.0) -> None:
-    """Until no Ray process on this machine names a GCS address, which ``auto`` finds by
-    listing processes: after ``ray.shutdown()`` (``test_launch.py``'s Ray instance, the
-    test before this one) its processes may outlive the call by seconds on a busy
-    machine (seen under two pytest-xdist workers)."""
-    from ray._private.services import find_gcs_addresses
-
-    deadline = time.monotonic() + timeout_s
-    while find_gcs_addresses() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = find_gcs_addresses()
-    assert not left, f"Ray processes still serve {sorted(left)} after {timeout_s} s"
 
 
 @pytest.mark.slow  # it starts the command line in a process of its own
 @pytest.mark.ray  # it must find no cluster: never beside another Ray test
 def test_a_ray_address_without_a_cluster_is_one_clear_line(tmp_path):
-    _no_ray_processes()
+    no_ray_processes()
     script = tmp_path / "nothing.py"
     script.write_text("def main(communicator):\n    pass\n")
     env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_TMPDIR": str(tmp_path)}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from distributed import no_ray_processes
 
 from fusion.testing import assert_close
 
@@ -23,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 DRIVER = """
 import sys
+
 from fusion.testing import assert_close
 from launch.demo import build_tp_mlp, whole_inputs
 from launch.ray_pool import RayPool
@@ -104,6 +106,7 @@ def two_nodes():
     Without token authentication: a driver in another process joins it by address."""
     from ray.cluster_utils import Cluster
 
+    no_ray_processes()  # the Ray instance of a module before, gone
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
         patch.setenv("RAY_AUTH_MODE", "disabled")
