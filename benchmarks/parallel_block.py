@@ -293,7 +293,7 @@ def main() -> None:
         dist.destroy_process_group()
 
 
-def run_block(communicator, block: BenchBlock, args, block_name: str = "block") -> list[dict]:
+def run_block(communicator, block: BenchBlock, args, block_name: str) -> list[dict]:
     """Every variant of one block checked on every rank, then timed (see the module)."""
     device, world, rank = communicator.device, communicator.world_size, communicator.rank
     dtype = torch.float32 if args.smoke else torch.bfloat16

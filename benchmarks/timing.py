@@ -24,6 +24,7 @@ from __future__ import annotations
 import gc
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -171,8 +172,6 @@ def profile_steps(
 
     cuda = communicator.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    from pathlib import Path
-
     Path(folder).mkdir(parents=True, exist_ok=True)
     for name in names:
         if name not in calls:

@@ -271,6 +271,17 @@ def _check_attention(op_name, q, k, v, mask, causal, scale) -> tuple[Fusion, flo
     return fusion, float(scale)
 
 
+def _normalized_axes(op_name: str, x: TensorView, normalized_dims: int) -> list[int]:
+    """The last ``normalized_dims`` axes of the floating-point ``x``, which a layer or RMS
+    norm normalizes over (refused unless 1 to all of them)."""
+    _require_float(op_name, x)
+    if not isinstance(normalized_dims, int) or not 1 <= normalized_dims <= x.ndim:
+        raise DefinitionError(
+            f"{op_name}: normalized_dims must be 1 to {x.ndim} for {x}, got {normalized_dims!r}"
+        )
+    return list(range(x.ndim - normalized_dims, x.ndim))
+
+
 def layer_norm(
     x: TensorView,
     normalized_dims: int,
@@ -289,12 +300,7 @@ def layer_norm(
         y, _, _ = layer_norm(x, 1, weight, bias)  # nn.LayerNorm(hidden) on [..., hidden]
     """
     x = _tensor("layer_norm", "input", x)
-    _require_float("layer_norm", x)
-    if not isinstance(normalized_dims, int) or not 1 <= normalized_dims <= x.ndim:
-        raise DefinitionError(
-            f"layer_norm: normalized_dims must be 1 to {x.ndim} for {x}, got {normalized_dims!r}"
-        )
-    dims = list(range(x.ndim - normalized_dims, x.ndim))
+    dims = _normalized_axes("layer_norm", x, normalized_dims)
     y, mean, rstd = _normalized(x, dims, eps)
     y = _affine("layer_norm", y, [d < dims[0] for d in range(x.ndim)], weight, bias)
     return _in_dtype(y, x.dtype), mean, rstd
@@ -318,15 +324,10 @@ def rms_norm(
         y, _ = rms_norm(x, 1, weight)  # nn.RMSNorm(hidden) on [..., hidden]
     """
     x = _tensor("rms_norm", "input", x)
-    _require_float("rms_norm", x)
-    if not isinstance(normalized_dims, int) or not 1 <= normalized_dims <= x.ndim:
-        raise DefinitionError(
-            f"rms_norm: normalized_dims must be 1 to {x.ndim} for {x}, got {normalized_dims!r}"
-        )
+    dims = _normalized_axes("rms_norm", x, normalized_dims)
     wide = cast(x, "float32") if x.dtype.bits < 32 else x
     if eps is None:
         eps = machine_epsilon(wide.dtype)
-    dims = list(range(x.ndim - normalized_dims, x.ndim))
     rstd = rsqrt(add(mean(mul(wide, wide), dims), eps))
     y = mul(wide, broadcast(rstd, [d in dims for d in range(x.ndim)]))
     y = _affine("rms_norm", y, [d < dims[0] for d in range(x.ndim)], weight, None)
