@@ -227,7 +227,7 @@ def main() -> None:
             start = time.perf_counter()
             step(tokens)  # .item() inside: the step is done when it returns
             seconds.append(time.perf_counter() - start)
-        median = torch.tensor([statistics.median(seconds[1:])], dtype=torch.float64)
+        median = torch.tensor([statistics.median(seconds[1:])], dtype=torch.float64, device=device)
         dist.all_reduce(median, op=dist.ReduceOp.MAX)  # the slowest rank's
         memories = [None] * world
         dist.all_gather_object(memories, round(peak_memory_mib(device)))

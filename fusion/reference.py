@@ -373,7 +373,10 @@ def embedding_rows_grad(
         if padding_idx is not None:
             keep &= indices != padding_idx
         flat = grad.reshape(-1, features).to(accumulate)
-        total.index_add_(0, local[keep], flat[keep])
+        flat = torch.where(keep.unsqueeze(-1), flat, 0.0)
+        # every token added (the others as zeros at row 0): selecting the kept ones would
+        # size a tensor by the data, a host sync that a CUDA graph's capture refuses
+        total.index_add_(0, torch.where(keep, local, 0), flat)
     return total.to(grad.dtype)
 
 
