@@ -63,9 +63,11 @@ asynchronously; at the start, whatever the attempt, the job resumes from the las
 complete checkpoint under DIR (the step is the data position: ``batch(step, replica)``).
 A job started with ``overlap run --max-restarts N`` (or torchrun's, or ``--launcher ray
 --max-restarts N``) that loses a rank starts every rank again, and so continues from
-there; the losses are those of a job never stopped, bit for bit. ``--fail-at STEP`` is a
-test hook: rank 1 exits (``os._exit(1)``, no exception, no cleanup) at that step in the
-first attempt only (``rank_environment().restart_count == 0``).
+there; the losses are those of a job never stopped, bit for bit on CPUs (on GPUs within
+rounding: torch's ``index_add_`` and attention backward add in no fixed order).
+``--fail-at STEP`` is a test hook: rank 1 exits (``os._exit(1)``, no exception, no
+cleanup) at that step in the first attempt only (``rank_environment().restart_count ==
+0``).
 
 Rank 0 prints, every ``--log-every`` steps, the loss, the learning rate, the gradient
 norm, tokens per second (all the replicas' tokens over the step's time: a replica's
@@ -119,7 +121,7 @@ class Config:
     seq: int = 16
     batch: int = 4
     steps: int = 20
-    lr: float = 1e-2
+    lr: float = 1e-2  # the command line picks by width when not given (``parse``)
     warmup: int = 3
     weight_decay: float = 0.1
     clip: float = 1.0
@@ -336,8 +338,11 @@ def parse(argv: Sequence[str], device: torch.device) -> tuple[Config, Options]:
                         help="test hook: rank 1 exits at this step, first attempt")  # fmt: skip
     parser.add_argument("--losses-json", default=None,
                         help="rank 0 writes this attempt's start and losses there")  # fmt: skip
+    parser.set_defaults(lr=None)
     args = vars(parser.parse_args(argv))
     options = {field: args.pop(field) for field in vars(Options())}
+    if args["lr"] is None:  # by width, as GPT-3's table: 2e-4 at 2048 (1e-2 diverges there)
+        args["lr"] = min(Config.lr, 0.5 / args["hidden"])
     return Config(**args), Options(**options)
 
 
