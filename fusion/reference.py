@@ -374,9 +374,10 @@ def embedding_rows_grad(
             keep &= indices != padding_idx
         flat = grad.reshape(-1, features).to(accumulate)
         flat = torch.where(keep.unsqueeze(-1), flat, 0.0)
-        # every token added (the others as zeros at row 0): selecting the kept ones would
-        # size a tensor by the data, a host sync that a CUDA graph's capture refuses
-        total.index_add_(0, torch.where(keep, local, 0), flat)
+        # every token added, the others as zeros at rows spread by remainder (one row
+        # would take every atomic add): selecting the kept ones would size a tensor by
+        # the data, a host sync that a CUDA graph's capture refuses
+        total.index_add_(0, local.remainder(held), flat)
     return total.to(grad.dtype)
 
 
