@@ -17,6 +17,7 @@ from test_pipelined import pipelined
 
 from fusion.testing import assert_close
 from overlap import Timeline, parallelize
+from overlap.diag.timeline import DATA_PARALLEL_LANE
 
 PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 TOKENS, HIDDEN, STEPS = 6, 16, 2
@@ -62,14 +63,24 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
         assert_close(y_piece, wanted, reduction_extent=HIDDEN, partial_sums=tp)
         (seed_piece,) = block.output_pieces(seeds[step, replica])
         ours.zero_grad()
-        reducer.timeline = Timeline(device)
+        # the first step on the reducer's timeline; the second on the backward program's,
+        # which records its kernels beside the all-reduces
+        timeline = Timeline(device)
+        reducer.timeline, block.model.timeline = (timeline, None) if step == 0 else (None, timeline)
         y_piece.backward(seed_piece)
         # every bucket all-reduced once per backward, each a span of the timeline
         assert reducer.posted == len(reducer.buckets) * (step + 1)
-        spans = reducer.timeline.spans()
-        assert [(s.lane, s.name) for s in spans] == [
-            ("data parallel comm", f"bucket {i}") for i in range(len(reducer.buckets))
-        ]
+        spans = timeline.spans()
+        reduces = [s for s in spans if s.lane == DATA_PARALLEL_LANE]
+        assert [s.name for s in reduces] == [f"bucket {i}" for i in range(len(reducer.buckets))]
+        if step == 1:
+            # posted by the backward program as it went, not when it returned: the first
+            # bucket (the last layer's gradient) before the backward's last kernel started
+            kernels = [s for s in spans if s.lane.endswith("compute")]
+            assert kernels and reduces[0].start_ms < max(s.start_ms for s in kernels), spans
+            (backward,) = block.model.executors[1:]
+            meter = backward.explain_overlap(timeline)
+            assert f"data-parallel reduce: {len(reducer.buckets)} all-reduces" in meter, meter
         for name, mine in zip(names, own, strict=True):
             grad = block.pieces[name.replace(".", "__")].grad
             assert grad.device_mesh.mesh_dim_names == ("dp", "tp")

@@ -486,3 +486,37 @@ def test_q_k_v_share_each_gathered_chunk_and_the_output_projection_keeps_its_own
             ["Allgather"] * (transport == "ring") + ["torch"] * 3,
             ["torch", "ReduceScatter"],
         ], loops
+
+
+def told_outputs(communicator, pattern: str, transport: str) -> None:
+    """A pipelined program with an output listener (``overlap.runtime.listeners``): the
+    output written chunk by chunk is told once, after the loop that writes it (its value
+    then is what the run returns), and ``finish`` last, at every run."""
+    world = communicator.world_size
+    fd = _ag_linear(world, 16, bias=False) if pattern == "ag" else _linear_rs(world, 16)
+    told: list[tuple] = []
+
+    class Listener:
+        def ready(self, position, value, streams, timeline) -> None:
+            told.append(("ready", position, value.clone()))
+
+        def finish(self, streams, timeline) -> None:
+            told.append(("finish",))
+
+    options = OverlapOptions(overlap=True, num_chunks=2 * world, transport=transport)
+    executor = MultiDeviceExecutor(fd, communicator, options, output_listener=Listener())
+    assert executor.overlap.decisions[0].overlapped
+    generator = torch.Generator().manual_seed(5)  # the same inputs on every rank
+    full = [torch.randn(list(t.shape), generator=generator) for t in fd.fusion.inputs]
+    for _ in range(2):
+        told.clear()
+        (out,) = executor.run(executor.shard_inputs(full))
+        assert [entry[:2] for entry in told] == [("ready", 0), ("finish",)]
+        assert torch.equal(told[0][2], out), f"rank {communicator.rank}: told before it was made"
+
+
+@pytest.mark.parametrize(("pattern", "transport"), [("ag", "collective"), ("rs", "ring")])
+def test_an_output_listener_hears_of_a_pipelined_output_once_it_is_made(
+    rank_pools, pattern, transport
+):
+    rank_pools(2).run(told_outputs, pattern, transport)

@@ -95,7 +95,9 @@ class CompiledProgram:
         host = describe_host(self.figures, self.host, self.world_size, self.replayed)
         if spans is None:
             return f"{self.plan}\n{host}"
-        return f"{self.plan}\n{host}\n{roof.report(roof.measure(self.plan, self.host, spans))}"
+        meters = roof.report(roof.measure(self.plan, self.host, spans))
+        reduce = roof.data_parallel_meter(spans)
+        return f"{self.plan}\n{host}\n{meters}" + (f"\n{reduce}" if reduce else "")
 
     def rank_programs(self) -> list[tuple[list[int], str]]:
         """The program as each rank sees it (the instructions on its meshes), with the

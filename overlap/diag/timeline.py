@@ -42,6 +42,11 @@ if TYPE_CHECKING:  # matplotlib loads only when a chart is drawn
     from matplotlib.figure import Figure
 
 
+# the lane of the gradients' all-reduces over data-parallel replicas
+# (``overlap.train.data_parallel``), which the roof meter measures against the backward
+DATA_PARALLEL_LANE = "data parallel comm"
+
+
 @dataclass(frozen=True)
 class Span:
     lane: str  # "stream 1 compute", "main comm", ...

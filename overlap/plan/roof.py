@@ -13,6 +13,9 @@ rank for the pattern's communication (issue to wait) and its matmuls are measure
 
 A pattern the plan pipelines whose communication never ran while one of its matmuls
 did is reported loudly (``NOT OVERLAPPED``): the overlap was planned and did not happen.
+A backward that averaged its gradients over data-parallel replicas gets a line of its
+own (``data_parallel_meter``): the all-reduces' time in flight, beside the kernels, and
+past the last one.
 Example::
 
     timeline = Timeline(device)
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from overlap.diag.timeline import Span
+from overlap.diag.timeline import DATA_PARALLEL_LANE, Span
 from overlap.ir import Communicate, HostProgram, LaunchKernel, walk
 from overlap.plan.planner import OverlapDecision, OverlapPlan
 
@@ -107,6 +110,27 @@ def report(meters: list[PatternMeter]) -> str:
     if not meters:
         return "roof meter: no pattern of the plan ran on this rank in the recorded run"
     return "roof meter (this rank, the recorded run):\n" + "\n".join(str(m) for m in meters)
+
+
+def data_parallel_meter(spans: list[Span]) -> str | None:
+    """The gradients' all-reduces over data-parallel replicas in a recorded backward (its
+    spans on ``DATA_PARALLEL_LANE``) against the run's kernels: how long they were in
+    flight, how much of it beside a kernel, and how long the last one ran past the last
+    kernel (what the step waits for); None where the run reduced none."""
+    reduces = [(s.start_ms, s.end_ms) for s in spans if s.lane == DATA_PARALLEL_LANE]
+    if not reduces:
+        return None
+    comm = _union(reduces)
+    compute = _union([(s.start_ms, s.end_ms) for s in spans if s.lane.endswith("compute")])
+    in_flight, beside = _length(comm), _length(_intersection(comm, compute))
+    last_kernel = max((end for _, end in compute), default=comm[0][0])
+    after = max(0.0, comm[-1][1] - last_kernel)
+    share = beside / in_flight if in_flight > 0 else 0.0
+    return (
+        f"data-parallel reduce: {len(reduces)} all-reduces, {in_flight:.3f} ms in flight, "
+        f"{beside:.3f} ms of it beside the backward's kernels ({share:.0%}), exposed "
+        f"{after:.3f} ms after its last kernel"
+    )
 
 
 def _names(decision: OverlapDecision, program: HostProgram) -> tuple[set[str], set[str]]:

@@ -39,6 +39,7 @@ from overlap.runtime.build import compile_for_device, is_sharded, planning_figur
 from overlap.runtime.dtensors import as_dtensors, local_pieces
 from overlap.runtime.graphs import GraphReplays
 from overlap.runtime.inputs import InputCheck, LocalBinding, check_mode
+from overlap.runtime.listeners import OutputListener
 from overlap.runtime.rank_program import RankSetup, rank_shape
 from overlap.runtime.rank_programs import RankPrograms
 from overlap.runtime.streams import StreamPool
@@ -74,6 +75,11 @@ class MultiDeviceExecutor:
     other inputs are copied into the graph's buffers. ``cuda_graph=False`` runs every
     call on the lean path (the host issues each step), as runs with a timeline and runs
     on CPU do. Every rank must use the same setting.
+
+    ``output_listener`` (``overlap.runtime.listeners``) hears of each output as a run
+    issues the work that makes it, before the run ends (a data-parallel reducer posting a
+    gradient's all-reduce while the rest of the backward runs); a graph replays what it
+    queued at the capture.
     """
 
     def __init__(
@@ -85,6 +91,7 @@ class MultiDeviceExecutor:
         cuda_graph: bool | None = None,
         kernels: str = "auto",
         kernel_params: Mapping[str, object] | None = None,
+        output_listener: OutputListener | None = None,
     ) -> None:
         self.communicator = communicator
         self.rank = communicator.rank if communicator else 0
@@ -112,7 +119,8 @@ class MultiDeviceExecutor:
             communicator.prepare(team for c in self.program.communications for team in c.teams())
         self.fingerprint = self.program.fingerprint(posted)
         setup = RankSetup(self.rank, communicator, self.device, StreamPool(self.device), None,
-                          dict(kernel_params or {}), current_hardware(self.device))  # fmt: skip
+                          dict(kernel_params or {}), current_hardware(self.device),
+                          output_listener)  # fmt: skip
         self._programs = RankPrograms(self.compiled, setup)
         self.graphs = GraphReplays()
         self.replaying = self.cuda_graph and self.device.type == "cuda"  # graphs serve runs

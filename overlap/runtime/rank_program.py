@@ -42,6 +42,7 @@ from overlap.ir import (
     Wait,
 )
 from overlap.runtime.compute_steps import ComputeSteps
+from overlap.runtime.listeners import OutputListener, listened_steps
 from overlap.runtime.streams import StreamPool
 from schedulers.hardware import HardwareProfile
 from schedulers.runtime import allocator, contiguous_strides
@@ -62,6 +63,7 @@ class RankSetup:
     symmetric: SymmetricBuffers | None  # copy-engine buffers, on CUDA when used
     kernel_params: dict[str, object]
     hardware: HardwareProfile  # what the kernels' heuristics read
+    listener: OutputListener | None = None  # told of each output as it is issued
 
 
 def rank_shape(tensor: TensorView, rank: int, bindings: Bindings) -> list[int]:
@@ -110,7 +112,10 @@ class RankProgram:
         self.chunk_offsets: dict[object, tuple[int, int]] = {}  # chunk: (axis, offset)
         self.compute = ComputeSteps(self)
         self.steps: list = []
-        self._compile(compiled.host.instructions, None)
+        if setup.listener is None:
+            self._compile(compiled.host.instructions, None)
+        else:  # each output told as issued (overlap.runtime.listeners)
+            listened_steps(self, setup.listener)
         # the fusion's inputs and outputs: whether this rank holds each, whether fp4-packed
         self.fusion_inputs, self.fusion_outputs = (
             [(t, self.holds(t.mesh), is_packed(t)) for t in tensors]
@@ -427,22 +432,15 @@ class RankProgram:
 
     def allocate_symmetric(self) -> None:
         for loop in self.compiled.host.instructions:
-            if not isinstance(loop, ForLoop):
-                continue
-            for instruction in loop.body:
-                if not isinstance(instruction, Communicate):
-                    continue
-                if instruction.transport is not Transport.COPY_ENGINE:
-                    continue
+            for instruction in loop.body if isinstance(loop, ForLoop) else ():
+                if getattr(instruction, "transport", None) is not Transport.COPY_ENGINE:
+                    continue  # not a copy-engine communication
                 comm = instruction.communication
-                dim = comm.split_dim
-                moving = comm.inputs[0]
-                shape = self.local_shape(moving)
-                whole = self.ctx.global_shape(comm.output)[dim]
+                dim, moving = comm.split_dim, comm.inputs[0]
+                shape, whole = self.local_shape(moving), self.ctx.global_shape(comm.output)[dim]
                 rest = shape[:dim] + shape[dim + 1 :]
-                self.setup.symmetric.allocate(
-                    instruction, loop.scheme, whole, dim, rest, storage_dtype(moving)
-                )
+                self.setup.symmetric.allocate(instruction, loop.scheme, whole, dim, rest,
+                                              storage_dtype(moving))  # fmt: skip
 
     # the step builder of each instruction type (a loop is unrolled by ``_compile``)
     _STEPS = {

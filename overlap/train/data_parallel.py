@@ -2,28 +2,40 @@
 the backward runs, as PyTorch's DDP does.
 
 The parameters are cut into buckets of about ``bucket_mb`` (one dtype each), in reverse
-order of registration: a backward produces the last layers' gradients first. A hook on
-each parameter (``register_post_accumulate_grad_hook``) counts the gradients of its
-bucket; when the bucket's last one is accumulated, the bucket is posted (in bucket order,
-as DDP does: the ranks post their all-reduces alike whatever order autograd accumulates
-the gradients in, a bucket waiting for the ones before it): its gradients
-flattened into one buffer, divided by the number of replicas, summed over the replicas
-by an asynchronous all-reduce on the replica group (``Communicator.replica_group``), while
-the rest of the backward runs. On CUDA the flattening and the all-reduce are queued on a
-side stream, which waits for the gradients first, so the compute stream goes on. The first
-hook of a backward queues a callback that autograd runs when that backward ends: it posts
-any bucket some of whose parameters got no gradient (the same ones on every rank: SPMD),
-waits for every bucket and copies the averages back into the gradients; the optimizer's
-step, after ``backward()`` returns, reads the averages.
+order of registration: a backward produces the last layers' gradients first. A bucket is
+posted once its last gradient is made, in bucket order (as DDP does: the ranks post
+their all-reduces alike whatever order the gradients come in, a bucket waiting for the
+ones before it): its gradients flattened into one buffer in the bucket's order, divided
+by the number of replicas, summed over the replicas by an asynchronous all-reduce on the
+replica group (``Communicator.replica_group``), while the rest of the backward runs. On
+CUDA the flattening and the all-reduce are queued on a side stream, which waits for the
+gradients first, so the compute stream goes on. When the backward ends, any bucket some
+of whose parameters got no gradient (the same ones on every rank: SPMD) is posted, every
+bucket waited for, and the averages copied back into the gradients.
 
-With a ``timeline`` (``overlap.diag.timeline.Timeline``, set on the reducer), each
-bucket's all-reduce is a span on the lane ``data parallel comm``, from its post (on CUDA, on the
-side stream) to the moment the compute stream may read the average, as a program's
-communications are.
+Two ways of hearing of a gradient:
 
-Gradients accumulated over several backwards (micro-batches) stay right: what an earlier
-backward left is already the same on every replica, and the average of equal values is
-that value. Each backward pays its all-reduces; the result is the same.
+- **Inside a backward program** (``listener``): ``parallelize`` hands the backward
+  executors of its ``TrainableFusion`` a listener (``overlap.runtime.listeners``), which
+  the program tells of each parameter's gradient as soon as it has issued the work that
+  makes it: the bucket is posted there, between the program's own steps, while the rest
+  of its backward runs, and the averages are written over the gradients before the
+  program returns them (autograd then accumulates averages). A program replayed from a
+  CUDA graph replays the all-reduces it captured, on the side stream, beside its kernels.
+- **From autograd** (any other parameter): a hook on each parameter
+  (``register_post_accumulate_grad_hook``) counts the gradients of its bucket as
+  autograd accumulates them; the first hook of a backward queues a callback that
+  autograd runs when that backward ends, which posts what is left and waits.
+
+With a timeline (the program's, when a run records one, or ``timeline`` set on the
+reducer), each bucket's all-reduce is a span on the lane ``data parallel comm``
+(``overlap.diag.timeline.DATA_PARALLEL_LANE``), from its post to its end (on CUDA, on the
+side stream); the roof meter (``explain_overlap``) measures it against the backward's
+kernels.
+
+Gradients accumulated over several backwards (micro-batches) stay right: each backward's
+gradients are averaged before they are added, and a sum of averages is the average of
+the sums. Each backward pays its all-reduces; the result is the same.
 
 Example (on every rank; ``parallelize(..., data_parallel=...)`` builds one)::
 
@@ -35,15 +47,14 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from overlap.diag.timeline import SpanRecorder
+from overlap.diag.timeline import DATA_PARALLEL_LANE, SpanRecorder
 
 DEFAULT_BUCKET_MB = 25.0  # DDP's bucket_cap_mb
-LANE = "data parallel comm"  # the timeline's lane of the all-reduces (a communication)
 
 
 @dataclass(eq=False)
@@ -52,14 +63,19 @@ class Bucket:
 
     index: int  # in posting order
     parameters: list[torch.nn.Parameter]
-    ready: int = 0  # of its parameters' gradients accumulated in this backward
+    # this backward's gradients so far, by parameter (a program's outputs, or .grad)
+    grads: dict[int, torch.Tensor] = field(default_factory=dict)
     pending: tuple | None = None  # (work, flat buffer, gradients, span) once posted
     posted: int = 0  # times posted so far
 
     @property
     def complete(self) -> bool:
-        """Every gradient of the bucket is accumulated in this backward."""
-        return self.ready == len(self.parameters)
+        """Every gradient of the bucket is made in this backward."""
+        return len(self.grads) == len(self.parameters)
+
+    def ordered(self) -> list[torch.Tensor]:
+        """This backward's gradients in the bucket's order (the same on every replica)."""
+        return [self.grads[id(p)] for p in self.parameters if id(p) in self.grads]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,6 +107,7 @@ class GradientReducer:
             filled_bytes += size_bytes
             parameter.register_post_accumulate_grad_hook(self._accumulated)
         self._bucket_of = {id(p): b for b in self.buckets for p in b.parameters}
+        self._in_program: set[int] = set()  # parameters a backward program tells of
         device = _local(parameters[0]).device if parameters else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._finishing = False  # a callback is queued for the running backward
@@ -99,60 +116,113 @@ class GradientReducer:
 
     @property
     def posted(self) -> int:
-        """All-reduces posted so far (one per bucket per backward)."""
+        """All-reduces posted so far (one per bucket per backward; a replayed CUDA graph's
+        are not counted)."""
         return sum(bucket.posted for bucket in self.buckets)
 
+    def listener(self, parameters: Sequence[torch.nn.Parameter | None]) -> ProgramReducer:
+        """The listener of a backward program whose output ``j`` is the gradient of
+        ``parameters[j]`` (None: an output not reduced here, an activation's gradient);
+        autograd's hooks leave those parameters to it from now on."""
+        self._in_program.update(id(p) for p in parameters if p is not None)
+        return ProgramReducer(self, parameters)
+
     def _accumulated(self, parameter: torch.nn.Parameter) -> None:
+        if id(parameter) in self._in_program:
+            return  # averaged by the program that made it
         if not self._finishing:
             self._finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._bucket_of[id(parameter)].ready += 1
+        self.gradient_made(parameter, _local(parameter.grad), [], self.timeline)
+
+    def gradient_made(
+        self,
+        parameter: torch.nn.Parameter,
+        grad: torch.Tensor,
+        streams: Sequence,
+        timeline: SpanRecorder | None,
+    ) -> None:
+        """``parameter``'s gradient ``grad`` is made (once ``streams``' work so far is
+        done, and the current stream's): the buckets complete by now are posted, in order."""
+        self._bucket_of[id(parameter)].grads[id(parameter)] = grad
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
-            self._post(self.buckets[self._next])
+            self._post(self.buckets[self._next], streams, timeline)
             self._next += 1
 
-    def _post(self, bucket: Bucket) -> None:
-        grads = [_local(p.grad) for p in bucket.parameters if p.grad is not None]
+    def _post(self, bucket: Bucket, streams: Sequence, timeline: SpanRecorder | None) -> None:
+        grads = bucket.ordered()
         if not grads:
             return
-        if self._stream is not None:
-            # the side stream reads the gradients once the compute stream has made them
-            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
-        side = (
-            torch.cuda.stream(self._stream)
-            if self._stream is not None
-            else contextlib.nullcontext()
-        )
-        with side:
+        side = self._stream
+        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
+                           device=grads[0].device)  # fmt: skip
+        if side is not None:
+            # made on the compute stream, which waits for the side stream before it reads
+            # the averages and lets it go: no other stream reuses it before that
+            side.wait_stream(torch.cuda.current_stream(side.device))
+            for stream in streams:  # the gradients' work may be queued on the program's
+                side.wait_stream(stream)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             span = None
-            if self.timeline is not None:
+            if timeline is not None:
                 elements = sum(g.numel() for g in grads)
                 detail = f"Allreduce {len(grads)} gradients, {elements} elements"
-                span = self.timeline.start(LANE, f"bucket {bucket.index}", detail)
-            flat = torch.cat([g.reshape(-1) for g in grads])
+                span = timeline.start(DATA_PARALLEL_LANE, f"bucket {bucket.index}", detail)
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
             flat.div_(self.replicas)  # gloo has no average: summed after dividing
             work = dist.all_reduce(flat, group=self.group, async_op=True)
-        bucket.pending, bucket.posted = (work, flat, grads, span), bucket.posted + 1
+            if side is not None:  # the side stream waits for it, the host does not
+                work.wait()
+                if span is not None:
+                    timeline.stop(span)
+                work = span = None
+        bucket.pending, bucket.posted = (work, flat, grads, span, timeline), bucket.posted + 1
 
-    def finish(self) -> None:
-        """Post what is left, wait for every bucket and copy the averages into the
-        gradients (autograd calls it when a backward that produced some ends)."""
+    def finish(self, streams: Sequence = (), timeline: SpanRecorder | None = None) -> None:
+        """Post what is left (after ``streams``' work so far, recorded on ``timeline`` or
+        the reducer's), wait for every bucket and copy the averages into the gradients
+        (autograd calls it when a backward that produced some ends, a program at its last
+        step)."""
+        recorder = timeline if timeline is not None else self.timeline
         for bucket in self.buckets[self._next :]:
-            if bucket.ready:
-                self._post(bucket)
+            self._post(bucket, streams, recorder)
+        if self._stream is not None:
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for bucket in self.buckets:
             if bucket.pending is not None:
-                work, flat, grads, span = bucket.pending
-                work.wait()
-                if self._stream is not None:
-                    current = torch.cuda.current_stream(self._stream.device)
-                    current.wait_stream(self._stream)
-                    flat.record_stream(current)
+                work, flat, grads, span, timeline = bucket.pending
+                if work is not None:
+                    work.wait()
                 if span is not None:
-                    self.timeline.stop(span)
+                    timeline.stop(span)
                 offset = 0
                 for grad in grads:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
                     offset += grad.numel()
-            bucket.pending, bucket.ready = None, 0
+            bucket.pending = None
+            bucket.grads.clear()
         self._finishing, self._next = False, 0
+
+
+class ProgramReducer:
+    """A backward program's listener (``overlap.runtime.listeners.OutputListener``):
+    each parameter's gradient handed to its ``GradientReducer`` as the program issues it,
+    every bucket finished before the program returns (see the module)."""
+
+    def __init__(
+        self, reducer: GradientReducer, parameters: Sequence[torch.nn.Parameter | None]
+    ) -> None:
+        self.reducer, self.parameters = reducer, list(parameters)
+
+    def ready(
+        self, position: int, value: torch.Tensor, streams: Sequence, timeline: SpanRecorder | None
+    ) -> None:
+        """Output ``position`` is issued (see ``OutputListener``)."""
+        parameter = self.parameters[position]
+        if parameter is not None:
+            recorder = timeline if timeline is not None else self.reducer.timeline
+            self.reducer.gradient_made(parameter, value, streams, recorder)
+
+    def finish(self, streams: Sequence, timeline: SpanRecorder | None) -> None:
+        """The program's last step is issued: every bucket's averages in its gradients."""
+        self.reducer.finish(streams, timeline)

@@ -60,8 +60,9 @@ every rank) at the first call, one more each call; the backward reads its forwar
 which), each fed its own batch. The parameters are DTensors on a torch ``DeviceMesh``
 ("dp", "tp"), replicated over "dp"; their gradients are averaged over the replicas while
 the backward runs (``overlap.train.data_parallel.GradientReducer``: buckets of
-``bucket_mb`` MiB posted as their last gradient is accumulated, all waited when the
-backward ends), so an optimizer's step after ``backward()`` keeps the replicas equal.
+``bucket_mb`` MiB, each posted by the backward program as soon as it has issued the
+bucket's last gradient, beside the rest of the backward, all waited before the program
+returns), so an optimizer's step after ``backward()`` keeps the replicas equal.
 
 The plan is read, and the captured module's tensors placed, by
 ``overlap.train.plans`` (``place``).
@@ -93,7 +94,7 @@ from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
 from overlap.runtime.pieces import shard_inputs
-from overlap.train.data_parallel import DEFAULT_BUCKET_MB, GradientReducer
+from overlap.train.data_parallel import DEFAULT_BUCKET_MB, GradientReducer, ProgramReducer
 from overlap.train.plans import place
 from overlap.train.trainable import TrainableFusion
 from schedulers.runtime import contiguous_strides
@@ -143,12 +144,25 @@ class ParallelModule(torch.nn.Module):
         for key, piece in self.buffer_pieces.items():
             self.register_buffer(key, piece)
         team = model.communicator
-        # the gradients averaged over the data-parallel replicas during the backward
+        # the gradients averaged over the data-parallel replicas during the backward,
+        # each bucket posted by the backward program as it issues its last gradient
         self.gradient_reducer = (
             GradientReducer(list(self.pieces.values()), team.replica_group, team.replicas,
                             bucket_mb)
             if team.replicas > 1 else None
         )  # fmt: skip
+        if self.gradient_reducer is not None:
+            model.backward_listener = self._gradient_listener
+
+    def _gradient_listener(self, wrt: tuple[int, ...]) -> ProgramReducer:
+        """The reducer's listener of the backward for the fusion's inputs at ``wrt``: its
+        outputs are their gradients, a parameter's (this module's first inputs) reduced."""
+        parameters = [
+            self.pieces[_key(self.names[i])]
+            if i < len(self.names) and _key(self.names[i]) in self.pieces else None
+            for i in wrt
+        ]  # fmt: skip
+        return self.gradient_reducer.listener(parameters)
 
     def _as_dtensor(self, piece: torch.Tensor, tensor) -> torch.Tensor:
         if self.torch_mesh is None:

@@ -24,6 +24,10 @@ The outputs are the forward graph's memory (the next forward overwrites them, an
 reading one after it raises); the gradients are copied out of the backward graph's, for
 autograd to accumulate. A second forward before the first one's backward makes that
 backward raise (the saved values were overwritten) instead of reading the new values.
+With ``timeline`` set (an ``overlap.Timeline``), every forward and backward records its
+steps into it on the lean path (``executor.explain_overlap(timeline)`` measures them);
+``backward_listener(wrt)``, where set, gives each backward a listener of its gradients as
+they are issued (``overlap.runtime.listeners``; ``parallelize``'s data-parallel reducer).
 
 Example (on every rank)::
 
@@ -35,7 +39,7 @@ Example (on every rank)::
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +48,9 @@ from fusion.autodiff import differentiable
 from fusion.definition import FusionDefinition
 from fusion.ir import Fusion, TensorView
 from overlap.comm.communicator import Communicator
+from overlap.diag.timeline import Timeline
 from overlap.runtime.executor import MultiDeviceExecutor
+from overlap.runtime.listeners import OutputListener
 from overlap.runtime.pieces import rank_pieces
 from overlap.train.backward import (
     SAVE_POLICIES,
@@ -88,6 +94,11 @@ class TrainableFusion:
         self.forward_executor = MultiDeviceExecutor(forward, communicator, **executor_options)
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
         self._forwards = 0  # forwards run so far
+        # the listener of the backward for the inputs at ``wrt`` (its outputs: their
+        # gradients), asked when that backward is built (a data-parallel reducer)
+        self.backward_listener: Callable[[tuple[int, ...]], OutputListener] | None = None
+        # where set, every forward and backward records into it (the lean path)
+        self.timeline: Timeline | None = None
 
     def __call__(self, *local_inputs: torch.Tensor | None) -> list[torch.Tensor | None]:
         return list(_Apply.apply(self, *local_inputs))
@@ -122,16 +133,18 @@ class TrainableFusion:
         collective, every rank alike)."""
         if wrt not in self._backward_executors:
             grads = placed_backward(self.fusion, list(wrt), self.saved)
+            listener = self.backward_listener(wrt) if self.backward_listener else None
             self._backward_executors[wrt] = MultiDeviceExecutor(
-                grads.fusion, self.communicator, **self.executor_options
-            )
+                grads.fusion, self.communicator, output_listener=listener,
+                **self.executor_options,
+            )  # fmt: skip
         return self._backward_executors[wrt]
 
     def _forward(self, inputs: list) -> tuple[list, bool]:
         """The forward's outputs, and whether a graph's memory holds them."""
         self._forwards += 1
         replays = self.forward_executor.graphs.replays
-        outputs = self.forward_executor.run(inputs)
+        outputs = self.forward_executor.run(inputs, timeline=self.timeline)
         return outputs, self.forward_executor.graphs.replays > replays
 
     def _check_saved(self, forward: int, replayed: bool) -> None:
@@ -175,7 +188,8 @@ class _Apply(torch.autograd.Function):
         ]
         executor = ctx.model.backward_executor(wrt)
         # copied out of a graph's memory: autograd accumulates them
-        local_grads = executor.run([*inputs, *saved, *seeds], keep_outputs=True)
+        local_grads = executor.run([*inputs, *saved, *seeds], ctx.model.timeline,
+                                   keep_outputs=True)  # fmt: skip
         grads: list[torch.Tensor | None] = [None] * len(inputs)
         for position, grad in zip(wrt, local_grads, strict=True):
             grads[position] = grad
