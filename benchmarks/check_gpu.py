@@ -108,7 +108,7 @@ def checks(world: int, cuda: bool):
             yield name, parallel.vocabulary_parallel, (9, placement, k)
     if cuda and world % 2 == 0:  # on gloo ranks: tests/test_data_parallel.py
         name = f"parallelize: 2 data-parallel replicas x {world // 2} ranks, AdamW"
-        yield name, data_parallel.replicas_train, (2,)
+        yield name, data_parallel.replicas_train, (2, 4)  # steps 3 and 4 from CUDA graphs
         if world >= 4:
             name = "split teams: send, broadcast, scatter, gather, reduce, rings"
             yield name, data_parallel.teams_communicate, ()

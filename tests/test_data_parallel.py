@@ -23,16 +23,20 @@ PLAN = {"gate": "colwise", "up": "colwise", "down": "rowwise"}
 TOKENS, HIDDEN, STEPS = 6, 16, 2
 
 
-def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]:
-    """Two AdamW steps of a SwiGLU block over ``data_parallel`` replicas, each replica on
-    its own batch, checked against the module on one device under torch autograd (the
-    mean of the replicas' gradients); returns this rank's parameter pieces after them."""
+def replicas_train(
+    communicator, data_parallel: int, steps: int = STEPS
+) -> list[list[torch.Tensor]]:
+    """``steps`` AdamW steps of a SwiGLU block over ``data_parallel`` replicas, each
+    replica on its own batch, checked against the module on one device under torch
+    autograd (the mean of the replicas' gradients); returns this rank's parameter pieces
+    after them. The first two steps record timelines; on CUDA the third captures CUDA
+    graphs (the all-reduces among them) and the later ones replay them (``check_gpu``)."""
     world, device = communicator.world_size, communicator.device
     tp = world // data_parallel
     torch.manual_seed(0)  # the same module and batches on every rank
     module = SwiGLU(HIDDEN, 8 * tp).to(device)
-    batches = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN).to(device)
-    seeds = torch.randn(STEPS, data_parallel, TOKENS, HIDDEN).to(device)
+    batches = torch.randn(steps, data_parallel, TOKENS, HIDDEN).to(device)
+    seeds = torch.randn(steps, data_parallel, TOKENS, HIDDEN).to(device)
     # a bucket holds one weight piece at most (16 x 8 floats on every rank)
     block = parallelize(module, [batches[0, 0]], communicator, PLAN, inputs=["sequence"],
                         outputs=["sequence"], data_parallel=data_parallel,
@@ -47,7 +51,7 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
     ours = torch.optim.AdamW(block.parameters(), lr=0.05)
     theirs = torch.optim.AdamW(module.parameters(), lr=0.05)
     extent = TOKENS * data_parallel * 8 * tp  # the terms of a weight's gradient
-    for step in range(STEPS):
+    for step in range(steps):
         # one device: the mean of the replicas' losses
         outputs = [module(batches[step, r]) for r in range(data_parallel)]
         loss = sum((y * s).sum() for y, s in zip(outputs, seeds[step], strict=True))
@@ -64,15 +68,18 @@ def replicas_train(communicator, data_parallel: int) -> list[list[torch.Tensor]]
         (seed_piece,) = block.output_pieces(seeds[step, replica])
         ours.zero_grad()
         # the first step on the reducer's timeline; the second on the backward program's,
-        # which records its kernels beside the all-reduces
-        timeline = Timeline(device)
-        reducer.timeline, block.model.timeline = (timeline, None) if step == 0 else (None, timeline)
+        # which records its kernels beside the all-reduces; the later ones on none
+        timeline = Timeline(device) if step < 2 else None
+        reducer.timeline = timeline if step == 0 else None
+        block.model.timeline = timeline if step == 1 else None
         y_piece.backward(seed_piece)
-        # every bucket all-reduced once per backward, each a span of the timeline
-        assert reducer.posted == len(reducer.buckets) * (step + 1)
-        spans = timeline.spans()
-        reduces = [s for s in spans if s.lane == DATA_PARALLEL_LANE]
-        assert [s.name for s in reduces] == [f"bucket {i}" for i in range(len(reducer.buckets))]
+        if timeline is not None:
+            # every bucket all-reduced once per backward, each a span of the timeline
+            assert reducer.posted == len(reducer.buckets) * (step + 1)
+            spans = timeline.spans()
+            reduces = [s for s in spans if s.lane == DATA_PARALLEL_LANE]
+            buckets = [f"bucket {i}" for i in range(len(reducer.buckets))]
+            assert [s.name for s in reduces] == buckets
         if step == 1:
             # posted by the backward program as it went, not when it returned: the first
             # bucket (the last layer's gradient) before the backward's last kernel started
