@@ -497,10 +497,10 @@ def told_outputs(communicator, pattern: str, transport: str) -> None:
     told: list[tuple] = []
 
     class Listener:
-        def ready(self, position, value, streams, timeline) -> None:
+        def ready(self, position, value, timeline) -> None:
             told.append(("ready", position, value.clone()))
 
-        def finish(self, streams, timeline) -> None:
+        def finish(self, timeline) -> None:
             told.append(("finish",))
 
     options = OverlapOptions(overlap=True, num_chunks=2 * world, transport=transport)

@@ -6,13 +6,16 @@ gradient, so that it runs while the rest of the backward computes, as PyTorch's 
 posts a bucket from autograd's hooks. A program's outputs all come back when the run
 returns; a listener hears of each one earlier.
 
-``OutputListener`` is what a listener implements: ``ready(position, value, streams,
-timeline)`` after the top-level step that last names output ``position`` (its kernel,
-the wait for the communication that fills it, or the loop that writes its chunks), with
-the streams the program has used so far (on CUDA, the work that makes the output is
-queued on them: a listener reading it on a stream of its own waits for them first);
-``finish(streams, timeline)`` after the last step, before the outputs are handed back (a listener
-that changed an output in place is done by then). ``timeline``: the run's recorder, or
+``OutputListener`` is what a listener implements: ``ready(position, value, timeline)``
+after the top-level step that last names output ``position`` (its kernel, the wait for
+the communication that fills it, or the loop that writes its chunks) and the stream
+bookkeeping right after it (a loop's streams joined back into the program's own): on
+CUDA the work that makes the output is then ordered before whatever the current stream
+is given next, so a listener reading it on a stream of its own makes that stream wait
+for the current one (and for no other: during a CUDA graph's capture, a stream the
+capture never forked may not be waited on). ``finish(timeline)`` after the last step,
+before the outputs are handed back (a listener that changed an output in place is done
+by then). ``timeline``: the run's recorder, or
 None. A run replayed from a CUDA graph replays what the listener queued at the capture
 (the all-reduces, the copies) and calls nothing.
 
@@ -30,18 +33,20 @@ import torch
 
 from fusion.ir import TensorView
 from overlap.diag.timeline import SpanRecorder
-from overlap.ir import Instruction
+from overlap.ir import Deallocate, GetCurrentStream, Instruction, SetCurrentStream, Synchronize
+
+# instructions that make nothing: a stream switched, joined or saved, a buffer let go
+_BOOKKEEPING = (SetCurrentStream, Synchronize, GetCurrentStream, Deallocate)
 
 
 class OutputListener(Protocol):
     """Told as a run issues each of its program's outputs (see the module)."""
 
-    def ready(
-        self, position: int, value: torch.Tensor, streams: Sequence, timeline: SpanRecorder | None
-    ) -> None:
-        """Output ``position`` is issued: ``value`` holds it once ``streams``' work is done."""
+    def ready(self, position: int, value: torch.Tensor, timeline: SpanRecorder | None) -> None:
+        """Output ``position`` is issued: ``value`` holds it once the work queued on the
+        current stream so far is done."""
 
-    def finish(self, streams: Sequence, timeline: SpanRecorder | None) -> None:
+    def finish(self, timeline: SpanRecorder | None) -> None:
         """The run's last step is issued; its outputs are handed back next."""
 
 
@@ -70,15 +75,18 @@ def ready_after(
     instructions: Sequence[Instruction], outputs: Sequence[TensorView]
 ) -> dict[int, list[int]]:
     """Output positions by the index of the top-level instruction after which each is
-    final: the last that names it (-1, before the first, for an output none names: an
-    input handed back)."""
+    final: the last that names it, or the stream bookkeeping right after that (-1, before
+    the first, for an output none names: an input handed back)."""
     last: dict[TensorView, int] = {}
     for index, instruction in enumerate(instructions):
         for tensor in mentions(instruction):
             last[tensor] = index
     ready: dict[int, list[int]] = {}
     for position, tensor in enumerate(outputs):
-        ready.setdefault(last.get(tensor, -1), []).append(position)
+        index = last.get(tensor, -1)
+        while index + 1 < len(instructions) and isinstance(instructions[index + 1], _BOOKKEEPING):
+            index += 1
+        ready.setdefault(index, []).append(position)
     return ready
 
 
@@ -94,8 +102,7 @@ def listened_steps(program, listener: OutputListener) -> None:
         tensor = outputs[position]
 
         def step() -> None:
-            value = program.values[tensor]
-            listener.ready(position, value, program.streams.used(), program.timeline)
+            listener.ready(position, program.values[tensor], program.timeline)
 
         return step
 
@@ -110,4 +117,4 @@ def listened_steps(program, listener: OutputListener) -> None:
     for index, instruction in enumerate(instructions):
         program._compile([instruction], None)
         told(index)
-    program.steps.append(lambda: listener.finish(program.streams.used(), program.timeline))
+    program.steps.append(lambda: listener.finish(program.timeline))

@@ -25,10 +25,6 @@ class StreamPool:
             self._streams[slot] = torch.cuda.Stream(self.device)
         return self._streams[slot]
 
-    def used(self) -> list:
-        """The current stream and the pool's streams made so far (none on CPU)."""
-        return [self.current(), *self._streams.values()] if self.cuda else []
-
     def set(self, stream) -> None:
         if self.cuda:
             torch.cuda.set_stream(stream)

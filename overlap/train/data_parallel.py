@@ -9,7 +9,8 @@ ones before it): its gradients flattened into one buffer in the bucket's order, 
 by the number of replicas, summed over the replicas by an asynchronous all-reduce on the
 replica group (``Communicator.replica_group``), while the rest of the backward runs. On
 CUDA the flattening and the all-reduce are queued on a side stream, which waits for the
-gradients first, so the compute stream goes on. When the backward ends, any bucket some
+compute stream first (the gradients are queued there, or joined into it), so the compute
+stream goes on. When the backward ends, any bucket some
 of whose parameters got no gradient (the same ones on every rank: SPMD) is posted, every
 bucket waited for, and the averages copied back into the gradients.
 
@@ -133,23 +134,19 @@ class GradientReducer:
         if not self._finishing:
             self._finishing = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self.gradient_made(parameter, _local(parameter.grad), [], self.timeline)
+        self.gradient_made(parameter, _local(parameter.grad), self.timeline)
 
     def gradient_made(
-        self,
-        parameter: torch.nn.Parameter,
-        grad: torch.Tensor,
-        streams: Sequence,
-        timeline: SpanRecorder | None,
+        self, parameter: torch.nn.Parameter, grad: torch.Tensor, timeline: SpanRecorder | None
     ) -> None:
-        """``parameter``'s gradient ``grad`` is made (once ``streams``' work so far is
-        done, and the current stream's): the buckets complete by now are posted, in order."""
+        """``parameter``'s gradient ``grad`` is made (once the current stream's work so
+        far is done): the buckets complete by now are posted, in order."""
         self._bucket_of[id(parameter)].grads[id(parameter)] = grad
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
-            self._post(self.buckets[self._next], streams, timeline)
+            self._post(self.buckets[self._next], timeline)
             self._next += 1
 
-    def _post(self, bucket: Bucket, streams: Sequence, timeline: SpanRecorder | None) -> None:
+    def _post(self, bucket: Bucket, timeline: SpanRecorder | None) -> None:
         grads = bucket.ordered()
         if not grads:
             return
@@ -160,8 +157,6 @@ class GradientReducer:
             # made on the compute stream, which waits for the side stream before it reads
             # the averages and lets it go: no other stream reuses it before that
             side.wait_stream(torch.cuda.current_stream(side.device))
-            for stream in streams:  # the gradients' work may be queued on the program's
-                side.wait_stream(stream)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             span = None
             if timeline is not None:
@@ -178,14 +173,13 @@ class GradientReducer:
                 work = span = None
         bucket.pending, bucket.posted = (work, flat, grads, span, timeline), bucket.posted + 1
 
-    def finish(self, streams: Sequence = (), timeline: SpanRecorder | None = None) -> None:
-        """Post what is left (after ``streams``' work so far, recorded on ``timeline`` or
-        the reducer's), wait for every bucket and copy the averages into the gradients
-        (autograd calls it when a backward that produced some ends, a program at its last
-        step)."""
+    def finish(self, timeline: SpanRecorder | None = None) -> None:
+        """Post what is left (recorded on ``timeline``, or the reducer's), wait for every
+        bucket and copy the averages into the gradients (autograd calls it when a backward
+        that produced some ends, a program at its last step)."""
         recorder = timeline if timeline is not None else self.timeline
         for bucket in self.buckets[self._next :]:
-            self._post(bucket, streams, recorder)
+            self._post(bucket, recorder)
         if self._stream is not None:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for bucket in self.buckets:
@@ -214,15 +208,13 @@ class ProgramReducer:
     ) -> None:
         self.reducer, self.parameters = reducer, list(parameters)
 
-    def ready(
-        self, position: int, value: torch.Tensor, streams: Sequence, timeline: SpanRecorder | None
-    ) -> None:
+    def ready(self, position: int, value: torch.Tensor, timeline: SpanRecorder | None) -> None:
         """Output ``position`` is issued (see ``OutputListener``)."""
         parameter = self.parameters[position]
         if parameter is not None:
             recorder = timeline if timeline is not None else self.reducer.timeline
-            self.reducer.gradient_made(parameter, value, streams, recorder)
+            self.reducer.gradient_made(parameter, value, recorder)
 
-    def finish(self, streams: Sequence, timeline: SpanRecorder | None) -> None:
+    def finish(self, timeline: SpanRecorder | None) -> None:
         """The program's last step is issued: every bucket's averages in its gradients."""
-        self.reducer.finish(streams, timeline)
+        self.reducer.finish(timeline)
