@@ -141,3 +141,42 @@ def test_the_teams_of_a_split_communicator_each_communicate_over_their_own_ranks
     expected = [["SendRecv"], ["Broadcast"], ["Scatter"], ["Gather"], ["Reduce"],
                 "ring", "collective", "collective"]  # fmt: skip
     assert rank_pools(4).run(teams_communicate, timeout=180) == [expected] * 4
+
+
+class Reversed(torch.nn.Module):
+    """Three linears registered in the reverse of the order the forward uses them: the
+    backward makes the first registered one's gradient last."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.c, self.b, self.a = (torch.nn.Linear(HIDDEN, HIDDEN) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+def buckets_in_the_backwards_order(communicator) -> list[str]:
+    """Two replicas of one rank each, a bucket a parameter: the buckets are cut in the
+    order the backward program makes the gradients (``c`` first), and each posted before
+    the backward's last kernel starts. Returns the parameters by bucket."""
+    torch.manual_seed(0)
+    module = Reversed()
+    x = torch.randn(TOKENS, HIDDEN)
+    block = parallelize(module, [x], communicator, {}, data_parallel=2,
+                        bucket_mb=HIDDEN * HIDDEN * 4 / 2**20)  # fmt: skip
+    block.model.timeline = timeline = Timeline(communicator.device)
+    block(x + communicator.rank).square().sum().backward()
+    reducer = block.gradient_reducer
+    names = {id(p): n for n, p in block.pieces.items()}
+    spans = timeline.spans()
+    last_kernel = max(s.start_ms for s in spans if s.lane.endswith("compute"))
+    posts = [s.start_ms for s in spans if s.lane == DATA_PARALLEL_LANE]
+    assert len(posts) == len(reducer.buckets) == 6 and max(posts[:-1]) < last_kernel, spans
+    return [names[id(p)] for bucket in reducer.buckets for p in bucket.parameters]
+
+
+def test_buckets_follow_the_order_the_backward_makes_gradients_not_registration(rank_pools):
+    first, second = rank_pools(2).run(buckets_in_the_backwards_order)
+    assert first == second
+    # weight and bias of c, then b, then a (registered c, b, a: a's gradient comes last)
+    assert [name[0] for name in first] == ["c", "c", "b", "b", "a", "a"], first

@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from fusion.ir import TensorView
+from fusion.ir import Fusion, TensorView
 from overlap.diag.timeline import SpanRecorder
 from overlap.ir import Deallocate, GetCurrentStream, Instruction, SetCurrentStream, Synchronize
 
@@ -88,6 +88,14 @@ def ready_after(
             index += 1
         ready.setdefault(index, []).append(position)
     return ready
+
+
+def production_order(fusion: Fusion) -> list[int]:
+    """``fusion``'s output positions in the order its expressions make them (topological,
+    as a program issues them before the planner moves work; an output no expression
+    makes, an input handed back, first): the same on every rank that has the fusion."""
+    made_at = {t: i for i, expr in enumerate(fusion.live_exprs()) for t in expr.outputs}
+    return sorted(range(len(fusion.outputs)), key=lambda j: made_at.get(fusion.outputs[j], -1))
 
 
 def listened_steps(program, listener: OutputListener) -> None:

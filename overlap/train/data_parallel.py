@@ -1,8 +1,9 @@
 """``GradientReducer``: parameter gradients averaged over the data-parallel replicas while
 the backward runs, as PyTorch's DDP does.
 
-The parameters are cut into buckets of about ``bucket_mb`` (one dtype each), in reverse
-order of registration: a backward produces the last layers' gradients first. A bucket is
+The parameters are cut into buckets of about ``bucket_mb`` (one dtype each) in the order
+their gradients come: a backward program's own (``listener``), else the reverse order of
+registration (a backward produces the last layers' gradients first). A bucket is
 posted once its last gradient is made, in bucket order (as DDP does: the ranks post
 their all-reduces alike whatever order the gradients come in, a bucket waiting for the
 ones before it): its gradients flattened into one buffer in the bucket's order, divided
@@ -95,19 +96,12 @@ class GradientReducer:
         replicas: int,
         bucket_mb: float = DEFAULT_BUCKET_MB,
     ) -> None:
-        self.group, self.replicas = group, replicas
-        self.buckets: list[Bucket] = []
-        limit_bytes, filled_bytes, dtype = bucket_mb * 2**20, 0.0, None
-        for parameter in reversed([p for p in parameters if p.requires_grad]):
-            local = _local(parameter)
-            size_bytes = local.numel() * local.element_size()
-            if not self.buckets or filled_bytes + size_bytes > limit_bytes or local.dtype != dtype:
-                self.buckets.append(Bucket(len(self.buckets), []))
-                filled_bytes, dtype = 0.0, local.dtype
-            self.buckets[-1].parameters.append(parameter)
-            filled_bytes += size_bytes
+        self.group, self.replicas, self.bucket_mb = group, replicas, bucket_mb
+        self.parameters = [p for p in parameters if p.requires_grad]
+        for parameter in self.parameters:
             parameter.register_post_accumulate_grad_hook(self._accumulated)
-        self._bucket_of = {id(p): b for b in self.buckets for p in b.parameters}
+        self.buckets: list[Bucket] = []
+        self._fill(list(reversed(self.parameters)))
         self._in_program: set[int] = set()  # parameters a backward program tells of
         device = _local(parameters[0]).device if parameters else torch.device("cpu")
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -115,17 +109,40 @@ class GradientReducer:
         self._next = 0  # the first bucket not posted in this backward
         self.timeline: SpanRecorder | None = None  # records the all-reduces where set
 
+    def _fill(self, order: Sequence[torch.nn.Parameter]) -> None:
+        """The buckets: the parameters in ``order`` (the order their gradients come),
+        about ``bucket_mb`` MiB and one dtype a bucket."""
+        self.buckets = []
+        limit_bytes, filled_bytes, dtype = self.bucket_mb * 2**20, 0.0, None
+        for parameter in order:
+            local = _local(parameter)
+            size_bytes = local.numel() * local.element_size()
+            if not self.buckets or filled_bytes + size_bytes > limit_bytes or local.dtype != dtype:
+                self.buckets.append(Bucket(len(self.buckets), []))
+                filled_bytes, dtype = 0.0, local.dtype
+            self.buckets[-1].parameters.append(parameter)
+            filled_bytes += size_bytes
+        self._bucket_of = {id(p): b for b in self.buckets for p in b.parameters}
+
     @property
     def posted(self) -> int:
         """All-reduces posted so far (one per bucket per backward; a replayed CUDA graph's
         are not counted)."""
         return sum(bucket.posted for bucket in self.buckets)
 
-    def listener(self, parameters: Sequence[torch.nn.Parameter | None]) -> ProgramReducer:
+    def listener(
+        self, parameters: Sequence[torch.nn.Parameter | None], order: Sequence[int]
+    ) -> ProgramReducer:
         """The listener of a backward program whose output ``j`` is the gradient of
-        ``parameters[j]`` (None: an output not reduced here, an activation's gradient);
-        autograd's hooks leave those parameters to it from now on."""
-        self._in_program.update(id(p) for p in parameters if p is not None)
+        ``parameters[j]`` (None: an output not reduced here, an activation's gradient),
+        made in ``order`` (output positions; ``listeners.production_order``): the buckets
+        are cut again in that order (the same on every replica: it is the fusion's), the
+        other parameters after them; autograd's hooks leave these to the program."""
+        made = [parameters[j] for j in order if parameters[j] is not None]
+        self._in_program.update(id(p) for p in made)
+        rest = [p for p in reversed(self.parameters) if id(p) not in self._in_program]
+        known = {id(p) for p in self.parameters}
+        self._fill([p for p in made if id(p) in known] + rest)
         return ProgramReducer(self, parameters)
 
     def _accumulated(self, parameter: torch.nn.Parameter) -> None:

@@ -90,9 +90,11 @@ import torch.distributed as dist
 
 from fusion.capture import seed_tensor
 from fusion.errors import InputError
+from fusion.ir import Fusion
 from overlap.comm.communicator import Communicator
 from overlap.runtime.dtensors import is_dtensor, torch_placement, torch_split_differs
 from overlap.runtime.inputs import check_same_on_every_rank
+from overlap.runtime.listeners import production_order
 from overlap.runtime.pieces import shard_inputs
 from overlap.train.data_parallel import DEFAULT_BUCKET_MB, GradientReducer, ProgramReducer
 from overlap.train.plans import place
@@ -154,15 +156,16 @@ class ParallelModule(torch.nn.Module):
         if self.gradient_reducer is not None:
             model.backward_listener = self._gradient_listener
 
-    def _gradient_listener(self, wrt: tuple[int, ...]) -> ProgramReducer:
-        """The reducer's listener of the backward for the fusion's inputs at ``wrt``: its
-        outputs are their gradients, a parameter's (this module's first inputs) reduced."""
+    def _gradient_listener(self, wrt: tuple[int, ...], backward: Fusion) -> ProgramReducer:
+        """The reducer's listener of the ``backward`` fusion for the inputs at ``wrt``: its
+        outputs are their gradients, a parameter's (this module's first inputs) reduced,
+        bucketed in the order the backward makes them."""
         parameters = [
             self.pieces[_key(self.names[i])]
             if i < len(self.names) and _key(self.names[i]) in self.pieces else None
             for i in wrt
         ]  # fmt: skip
-        return self.gradient_reducer.listener(parameters)
+        return self.gradient_reducer.listener(parameters, production_order(backward))
 
     def _as_dtensor(self, piece: torch.Tensor, tensor) -> torch.Tensor:
         if self.torch_mesh is None:

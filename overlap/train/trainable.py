@@ -26,7 +26,7 @@ autograd to accumulate. A second forward before the first one's backward makes t
 backward raise (the saved values were overwritten) instead of reading the new values.
 With ``timeline`` set (an ``overlap.Timeline``), every forward and backward records its
 steps into it on the lean path (``executor.explain_overlap(timeline)`` measures them);
-``backward_listener(wrt)``, where set, gives each backward a listener of its gradients as
+``backward_listener(wrt, fusion)``, where set, gives each backward a listener of its gradients as
 they are issued (``overlap.runtime.listeners``; ``parallelize``'s data-parallel reducer).
 
 Example (on every rank)::
@@ -95,8 +95,9 @@ class TrainableFusion:
         self._backward_executors: dict[tuple[int, ...], MultiDeviceExecutor] = {}
         self._forwards = 0  # forwards run so far
         # the listener of the backward for the inputs at ``wrt`` (its outputs: their
-        # gradients), asked when that backward is built (a data-parallel reducer)
-        self.backward_listener: Callable[[tuple[int, ...]], OutputListener] | None = None
+        # gradients; its fusion given), asked when that backward is built (a
+        # data-parallel reducer)
+        self.backward_listener: Callable[[tuple[int, ...], Fusion], OutputListener] | None = None
         # where set, every forward and backward records into it (the lean path)
         self.timeline: Timeline | None = None
 
@@ -133,7 +134,7 @@ class TrainableFusion:
         collective, every rank alike)."""
         if wrt not in self._backward_executors:
             grads = placed_backward(self.fusion, list(wrt), self.saved)
-            listener = self.backward_listener(wrt) if self.backward_listener else None
+            listener = self.backward_listener(wrt, grads.fusion) if self.backward_listener else None
             self._backward_executors[wrt] = MultiDeviceExecutor(
                 grads.fusion, self.communicator, output_listener=listener,
                 **self.executor_options,
