@@ -67,7 +67,7 @@ class Bucket:
     parameters: list[torch.nn.Parameter]
     # this backward's gradients so far, by parameter (a program's outputs, or .grad)
     grads: dict[int, torch.Tensor] = field(default_factory=dict)
-    pending: tuple | None = None  # (work, flat buffer, gradients, span) once posted
+    pending: tuple | None = None  # (work, flat buffer, gradients, span, its recorder)
     posted: int = 0  # times posted so far
 
     @property
@@ -201,11 +201,11 @@ class GradientReducer:
             torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
         for bucket in self.buckets:
             if bucket.pending is not None:
-                work, flat, grads, span, timeline = bucket.pending
+                work, flat, grads, span, spans = bucket.pending
                 if work is not None:
                     work.wait()
                 if span is not None:
-                    timeline.stop(span)
+                    spans.stop(span)
                 offset = 0
                 for grad in grads:
                     grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
