@@ -276,7 +276,7 @@ def main() -> None:
                          for replica in range(dp)]).to(device)
               for step in range(CHECKED)]  # fmt: skip
     expected = [whole.step(tokens) for tokens in unions]  # (loss, gradient norm) a step
-    del whole
+    del whole, unions
     if rank == 0:  # each row printed when done: a variant that fails leaves the others'
         print(f"{world} ranks: {dp} data-parallel x {tp} tensor-parallel, {config.batch} "
               f"sequences of {config.seq} tokens a replica", flush=True)  # fmt: skip
