@@ -172,7 +172,7 @@ FAILS_AT = SAVED_AT + 3  # rank 1's exit in the first attempt of a restartable j
 @pytest.mark.slow
 @pytest.mark.parametrize("launcher", ["local", "torchrun"])
 def test_a_job_whose_rank_dies_restarts_from_its_checkpoint_with_the_same_losses(
-    two_ranks, tmp_path, launcher, monkeypatch
+    two_ranks, tmp_path, launcher
 ):
     """What ``overlap run --launcher L --nproc 2 --max-restarts 1 examples/train_gpt.py
     ...`` runs (``launch.cli``: the local launcher, or torchrun's elastic agent): the
@@ -180,13 +180,11 @@ def test_a_job_whose_rank_dies_restarts_from_its_checkpoint_with_the_same_losses
     every step; rank 1 exits at step ``FAILS_AT`` in the first attempt (``--fail-at``: the
     save of ``SAVED_AT + 1`` steps complete by then, the next one waited for it; that of
     ``SAVED_AT + 2`` complete or cut off). Every rank starts again, resumes from the last
-    complete checkpoint (one of the failed attempt's, never ``SAVED_AT``'s: those lost)
-    and trains to the end with the losses of the pool's run, never stopped."""
+    complete checkpoint (one the failed attempt saved, never the one it started from) and
+    trains to the end with the losses of the pool's run, never stopped."""
     from launch.cli import _run
     from overlap.train.checkpoint import checkpoint_path
 
-    # torchrun's ranks import launch.entry from the working folder
-    monkeypatch.chdir(ROOT)
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(checkpoint_path(two_ranks[1], SAVED_AT), checkpoint_path(checkpoints, SAVED_AT))
     losses_json = tmp_path / "losses.json"
