@@ -51,8 +51,10 @@ Each variant starts from the same weights and trains on the same batches; its lo
 (the replicas' mean, ``examples.train_gpt.mean_over_replicas``) and gradient norms for
 the first ``CHECKED`` steps must match one device's (the plain module, on every rank,
 trained on the union of the replicas' batches, as the example's ``train`` checks)
-within ``examples.train_gpt.tolerance``, on every rank, or the run fails before
-anything is timed. Then each is timed over ``--steps`` more steps (the slowest rank's
+within ``examples.train_gpt.tolerance``, on every rank: ours fails the run before
+anything is timed; a peer of PyTorch's that far off is left out of the timing, its row
+saying by how much (``wrong``: torch's FSDP2 x TP on 4 H200s, its gradient norm 2 %
+off). Then each is timed over ``--steps`` more steps (the slowest rank's
 median; the build and the first step, where the compilers run, reported apart): tokens
 per second (every replica's tokens: a team's ranks share its batch), MFU (the model's
 FLOPs a step, 6 per parameter per token plus the attention's ``12 * layers * hidden *
@@ -317,10 +319,21 @@ def main() -> None:
         checked = [(mean_over_replicas(loss, team), norm) for loss, norm in checked]
         loss_gap, norm_gap = (largest_gap([c[i] for c in checked], [e[i] for e in expected])
                               for i in (0, 1))  # fmt: skip
-        if max(loss_gap, norm_gap) > tolerance(getattr(torch, config.dtype)):
-            raise AssertionError(f"rank {rank}: {name}'s first (loss, gradient norm) pairs "
-                                 f"{checked} are off one device's {expected} by up to "
-                                 f"{max(loss_gap, norm_gap):.1e}")  # fmt: skip
+        # the worst rank's gap: every rank leaves a wrong peer out alike
+        gap = torch.tensor([max(loss_gap, norm_gap)], dtype=torch.float64, device=device)
+        dist.all_reduce(gap, op=dist.ReduceOp.MAX)
+        if gap.item() > tolerance(getattr(torch, config.dtype)):
+            message = (f"{name}'s first (loss, gradient norm) pairs {checked} are off one "
+                       f"device's {expected} by up to {gap.item():.1e} on some rank")  # fmt: skip
+            if name.startswith("ours"):
+                raise AssertionError(f"rank {rank}: {message}")
+            # a peer PyTorch computes wrong here: shown, not timed (as parallel_block.py)
+            rows.append({"variant": name, **sizes, "world": world, "dp": dp, "tp": tp,
+                         "wrong": message})  # fmt: skip
+            if rank == 0:
+                print(f"{name:18s} wrong, left out: {message}", flush=True)
+            del model, step
+            continue
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         seconds = []
