@@ -15,12 +15,14 @@ is given next, so a listener reading it on a stream of its own makes that stream
 for the current one (and for no other: during a CUDA graph's capture, a stream the
 capture never forked may not be waited on). ``finish(timeline)`` after the last step,
 before the outputs are handed back (a listener that changed an output in place is done
-by then). ``timeline``: the run's recorder, or
-None. A run replayed from a CUDA graph replays what the listener queued at the capture
-(the all-reduces, the copies) and calls nothing.
+by then). ``timeline``: the run's recorder, or None. A run replayed from a CUDA graph
+replays what the listener queued at the capture (the all-reduces, the copies) and calls
+nothing.
 
 ``listened_steps`` builds a rank program's steps with those calls between them (only
-for a program given a listener: the others pay nothing).
+for a program given a listener: the others pay nothing). ``production_order`` says in
+which order a fusion makes its outputs, the same on every rank (a reducer cuts its
+buckets by it).
 """
 
 from __future__ import annotations
