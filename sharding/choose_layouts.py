@@ -62,7 +62,7 @@ class LayoutChooser:
         self.free = {
             t: None for t in fusion.tensors if decisions[t].how != "annotation" and t not in outputs
         }  # an ordered set
-        self.placed = pinned_inputs(fusion)
+        self.pinned = pinned_inputs(fusion)
         self._cache: dict[tuple, Choice | None] = {}
 
     def run(self) -> dict[TensorView, Decision]:
@@ -75,9 +75,9 @@ class LayoutChooser:
             for tensor in self.free:
                 tried, followed = self._improve(tensor)
                 if tried[0][0] == self.layouts[tensor]:
-                    kept = tried[0][1].bits
+                    kept_bits = tried[0][1].bits
                     fewest_bits = min(cost.bits - cost.forgone_bits for _, cost in tried)
-                    if fewest_bits < kept - TOLERANCE * (1.0 + kept):
+                    if fewest_bits < kept_bits - TOLERANCE * (1.0 + kept_bits):
                         kept_by[tensor] = tried
                     continue
                 tried_by[tensor] = tried
@@ -204,13 +204,13 @@ class LayoutChooser:
             cost = choice.cost
             kept += cost.kept
             forgone += cost.forgone_bits
-        placed = tuple(t for (t, _), bits in moves.items() if t in self.placed and bits > 0)
-        return Cost(sum(moves.values()) + work, placed, tuple(kept), forgone)
+        pinned = tuple(t for (t, _), bits in moves.items() if t in self.pinned and bits > 0)
+        return Cost(sum(moves.values()) + work, pinned, tuple(kept), forgone)
 
     def _choice(self, expr: Expr) -> Choice | None:
         key = (expr, tuple(self.layouts[t] for t in (*expr.inputs, *expr.outputs)))
         if key not in self._cache:
-            self._cache[key] = expr_cost(expr, self.layouts, self.placed)
+            self._cache[key] = expr_cost(expr, self.layouts, self.pinned)
         return self._cache[key]
 
 

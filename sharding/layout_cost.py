@@ -105,7 +105,7 @@ def candidate_layouts(tensor: TensorView, current: Layout) -> list[Layout]:
 @dataclass(frozen=True)
 class Cost:
     """What a way to lay tensors out costs, compared in order: first the copies it makes
-    of pinned fusion inputs (``placed``, a tensor per copy), then the bits
+    of pinned fusion inputs (``pinned``, a tensor per copy), then the bits
     it moves per rank with its matmul work (``bits``). Moving a pinned input is paid
     every run for a tensor the user meant to be computed with where it lies: a plan's
     weight gathered whole costs its memory and a reduce-scatter of its gradient in the
@@ -116,7 +116,7 @@ class Cost:
     bits (what ``explain`` says it was kept from)."""
 
     bits: float
-    placed: tuple[TensorView, ...] = ()
+    pinned: tuple[TensorView, ...] = ()
     kept: tuple[TensorView, ...] = ()
     forgone_bits: float = 0.0
 
@@ -125,8 +125,8 @@ class Cost:
         (relative) where both move as many pinned inputs. Impossible is dearest."""
         if math.isinf(self.bits) or math.isinf(other.bits):
             return self.bits < other.bits
-        if len(self.placed) != len(other.placed):
-            return len(self.placed) < len(other.placed)
+        if len(self.pinned) != len(other.pinned):
+            return len(self.pinned) < len(other.pinned)
         return self.bits < other.bits - tolerance * (1.0 + other.bits)
 
 
@@ -136,7 +136,7 @@ class Choice:
     moves that puts around it, and the matmul work it does (``work_bits``). ``moves``
     holds (tensor, the layout it is copied to, bits): a copy of an input is shared by
     every consumer that needs the same layout, so sums over several exprs count it once.
-    ``placed`` lists the pinned fusion inputs among the tensors moved (a local split
+    ``pinned`` lists the pinned fusion inputs among the tensors moved (a local split
     of a replicated one moves nothing between ranks, and is not listed);
     ``cheapest_in_bits`` is the choice that moves fewer bits, where one did but moved
     more of those (what ``explain`` says this one was kept from)."""
@@ -145,7 +145,7 @@ class Choice:
     needed: tuple[Layout, ...] = ()
     moves: tuple[tuple[TensorView, Layout, float], ...] = ()
     work_bits: float = 0.0
-    placed: tuple[TensorView, ...] = ()
+    pinned: tuple[TensorView, ...] = ()
     cheapest_in_bits: Choice | None = None
 
     @property
@@ -156,8 +156,8 @@ class Choice:
     def cost(self) -> Cost:
         cheaper = self.cheapest_in_bits
         if cheaper is None:
-            return Cost(self.bits, self.placed)
-        return Cost(self.bits, self.placed, cheaper.placed, self.bits - cheaper.bits)
+            return Cost(self.bits, self.pinned)
+        return Cost(self.bits, self.pinned, cheaper.pinned, self.bits - cheaper.bits)
 
 
 def natural_layout(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Layout:
@@ -167,7 +167,7 @@ def natural_layout(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Layout:
 
 
 def expr_cost(
-    expr: Expr, layouts: Mapping[TensorView, Layout], placed: Collection[TensorView] = ()
+    expr: Expr, layouts: Mapping[TensorView, Layout], pinned: Collection[TensorView] = ()
 ) -> Choice | None:
     """The cheapest way (``Cost``) for ``expr``'s inputs and outputs to hold ``layouts``:
     the layout it produces (inputs copied to suit it before, the output copied from it
@@ -175,7 +175,7 @@ def expr_cost(
     natural one, then every other layout the output could take where that leaves the
     fusion's inputs where they are (so a contraction may produce a split and gather it
     after, but a weight the user placed is not gathered to save moving a result).
-    ``placed``: the pinned fusion inputs (``sharding.pin``), moved only where every way
+    ``pinned``: the pinned fusion inputs (``sharding.pin``), moved only where every way
     moves them (a row-parallel weight is not gathered to save reduce-scattering its
     partial result, though its all-gather and the activation's all-to-all move fewer
     bits)."""
@@ -202,7 +202,7 @@ def expr_cost(
             if layouts[o] != produced
         ]
         # a local split of a replicated input moves nothing between ranks
-        copied = dict.fromkeys((t, need) for t, need, bits in moves if t in placed and bits > 0)
+        copied = dict.fromkeys((t, need) for t, need, bits in moves if t in pinned and bits > 0)
         work = contraction_bits(expr, produced)
         choice = Choice(produced, tuple(needed), tuple(moves), work, tuple(t for t, _ in copied))
         if best is None or choice.cost.cheaper(best.cost):

@@ -184,8 +184,8 @@ def _tried(tried: tuple[tuple[Layout, Cost], ...]) -> str:
     described = []
     for layout, cost in tried:
         text = f"[{', '.join(str(p) for p in layout.placements)}] {_bits(cost.bits)}"
-        if cost.placed:
-            text += f" moving {_names(cost.placed)} (pinned)"
+        if cost.pinned:
+            text += f" moving {_names(cost.pinned)} (pinned)"
         if cost.kept:
             text += (
                 f" ({_bits(cost.bits - cost.forgone_bits)} moving {_names(cost.kept)}, "

@@ -39,7 +39,7 @@ class _CopyInserter:
     def __init__(self, fusion: Fusion, decisions: dict[TensorView, Decision] | None) -> None:
         self.fusion = fusion
         self.decisions = decisions
-        self.placed = pinned_inputs(fusion)
+        self.pinned = pinned_inputs(fusion)
         self.copies: dict[tuple[TensorView, Layout], TensorView] = {}
 
     def run(self) -> None:
@@ -62,7 +62,7 @@ class _CopyInserter:
         fewer bits moves a pinned input, the output's decision says so.
         """
         layouts = {t: layout_of(t) for t in (*expr.inputs, *expr.outputs)}
-        choice = expr_cost(expr, layouts, self.placed)
+        choice = expr_cost(expr, layouts, self.pinned)
         if choice is None:
             raise ShardingError(
                 f"{expr.op_name} cannot produce {expr.outputs[0]} from its inputs placed "
@@ -71,7 +71,7 @@ class _CopyInserter:
         cheaper = choice.cheapest_in_bits
         if cheaper is not None and self.decisions is not None:
             out = expr.outputs[0]
-            made = Cost(choice.bits, choice.placed)
+            made = Cost(choice.bits, choice.pinned)
             weighed = ((choice.produced, made), (cheaper.produced, cheaper.cost))
             self.decisions[out] = replace(self.decisions[out], produced=weighed)
         for out in list(expr.outputs):
