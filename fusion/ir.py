@@ -169,8 +169,10 @@ class TensorView:
 
     ``definition`` is the expr that produces it (None for inputs) and ``uses``
     the exprs that consume it. ``mesh`` is the device mesh the tensor is placed
-    on (None until sharding places it; see ``sharding``). Arithmetic operators
-    build ops in the tensor's fusion: ``a + b``, ``a * 2.0``, ``-a``.
+    on (None until sharding places it; see ``sharding``); ``pinned``: an input placed
+    to be computed with where it lies (a plan's weight, ``sharding.pin``), which
+    sharding moves only where no layout avoids it. Arithmetic operators build ops in
+    the tensor's fusion: ``a + b``, ``a * 2.0``, ``-a``.
     """
 
     def __init__(self, fusion: Fusion, tensor_id: int, dtype: DataType, axes: list[Axis]) -> None:
@@ -181,6 +183,7 @@ class TensorView:
         self.definition: Expr | None = None
         self.uses: list[Expr] = []
         self.mesh: object | None = None
+        self.pinned = False
 
     @property
     def name(self) -> str:

@@ -11,7 +11,7 @@ Example::
     print(sharded)                      # with the communications inserted
 """
 
-from sharding.annotate import replicate, shard
+from sharding.annotate import pin, replicate, shard
 from sharding.communication import Communication, CommunicationKind, LocalShard
 from sharding.errors import ShardingError
 from sharding.layout import (
@@ -35,6 +35,6 @@ __all__ = [
     "Communication", "CommunicationKind", "Decision", "DeviceMesh", "Layout", "LocalShard",
     "Partial", "Placement", "Replicate", "Segment", "Shard", "ShardingError", "assemble",
     "explain", "insert_reshardings", "layout_of", "local_piece", "local_shape",
-    "propagate_shardings", "replicate",
+    "pin", "propagate_shardings", "replicate",
     "segment_fusion", "shard", "shard_fusion", "split_range", "split_sizes",
 ]  # fmt: skip

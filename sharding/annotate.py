@@ -66,6 +66,21 @@ def shard(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement])
     return tensor
 
 
+def pin(tensor: TensorView, mesh: DeviceMesh, placements: Sequence[Placement]) -> TensorView:
+    """Place a fusion input as ``shard`` does, to be computed with where it lies (a
+    plan's weight): the layout chooser and the resharding pass move it only where no
+    way to lay the tensors out avoids it, whatever bits moving it would save
+    (``sharding.layout_cost.Cost``). A data input is placed with ``shard``: moving an
+    activation (gathering the tokens a split weight's rows need) is the traffic a
+    plan expects."""
+    if tensor.definition is not None:
+        raise ShardingError(f"pin: {tensor} is computed by {tensor.definition.op_name}; "
+                            "only a fusion's inputs are pinned")  # fmt: skip
+    shard(tensor, mesh, placements)
+    tensor.pinned = True
+    return tensor
+
+
 def replicate(tensor: TensorView, mesh: DeviceMesh) -> TensorView:
     """Place ``tensor`` whole on every rank of ``mesh``."""
     return shard(tensor, mesh, [Replicate()] * mesh.ndim)

@@ -12,22 +12,36 @@ first, so the exprs before it weigh the all-reduce. Each try also re-chooses the
 tensors that follow the changed one (``LayoutChooser._followers``): the unannotated
 fusion inputs its exprs read (a weight the user supplies as its matmul wants costs
 nothing to move) and the chain computed from it. Sweeps repeat until no change pays;
-ties keep propagation's choice. A changed tensor's ``Decision`` says what each layout
-tried would have cost (``explain``).
+ties keep propagation's choice. Costs compare the copies of pinned fusion inputs first
+(``sharding.pin``, ``layout_cost.Cost``): a layout that moves fewer bits by gathering a
+plan's weight every run is not taken where another leaves the weight in place. A
+changed tensor's ``Decision`` says what each layout tried would have cost (``explain``),
+as does one kept where a layout moving fewer bits moved a pinned input.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, TensorView
 from sharding.layout import Layout, apply_layout
-from sharding.layout_cost import UNREACHABLE, Choice, candidate_layouts, expr_cost, natural_layout
-from sharding.propagation import Decision
+from sharding.layout_cost import (
+    UNREACHABLE,
+    Choice,
+    Cost,
+    candidate_layouts,
+    expr_cost,
+    natural_layout,
+)
+from sharding.propagation import Decision, pinned_inputs
 
 MAX_SWEEPS = 8
 MAX_FOLLOWERS = 24
 
-Tried = list[tuple[Layout, float]]
+Tried = list[tuple[Layout, Cost]]
+# relative: a change must pay more than rounding in the sums of bits
+TOLERANCE = 1e-9
 
 
 class LayoutChooser:
@@ -48,39 +62,50 @@ class LayoutChooser:
         self.free = {
             t: None for t in fusion.tensors if decisions[t].how != "annotation" and t not in outputs
         }  # an ordered set
+        self.pinned = pinned_inputs(fusion)
         self._cache: dict[tuple, Choice | None] = {}
 
     def run(self) -> dict[TensorView, Decision]:
         original = dict(self.layouts)
         tried_by: dict[TensorView, Tried] = {}  # what a tensor's own last change weighed
+        # what a tensor weighed when a layout moving fewer bits moved a pinned input
+        kept_by: dict[TensorView, Tried] = {}
         for _ in range(MAX_SWEEPS):
             changed = False
             for tensor in self.free:
-                moved = self._improve(tensor)
-                if moved is not None:
-                    tried, followed = moved
-                    tried_by[tensor] = tried
-                    for follower in followed:
-                        tried_by.pop(follower, None)
-                    changed = True
+                tried, followed = self._improve(tensor)
+                if tried[0][0] == self.layouts[tensor]:
+                    kept_bits = tried[0][1].bits
+                    fewest_bits = min(cost.bits - cost.forgone_bits for _, cost in tried)
+                    if fewest_bits < kept_bits - TOLERANCE * (1.0 + kept_bits):
+                        kept_by[tensor] = tried
+                    continue
+                tried_by[tensor] = tried
+                for follower in (tensor, *followed):
+                    kept_by.pop(follower, None)
+                for follower in followed:
+                    tried_by.pop(follower, None)
+                changed = True
             if not changed:
                 break
         for tensor in self.free:
             layout = self.layouts[tensor]
+            before = self.decisions[tensor]
             if layout == original[tensor]:
+                if tensor in kept_by:
+                    self.decisions[tensor] = replace(before, alternatives=tuple(kept_by[tensor]))
                 continue
             apply_layout(tensor, layout)
-            before = self.decisions[tensor]
             tried = tuple(tried_by.get(tensor, ()))
             self.decisions[tensor] = Decision(layout, "cost", alternatives=tried, replaced=before)
         return self.decisions
 
     # -- one move ----------------------------------------------------------------
 
-    def _improve(self, tensor: TensorView) -> tuple[Tried, list[TensorView]] | None:
+    def _improve(self, tensor: TensorView) -> tuple[Tried, list[TensorView]]:
         """Give ``tensor`` the layout that costs least around it, its followers re-chosen
-        for each try; when that changed it, returns every layout tried with its cost and
-        the followers that changed with it, else None."""
+        for each try; returns every layout tried with its cost (its layout before
+        first) and the followers that changed with it."""
         current = self.layouts[tensor]
         followers = self._followers(tensor)
         scope = self._neighbourhood(tensor)
@@ -103,14 +128,14 @@ class LayoutChooser:
             followed = self._follow(followers)
             cost = self._cost(scope)
             tried.append((layout, cost))
-            if cost < best_cost - 1e-9 * (1.0 + best_cost):
+            if cost.cheaper(best_cost, TOLERANCE):
                 best_cost, best_layout, best_followed = cost, layout, followed
             for follower, (old, _) in followed.items():
                 self.layouts[follower] = old
         self.layouts[tensor] = best_layout
         for follower, (_, new) in best_followed.items():
             self.layouts[follower] = new
-        return None if best_layout is current else (tried, list(best_followed))
+        return tried, list(best_followed)
 
     def _followers(self, tensor: TensorView) -> list[TensorView]:
         """The free tensors re-chosen when ``tensor`` changes: the free fusion inputs its
@@ -142,11 +167,11 @@ class LayoutChooser:
             if definition is not None and not isinstance(definition, SetOp):
                 # ties go to what its producer now gives: a chain follows the change
                 options.insert(0, natural_layout(definition, self.layouts))
-            best, best_cost = old, UNREACHABLE
+            best, best_cost = old, Cost(UNREACHABLE)
             for layout in dict.fromkeys(options):
                 self.layouts[follower] = layout
                 cost = self._cost(scope)
-                if cost < best_cost:
+                if cost.cheaper(best_cost):
                     best, best_cost = layout, cost
             self.layouts[follower] = best
             if best != old:
@@ -162,24 +187,30 @@ class LayoutChooser:
 
     # -- costs -------------------------------------------------------------------
 
-    def _cost(self, exprs: set[Expr]) -> float:
-        """What ``exprs`` cost: the bits moved around them (a copy shared by several
-        counted once) and their matmul work."""
+    def _cost(self, exprs: set[Expr]) -> Cost:
+        """What ``exprs`` cost: the copies of pinned inputs they make, the bits moved
+        around them (a copy shared by several counted once) and their matmul work; and
+        the bits they forgo keeping pinned inputs where they lie."""
         moves: dict[tuple[TensorView, Layout], float] = {}
-        work = 0.0
+        work = forgone = 0.0
+        kept: list[TensorView] = []
         for expr in exprs:
             choice = self._choice(expr)
             if choice is None:
-                return UNREACHABLE
+                return Cost(UNREACHABLE)
             work += choice.work_bits
             for moved, target, bits in choice.moves:
                 moves[(moved, target)] = bits
-        return sum(moves.values()) + work
+            cost = choice.cost
+            kept += cost.kept
+            forgone += cost.forgone_bits
+        pinned = tuple(t for (t, _), bits in moves.items() if t in self.pinned and bits > 0)
+        return Cost(sum(moves.values()) + work, pinned, tuple(kept), forgone)
 
     def _choice(self, expr: Expr) -> Choice | None:
         key = (expr, tuple(self.layouts[t] for t in (*expr.inputs, *expr.outputs)))
         if key not in self._cache:
-            self._cache[key] = expr_cost(expr, self.layouts)
+            self._cache[key] = expr_cost(expr, self.layouts, self.pinned)
         return self._cache[key]
 
 

@@ -11,14 +11,19 @@ collectives wins (each has a fixed latency; a mean over a split axis all-reduces
 few values rather than reduce-scattering and gathering them). Symbolic extents count as
 1024. These are the figures propagation's choices are compared by (``choose_layouts``)
 and the resharding pass picks what each expr produces by.
+
+Before the bits, a way to lay tensors out is weighed by the moves it makes of pinned
+fusion inputs (``Cost``): the user placed those to be computed with where they lie (a
+plan's weights, ``sharding.pin``), so a way that moves one every run is taken only
+where no way avoids it.
 """
 
 from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, replace
 
 from fusion.exprs import Expr, LinearOp, MatmulOp
 from fusion.ir import TensorView
@@ -98,20 +103,61 @@ def candidate_layouts(tensor: TensorView, current: Layout) -> list[Layout]:
 
 
 @dataclass(frozen=True)
+class Cost:
+    """What a way to lay tensors out costs, compared in order: first the copies it makes
+    of pinned fusion inputs (``pinned``, a tensor per copy), then the bits
+    it moves per rank with its matmul work (``bits``). Moving a pinned input is paid
+    every run for a tensor the user meant to be computed with where it lies: a plan's
+    weight gathered whole costs its memory and a reduce-scatter of its gradient in the
+    backward, and the collective before its matmul cannot be pipelined with it the way
+    a partial result's reduce-scatter is; so fewer such copies win whatever bits they
+    save, and bits decide among ways that make as many. ``kept``: the pinned inputs it
+    computes with where they lie although moving them would move ``forgone_bits`` fewer
+    bits (what ``explain`` says it was kept from)."""
+
+    bits: float
+    pinned: tuple[TensorView, ...] = ()
+    kept: tuple[TensorView, ...] = ()
+    forgone_bits: float = 0.0
+
+    def cheaper(self, other: Cost, tolerance: float = 0.0) -> bool:
+        """Whether this costs less than ``other``; bits must be lower by ``tolerance``
+        (relative) where both move as many pinned inputs. Impossible is dearest."""
+        if math.isinf(self.bits) or math.isinf(other.bits):
+            return self.bits < other.bits
+        if len(self.pinned) != len(other.pinned):
+            return len(self.pinned) < len(other.pinned)
+        return self.bits < other.bits - tolerance * (1.0 + other.bits)
+
+
+@dataclass(frozen=True)
 class Choice:
     """What one expr produces (``produced``, from its inputs copied to ``needed``), the
     moves that puts around it, and the matmul work it does (``work_bits``). ``moves``
     holds (tensor, the layout it is copied to, bits): a copy of an input is shared by
-    every consumer that needs the same layout, so sums over several exprs count it once."""
+    every consumer that needs the same layout, so sums over several exprs count it once.
+    ``pinned`` lists the pinned fusion inputs among the tensors moved (a local split
+    of a replicated one moves nothing between ranks, and is not listed);
+    ``cheapest_in_bits`` is the choice that moves fewer bits, where one did but moved
+    more of those (what ``explain`` says this one was kept from)."""
 
     produced: Layout
     needed: tuple[Layout, ...] = ()
     moves: tuple[tuple[TensorView, Layout, float], ...] = ()
     work_bits: float = 0.0
+    pinned: tuple[TensorView, ...] = ()
+    cheapest_in_bits: Choice | None = None
 
     @property
     def bits(self) -> float:
         return sum(bits for _, _, bits in self.moves) + self.work_bits
+
+    @property
+    def cost(self) -> Cost:
+        cheaper = self.cheapest_in_bits
+        if cheaper is None:
+            return Cost(self.bits, self.pinned)
+        return Cost(self.bits, self.pinned, cheaper.pinned, self.bits - cheaper.bits)
 
 
 def natural_layout(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Layout:
@@ -120,18 +166,25 @@ def natural_layout(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Layout:
     return mesh_rule(expr, mesh).forward([layouts[t] for t in expr.inputs])
 
 
-def expr_cost(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Choice | None:
-    """The cheapest way for ``expr``'s inputs and outputs to hold ``layouts``: the layout
-    it produces (inputs copied to suit it before, the output copied from it after), or
-    None when none can. Tried: the output's own layout (ties go to it), the natural
-    one, then every other layout the output could take where that leaves the fusion's
-    inputs where they are (so a contraction may produce a split and gather it after,
-    but a weight the user placed is not gathered to save moving a result)."""
+def expr_cost(
+    expr: Expr, layouts: Mapping[TensorView, Layout], pinned: Collection[TensorView] = ()
+) -> Choice | None:
+    """The cheapest way (``Cost``) for ``expr``'s inputs and outputs to hold ``layouts``:
+    the layout it produces (inputs copied to suit it before, the output copied from it
+    after), or None when none can. Tried: the output's own layout (ties go to it), the
+    natural one, then every other layout the output could take where that leaves the
+    fusion's inputs where they are (so a contraction may produce a split and gather it
+    after, but a weight the user placed is not gathered to save moving a result).
+    ``pinned``: the pinned fusion inputs (``sharding.pin``), moved only where every way
+    moves them (a row-parallel weight is not gathered to save reduce-scattering its
+    partial result, though its all-gather and the activation's all-to-all move fewer
+    bits)."""
     out = expr.outputs[0]
     wanted = layouts[out]
     rule = mesh_rule(expr, wanted.mesh)
     own = [wanted, natural_layout(expr, layouts)]
     best: Choice | None = None
+    fewest_bits: Choice | None = None
     for produced in dict.fromkeys([*own, *candidate_layouts(out, wanted)]):
         needed = rule.backward(produced, current=[layouts[t] for t in expr.inputs])
         if needed is None:
@@ -148,10 +201,19 @@ def expr_cost(expr: Expr, layouts: Mapping[TensorView, Layout]) -> Choice | None
             for o in expr.outputs
             if layouts[o] != produced
         ]
-        choice = Choice(produced, tuple(needed), tuple(moves), contraction_bits(expr, produced))
-        if best is None or choice.bits < best.bits:
+        # a local split of a replicated input moves nothing between ranks
+        copied = dict.fromkeys((t, need) for t, need, bits in moves if t in pinned and bits > 0)
+        work = contraction_bits(expr, produced)
+        choice = Choice(produced, tuple(needed), tuple(moves), work, tuple(t for t, _ in copied))
+        if best is None or choice.cost.cheaper(best.cost):
             best = choice
-    return best if best is not None and best.bits < UNREACHABLE else None
+        if fewest_bits is None or choice.bits < fewest_bits.bits:
+            fewest_bits = choice
+    if best is None or best.bits >= UNREACHABLE:
+        return None
+    if fewest_bits.bits < best.bits:
+        best = replace(best, cheapest_in_bits=fewest_bits)
+    return best
 
 
 def contraction_bits(expr: Expr, produced: Layout) -> float:

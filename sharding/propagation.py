@@ -21,6 +21,7 @@ from fusion.ir import Fusion, TensorView
 from sharding.communication import Communication
 from sharding.errors import ShardingError
 from sharding.layout import Layout, apply_layout, layout_of
+from sharding.layout_cost import Cost
 from sharding.mesh import DeviceMesh
 from sharding.rules import mesh_rule
 from sharding.torch_strategy import fallback_placement
@@ -31,29 +32,42 @@ class Decision:
     """Why a tensor has its layout: ``how`` is annotation, forward, backward, default, resolved
     (a partial fusion output made replicated) or cost (``sharding.choose_layouts``
     replaced propagation's choice, ``replaced``, by the cheapest of ``alternatives``:
-    each layout tried with the bits it moves around the tensor)."""
+    each layout tried with what it costs around the tensor). Any other decision with
+    ``alternatives`` was kept by the chooser where a layout moving fewer bits moves a
+    pinned fusion input (``sharding.pin``); one with ``produced`` was made by its expr
+    from the inputs where they lie, then moved, where producing it directly moves fewer
+    bits but moves a pinned input (each layout the expr could produce, with its cost)."""
 
     layout: Layout
     how: str
     rule: str | None = None
     sources: tuple[TensorView, ...] = ()
     expr: Expr | None = None
-    alternatives: tuple[tuple[Layout, float], ...] = ()
+    alternatives: tuple[tuple[Layout, Cost], ...] = ()
     replaced: Decision | None = None
+    produced: tuple[tuple[Layout, Cost], ...] = ()
 
     def describe(self) -> str:
+        reason = self._reason()
+        if self.alternatives and self.how != "cost":
+            reason += (
+                f"; kept: layouts that move fewer bits move a pinned input (a plan's weight), "
+                f"every run ({_WEIGHED}): {_tried(self.alternatives)}"
+            )
+        if self.produced:
+            reason += (
+                f"; made from the pinned inputs where they lie, then moved: producing it "
+                f"directly moves fewer bits but moves a pinned input (a plan's weight), every "
+                f"run ({_WEIGHED}): produced {_tried(self.produced)}"
+            )
+        return reason
+
+    def _reason(self) -> str:
         if self.how == "cost":
             first = self.replaced.describe()
             if not self.alternatives:
                 return f"by cost, turned with a neighbour that changed (was: {first})"
-            tried = "; ".join(
-                f"[{', '.join(str(p) for p in layout.placements)}] {_bits(bits)}"
-                for layout, bits in self.alternatives
-            )
-            return (
-                f"by cost (bits moved per rank around it, matmul work counted as bits): "
-                f"{tried} (was: {first})"
-            )
+            return f"by cost ({_WEIGHED}): {_tried(self.alternatives)} (was: {first})"
         if self.how == "annotation":
             return "user annotation"
         if self.how == "resolved":
@@ -162,6 +176,29 @@ class ShardingPropagation:
                 )
 
 
+_WEIGHED = "bits moved per rank around it, matmul work counted as bits"
+
+
+def _tried(tried: tuple[tuple[Layout, Cost], ...]) -> str:
+    """Each layout tried with its cost, and the pinned inputs it moves or keeps."""
+    described = []
+    for layout, cost in tried:
+        text = f"[{', '.join(str(p) for p in layout.placements)}] {_bits(cost.bits)}"
+        if cost.pinned:
+            text += f" moving {_names(cost.pinned)} (pinned)"
+        if cost.kept:
+            text += (
+                f" ({_bits(cost.bits - cost.forgone_bits)} moving {_names(cost.kept)}, "
+                "pinned: kept)"
+            )
+        described.append(text)
+    return "; ".join(described)
+
+
+def _names(tensors: tuple[TensorView, ...]) -> str:
+    return ", ".join(dict.fromkeys(t.name for t in tensors))
+
+
 def _bits(bits: float) -> str:
     if bits == float("inf"):
         return "impossible"
@@ -222,6 +259,13 @@ def _fallbacks(fusion: Fusion) -> list[str]:
             where = fallback_placement(expr, layout.placements, layout.mesh.shape)
             described.append(f"{name} ({where})")
     return list(dict.fromkeys(described))
+
+
+def pinned_inputs(fusion: Fusion) -> frozenset[TensorView]:
+    """The fusion's inputs placed to stay (``sharding.pin``: a plan's weights): the
+    layout chooser and the resharding pass move one only where no way to lay the
+    tensors out avoids it (``layout_cost.Cost``)."""
+    return frozenset(t for t in fusion.inputs if t.pinned)
 
 
 def moved_inputs(fusion: Fusion) -> list[Communication]:

@@ -18,6 +18,8 @@ or variance over a split axis becomes sums, combined across ranks.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fusion.definition import FusionDefinition
 from fusion.exprs import Expr, SetOp
 from fusion.ir import Fusion, ParallelType, TensorView
@@ -25,8 +27,8 @@ from sharding.choose_layouts import choose_layouts
 from sharding.decompose import decompose_partial_linear_bias, decompose_split_means
 from sharding.errors import ShardingError
 from sharding.layout import Layout, layout_of, placed_like
-from sharding.layout_cost import expr_cost
-from sharding.propagation import Decision, propagate_shardings
+from sharding.layout_cost import Cost, expr_cost
+from sharding.propagation import Decision, pinned_inputs, propagate_shardings
 from sharding.redistribute import redistribute
 
 # ---------------------------------------------------------------------------
@@ -34,8 +36,10 @@ from sharding.redistribute import redistribute
 
 
 class _CopyInserter:
-    def __init__(self, fusion: Fusion) -> None:
+    def __init__(self, fusion: Fusion, decisions: dict[TensorView, Decision] | None) -> None:
         self.fusion = fusion
+        self.decisions = decisions
+        self.pinned = pinned_inputs(fusion)
         self.copies: dict[tuple[TensorView, Layout], TensorView] = {}
 
     def run(self) -> None:
@@ -53,15 +57,23 @@ class _CopyInserter:
         The candidates are the output's own layout (inputs moved to suit it), the layout
         the inputs naturally give and every other layout the output could take that
         leaves the fusion's inputs where they are (the output moved afterwards); the
-        cheapest wins (``layout_cost.expr_cost``), ties going to the output's own layout.
+        cheapest wins (``layout_cost.expr_cost``: the fewest copies of pinned inputs, then
+        the fewest bits), ties going to the output's own layout. Where a way that moves
+        fewer bits moves a pinned input, the output's decision says so.
         """
         layouts = {t: layout_of(t) for t in (*expr.inputs, *expr.outputs)}
-        choice = expr_cost(expr, layouts)
+        choice = expr_cost(expr, layouts, self.pinned)
         if choice is None:
             raise ShardingError(
                 f"{expr.op_name} cannot produce {expr.outputs[0]} from its inputs placed "
                 + ", ".join(f"{t.name} {layouts[t]}" for t in expr.inputs)
             )
+        cheaper = choice.cheapest_in_bits
+        if cheaper is not None and self.decisions is not None:
+            out = expr.outputs[0]
+            made = Cost(choice.bits, choice.pinned)
+            weighed = ((choice.produced, made), (cheaper.produced, cheaper.cost))
+            self.decisions[out] = replace(self.decisions[out], produced=weighed)
         for out in list(expr.outputs):
             if layouts[out] != choice.produced:
                 self._produce_then_copy(expr, out, choice.produced)
@@ -96,10 +108,12 @@ class _CopyInserter:
         return copy
 
 
-def insert_reshardings(fusion: Fusion) -> None:
+def insert_reshardings(fusion: Fusion, decisions: dict[TensorView, Decision] | None = None) -> None:
     """Insert the copies that make every expr's layouts agree, then turn them into
-    communications (``redistribute``)."""
-    _CopyInserter(fusion).run()
+    communications (``redistribute``). Pinned inputs (``sharding.pin``) are moved only
+    where every way moves them; propagation's ``decisions``, where given, say where
+    keeping one in place cost bits."""
+    _CopyInserter(fusion, decisions).run()
     redistribute(fusion)
 
 
@@ -126,5 +140,5 @@ def shard_fusion(
                         axis.parallel_type = ParallelType.Serial
         decisions = propagate_shardings(sharded)
     choose_layouts(sharded, decisions)
-    insert_reshardings(sharded)
+    insert_reshardings(sharded, decisions)
     return sharded, decisions

@@ -191,3 +191,40 @@ def test_a_plan_that_forces_a_weight_to_move_is_warned_naming_it(rank_pools):
         assert moved, warning
         (line,) = [line for line in explained.splitlines() if f"{moved[1]} of T0" in line]
         assert f"T0 is placed [S(0)] by annotation: slice makes T2 [{moved[2]}]" in line, line
+
+
+def test_the_gpt_by_torchs_plan_moves_no_weight_where_gathering_one_moves_fewer_bits():
+    """``examples/train_gpt.py``'s GPT placed by its plan, at shapes where gathering
+    weights moves fewer bits than torch's communications (4 x 8 = 32 tokens: more than
+    twice the width 8, so an all-to-all of the attention's output and an all-gather of
+    ``attn.proj``'s weight undercut the reduce-scatter of its partial result; more than
+    the vocabulary 16, so gathering the embedding's undercuts reduce-scattering the
+    lookups): the plan's weights are pinned, no communication reads one, and every
+    row-parallel result is reduce-scattered into the sequence split, as torch's
+    ``RowwiseParallel(output_layouts=Shard(1))`` does (before: both weights gathered)."""
+    from dataclasses import replace
+
+    from torch.distributed.tensor import Replicate
+
+    from examples.train_gpt import GPT, Config, plan
+    from sharding import explain
+    from sharding.resharding import shard_fusion
+
+    config = replace(Config(), layers=1, hidden=8, heads=2, seq=8, batch=4, vocab=16)
+    torch.manual_seed(0)
+    tokens = torch.zeros(config.batch, config.seq, dtype=torch.long)
+    captured = place(GPT(config), [tokens, tokens], 2, plan(1), [Replicate(), Replicate()])
+    placed, decisions = shard_fusion(captured.fd.fusion)
+    assert moved_inputs(placed) == []
+    activation = (config.batch, config.seq, config.hidden)
+    scattered = [
+        e.inputs[0]
+        for e in placed.exprs
+        if getattr(e, "kind", None) is not None and e.kind.value == "ReduceScatter"
+        and tuple(e.inputs[0].shape) == activation
+    ]  # fmt: skip
+    # the embedding's lookups, attn.proj's and mlp.proj's partial sums
+    assert [e.definition.op_name for e in scattered] == ["embedding", "linear", "linear"]
+    # explain says what keeping attn.proj's weight in place cost
+    proj = placed.inputs[captured.parameter_names.index("blocks.0.attn.proj.weight")]
+    assert f"moving {proj.name}, pinned: kept" in explain(placed, decisions)

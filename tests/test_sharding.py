@@ -20,6 +20,7 @@ from sharding import (
     explain,
     layout_of,
     local_shape,
+    pin,
     segment_fusion,
     shard,
     shard_fusion,
@@ -653,6 +654,52 @@ def test_a_partial_sum_before_a_residual_is_reduce_scattered_and_explain_says_wh
     down = lines["T7_bf16[iDIDx15{8},"]
     assert "by cost" in down and "[R] 266.048 B; [S(0)] 138.048 B" in down, down
     assert "turned with a neighbour that changed" in lines["T8_f32[iDIDx18{8},"]
+
+
+@pytest.mark.parametrize("pinned", [True, False], ids=["pinned", "shard"])
+def test_a_pinned_row_parallel_weight_stays_where_gathering_it_moves_fewer_bits(pinned):
+    """A row-parallel linear (its weight split by input features) whose result is added
+    to a residual split by rows: with many rows, an all-to-all of the activation to rows
+    and an all-gather of the weight (8x8) move fewer bits than reduce-scattering the
+    64x8 partial result; a pinned weight (a plan's, ``sharding.pin``) is kept in place,
+    as torch's ``RowwiseParallel`` keeps it, and explain says what that cost."""
+
+    def build(fd):
+        x = fd.ops.relu(fd.define_tensor([64, 8]))  # an activation, split by features
+        w = fd.define_tensor([8, 8])
+        r = fd.define_tensor([64, 8])
+        fd.add_output(fd.ops.linear(x, w) + r)
+        return {"x": x, "w": w, "r": r}
+
+    with FusionDefinition() as fd:
+        tensors = build(fd)
+    mesh = DeviceMesh(2)
+    shard(tensors["x"].definition.inputs[0], mesh, [Shard(1)])
+    (pin if pinned else shard)(tensors["w"], mesh, [Shard(1)])
+    shard(tensors["r"], mesh, [Shard(0)])
+    sharded, decisions = shard_fusion(fd.fusion)
+    w = sharded.inputs[1]
+    if not pinned:  # by bits alone: the weight moved (what the rule changes)
+        assert _moves(sharded) == [("AllToAll", (64, 8)), ("Allgather", (8, 8))]
+        assert w in [c.inputs[0] for c in moved_inputs(sharded)]
+        return
+    assert _moves(sharded) == [("ReduceScatter", (64, 8))]
+    assert not moved_inputs(sharded)
+    (line,) = [line for line in explain(sharded, decisions).splitlines() if "linear rule" in line]
+    # the partial result kept; the split by rows moves fewer bits only with w gathered:
+    # per rank, the all-to-all's 2048 B / 4 and the all-gather's 256 B / 2, 8 B for each
+    # collective, and the matmul's 64x8x8 multiply-adds on one rank at 250 a bit
+    # (2.048 B): 658.048 B, against the reduce-scatter's 2048 B / 2 + 8 + 2.048
+    assert "[P] @M0  linear rule" in line and "kept: layouts that move fewer bits" in line, line
+    assert f"[S(0)] 1.0 KiB (658.048 B moving {w.name}, pinned: kept)" in line, line
+
+
+def test_only_a_fusions_inputs_are_pinned():
+    with FusionDefinition() as fd:
+        y = fd.ops.exp(fd.define_tensor([4]))
+        fd.add_output(y)
+    with pytest.raises(ShardingError, match="only a fusion's inputs are pinned"):
+        pin(y, DeviceMesh(2), [Shard(0)])
 
 
 def test_shard_fusion_takes_a_fusion_definition_as_its_fusion():

@@ -54,6 +54,7 @@ def placed_backward(
     inputs = grads.fusion.inputs
     for forward, tensor in zip(placed.inputs, inputs[:count], strict=True):
         _place_like(tensor, forward)
+        tensor.pinned = forward.pinned  # a weight the forward keeps in place, here too
     for intermediate, tensor in zip(grads.saved, inputs[count : count + kept], strict=True):
         _place_like(tensor, _held(intermediate, by_id))
     for output, seed in zip(placed.outputs, inputs[count + kept :], strict=True):

@@ -19,7 +19,7 @@ import torch
 
 from fusion import ops
 from fusion.capture import Boundary, Captured, capture
-from sharding import DeviceMesh, Replicate, Shard, shard
+from sharding import DeviceMesh, Replicate, Shard, pin, shard
 from sharding.annotate import as_placement
 
 STYLES = ("colwise", "rowwise", "sequence")
@@ -55,7 +55,9 @@ def place(
         owner, kind = name.rsplit(".", 1) if "." in name else ("", name)
         owner_module = module.get_submodule(owner) if owner else module
         style = styles[owner].parameters if owner in styles else None
-        shard(tensor, mesh, [_parameter_placement(style, kind, tensor.ndim, owner_module)])
+        # pinned: computed with where the plan puts them, never gathered to save moving
+        # an activation (torch's styles move activations only)
+        pin(tensor, mesh, [_parameter_placement(style, kind, tensor.ndim, owner_module)])
     # the placements asked for, tensor -> (placement, who asked): first as given (the
     # inputs) or produced (submodules' outputs), then as consumed (a submodule's inputs:
     # a tensor produced otherwise is copied for it, the copy placed as it needs)
