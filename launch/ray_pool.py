@@ -21,6 +21,14 @@ that by itself, up to ``max_restarts`` times, each attempt's number in the ranks
 of their node (``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES=1``: hiding all but one has
 slowed and hung NCCL on NVSwitch hosts) and take the one of their local rank; a bounded
 process-group timeout keeps NCCL from waiting forever on a dead peer.
+
+Ray's token authentication is a setting of the whole process: the first ``ray.init()`` that
+starts a cluster turns it on (``RAY_AUTH_MODE=token`` written into ``os.environ``) and Ray
+keeps it, cached, after ``ray.shutdown()``. A driver that requires a token on a cluster that
+runs without one refuses the cluster's calls to it; the cluster takes the driver for dead
+and cancels its actors before they run. A pool that starts Ray reads ``RAY_AUTH_MODE``
+again first and leaves ``os.environ`` as it found it; on a driver connected otherwise, a
+pool whose actors were cancelled so says why (``AUTH_MISMATCH``).
 """
 
 from __future__ import annotations
@@ -63,6 +71,48 @@ def _quiet_ray() -> None:
     logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
     if not any(isinstance(f, _NotTheDefault) for f in logger.filters):
         logger.addFilter(_NotTheDefault())
+
+
+_AUTH_MODE = "RAY_AUTH_MODE"
+
+AUTH_MISMATCH = (
+    "Ray cancelled the pool's actors before they ran: the cluster could not reach this "
+    "driver, which requires Ray's token authentication (an earlier ray.init() in this "
+    "process turned it on, and Ray keeps it after ray.shutdown()) where the cluster runs "
+    "without it. Let RayPool connect (RayPool(address=...) reads RAY_AUTH_MODE again), "
+    "start the cluster with RAY_AUTH_MODE=token, or connect from a new process"
+)
+
+
+def _auth_as_the_environment_says() -> None:
+    """Ray's authentication mode and token read again from the environment
+    (``RAY_AUTH_MODE``...): Ray caches them for the process at its first use, and a new
+    ``ray.init()`` keeps those of the instance before."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader, Config
+    except ImportError:  # a Ray without token authentication: nothing cached
+        return
+    Config.initialize("")  # before the token: Ray's order (its reset_auth_token_state)
+    AuthenticationTokenLoader.instance().reset_cache()
+
+
+def _driver_requires_token() -> bool:
+    """Whether this process's Ray holds a token to require on the calls it receives: the
+    cached one, which a new ``ray.init()`` keeps even where the mode it reads is off."""
+    try:
+        from ray._raylet import AuthenticationTokenLoader
+    except ImportError:
+        return False
+    return AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=False)
+
+
+def _cancelled_before_running(error: PoolError) -> bool:
+    """Whether the failure is an actor that Ray cancelled before it ran (its owner, this
+    driver, taken for dead), as Ray's message says: it keeps no attribute for it."""
+    cause = error.__cause__
+    return isinstance(cause, _ray().exceptions.RayActorError) and (
+        "cancelled before it started running" in str(cause)
+    )
 
 
 def _ray():
@@ -175,11 +225,18 @@ class RayPool:
         if not ray.is_initialized():
             _quiet_ray()
             options = {"include_dashboard": False, "log_to_driver": True, **(init_options or {})}
+            _auth_as_the_environment_says()
+            auth_mode_set = _AUTH_MODE in os.environ
             try:
                 ray.init(address=address, **options)
             except ConnectionError as error:  # no cluster where the address says
                 raise LaunchError(f"Ray: no cluster at address {address!r} ({error}); "
                                   "leave --address out to start one here") from None  # fmt: skip
+            finally:
+                # Ray's default, written for the processes it started (they have it): a
+                # later instance in this process reads the user's environment, not it
+                if not auth_mode_set:
+                    os.environ.pop(_AUTH_MODE, None)
         resources = ray.cluster_resources()
         gpus = int(resources.get("GPU", 0))
         self.use_gpus = gpus >= world_size if use_gpus is None else use_gpus
@@ -222,6 +279,11 @@ class RayPool:
                 a.setup.remote(master, port, local_ranks[rank], restart_count, timeout_s)
                 for rank, a in enumerate(self.actors)
             ], timeout_s)  # fmt: skip
+        except PoolError as error:
+            self.shutdown()
+            if _cancelled_before_running(error) and _driver_requires_token():
+                raise LaunchError(AUTH_MISMATCH) from error
+            raise
         except BaseException:
             self.shutdown()
             raise

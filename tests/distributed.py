@@ -112,8 +112,7 @@ def no_ray_processes(timeout_s: float = 60.0) -> None:
     """Wait until no Ray process on this machine names a GCS address (which ``auto`` finds
     by listing processes): after ``ray.shutdown()`` (``test_launch.py``'s Ray instance) its
     processes may outlive the call by seconds on a busy machine (seen under two
-    pytest-xdist workers), where a cluster started next had its actors cancelled before
-    they ran."""
+    pytest-xdist workers)."""
     import time
 
     from ray._private.services import find_gcs_addresses

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import no_ray_processes
 
 from fusion.testing import assert_close
 
@@ -102,11 +101,13 @@ def _wait_for(address: str, head: subprocess.Popen, timeout_s: float = 90.0) -> 
 
 @pytest.fixture(scope="module")
 def two_nodes():
-    """A Ray cluster of two nodes of 2 CPUs each, this process its driver; its address.
-    Without token authentication: a driver in another process joins it by address."""
+    """A Ray cluster of two nodes of 2 CPUs each; its address. The first pool connects
+    this process to it (``RayPool(address=...)``, which reads ``RAY_AUTH_MODE`` again
+    where a plain ``ray.init`` keeps the token of ``test_launch.py``'s instance:
+    ``launch.ray_pool`` says why). Without token authentication: a driver in another
+    process joins it by address."""
     from ray.cluster_utils import Cluster
 
-    no_ray_processes()  # the Ray instance of a module before, gone
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("RAY_USAGE_STATS_ENABLED", "0")
         patch.setenv("RAY_AUTH_MODE", "disabled")
@@ -114,7 +115,6 @@ def two_nodes():
                           head_node_args={"num_cpus": 2, "include_dashboard": False})  # fmt: skip
         try:
             cluster.add_node(num_cpus=2)
-            ray.init(address=cluster.address, log_to_driver=False)
             # the actors cannot import this test module: its functions travel by value
             ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
             yield cluster.address
@@ -143,7 +143,7 @@ def test_the_pool_spreads_its_ranks_over_two_nodes_and_runs_across_them(two_node
     fd = build_tp_mlp(*sizes, 2)
     whole = whole_inputs(*sizes)
     # SPREAD (the default) puts one rank on each node, where PACK would put both on one
-    with RayPool(2) as pool:
+    with RayPool(2, address=two_nodes, init_options={"log_to_driver": False}) as pool:
         assert len(set(pool.nodes)) == 2, pool.nodes
         answers = pool.call(_where_and_a_sum)
         (y,) = pool.run(fd, whole)

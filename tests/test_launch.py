@@ -444,6 +444,58 @@ def test_a_dead_actor_fails_the_call_promptly_and_names_its_rank(ray_instance):
         assert fresh.call(lambda communicator: communicator.rank) == [0, 1]
 
 
+_POOLS_ONE_AFTER_ANOTHER = """
+import os
+
+import ray
+
+from launch.env import LaunchError
+from launch.ray_pool import RayPool
+
+SMALL = {"num_cpus": 1, "object_store_memory": 100 * 2**20, "log_to_driver": False}
+
+# Ray's default, token authentication, for the instance the pool starts: not left in
+# os.environ after it
+RayPool(1, init_options=SMALL).shutdown()
+assert "RAY_AUTH_MODE" not in os.environ, os.environ["RAY_AUTH_MODE"]
+ray.shutdown()
+
+# a cluster without it, the driver connected by a plain ray.init(), which keeps the
+# token cached: the pool says why its actors were cancelled
+os.environ["RAY_AUTH_MODE"] = "disabled"
+ray.init(include_dashboard=False, **SMALL)
+try:
+    RayPool(1, timeout_s=60)
+except LaunchError as error:
+    assert "token authentication" in str(error), error
+else:
+    raise AssertionError("a pool on a driver that requires a token ran")
+ray.shutdown()
+
+# the pool that starts Ray reads RAY_AUTH_MODE again: its actors run
+with RayPool(1, init_options=SMALL, timeout_s=60) as pool:
+    assert pool.call(lambda communicator: communicator.world_size) == [1]
+ray.shutdown()
+print("three pools, one after another")
+"""
+
+
+@pytest.mark.ray
+def test_a_pool_runs_after_ray_was_shut_down_and_its_authentication_changed(tmp_path):
+    """Ray keeps the token authentication of a process's first instance (in os.environ
+    and cached) after ``ray.shutdown()``; a cluster started next without it took the
+    driver for dead and cancelled the pool's actors before they ran. In a process of its
+    own: this one's Ray has its own history."""
+    driver = tmp_path / "pools.py"
+    driver.write_text(_POOLS_ONE_AFTER_ANOTHER)
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(ROOT)}
+    env.pop("RAY_AUTH_MODE", None)
+    result = subprocess.run([sys.executable, str(driver)], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "three pools, one after another" in result.stdout
+
+
 @pytest.mark.ray
 def test_overlap_run_through_a_ray_pool(script, tmp_path):
     result = _overlap("run", "--launcher", "ray", "--nproc", 2, script, tmp_path, timeout=240)
