@@ -12,7 +12,8 @@ into its owner. How a chunk moves:
   them, in coordinate order, at its own iteration of the chunk (``overlap.comm.partials``).
 - ``ring``: send/receive to the ring neighbours; an all-gather chunk is
   forwarded rank to rank starting at its owner, a reduce-scatter chunk is
-  accumulated rank to rank and lands on its owner.
+  accumulated rank to rank and lands on its owner. Each step of the ring is one batch
+  of a send to the successor and a receive from the predecessor (``_RingSteps``).
 - ``copy_engine`` (CUDA only): ``copy_`` from (all-gather) or to
   (reduce-scatter) peers' symmetric-memory buffers. The copies run on the
   copy engines, so they take no SMs from the matmul; a rank may visit chunks
@@ -101,6 +102,16 @@ def _contiguous(view: torch.Tensor) -> torch.Tensor:
     return view if view.is_contiguous() else view.contiguous()
 
 
+def _landing(view: torch.Tensor) -> torch.Tensor:
+    """Where a transfer into ``view`` lands: the view itself, or a new contiguous
+    buffer (copied into the view after)."""
+    return (
+        view
+        if view.is_contiguous()
+        else torch.empty_like(view, memory_format=torch.contiguous_format)
+    )
+
+
 class _Batch:
     """One iteration's sends and receives, waited for by that iteration and again by the
     owner combining what they brought. Waiting orders the current CUDA stream after
@@ -121,6 +132,66 @@ class _Batch:
         return all(work.is_completed() for work in self.works)
 
 
+class _RingSteps:
+    """The ring's steps on one rank: what a rank sends at a step, handed on by an earlier
+    iteration, and what it sent, kept to the loop's end.
+
+    Iteration ``i`` of a ring loop receives from the predecessor the chunk that the
+    predecessor had at iteration ``i - k`` (``k`` chunks a rank), and sends to the
+    successor the chunk this rank had at iteration ``i - k``: one batch
+    (``batch_isend_irecv``, one NCCL group) a step, which every rank of the ring posts at
+    the same iteration. Unbatched, NCCL serializes a process group's sends and receives
+    on one stream (on two ranks both neighbours are one peer, in eager initialization
+    every peer): each rank's send, posted first, waits for a receive that its peer
+    queued behind its own send, and a send larger than NCCL's buffers never completes.
+    Batched, the send and the receive of a step run together on every rank.
+
+    On CUDA a value is handed on with an event recorded where it was written (another
+    iteration's stream): the step's stream waits for it before posting, so NCCL's stream,
+    which waits for the posting stream, reads the value written. The values sent stay
+    referenced until the loop's end (``clear``): a value written on one iteration's
+    stream is sent on another's, so its memory goes back to the writer's stream, which
+    is ordered after the transfer only once the user's stream has waited for every
+    stream of the loop.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+        # by communication and the iteration that sends it: a value and its event
+        self.handed_on: dict[tuple[Communicate, int], tuple[torch.Tensor, object]] = {}
+        self.sent: list[torch.Tensor] = []
+
+    def hand_on(self, key: tuple[Communicate, int], value: torch.Tensor) -> None:
+        """Keep ``value`` (just written on the current stream) for the step of ``key``:
+        the communication and the iteration that sends it."""
+        written = None
+        if self.cuda:
+            written = torch.cuda.Event()
+            written.record(torch.cuda.current_stream(self.device))
+        self.handed_on[key] = (value, written)
+
+    def step(self, key: tuple[Communicate, int], successor: int, received: torch.Tensor,
+             predecessor: int, group) -> list:  # fmt: skip
+        """Post the step of ``key``: its handed-on value to ``successor``, ``received``
+        from ``predecessor`` (global ranks, as ``group`` names them), as one batch;
+        returns its works."""
+        value, written = self.handed_on.pop(key)
+        if written is not None:
+            torch.cuda.current_stream(self.device).wait_event(written)
+        self.sent.append(value)
+        return dist.batch_isend_irecv(
+            [
+                dist.P2POp(dist.isend, value, successor, group),
+                dist.P2POp(dist.irecv, received, predecessor, group),
+            ]
+        )
+
+    def clear(self) -> None:
+        self.handed_on.clear()
+        self.sent.clear()
+
+
 class PipelinedComms:
     """Prepares the chunk communications of a program's loops on one rank."""
 
@@ -129,7 +200,7 @@ class PipelinedComms:
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
         self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
         self.allocate = allocator(ctx.device)
-        self.outstanding: list[object] = []  # sends nobody waits for yet
+        self.ring = _RingSteps(ctx.device)
         self.combiners: dict[Communicate, PartialCombiner] = {}
         # where the peers' partials land, by communication, chunk and sender: a loop's,
         # allocated as its run needs them and dropped after it (``drain``)
@@ -152,16 +223,14 @@ class PipelinedComms:
         return get
 
     def drain(self) -> None:
-        """Wait for every outstanding send (after a loop); drop the loop's inboxes (the
-        user's stream has waited for every stream that used them)."""
-        for work in self.outstanding:
-            work.wait()
-        self.outstanding.clear()
+        """After a loop: drop its inboxes and what its rings sent (the user's stream has
+        waited for every stream that used them, and every transfer was waited for)."""
+        self.ring.clear()
         self.inboxes.clear()
 
     def new_run(self) -> None:
         """Forget what a run that raised left behind."""
-        self.outstanding.clear()
+        self.ring.clear()
         self.arrivals.clear()
         self.inboxes.clear()
 
@@ -191,10 +260,10 @@ class PipelinedComms:
         group = self.ctx.communicator.group(where.team) if where.parts > 1 else None
         transport = communicate.transport or Transport.COLLECTIVE
         if comm.kind is CommunicationKind.Allgather:
-            return self._gather_chunk(communicate, where, group, transport)
+            return self._gather_chunk(communicate, scheme, iteration, where, group, transport)
         if transport is Transport.COLLECTIVE and where.parts > 1:
             return self._deliver_chunk(communicate, scheme, iteration, where, group)
-        return self._reduce_chunk(communicate, where, transport)
+        return self._reduce_chunk(communicate, scheme, iteration, where, group, transport)
 
     def _whole_collective(self, comm: Communication) -> ChunkTransfer:
         """The whole collective on a chunk, prepared (``communications.prepare``) at its
@@ -220,7 +289,8 @@ class PipelinedComms:
 
     # -- all-gather: chunk c comes from its owner ------------------------------
 
-    def _gather_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
+    def _gather_chunk(self, communicate, scheme, iteration, where, group,
+                      transport) -> ChunkTransfer:  # fmt: skip
         owner = where.rank_at(where.owner)
         to_global = self.ctx.communicator.global_rank  # what torch.distributed names
         if where.parts == 1:
@@ -245,25 +315,27 @@ class PipelinedComms:
                 )
 
             return broadcast
-        steps = (where.mine - where.owner) % where.parts
+        steps = (where.mine - where.owner) % where.parts  # hops from the owner
         before = to_global(where.rank_at(where.mine - 1))
         after = to_global(where.rank_at(where.mine + 1))
+        # this iteration's step, and the one the successor takes this chunk at
+        now, later = (communicate, iteration), (communicate, iteration + scheme.per_owner)
 
         def ring(source, target) -> Pending:
             if where.owned:
                 target.copy_(source)
-                self.outstanding.append(dist.isend(_contiguous(target), dst=after))
+                self.ring.hand_on(later, _contiguous(target))
                 return Pending()
-            buffer = _contiguous(target)
-            work = dist.irecv(buffer, src=before)
+            buffer = _landing(target)
+            works = self.ring.step(now, after, buffer, before, group)
 
             def finish() -> None:
                 if buffer is not target:
                     target.copy_(buffer)
                 if steps < where.parts - 1:
-                    self.outstanding.append(dist.isend(buffer, dst=after))
+                    self.ring.hand_on(later, buffer)
 
-            return Pending([work], finish)
+            return Pending(works, finish)
 
         return ring
 
@@ -363,7 +435,8 @@ class PipelinedComms:
 
         return combine
 
-    def _reduce_chunk(self, communicate, where, transport) -> ChunkTransfer:
+    def _reduce_chunk(self, communicate, scheme, iteration, where, group,
+                      transport) -> ChunkTransfer:  # fmt: skip
         comm = communicate.communication
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
@@ -375,21 +448,23 @@ class PipelinedComms:
         before = to_global(where.rank_at(where.mine - 1))
         after = to_global(where.rank_at(where.mine + 1))
         combine = COMBINE[comm.reduce_op]
+        # this iteration's step, and the one the successor takes this chunk at
+        now, later = (communicate, iteration), (communicate, iteration + scheme.per_owner)
 
         def ring(source, target) -> Pending:
             if step == 0:
-                self.outstanding.append(dist.isend(_contiguous(source), dst=after))
+                self.ring.hand_on(later, _contiguous(source))
                 return Pending()
             received = torch.empty_like(source, memory_format=torch.contiguous_format)
-            work = dist.irecv(received, src=before)
+            works = self.ring.step(now, after, received, before, group)
 
             def finish() -> None:
                 total = combine(received.float(), source.float()).to(source.dtype)
                 if where.owned:
                     target.copy_(total)
                 else:
-                    self.outstanding.append(dist.isend(total, dst=after))
+                    self.ring.hand_on(later, _contiguous(total))
 
-            return Pending([work], finish)
+            return Pending(works, finish)
 
         return ring
