@@ -13,7 +13,7 @@ into its owner. How a chunk moves:
 - ``ring``: send/receive to the ring neighbours; an all-gather chunk is
   forwarded rank to rank starting at its owner, a reduce-scatter chunk is
   accumulated rank to rank and lands on its owner. Each step of the ring is one batch
-  of a send to the successor and a receive from the predecessor (``_RingSteps``).
+  of a send to the successor and a receive from the predecessor (``overlap.comm.ring``).
 - ``copy_engine`` (CUDA only): ``copy_`` from (all-gather) or to
   (reduce-scatter) peers' symmetric-memory buffers. The copies run on the
   copy engines, so they take no SMs from the matmul; a rank may visit chunks
@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from overlap.comm.communications import Pending, Post, RankContext, prepare
 from overlap.comm.partials import COMBINE, PartialCombiner
+from overlap.comm.ring import RingSteps
 from overlap.ir import ChunkScheme, Communicate, Transport
 from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import Communication, CommunicationKind
@@ -132,66 +133,6 @@ class _Batch:
         return all(work.is_completed() for work in self.works)
 
 
-class _RingSteps:
-    """The ring's steps on one rank: what a rank sends at a step, handed on by an earlier
-    iteration, and what it sent, kept to the loop's end.
-
-    Iteration ``i`` of a ring loop receives from the predecessor the chunk that the
-    predecessor had at iteration ``i - k`` (``k`` chunks a rank), and sends to the
-    successor the chunk this rank had at iteration ``i - k``: one batch
-    (``batch_isend_irecv``, one NCCL group) a step, which every rank of the ring posts at
-    the same iteration. Unbatched, NCCL serializes a process group's sends and receives
-    on one stream (on two ranks both neighbours are one peer, in eager initialization
-    every peer): each rank's send, posted first, waits for a receive that its peer
-    queued behind its own send, and a send larger than NCCL's buffers never completes.
-    Batched, the send and the receive of a step run together on every rank.
-
-    On CUDA a value is handed on with an event recorded where it was written (another
-    iteration's stream): the step's stream waits for it before posting, so NCCL's stream,
-    which waits for the posting stream, reads the value written. The values sent stay
-    referenced until the loop's end (``clear``): a value written on one iteration's
-    stream is sent on another's, so its memory goes back to the writer's stream, which
-    is ordered after the transfer only once the user's stream has waited for every
-    stream of the loop.
-    """
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        # by communication and the iteration that sends it: a value and its event
-        self.handed_on: dict[tuple[Communicate, int], tuple[torch.Tensor, object]] = {}
-        self.sent: list[torch.Tensor] = []
-
-    def hand_on(self, key: tuple[Communicate, int], value: torch.Tensor) -> None:
-        """Keep ``value`` (just written on the current stream) for the step of ``key``:
-        the communication and the iteration that sends it."""
-        written = None
-        if self.cuda:
-            written = torch.cuda.Event()
-            written.record(torch.cuda.current_stream(self.device))
-        self.handed_on[key] = (value, written)
-
-    def step(self, key: tuple[Communicate, int], successor: int, received: torch.Tensor,
-             predecessor: int, group) -> list:  # fmt: skip
-        """Post the step of ``key``: its handed-on value to ``successor``, ``received``
-        from ``predecessor`` (global ranks, as ``group`` names them), as one batch;
-        returns its works."""
-        value, written = self.handed_on.pop(key)
-        if written is not None:
-            torch.cuda.current_stream(self.device).wait_event(written)
-        self.sent.append(value)
-        return dist.batch_isend_irecv(
-            [
-                dist.P2POp(dist.isend, value, successor, group),
-                dist.P2POp(dist.irecv, received, predecessor, group),
-            ]
-        )
-
-    def clear(self) -> None:
-        self.handed_on.clear()
-        self.sent.clear()
-
-
 class PipelinedComms:
     """Prepares the chunk communications of a program's loops on one rank."""
 
@@ -200,7 +141,7 @@ class PipelinedComms:
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
         self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
         self.allocate = allocator(ctx.device)
-        self.ring = _RingSteps(ctx.device)
+        self.ring = RingSteps(ctx.device)
         self.combiners: dict[Communicate, PartialCombiner] = {}
         # where the peers' partials land, by communication, chunk and sender: a loop's,
         # allocated as its run needs them and dropped after it (``drain``)
