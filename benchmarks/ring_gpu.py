@@ -70,14 +70,9 @@ def main() -> None:
                         help="seconds a case may take before every rank prints its stacks "
                         "and exits")  # fmt: skip
     args = parser.parse_args()
-    if args.cpu:
-        dist.init_process_group("gloo")
-        communicator = Communicator("cpu")
-    else:
-        local_rank = int(os.environ["LOCAL_RANK"])
-        torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-        communicator = Communicator()
+    # on GPUs eagerly initialized (device_id), as host_figures.py and the launchers do
+    device = "cpu" if args.cpu else torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    communicator = Communicator.initialize("gloo" if args.cpu else "nccl", device=device)
     cuda = communicator.device.type == "cuda"
     wrong = 0
     for pattern in ("ag_matmul", "matmul_rs"):
