@@ -149,6 +149,39 @@ def test_on_cpus_a_chunk_reduction_is_waited_for_after_the_later_chunks_are_post
         assert log == (["post"] * sent + ["wait"] * sent) * 2  # two runs
 
 
+def ring_posts(communicator, pattern: str, per_rank: int) -> list[list[tuple[str, int]]]:
+    """The point-to-point batches the ring transport posts on this CPU rank in one run
+    (each batch as ``(op, peer)`` pairs), the result checked too."""
+    import torch.distributed as dist
+
+    posts, post = [], dist.batch_isend_irecv
+
+    def logged_post(ops):
+        posts.append([(op.op.__name__, op.peer) for op in ops])
+        return post(ops)
+
+    world = communicator.world_size
+    dist.batch_isend_irecv = logged_post
+    try:
+        pipelined(communicator, pattern, 13, per_rank * world, "ring", 3)
+    finally:
+        dist.batch_isend_irecv = post
+    return posts
+
+
+@pytest.mark.parametrize("pattern", ["ag", "rs"])
+def test_each_step_of_the_ring_is_one_batch_of_a_send_and_a_receive(rank_pools, pattern):
+    """NCCL runs a process group's unbatched sends and receives one after another, so
+    a ring whose ranks each send before receiving waits for ever once a send outgrows
+    NCCL's buffers. Each step is one batch instead: a send to the successor and a
+    receive from the predecessor, at every iteration after a rank's own chunk (4 ranks,
+    one chunk a rank: 3 steps a run, two runs)."""
+    world, per_rank = 4, 1
+    for rank, posts in enumerate(rank_pools(world).run(ring_posts, pattern, per_rank)):
+        step = [("isend", (rank + 1) % world), ("irecv", (rank - 1) % world)]
+        assert posts == [step] * ((world - 1) * per_rank * 2), (rank, posts)
+
+
 # ---------------------------------------------------------------------------
 # The summation order of a pipelined reduce-scatter
 

@@ -12,7 +12,8 @@ into its owner. How a chunk moves:
   them, in coordinate order, at its own iteration of the chunk (``overlap.comm.partials``).
 - ``ring``: send/receive to the ring neighbours; an all-gather chunk is
   forwarded rank to rank starting at its owner, a reduce-scatter chunk is
-  accumulated rank to rank and lands on its owner.
+  accumulated rank to rank and lands on its owner. Each step of the ring is one batch
+  of a send to the successor and a receive from the predecessor (``overlap.comm.ring``).
 - ``copy_engine`` (CUDA only): ``copy_`` from (all-gather) or to
   (reduce-scatter) peers' symmetric-memory buffers. The copies run on the
   copy engines, so they take no SMs from the matmul; a rank may visit chunks
@@ -43,6 +44,7 @@ import torch.distributed as dist
 
 from overlap.comm.communications import Pending, Post, RankContext, prepare
 from overlap.comm.partials import COMBINE, PartialCombiner
+from overlap.comm.ring import RingSteps
 from overlap.ir import ChunkScheme, Communicate, Transport
 from schedulers.runtime import allocator, contiguous_strides
 from sharding.communication import Communication, CommunicationKind
@@ -101,6 +103,16 @@ def _contiguous(view: torch.Tensor) -> torch.Tensor:
     return view if view.is_contiguous() else view.contiguous()
 
 
+def _landing(view: torch.Tensor) -> torch.Tensor:
+    """Where a transfer into ``view`` lands: the view itself, or a new contiguous
+    buffer (copied into the view after)."""
+    return (
+        view
+        if view.is_contiguous()
+        else torch.empty_like(view, memory_format=torch.contiguous_format)
+    )
+
+
 class _Batch:
     """One iteration's sends and receives, waited for by that iteration and again by the
     owner combining what they brought. Waiting orders the current CUDA stream after
@@ -129,7 +141,7 @@ class PipelinedComms:
         self.symmetric = symmetric  # SymmetricBuffers, or None off CUDA
         self.hardware = hardware  # sums of partials as generated kernels for it; None: torch
         self.allocate = allocator(ctx.device)
-        self.outstanding: list[object] = []  # sends nobody waits for yet
+        self.ring = RingSteps(ctx.device)
         self.combiners: dict[Communicate, PartialCombiner] = {}
         # where the peers' partials land, by communication, chunk and sender: a loop's,
         # allocated as its run needs them and dropped after it (``drain``)
@@ -152,16 +164,14 @@ class PipelinedComms:
         return get
 
     def drain(self) -> None:
-        """Wait for every outstanding send (after a loop); drop the loop's inboxes (the
-        user's stream has waited for every stream that used them)."""
-        for work in self.outstanding:
-            work.wait()
-        self.outstanding.clear()
+        """After a loop: drop its inboxes and what its rings sent (the user's stream has
+        waited for every stream that used them, and every transfer was waited for)."""
+        self.ring.clear()
         self.inboxes.clear()
 
     def new_run(self) -> None:
         """Forget what a run that raised left behind."""
-        self.outstanding.clear()
+        self.ring.clear()
         self.arrivals.clear()
         self.inboxes.clear()
 
@@ -191,10 +201,10 @@ class PipelinedComms:
         group = self.ctx.communicator.group(where.team) if where.parts > 1 else None
         transport = communicate.transport or Transport.COLLECTIVE
         if comm.kind is CommunicationKind.Allgather:
-            return self._gather_chunk(communicate, where, group, transport)
+            return self._gather_chunk(communicate, scheme, iteration, where, group, transport)
         if transport is Transport.COLLECTIVE and where.parts > 1:
             return self._deliver_chunk(communicate, scheme, iteration, where, group)
-        return self._reduce_chunk(communicate, where, transport)
+        return self._reduce_chunk(communicate, scheme, iteration, where, group, transport)
 
     def _whole_collective(self, comm: Communication) -> ChunkTransfer:
         """The whole collective on a chunk, prepared (``communications.prepare``) at its
@@ -220,7 +230,8 @@ class PipelinedComms:
 
     # -- all-gather: chunk c comes from its owner ------------------------------
 
-    def _gather_chunk(self, communicate, where, group, transport) -> ChunkTransfer:
+    def _gather_chunk(self, communicate, scheme, iteration, where, group,
+                      transport) -> ChunkTransfer:  # fmt: skip
         owner = where.rank_at(where.owner)
         to_global = self.ctx.communicator.global_rank  # what torch.distributed names
         if where.parts == 1:
@@ -245,25 +256,27 @@ class PipelinedComms:
                 )
 
             return broadcast
-        steps = (where.mine - where.owner) % where.parts
+        steps = (where.mine - where.owner) % where.parts  # hops from the owner
         before = to_global(where.rank_at(where.mine - 1))
         after = to_global(where.rank_at(where.mine + 1))
+        # this iteration's step, and the one the successor takes this chunk at
+        now, later = (communicate, iteration), (communicate, iteration + scheme.per_owner)
 
         def ring(source, target) -> Pending:
             if where.owned:
                 target.copy_(source)
-                self.outstanding.append(dist.isend(_contiguous(target), dst=after))
+                self.ring.hand_on(later, _contiguous(target))
                 return Pending()
-            buffer = _contiguous(target)
-            work = dist.irecv(buffer, src=before)
+            buffer = _landing(target)
+            works = self.ring.step(now, after, buffer, before, group)
 
             def finish() -> None:
                 if buffer is not target:
                     target.copy_(buffer)
                 if steps < where.parts - 1:
-                    self.outstanding.append(dist.isend(buffer, dst=after))
+                    self.ring.hand_on(later, buffer)
 
-            return Pending([work], finish)
+            return Pending(works, finish)
 
         return ring
 
@@ -363,7 +376,8 @@ class PipelinedComms:
 
         return combine
 
-    def _reduce_chunk(self, communicate, where, transport) -> ChunkTransfer:
+    def _reduce_chunk(self, communicate, scheme, iteration, where, group,
+                      transport) -> ChunkTransfer:  # fmt: skip
         comm = communicate.communication
         if where.parts == 1:
             return lambda source, target: (target.copy_(source), Pending())[1]
@@ -375,21 +389,23 @@ class PipelinedComms:
         before = to_global(where.rank_at(where.mine - 1))
         after = to_global(where.rank_at(where.mine + 1))
         combine = COMBINE[comm.reduce_op]
+        # this iteration's step, and the one the successor takes this chunk at
+        now, later = (communicate, iteration), (communicate, iteration + scheme.per_owner)
 
         def ring(source, target) -> Pending:
             if step == 0:
-                self.outstanding.append(dist.isend(_contiguous(source), dst=after))
+                self.ring.hand_on(later, _contiguous(source))
                 return Pending()
             received = torch.empty_like(source, memory_format=torch.contiguous_format)
-            work = dist.irecv(received, src=before)
+            works = self.ring.step(now, after, received, before, group)
 
             def finish() -> None:
                 total = combine(received.float(), source.float()).to(source.dtype)
                 if where.owned:
                     target.copy_(total)
                 else:
-                    self.outstanding.append(dist.isend(total, dst=after))
+                    self.ring.hand_on(later, _contiguous(total))
 
-            return Pending([work], finish)
+            return Pending(works, finish)
 
         return ring

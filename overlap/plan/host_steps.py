@@ -3,7 +3,7 @@
 A rank program (``overlap.runtime.rank_program.RankProgram``) unrolls the host program's
 loops into a flat list of steps, one per instruction this rank takes part in (stream
 steps only where there are streams: on CUDA), and two after each loop (its deferred
-waits finished, its outstanding sends drained). ``issued_steps`` lists them from a
+waits finished, its transfers' buffers dropped). ``issued_steps`` lists them from a
 lowered program, in that order, each with its ``HostStep`` kind; ``pattern_steps`` counts
 those a pattern's candidate will issue before anything is lowered, as the lowering
 would lay it out (``tests/test_host_model.py`` holds both against the rank programs the
@@ -62,7 +62,7 @@ class HostStep(enum.StrEnum):
     WAIT_CHUNK_COPY_ENGINE = "wait chunk (copy_engine)"
     STAGE_FOR_PEERS = "stage for peers"  # a copy-engine all-gather's piece staged
     COMBINE_STAGED = "combine staged"  # a copy-engine reduce-scatter's partials summed
-    LOOP_END = "loop end"  # after each loop: deferred waits, outstanding sends
+    LOOP_END = "loop end"  # after each loop: deferred waits, transfers' buffers dropped
 
 
 _CHUNK_STEPS = {
