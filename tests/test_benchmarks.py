@@ -190,13 +190,13 @@ def test_norms_benchmark_params_are_fields_of_normalization_params():
 def test_parallel_block_benchmark_smoke_run():
     """``benchmarks/parallel_block.py`` at tiny shapes on 2 gloo ranks: ours and PyTorch's
     tensor parallelism, each variant's output and gradients checked on every rank first
-    (a wrong one fails the run), for the Llama block, GPT-2 (torch's TP of it is wrong on
-    GPUs, right here) and BERT (a mask input). The HF Llama layer and the ViT block train
-    under torch's plans in tests/test_catalogue.py; all five took 48 s here."""
-    result = _torchrun("parallel_block.py", 2, "--smoke", "--blocks", "llama,gpt2,bert",
+    (a wrong one fails the run), for BERT (a mask input): the script's machinery. Every
+    catalogue block trains under torch's plan in tests/test_catalogue.py at 2 and 4 ranks
+    (three blocks here took 29 s of CI's 15 minutes; all five 48 s)."""
+    result = _torchrun("parallel_block.py", 2, "--smoke", "--blocks", "bert",
                        "--rounds", "1", "--iterations", "1")  # fmt: skip
     tables = result.stdout.strip().split("\n\n")
-    assert [table.split()[0] for table in tables] == ["llama", "gpt2", "bert"]
+    assert [table.split()[0] for table in tables] == ["bert"]
     for table in tables:
         variants = [line.split()[0] for line in table.splitlines()[2:]]
         assert variants == ["ours", "ours_save_everything", "torch_tp"], result.stdout
