@@ -167,9 +167,8 @@ class GradientReducer:
         grads = bucket.ordered()
         if not grads:
             return
-        side = self._stream
-        flat = torch.empty(sum(g.numel() for g in grads), dtype=grads[0].dtype,
-                           device=grads[0].device)  # fmt: skip
+        side, elements = self._stream, sum(g.numel() for g in grads)
+        flat = torch.empty(elements, dtype=grads[0].dtype, device=grads[0].device)
         if side is not None:
             # made on the compute stream, which waits for the side stream before it reads
             # the averages and lets it go: no other stream reuses it before that
@@ -177,7 +176,6 @@ class GradientReducer:
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             span = None
             if timeline is not None:
-                elements = sum(g.numel() for g in grads)
                 detail = f"Allreduce {len(grads)} gradients, {elements} elements"
                 span = timeline.start(DATA_PARALLEL_LANE, f"bucket {bucket.index}", detail)
             torch.cat([g.reshape(-1) for g in grads], out=flat)
